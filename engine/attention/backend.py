@@ -1,0 +1,34 @@
+"""The seam between the model and the attention implementation (pure torch now, Triton later).
+
+A backend stores the step's new K/V into the paged cache and computes causal attention of the new
+queries over each sequence's whole context (earlier tokens already in the cache plus the new
+ones). Cache layout per layer: `kv_cache[0]` is K, `kv_cache[1]` is V, each
+`[num_blocks, block_size, num_kv_heads, head_dim]`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Precompute per-step state into `meta.backend_state`; called once before the forward."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write k/v into `kv_cache` at `meta.slot_mapping`, then attend. Mutates `kv_cache`."""
+        ...

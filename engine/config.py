@@ -1,0 +1,78 @@
+"""Engine configuration: frozen dataclasses, validated once, built at the entry point.
+
+Torch-free: dtypes and devices are names here; the model runner turns them into torch objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ROLES = ("colocated", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache. `num_blocks` (tests, services) wins over the `kv_cache_memory` byte budget;
+    with neither, the runner sizes the cache from the device's free memory."""
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits. `max_num_batched_tokens` is the per-step token budget shared by
+    decodes (one token each) and prefill chunks."""
+
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_model_len when chunked prefill is off "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs. `model` is a resolved local path (HF folder or .gguf)."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    role: str = "colocated"
+    attention_backend: str = "auto"  # "torch" | "triton" | "auto"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}")

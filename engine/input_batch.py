@@ -1,0 +1,80 @@
+"""Turn a `SchedulerOutput` into the flat tensors one forward pass reads.
+
+Sequences are laid out prefills first, then decodes (see `engine.attention.metadata`). Built with
+Python lists and moved to the device in one copy per tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    order: list[ScheduledRequest]  # the scheduled requests in batch order
+    sample_rows: torch.Tensor  # [N] int64: index into T of the last token of each sampling seq
+    sampling: list[ScheduledRequest]  # the N sequences that sample, in row order
+
+
+def order_for_batch(out: SchedulerOutput) -> list[ScheduledRequest]:
+    """Prefills (more than one new token) first, then decodes, each group in schedule order."""
+    prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
+    decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+    return prefills + decodes
+
+
+def build_model_input(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInput:
+    order = order_for_batch(out)
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start = [0]
+    seq_lens: list[int] = []
+    sample_rows: list[int] = []
+    for s in order:
+        req, start = s.request, s.request.num_computed_tokens
+        end = start + s.num_new_tokens
+        input_ids += req.token_ids_slice(start, end)
+        positions += range(start, end)
+        table = req.block_ids
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        query_start.append(query_start[-1] + s.num_new_tokens)
+        seq_lens.append(end)
+        if s.samples:
+            sample_rows.append(query_start[-1] - 1)
+    max_blocks = max(len(s.request.block_ids) for s in order)
+    tables = [s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids)) for s in order]
+    num_prefills = sum(1 for s in order if s.num_new_tokens > 1)
+
+    def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        num_prefills=num_prefills,
+        num_prefill_tokens=query_start[num_prefills],
+        num_decodes=len(order) - num_prefills,
+        slot_mapping=tensor(slots, torch.int64),
+        query_start_loc=tensor(query_start, torch.int32),
+        seq_lens=tensor(seq_lens, torch.int32),
+        block_tables=tensor(tables, torch.int32),
+        query_start_loc_cpu=query_start,
+        seq_lens_cpu=seq_lens,
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+    )
+    return ModelInput(
+        input_ids=tensor(input_ids, torch.int64),
+        positions=tensor(positions, torch.int64),
+        meta=meta,
+        order=order,
+        sample_rows=tensor(sample_rows, torch.int64),
+        sampling=[s for s in order if s.samples],
+    )

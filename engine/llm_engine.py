@@ -1,0 +1,190 @@
+"""The synchronous engine: add requests, call `step()` until none is left.
+
+One step = schedule → forward + sample → advance requests → text and stop strings → outputs.
+Used directly by the offline `LLM` and driven by a background task in `AsyncLLMEngine`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_loader import load_tokenizer
+from engine.model_runner import ModelRunner
+from engine.output_processor import RequestGroup, SequenceState, mark_progress
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerStats
+from engine.stop_checker import StopStringMatcher
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | list[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: object | None = None):
+        self.config = config
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+        self.runner = ModelRunner(config)
+        self.max_model_len = config.scheduler.max_model_len
+        capacity = self.runner.num_blocks * config.cache.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens, fewer than max_model_len "
+                f"({self.max_model_len}): raise kv_cache_memory or lower max_model_len"
+            )
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.eos_token_ids = eos_token_ids(self.runner.hf_config, self.tokenizer)
+        self.vocab_size = self.runner.hf_config.vocab_size
+        self._groups: dict[str, RequestGroup] = {}
+        self._requests: dict[str, Request] = {}
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue one prompt (`params.n` sequences). Raises ValueError on bad input,
+        queueing nothing."""
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        max_tokens = self._max_tokens(len(token_ids), params)
+        group = RequestGroup(request_id, text, token_ids, params.output_kind, tokenizer=self.tokenizer)
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = params.clone(seed=params.seed + index, n=1)
+            req = Request(
+                request_id=request_id if params.n == 1 else f"{request_id}-{index}",
+                prompt_token_ids=token_ids,
+                sampling_params=child_params,
+                eos_token_ids=self.eos_token_ids,
+                max_tokens=max_tokens,
+                parent_id=request_id,
+                index=index,
+                prompt=text,
+            )
+            if arrival_time is not None:
+                req.metrics.arrival_time = arrival_time
+            group.seqs.append(self._sequence_state(req, params))
+        self._groups[request_id] = group
+        for s in group.seqs:
+            self._requests[s.req.request_id] = s.req
+            self.scheduler.add_request(s.req)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Finish the named prompts (all their sequences) as aborted and free their blocks."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:
+            group = self._groups.pop(request_id, None)
+            if group is None:
+                continue
+            for s in group.seqs:
+                self.scheduler.finish(s.req, RequestStatus.FINISHED_ABORTED)
+                self._forget(s.req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine iteration; return an output for every prompt that progressed."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        samples = self.runner.execute(out)
+        self.scheduler.update_from_output(out, samples)
+        touched: dict[str, RequestGroup] = {}
+        for s in out.scheduled:
+            req = s.request
+            mark_progress(req)
+            if s.samples:
+                touched[req.parent_id] = self._groups[req.parent_id]
+        outputs = []
+        for group in touched.values():
+            self._process_text(group)
+            output = group.make_output()
+            if output is not None:
+                outputs.append(output)
+            if group.finished:
+                del self._groups[group.request_id]
+                for seq in group.seqs:
+                    self._forget(seq.req)
+        return outputs
+
+    def _process_text(self, group: RequestGroup) -> None:
+        for seq in group.seqs:
+            match = seq.absorb()
+            if match is not None:
+                seq.req.stop_reason = match
+                self.scheduler.finish(seq.req, RequestStatus.FINISHED_STOPPED)
+                mark_progress(seq.req)
+
+    def _forget(self, req: Request) -> None:
+        self._requests.pop(req.request_id, None)
+        self.runner.release(req.request_id)
+
+    # ---- validation ----------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("prompt must be a non-empty string or list of token ids")
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary")
+        return None, list(prompt)
+
+    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ValueError(
+                f"prompt is {prompt_len} tokens, longer than the model's context: max_model_len "
+                f"is {self.max_model_len} and at least one token must be generated"
+            )
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def _sequence_state(self, req: Request, params: SamplingParams) -> SequenceState:
+        detok = matcher = None
+        if params.detokenize:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, params.skip_special_tokens
+            )
+            if params.stop_list:
+                matcher = StopStringMatcher(params.stop_list, params.include_stop_str_in_output)
+        return SequenceState(req, detok, matcher)
+
+
+def eos_token_ids(hf_config: object, tokenizer: object) -> frozenset[int]:
+    """The model's end-of-sequence ids: config's eos_token_id (int or list) and the tokenizer's."""
+    ids: set[int] = set()
+    cfg_eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(cfg_eos, int):
+        ids.add(cfg_eos)
+    elif isinstance(cfg_eos, (list, tuple)):
+        ids.update(cfg_eos)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if tok_eos is not None:
+        ids.add(tok_eos)
+    return frozenset(ids)

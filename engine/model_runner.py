@@ -1,0 +1,153 @@
+"""Owns the model, the KV cache tensors and the sampler; runs one scheduled step on the device."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.config import EngineConfig
+from engine.input_batch import build_model_input
+from engine.model_loader import iter_weights, load_hf_config
+from engine.models import get_model_class
+from engine.request import Request
+from engine.sampler import Sampler, SamplingRow
+from engine.scheduler import Sample, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_CACHE_BYTES = 2 << 30  # default KV budget on CPU, like vLLM's CPU backend
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        try:
+            from engine.attention.triton_backend import TritonAttentionBackend
+        except ImportError:
+            if name == "triton":
+                raise
+        else:
+            return TritonAttentionBackend()
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.hf_config = load_hf_config(config.model)
+        self.backend = make_attention_backend(config.attention_backend, self.device)
+        self.model = self._load_model()
+        self.block_size = config.cache.block_size
+        self.num_blocks = self._decide_num_blocks()
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.sampler = Sampler()
+        self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    # ---- set-up --------------------------------------------------------------------------
+    def _load_model(self) -> torch.nn.Module:
+        cls = get_model_class(self.hf_config)
+        with torch.device(self.device):
+            model = cls(self.hf_config, self.backend).to(self.dtype)
+        model.load_weights(iter_weights(self.config.model, self.dtype))
+        return model.eval()
+
+    @property
+    def kv_shape_per_layer(self) -> tuple[int, int]:
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cfg.num_key_value_heads, head_dim
+
+    def block_bytes(self) -> int:
+        """Bytes of one KV block over all layers (K and V)."""
+        kv_heads, head_dim = self.kv_shape_per_layer
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.hf_config.num_hidden_layers * self.block_size * kv_heads * head_dim * elem
+
+    def _decide_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        budget = cache.kv_cache_memory
+        if budget is None:
+            budget = self._cuda_free_bytes() if self.device.type == "cuda" else _CPU_KV_CACHE_BYTES
+        num_blocks = budget // self.block_bytes()
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory of {budget} bytes holds no KV block ({self.block_bytes()} bytes)"
+            )
+        return int(num_blocks)
+
+    def _cuda_free_bytes(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserve = (1.0 - self.config.cache.gpu_memory_utilization) * total
+        activations = 2 << 30  # head-room for activations and sampling of a full batch
+        return int(max(free - reserve - activations, 0))
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
+        kv_heads, head_dim = self.kv_shape_per_layer
+        shape = (2, num_blocks, self.block_size, kv_heads, head_dim)
+        layers = self.hf_config.num_hidden_layers
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %.1f MiB",
+            num_blocks, self.block_size, num_blocks * self.block_bytes() / 2**20,
+        )
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
+
+    # ---- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, Sample]:
+        """Run the forward pass for `out` (writes the new tokens' K/V into the cache) and sample
+        the sequences whose chunk reaches their end. Returns request id -> sample."""
+        inp = build_model_input(out, self.block_size, self.device)
+        self.backend.prepare(inp.meta)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        if not inp.sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[inp.sample_rows])
+        rows = [self._sampling_row(s.request) for s in inp.sampling]
+        result = self.sampler(logits, rows, self.default_generator)
+        return {
+            s.request.request_id: (token_id, lp)
+            for s, token_id, lp in zip(inp.sampling, result.token_ids, result.logprobs)
+        }
+
+    def _sampling_row(self, req: Request) -> SamplingRow:
+        return SamplingRow(
+            params=req.sampling_params,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+            eos_token_ids=req.eos_token_ids,
+            generator=self._generator(req),
+        )
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        seed = req.sampling_params.seed
+        if seed is None or req.sampling_params.greedy:
+            return None
+        gen = self._generators.get(req.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            self._generators[req.request_id] = gen
+        return gen
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state (its seeded generator) once the request is finished."""
+        self._generators.pop(request_id, None)

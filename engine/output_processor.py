@@ -1,0 +1,148 @@
+"""From sampled tokens to `RequestOutput`s: incremental text, stop strings, `n` > 1 gathering.
+
+Each prompt is one `RequestGroup`; each of its `n` sequences is one `SequenceState` holding the
+detokenizer and stop-string matcher that turn its token ids into text as they arrive.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.request import Request
+from engine.sampling_params import RequestOutputKind
+from engine.stop_checker import StopStringMatcher
+
+
+@dataclass
+class SequenceState:
+    req: Request
+    detok: IncrementalDetokenizer | None
+    matcher: StopStringMatcher | None
+    text: str = ""
+    sent_text: int = 0  # characters already sent in delta mode
+    sent_tokens: int = 0  # tokens already sent in delta mode
+    seen_tokens: int = 0  # tokens already turned into text
+    closed: bool = False  # text is final
+
+    def absorb(self) -> str | None:
+        """Detokenize tokens sampled since the last call; return a matched stop string, if any.
+
+        When the request finished on a token (eos, length), flushes everything held back."""
+        if self.closed:
+            return None
+        new = self.req.output_token_ids[self.seen_tokens :]
+        self.seen_tokens = len(self.req.output_token_ids)
+        self.closed = self.req.is_finished
+        if self.detok is None:
+            return None
+        delta = self.detok.step(new) if new else ""
+        if self.req.is_finished:
+            delta += self.detok.flush()
+        if self.matcher is None:
+            self.text += delta
+            return None
+        emitted, match = self.matcher.feed(delta)
+        self.text += emitted
+        self.closed = self.closed or match is not None
+        if match is None and self.req.is_finished:
+            self.text += self.matcher.flush()
+        return match
+
+
+@dataclass
+class RequestGroup:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    kind: RequestOutputKind
+    seqs: list[SequenceState] = field(default_factory=list)
+    tokenizer: object = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.req.is_finished for s in self.seqs)
+
+    def make_output(self) -> RequestOutput | None:
+        """The group's output for this step, shaped by its output kind (None: nothing to send)."""
+        finished = self.finished
+        if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = self.kind == RequestOutputKind.DELTA
+        outputs = [self._completion(s, delta) for s in self.seqs]
+        first = self.seqs[0].req
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            metrics=self._metrics(),
+            num_cached_tokens=first.num_cached_tokens,
+        )
+
+    def _completion(self, s: SequenceState, delta: bool) -> CompletionOutput:
+        req = s.req
+        tok_from = s.sent_tokens if delta else 0
+        text_from = s.sent_text if delta else 0
+        if delta:
+            s.sent_tokens, s.sent_text = len(req.output_token_ids), len(s.text)
+        logprobs = None
+        cumulative = None
+        if req.sampling_params.logprobs is not None:
+            logprobs = [self._logprob_dict(req, i) for i in range(tok_from, len(req.output_logprobs))]
+            cumulative = sum(lp for lp, _ in req.output_logprobs)
+        return CompletionOutput(
+            index=req.index,
+            text=s.text[text_from:],
+            token_ids=req.output_token_ids[tok_from:],
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=logprobs,
+            cumulative_logprob=cumulative,
+        )
+
+    def _logprob_dict(self, req: Request, i: int) -> dict[int, Logprob]:
+        chosen_lp, top = req.output_logprobs[i]
+        chosen = req.output_token_ids[i]
+        ranked = sorted(top.items(), key=lambda kv: -kv[1])
+        result = {chosen: Logprob(chosen_lp, rank=None, decoded_token=self._decode(chosen))}
+        for rank, (token_id, lp) in enumerate(ranked, start=1):
+            if token_id == chosen:
+                result[chosen].rank = rank
+            else:
+                result[token_id] = Logprob(lp, rank=rank, decoded_token=self._decode(token_id))
+        return result
+
+    def _decode(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    def _metrics(self) -> RequestMetrics:
+        reqs = [s.req for s in self.seqs]
+        first_token = [r.metrics.first_token_time for r in reqs if r.metrics.first_token_time]
+        scheduled = [r.metrics.first_scheduled_time for r in reqs if r.metrics.first_scheduled_time]
+        done = [r.metrics.finished_time for r in reqs if r.metrics.finished_time]
+        return RequestMetrics(
+            arrival_time=reqs[0].metrics.arrival_time,
+            first_scheduled_time=min(scheduled) if scheduled else None,
+            first_token_time=min(first_token) if first_token else None,
+            finished_time=max(done) if self.finished and done else None,
+            num_cached_tokens=reqs[0].num_cached_tokens,
+            num_preemptions=sum(r.num_preemptions for r in reqs),
+        )
+
+
+def mark_progress(req: Request, now: float | None = None) -> None:
+    """Stamp first-scheduled / first-token / finished times the first time each is reached."""
+    now = time.monotonic() if now is None else now
+    m = req.metrics
+    if m.first_scheduled_time is None:
+        m.first_scheduled_time = now
+    if m.first_token_time is None and req.output_token_ids:
+        m.first_token_time = now
+    if m.finished_time is None and req.is_finished:
+        m.finished_time = now

@@ -1,0 +1,131 @@
+"""A request's life inside the engine: its tokens, its KV progress and its state machine.
+
+Torch-free. One `Request` is one sequence; a prompt with `n` > 1 becomes `n` sibling requests
+(`parent_id` shared, `index` 0..n-1) whose outputs the engine gathers into one `RequestOutput`.
+
+    WAITING ──schedule──▶ RUNNING ──eos/stop/length──▶ FINISHED_*
+       ▲                     │
+       └──── PREEMPTED ◀─────┘   (blocks freed; recomputed from scratch when readmitted)
+    any non-finished state ──abort──▶ FINISHED_ABORTED
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.monotonic) of a request's milestones."""
+
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence: prompt, generated tokens and how much of it has KV in the cache.
+
+    Invariant: `num_computed_tokens <= num_tokens`; the tokens `[num_computed_tokens, num_tokens)`
+    still need a forward pass. A request samples a token only in a step whose scheduled chunk
+    reaches `num_tokens`. `block_ids` is the block table; only the block manager writes it.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    max_tokens: int = 16  # resolved from sampling_params and the context length by the engine
+    parent_id: str = ""
+    index: int = 0
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    # One entry per output token when logprobs were asked for: (chosen logprob, {id: logprob}).
+    output_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    block_ids: list[int] = field(default_factory=list)
+    # Prefix-cache bookkeeping (block manager): chain hashes of this request's full blocks, and how
+    # many of its leading blocks are registered in the cache.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    def __post_init__(self) -> None:
+        if not self.parent_id:
+            self.parent_id = self.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the full list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def append_token(self, token_id: int, logprobs: tuple[float, dict[int, float]] | None) -> None:
+        self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)

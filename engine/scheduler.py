@@ -1,0 +1,233 @@
+"""Continuous batching at iteration level: which requests run this step, and how many tokens each.
+
+Torch-free: inputs are the request queues and the block manager; the output is a plain
+`SchedulerOutput` the model runner consumes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.request import Request, RequestStatus
+from engine.stop_checker import check_token_stop
+
+# What the model runner sampled for one request: the token and, if asked for, its logprobs.
+Sample = tuple[int, "tuple[float, dict[int, float]] | None"]
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so its logits are sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill and preemption by recompute."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._leaders: dict[str, Request] = {}  # parent_id -> index-0 sibling, for n > 1
+
+    # ---- queues --------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a new request (status WAITING) at the back."""
+        req.status = RequestStatus.WAITING
+        if req.sampling_params.n > 1 and req.index == 0:
+            self._leaders[req.parent_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End `req` with a finished `status`, wherever it is, and free its blocks. Idempotent."""
+        if req.is_finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.block_manager.free(req)
+        if self._leaders.get(req.parent_id) is req:
+            del self._leaders[req.parent_id]
+
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            kv_cache_usage=bm.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+        )
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch under the token budget and `max_num_seqs`.
+
+        NOTE: every request is just "computed tokens catching up with its tokens": a prefill
+        chunk and a decode are the same thing with different sizes, so they mix in one batch.
+          1. Running requests first, in admission order: each gets up to its remaining tokens
+             (1 for a decode, a chunk for an unfinished prefill). When the blocks it needs are
+             not free, the most recently admitted running request is preempted (blocks freed,
+             recomputed later from scratch) until they are — possibly the request itself.
+          2. Then waiting requests in FCFS order, as long as budget, seats and blocks last; none
+             is admitted in a step that preempted (it would only be preempted back).
+        A prefix-cache hit (or a sibling's prompt blocks, for `n` > 1) is skipped, not computed.
+        """
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens_to_compute, budget)
+            while not self.block_manager.allocate_slots(req, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new))
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            computed = self._computed_blocks(req)
+            if computed is None:  # a sibling still computing the shared prompt
+                skipped.append(self.waiting.popleft())
+                continue
+            num_cached = len(computed) * self.block_manager.block_size
+            num_new = req.num_tokens - num_cached
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if not self.block_manager.allocate_slots(req, num_new, computed):
+                break
+            self.waiting.popleft()
+            if req.metrics.first_scheduled_time is None:
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+    def _computed_blocks(self, req: Request) -> list[int] | None:
+        """Blocks `req` can reuse: its prefix-cache hits or, for a later sibling of an `n` > 1
+        prompt, the leader's prompt blocks if that gives more. None: wait for the leader."""
+        hits = self.block_manager.get_computed_blocks(req)
+        leader = self._leaders.get(req.parent_id)
+        if leader is None or leader is req or leader.status != RequestStatus.RUNNING:
+            return hits
+        if not leader.prompt_done:
+            return None
+        shareable = (req.num_prompt_tokens - 1) // self.block_manager.block_size
+        shared = leader.block_ids[:shareable]
+        return shared if len(shared) > len(hits) else hits
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- after the forward pass ----------------------------------------------------------
+    def update_from_output(
+        self, out: SchedulerOutput, samples: Mapping[str, Sample]
+    ) -> list[Request]:
+        """Advance each scheduled request past its chunk and append its sampled token.
+
+        `samples` maps the request id of every scheduled request whose chunk `samples` to what
+        was sampled. Applies token-level stops (eos, stop token ids, max_tokens); returns the
+        requests that finished.
+        """
+        finished: list[Request] = []
+        for s in out.scheduled:
+            req = s.request
+            sampled = s.samples
+            req.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(req)
+            if not sampled:
+                continue
+            token_id, logprobs = samples[req.request_id]
+            req.append_token(token_id, logprobs)
+            reason, stop_reason = self._check_stop(req, token_id)
+            if reason is not None:
+                req.stop_reason = stop_reason
+                status = (
+                    RequestStatus.FINISHED_STOPPED if reason == "stop"
+                    else RequestStatus.FINISHED_LENGTH
+                )
+                self.finish(req, status)
+                finished.append(req)
+        return finished
+
+    @staticmethod
+    def _check_stop(req: Request, token_id: int) -> tuple[str | None, int | None]:
+        p = req.sampling_params
+        return check_token_stop(
+            token_id,
+            req.num_output_tokens,
+            req.max_tokens,
+            p.min_tokens,
+            req.eos_token_ids,
+            p.stop_token_ids,
+            p.ignore_eos,
+        )
