@@ -19,7 +19,6 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerStats
 
-
 _ABORTED = object()  # ends a stream whose request was aborted through `abort()`
 
 

@@ -75,4 +75,6 @@ class EngineConfig:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}"
+            )

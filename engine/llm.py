@@ -134,7 +134,9 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        bar = tqdm(
+            total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm
+        )
         start, in_toks, out_toks = time.perf_counter(), 0, 0
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -154,9 +156,8 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptInput]:
-    if isinstance(prompts, (str, dict)):
-        prompts = [prompts]
-    elif isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+    single_ids = isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+    if isinstance(prompts, (str, dict)) or single_ids:
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty string, token-id list, or list of them")

@@ -62,7 +62,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
-        group = RequestGroup(request_id, text, token_ids, params.output_kind, tokenizer=self.tokenizer)
+        group = RequestGroup(
+            request_id, text, token_ids, params.output_kind, tokenizer=self.tokenizer
+        )
         for index in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:

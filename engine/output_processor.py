@@ -92,7 +92,8 @@ class RequestGroup:
         logprobs = None
         cumulative = None
         if req.sampling_params.logprobs is not None:
-            logprobs = [self._logprob_dict(req, i) for i in range(tok_from, len(req.output_logprobs))]
+            steps = range(tok_from, len(req.output_logprobs))
+            logprobs = [self._logprob_dict(req, i) for i in steps]
             cumulative = sum(lp for lp, _ in req.output_logprobs)
         return CompletionOutput(
             index=req.index,

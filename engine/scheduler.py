@@ -23,12 +23,12 @@ Sample = tuple[int, "tuple[float, dict[int, float]] | None"]
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)
+    # Set when scheduled: the chunk reaches the end of the sequence, so its logits are sampled.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the sequence, so its logits are sampled."""
+    def __post_init__(self) -> None:
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        self.samples = r.num_computed_tokens + self.num_new_tokens == r.num_tokens
 
 
 @dataclass

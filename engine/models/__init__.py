@@ -1,0 +1,41 @@
+"""Model classes by HF architecture name (or model_type, for configs without `architectures`,
+such as those transformers parses from GGUF files or builds from config classes)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from torch import nn
+from transformers import PretrainedConfig
+
+from engine.models.llama import LlamaForCausalLM
+
+MODEL_CLASSES: Mapping[str, type[nn.Module]] = MappingProxyType(
+    {
+        "LlamaForCausalLM": LlamaForCausalLM,
+        "MistralForCausalLM": LlamaForCausalLM,
+        "Qwen2ForCausalLM": LlamaForCausalLM,
+    }
+)
+MODEL_TYPES: Mapping[str, str] = MappingProxyType(
+    {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+)
+
+
+def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
+    """The pdserve model class for `hf_config`; ValueError naming the architecture otherwise."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if not architectures:
+        model_type = getattr(hf_config, "model_type", "")
+        architectures = [MODEL_TYPES.get(model_type, f"<model_type {model_type!r}>")]
+    for arch in architectures:
+        if arch in MODEL_CLASSES:
+            return MODEL_CLASSES[arch]
+    raise ValueError(
+        f"model architecture {', '.join(architectures)} is not supported "
+        f"(supported: {', '.join(sorted(MODEL_CLASSES))})"
+    )
+
+
+__all__ = ["MODEL_CLASSES", "LlamaForCausalLM", "get_model_class"]

@@ -1,0 +1,174 @@
+"""Paged attention in pure torch (CPU and GPU): the reference path and pdserve's CPU fast path.
+
+NOTE: per step, `prepare` turns the block tables into gather plans once; every layer reuses them.
+
+    prefills  one SDPA call each. A whole prompt (no earlier context) attends its own k/v with
+              is_causal. A chunk continuing a sequence gathers the sequence's cache blocks and
+              uses a causal mask shifted by the earlier context: query t sits at position
+              p = seq_len - q_len + t and sees keys 0..p.
+    decodes   one batched SDPA call for all of them. Whole blocks are gathered
+              (index_select of [block_size, Hkv, D] rows, far cheaper than per-slot gathers), the
+              tail past each sequence's length is masked out. GQA without copies: a decode has
+              one query per head, so the G = H / Hkv query heads sharing a kv head become G
+              "query positions" of that kv head:
+
+        q [B, H, D] -> [B, Hkv, G, D]     k, v [B, Hkv, max_blocks * block_size, D]
+        mask [B, 1, 1, max_blocks * block_size]: True where key position < seq_len
+
+The masked tail of a sequence's last block is read too, so the cache must hold finite values
+there: allocate it with torch.zeros, not torch.empty (0 * NaN is NaN even under a mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    start: int  # first new token of the sequence in the packed token axis
+    end: int
+    seq_len: int  # context length after this step (earlier context + new tokens)
+    block_ids: torch.Tensor | None  # [ceil(seq_len / block_size)] int64; None: no earlier context
+    mask: torch.Tensor | None  # [q_len, seq_len] bool, True = attend; None: plain causal
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    start: int  # first decode token in the packed token axis
+    block_ids: torch.Tensor  # [num_decodes * max_blocks] int64, padded rows repeat block ids
+    mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
+    max_blocks: int
+
+
+@dataclass(frozen=True)
+class TorchAttentionState:
+    prefills: tuple[PrefillPlan, ...]
+    decode: DecodePlan | None
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Build the step's gather plans into `meta.backend_state` (mutates `meta`)."""
+        prefills = tuple(_prefill_plan(meta, i) for i in range(meta.num_prefills))
+        decode = _decode_plan(meta) if meta.num_decodes else None
+        meta.backend_state = TorchAttentionState(prefills, decode)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        """Write k/v into `kv_cache` at `meta.slot_mapping` (mutates it), then attend.
+        Calls `prepare` first if the runner has not."""
+        if not isinstance(meta.backend_state, TorchAttentionState):
+            self.prepare(meta)
+        state: TorchAttentionState = meta.backend_state
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        outs = [_prefill_attention(q, k, v, kv_cache, plan, scale) for plan in state.prefills]
+        if state.decode is not None:
+            outs.append(_decode_attention(q, kv_cache, state.decode, scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """Scatter the new tokens' K/V into their cache slots (mutates `kv_cache`)."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_blocks * block_size, Hkv, D]
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+
+
+def _prefill_plan(meta: AttentionMetadata, i: int) -> PrefillPlan:
+    start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+    seq_len, q_len = meta.seq_lens_cpu[i], end - start
+    if seq_len == q_len:
+        return PrefillPlan(start, end, seq_len, None, None)
+    device = meta.block_tables.device
+    num_blocks = -(-seq_len // meta.block_size)
+    block_ids = meta.block_tables[i, :num_blocks].long()
+    query_pos = torch.arange(seq_len - q_len, seq_len, device=device)  # [q_len]
+    key_pos = torch.arange(seq_len, device=device)  # [seq_len]
+    mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
+    return PrefillPlan(start, end, seq_len, block_ids, mask)
+
+
+def _decode_plan(meta: AttentionMetadata) -> DecodePlan:
+    first = meta.num_prefills
+    max_len = max(meta.seq_lens_cpu[first:])
+    max_blocks = -(-max_len // meta.block_size)
+    device = meta.block_tables.device
+    block_ids = meta.block_tables[first:, :max_blocks].long().reshape(-1)  # [B * max_blocks]
+    key_pos = torch.arange(max_blocks * meta.block_size, device=device)  # [L]
+    mask = key_pos[None, :] < meta.seq_lens[first:, None]  # [B, L]
+    start = meta.query_start_loc_cpu[first]
+    return DecodePlan(start, block_ids, mask[:, None, None, :], max_blocks)
+
+
+def _prefill_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    plan: PrefillPlan,
+    scale: float,
+) -> torch.Tensor:  # [q_len, H, D]
+    qs = q[plan.start : plan.end].transpose(0, 1)[None]  # [1, H, q_len, D]
+    if plan.block_ids is None:  # whole prompt: its own k/v are the context
+        ks = k[plan.start : plan.end].transpose(0, 1)[None]  # [1, Hkv, q_len, D]
+        vs = v[plan.start : plan.end].transpose(0, 1)[None]
+    else:
+        context = gather_blocks(kv_cache, plan.block_ids)[:, : plan.seq_len]  # [2, L, Hkv, D]
+        ks = context[0].transpose(0, 1)[None]  # [1, Hkv, L, D]
+        vs = context[1].transpose(0, 1)[None]
+    out = F.scaled_dot_product_attention(
+        qs, ks, vs, attn_mask=plan.mask, is_causal=plan.mask is None, scale=scale, enable_gqa=True
+    )  # [1, H, q_len, D]
+    return out[0].transpose(0, 1)
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [T, H, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    plan: DecodePlan,
+    scale: float,
+) -> torch.Tensor:  # [B, H, D]
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = kv_cache.shape[-2]
+    batch = plan.mask.shape[0]
+    context = gather_blocks(kv_cache, plan.block_ids)  # [2, B * max_blocks * bs, Hkv, D]
+    context = context.view(2, batch, -1, num_kv_heads, head_dim)  # [2, B, L, Hkv, D]
+    qs = q[plan.start :].view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        qs,  # [B, Hkv, G, D]
+        context[0].transpose(1, 2),  # [B, Hkv, L, D]
+        context[1].transpose(1, 2),
+        attn_mask=plan.mask,  # [B, 1, 1, L]
+        scale=scale,
+    )  # [B, Hkv, G, D]
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def gather_blocks(
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    block_ids: torch.Tensor,  # [N] int64
+) -> torch.Tensor:  # [2, N * block_size, Hkv, D], a copy
+    """K and V of the listed blocks, concatenated in order."""
+    blocks = kv_cache.index_select(1, block_ids)  # [2, N, block_size, Hkv, D]
+    return blocks.view(2, -1, *kv_cache.shape[-2:])

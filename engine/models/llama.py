@@ -1,0 +1,239 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, in plain PyTorch.
+
+The batch is packed: `input_ids` holds the new tokens of every sequence, one after the other,
+with no padding; the attention backend uses `AttentionMetadata` to find each sequence's context
+in the paged cache. q/k/v and gate/up are fused projections; `load_weights` maps HF names into
+their slices. Numerics follow transformers' Llama (same op order) so fp32 logits match HF.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+from engine.models.layers import RMSNorm, silu_and_mul
+from engine.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+# HF checkpoint name piece -> (our fused parameter name piece, shard id)
+STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", "gate"),
+    (".up_proj.", ".gate_up_proj.", "up"),
+)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def qkv_has_bias(config: PretrainedConfig) -> bool:
+    """Qwen2 always biases q/k/v; Llama does when `attention_bias` is set; Mistral never."""
+    return config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: PretrainedConfig, layer_idx: int, attn_backend: AttentionBackend
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.attn_backend = attn_backend
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        o_bias = config.model_type == "llama" and bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_has_bias(config)
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+
+    def shard_slices(self) -> dict[str, slice]:
+        """Rows of `qkv_proj` holding each of the HF q/k/v projections."""
+        q, kv = self.q_size, self.kv_size
+        return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,  # [T, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        """Attention of the new tokens; writes their K/V into `kv_cache` (via the backend)."""
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def shard_slices(self) -> dict[str, slice]:
+        """Rows of `gate_up_proj` holding the HF gate and up projections."""
+        size = self.intermediate_size
+        return {"gate": slice(0, size), "up": slice(size, 2 * size)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: PretrainedConfig, layer_idx: int, attn_backend: AttentionBackend
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, attn_backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, attn_backend) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(positions, h.dtype)  # [T, head_dim] each, shared by layers
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, meta)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over packed tokens and a paged KV cache (one cache tensor per layer)."""
+
+    def __init__(self, config: PretrainedConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported")
+        self.config = config
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = LlamaModel(config, attn_backend)
+        self.lm_head = (
+            None
+            if self.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64, packed new tokens of all sequences
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        """Hidden states of the new tokens. Side effect: writes their K/V into `kv_caches`."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the parameters (fusing q/k/v and gate/up), casting to each
+        parameter's dtype. Raises ValueError on an unknown name, a shape mismatch, or any
+        parameter (or fused shard) left unloaded. A tied lm_head.weight is skipped."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, str | None]] = set()
+        for hf_name, tensor in weights:
+            if hf_name.endswith(IGNORED_SUFFIXES):
+                continue
+            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            name, shard = _fused_name(hf_name)
+            if name not in params:
+                raise ValueError(f"unknown weight {hf_name!r} for {type(self).__name__}")
+            _copy_into(params[name], self._shard_rows(name, shard), tensor, hf_name)
+            loaded.add((name, shard))
+        self._check_all_loaded(params, loaded)
+
+    def _shard_rows(self, name: str, shard: str | None) -> slice:
+        """Rows of parameter `name` that HF shard `shard` fills (all rows when unfused)."""
+        if shard is None:
+            return slice(None)
+        module = self.get_submodule(name.rsplit(".", 2)[0])  # ...self_attn / ...mlp
+        return module.shard_slices()[shard]
+
+    def _check_all_loaded(
+        self, params: dict[str, nn.Parameter], loaded: set[tuple[str, str | None]]
+    ) -> None:
+        missing = []
+        for name in params:
+            shards = _expected_shards(name)
+            missing += [f"{name}[{s}]" if s else name for s in shards if (name, s) not in loaded]
+        if missing:
+            raise ValueError(f"weights missing from checkpoint: {missing}")
+
+
+def _fused_name(hf_name: str) -> tuple[str, str | None]:
+    """HF parameter name -> (our parameter name, shard id or None when not fused)."""
+    for hf_piece, fused_piece, shard in STACKED_PARAMS:
+        if hf_piece in hf_name:
+            return hf_name.replace(hf_piece, fused_piece), shard
+    return hf_name, None
+
+
+def _expected_shards(name: str) -> tuple[str | None, ...]:
+    if ".qkv_proj." in name:
+        return ("q", "k", "v")
+    if ".gate_up_proj." in name:
+        return ("gate", "up")
+    return (None,)
+
+
+def _copy_into(param: nn.Parameter, rows: slice, tensor: torch.Tensor, hf_name: str) -> None:
+    target = param.data[rows]
+    if target.shape != tensor.shape:
+        raise ValueError(
+            f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+        )
+    target.copy_(tensor)

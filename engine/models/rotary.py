@@ -1,0 +1,83 @@
+"""Rotary position embedding, HF convention (rotate_half over the two halves of head_dim).
+
+Supports rope_type "default" and "llama3" (Llama 3.1 frequency scaling). Both have an attention
+scaling of 1.0, so cos/sin are used as computed. Inverse frequencies are computed once on the
+CPU in fp32 (a plain attribute, not a buffer: `model.to(bf16)` and meta-device init leave it alone)
+and copied to the positions' device on first use.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The rope settings of an HF config: `rope_parameters` (transformers 5) or the older
+    `rope_theta` + `rope_scaling` attributes (transformers 4)."""
+    params = getattr(config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params = dict(params)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:  # [head_dim // 2] fp32
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    return 1.0 / (theta**exponents)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths slowed by `factor`, short ones kept, a smooth blend
+    between (same formula and op order as transformers' `_compute_llama3_parameters`)."""
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        rope_type = params["rope_type"]
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_type {rope_type!r} is not supported ({SUPPORTED_ROPE_TYPES})")
+        inv_freq = default_inv_freq(head_dim, params["rope_theta"])
+        if rope_type == "llama3":
+            inv_freq = llama3_inv_freq(inv_freq, params)
+        self.inv_freq = inv_freq  # [head_dim // 2] fp32, plain attribute (see module doc)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T] -> cos, sin: [T, head_dim]
+        """cos/sin tables for `positions`, computed in fp32 and cast to `dtype`.
+
+        Side effect: moves the cached inverse frequencies to the positions' device once."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim], cos/sin: [T, head_dim] -> rotated x (HF rotate_half)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # rotate_half(x)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

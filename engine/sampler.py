@@ -1,0 +1,328 @@
+"""Batched token sampling for one engine step, with vLLM's semantics.
+
+NOTE: one step, vectorised over the N rows that sample (each stage is skipped when no row needs it):
+
+    raw logits [N, V] ──log_softmax──▶ logprobs: top-k ids + the chosen token's  (raw, unprocessed)
+        │
+        ├─ min_tokens: eos and stop_token_ids → -inf while the output is shorter than min_tokens
+        ├─ repetition penalty (prompt + output tokens), frequency / presence (output only)
+        ├─ greedy rows (temperature 0 or top_k 1): argmax
+        └─ other rows: ÷ temperature → top-k → top-p → min-p → softmax → invert the CDF at U
+
+A sampled row needs one uniform U (not V noise values, as an exponential race would: on CPU those
+cost more than all the rest). A seeded row draws U from its own generator, so a seed gives the
+same tokens whatever else is in the batch and wherever the row sits. The only host transfer is the
+results; on CPU, where a sync is free, top-p may also redo rows whose nucleus is unusually wide.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+# On CPU, top-p without a smaller top-k first looks for the nucleus among this many most likely
+# tokens (a partial top-k is far cheaper than sorting the vocabulary); rows whose nucleus is wider
+# are sorted in full. Other devices always sort: no host sync needed to decide.
+TOP_P_CANDIDATES = 1024
+
+Logprobs = tuple[float, dict[int, float]]
+
+
+@dataclass
+class SamplingRow:
+    """One sequence that samples a token this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens generated so far, before this step's token
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None = None  # the request's own when seeded, on the logits' device
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    # Per row: (chosen token's logprob, {top-k id: logprob}) of the raw distribution, or None when
+    # the row did not ask for logprobs.
+    logprobs: list[Logprobs | None]
+
+
+class Sampler:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        default_generator: torch.Generator | None = None,
+    ) -> SamplerOutput:
+        """Pick one token per row; `logits` [N, V] float32, row i belongs to `rows[i]`.
+
+        `logits` is not modified. Each sampled seeded row advances its own generator by one
+        uniform; unseeded rows share one draw from `default_generator` (torch's default generator
+        when None). Greedy rows draw nothing.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [{len(rows)}, V], got {list(logits.shape)}")
+        raw = _RawLogprobs.compute(logits, rows)
+        logits = _apply_penalties_to_rows(_apply_min_tokens(logits, rows), rows)
+        token_ids = _pick(logits, rows, default_generator)  # [N] long
+        logprobs = raw.gather(token_ids) if raw is not None else [None] * len(rows)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+
+@dataclass
+class _RawLogprobs:
+    """Log-probabilities of the raw logits, for the rows that asked for them."""
+
+    rows: list[int]
+    ks: list[int]  # how many top tokens each of those rows wants
+    logprobs: torch.Tensor  # [L, V]
+    top_values: torch.Tensor  # [L, max k]
+    top_ids: torch.Tensor  # [L, max k]
+
+    @classmethod
+    def compute(cls, logits: torch.Tensor, rows: list[SamplingRow]) -> _RawLogprobs | None:
+        idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not idx:
+            return None
+        ks = [min(rows[i].params.logprobs or 0, logits.shape[1]) for i in idx]
+        logprobs = torch.log_softmax(_select(logits, idx), dim=-1)  # [L, V]
+        top_values, top_ids = logprobs.topk(max(ks), dim=-1)  # [L, max k]
+        return cls(idx, ks, logprobs, top_values, top_ids)
+
+    def gather(self, token_ids: torch.Tensor) -> list[Logprobs | None]:
+        """One (chosen logprob, {top id: logprob}) per batch row; None for rows not asking."""
+        chosen_ids = _select(token_ids, self.rows).unsqueeze(1)  # [L, 1]
+        chosen = self.logprobs.gather(1, chosen_ids).squeeze(1).tolist()  # [L]
+        values, ids = self.top_values.tolist(), self.top_ids.tolist()
+        out: list[Logprobs | None] = [None] * token_ids.shape[0]
+        for j, (row, k) in enumerate(zip(self.rows, self.ks, strict=True)):
+            out[row] = (chosen[j], dict(zip(ids[j][:k], values[j][:k], strict=True)))
+        return out
+
+
+# ---- logits processing ------------------------------------------------------------------------
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Forbid eos and stop_token_ids in rows still short of min_tokens (a copy when any)."""
+    vocab = logits.shape[1]
+    row_idx: list[int] = []
+    token_idx: list[int] = []
+    for i, r in enumerate(rows):
+        if len(r.output_token_ids) >= r.params.min_tokens:
+            continue
+        stops = r.eos_token_ids.union(r.params.stop_token_ids or ())
+        banned = sorted(t for t in stops if t < vocab)
+        row_idx += [i] * len(banned)
+        token_idx += banned
+    if not row_idx:
+        return logits
+    logits = logits.clone()
+    logits[_index(row_idx, logits.device), _index(token_idx, logits.device)] = -math.inf
+    return logits
+
+
+def _apply_penalties_to_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Penalised copy of the rows with any penalty (`logits` itself when none has)."""
+    idx = [
+        i for i, r in enumerate(rows)
+        if (r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty)
+        != (1.0, 0.0, 0.0)
+    ]
+    if not idx:
+        return logits
+    vocab, device = logits.shape[1], logits.device
+    sel = [rows[i] for i in idx]
+    any_repetition = any(r.params.repetition_penalty != 1.0 for r in sel)
+    prompts = [r.prompt_token_ids if any_repetition else [] for r in sel]
+    params = torch.tensor(
+        [[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty]
+         for r in sel],
+        dtype=logits.dtype,
+    ).to(device)  # [M, 3]
+    penalised = apply_penalties(
+        _select(logits, idx),
+        _padded(prompts, vocab, device),
+        _padded([r.output_token_ids for r in sel], vocab, device),
+        params[:, 0], params[:, 1], params[:, 2],
+    )
+    if len(idx) == len(rows):
+        return penalised
+    logits = logits.clone()
+    logits[_index(idx, device)] = penalised
+    return logits
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [M, V]
+    prompt_ids: torch.Tensor,  # [M, Lp] long, padded with V
+    output_ids: torch.Tensor,  # [M, Lo] long, padded with V
+    repetition: torch.Tensor,  # [M]; 1 = off
+    frequency: torch.Tensor,  # [M]; 0 = off
+    presence: torch.Tensor,  # [M]; 0 = off
+) -> torch.Tensor:
+    """Penalised copy of `logits` [M, V].
+
+    Repetition (HF/vLLM) over prompt and output tokens: a positive logit is divided by the
+    penalty, a negative one multiplied. Then OpenAI's over output tokens only:
+    logit -= frequency * count + presence * (count > 0). Only the logits of tokens that occur
+    are touched: gathered [M, L], penalised, scattered back.
+    """
+    m, vocab = logits.shape
+    ids = torch.cat([prompt_ids, output_ids], dim=1)  # [M, L]
+    if ids.shape[1] == 0:
+        return logits.clone()
+    counts = torch.zeros(m, vocab + 1, dtype=logits.dtype, device=logits.device)  # [M, V + 1]
+    counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=logits.dtype))
+    # Padding points at one of the row's own tokens, so every write to a position is the same.
+    last = ids.masked_fill(ids >= vocab, -1).amax(dim=1, keepdim=True)  # [M, 1]; -1: no tokens
+    idx = torch.where(ids < vocab, ids, last.clamp_min(0))  # [M, L]
+    values, count = logits.gather(1, idx), counts.gather(1, idx)  # [M, L]
+    rep = repetition.unsqueeze(1)
+    penalised = torch.where(values > 0, values / rep, values * rep)
+    penalised = penalised - frequency.unsqueeze(1) * count - presence.unsqueeze(1) * (count > 0)
+    return logits.scatter(1, idx, torch.where(last >= 0, penalised, values))
+
+
+# ---- choosing tokens --------------------------------------------------------------------------
+def _pick(
+    logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None
+) -> torch.Tensor:
+    """[N] token ids: argmax for greedy rows, a sample for the others."""
+    sample_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if not sample_idx:
+        return logits.argmax(dim=-1)
+    sampled = _sample(_select(logits, sample_idx), [rows[i] for i in sample_idx], default_generator)
+    if len(sample_idx) == len(rows):
+        return sampled
+    token_ids = logits.argmax(dim=-1)  # [N]; the sampled rows' are overwritten
+    token_ids[_index(sample_idx, logits.device)] = sampled
+    return token_ids
+
+
+def _sample(
+    logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None
+) -> torch.Tensor:
+    """[M] sampled ids from `logits` [M, V] (a copy is processed, never the argument)."""
+    params = [r.params for r in rows]
+    vocab, device = logits.shape[1], logits.device
+    knobs = torch.tensor(
+        [[p.temperature, min(p.top_k or vocab, vocab), p.top_p if p.top_p < 1.0 else math.inf,
+          p.min_p] for p in params],
+        dtype=torch.float64,
+    ).to(device)  # [M, 4]: temperature, top_k (V = off), top_p (inf = off), min_p
+    logits = logits / knobs[:, 0:1].to(logits.dtype)
+    restricted = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    if restricted:
+        num = _num_candidates([params[i] for i in restricted], vocab, device)
+        top_k, top_p = knobs[:, 1].long(), knobs[:, 2].to(logits.dtype)
+        logits = _restrict_rows(logits, restricted, top_k, top_p, num)
+    probs = logits.softmax(dim=-1)  # [M, V]
+    if any(p.min_p > 0.0 for p in params):
+        probs = apply_min_p(probs, knobs[:, 3].to(probs.dtype))
+    return _invert_cdf(probs, [r.generator for r in rows], default_generator)
+
+
+def _num_candidates(params: list[SamplingParams], vocab: int, device: torch.device) -> int:
+    """How many most likely tokens top-k/top-p must examine for rows with these params."""
+    if device.type != "cpu":
+        return vocab
+    top_ks = [p.top_k for p in params if 0 < p.top_k < vocab]
+    if len(top_ks) == len(params):  # every row has a top-k: the nucleus lies within it
+        return max(top_ks)
+    return min(vocab, max(top_ks + [TOP_P_CANDIDATES]))
+
+
+def _restrict_rows(
+    logits: torch.Tensor,  # [M, V], private: rewritten in place
+    idx: list[int],
+    top_k: torch.Tensor,  # [M] long
+    top_p: torch.Tensor,  # [M]
+    num_candidates: int,
+) -> torch.Tensor:
+    """Apply top-k/top-p to rows `idx` of `logits`; rows whose nucleus is wider than
+    `num_candidates` are redone over the whole vocabulary (a host sync: CPU only)."""
+    vocab = logits.shape[1]
+    sub, sub_k, sub_p = _select(logits, idx), _select(top_k, idx), _select(top_p, idx)
+    masked, exact = apply_top_k_top_p(sub, sub_k, sub_p, num_candidates)
+    if num_candidates < vocab and not bool(exact.all()):
+        wide = (~exact).nonzero().squeeze(1)
+        masked[wide] = apply_top_k_top_p(sub[wide], sub_k[wide], sub_p[wide], vocab)[0]
+    if len(idx) == logits.shape[0]:
+        return masked
+    logits[_index(idx, logits.device)] = masked
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,  # [M, V]
+    top_k: torch.Tensor,  # [M] long; V = off
+    top_p: torch.Tensor,  # [M] float; inf = off
+    num_candidates: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy of `logits` with tokens outside each row's top-k, then top-p nucleus, set to -inf.
+
+    top-k keeps exactly k tokens (ties broken by `torch.topk`). top-p keeps the smallest set of
+    most likely tokens whose probability (renormalised after top-k) reaches top_p; at least one.
+    Only the `num_candidates` most likely tokens of each row are examined: the second result,
+    exact [M] bool, is False for rows whose nucleus may extend past them.
+    """
+    vocab = logits.shape[1]
+    values, ids = logits.topk(num_candidates, dim=-1)  # [M, K], descending
+    position = torch.arange(num_candidates, device=logits.device)  # [K]
+    values = values.masked_fill(position >= top_k.unsqueeze(1), -math.inf)
+    k_inside = top_k <= num_candidates  # [M]: the top-k set is all among the candidates
+    log_norm = torch.where(k_inside, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))  # [M]
+    probs = (values - log_norm.unsqueeze(1)).exp()  # [M, K]
+    mass = probs.cumsum(dim=-1)  # [M, K]
+    # A token goes once the tokens ranked above it already hold top_p.
+    values = values.masked_fill(mass - probs >= top_p.unsqueeze(1), -math.inf)
+    exact = k_inside | (mass[:, -1] >= top_p) | (num_candidates >= vocab)
+    masked = torch.full_like(logits, -math.inf).scatter_(1, ids, values)
+    return masked, exact
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Copy of `probs` [M, V] with tokens below min_p [M] × the row's top probability zeroed."""
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [M, 1]
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _invert_cdf(
+    probs: torch.Tensor,
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None,
+) -> torch.Tensor:
+    """[M] one token per row of `probs` [M, V] (unnormalised is fine): the token whose CDF
+    interval holds a uniform draw. A seeded row draws from its own generator; zero-probability
+    tokens have empty intervals and are never picked. The CDF is float64: in float32 a token of
+    probability below half an ulp of the running sum would get an interval of 0."""
+    uniform = torch.empty(probs.shape[0], 1, dtype=torch.float64, device=probs.device)  # [M, 1]
+    if any(g is None for g in generators):
+        uniform.uniform_(generator=default_generator)
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            uniform[i].uniform_(generator=generator)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [M, V], non-decreasing
+    total = cdf[:, -1:]  # [M, 1]
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+def _index(idx: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(idx, dtype=torch.long, device=device)
+
+
+def _select(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """Rows `idx` (sorted, distinct) of `t`; `t` itself when that is every row."""
+    return t if len(idx) == t.shape[0] else t[_index(idx, t.device)]
+
+
+def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """[len(seqs), longest] long tensor of `seqs`, right-padded with `pad`."""
+    width = max((len(s) for s in seqs), default=0)
+    rows = [s + [pad] * (width - len(s)) for s in seqs]
+    return torch.tensor(rows, dtype=torch.long).reshape(len(seqs), width).to(device)
