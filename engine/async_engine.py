@@ -114,7 +114,7 @@ class AsyncLLMEngine:
             self._work.wait()
             try:
                 with self._lock:
-                    if not self.engine.has_unfinished_requests():
+                    if not self.engine.has_work():
                         self._work.clear()
                         continue
                     outputs = self.engine.step()

@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 PromptInput = str | list[int]
 
 
+class KVCacheFullError(RuntimeError):
+    """Not enough free KV blocks to reserve for an incoming transfer."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: object | None = None):
         self.config = config
@@ -41,11 +45,12 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, hold_finished=config.role == "prefill"
+        )
         self.eos_token_ids = eos_token_ids(self.runner.hf_config, self.tokenizer)
         self.vocab_size = self.runner.hf_config.vocab_size
         self._groups: dict[str, RequestGroup] = {}
-        self._requests: dict[str, Request] = {}
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -54,14 +59,18 @@ class LLMEngine:
         prompt: PromptInput,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        queue: bool = True,
     ) -> None:
         """Validate and queue one prompt (`params.n` sequences). Raises ValueError on bad input,
-        queueing nothing."""
+        queueing nothing. In the prefill role a request stops after its first token and keeps
+        its blocks until `release`."""
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
+        if self.config.role == "prefill":
+            max_tokens = 1
         group = RequestGroup(
             request_id, text, token_ids, params.output_kind, tokenizer=self.tokenizer
         )
@@ -83,23 +92,74 @@ class LLMEngine:
                 req.metrics.arrival_time = arrival_time
             group.seqs.append(self._sequence_state(req, params))
         self._groups[request_id] = group
-        for s in group.seqs:
-            self._requests[s.req.request_id] = s.req
-            self.scheduler.add_request(s.req)
+        if queue:
+            for s in group.seqs:
+                self.scheduler.add_request(s.req)
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        """Finish the named prompts (all their sequences) as aborted and free their blocks."""
+    def abort_request(self, request_ids: str | Iterable[str]) -> bool:
+        """Finish the named prompts (all their sequences) as aborted and free their blocks, held
+        ones included. True if any of them was known."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        found = False
         for request_id in ids:
+            found |= self.release(request_id)
             group = self._groups.pop(request_id, None)
             if group is None:
                 continue
+            found = True
             for s in group.seqs:
                 self.scheduler.finish(s.req, RequestStatus.FINISHED_ABORTED)
                 self._forget(s.req)
+        return found
+
+    # ---- disaggregation: prefill role exports, decode role imports -----------------------
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """Prefill role: the blocks holding a finished request's prompt KV, in order."""
+        return list(self.scheduler.held[request_id].block_ids)
+
+    def release(self, request_id: str) -> bool:
+        """Prefill role: free a finished request's held blocks (after export or on failure)."""
+        req = self.scheduler.held.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.release(req)
+        return True
+
+    def reserve_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[int]:
+        """Decode role: register a request whose prompt KV another worker computes, and reserve
+        its blocks now (returned in order). Raises KVCacheFullError when they are not free and
+        ValueError on bad input; registers nothing then."""
+        if params.n != 1:
+            raise ValueError("n must be 1 for a request prefilled elsewhere")
+        self.add_request(request_id, prompt_token_ids, params, queue=False)
+        req = self._groups[request_id].seqs[0].req
+        if not self.scheduler.reserve(req):
+            self._groups.pop(request_id)
+            self._forget(req)
+            raise KVCacheFullError(
+                f"no room for {req.num_prompt_tokens} prompt tokens: "
+                f"{self.block_manager.num_free_blocks} KV blocks free"
+            )
+        return list(req.block_ids)
+
+    def commit_request(
+        self, request_id: str, first_token_id: int, logprobs: tuple[float, dict[int, float]] | None
+    ) -> None:
+        """Decode role: the prompt KV of a reserved request has been written into its blocks;
+        append the token the prefill worker sampled and queue the request for decoding."""
+        req = self._groups[request_id].seqs[0].req
+        req.append_token(first_token_id, logprobs)
+        mark_progress(req)
+        self.scheduler.commit(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
+
+    def has_work(self) -> bool:
+        """Whether `step()` would run anything (requests waiting for KV do not count)."""
+        return self.scheduler.has_unfinished()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
@@ -142,7 +202,6 @@ class LLMEngine:
                 mark_progress(seq.req)
 
     def _forget(self, req: Request) -> None:
-        self._requests.pop(req.request_id, None)
         self.runner.release(req.request_id)
 
     # ---- validation ----------------------------------------------------------------------

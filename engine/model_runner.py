@@ -12,7 +12,7 @@ from engine.input_batch import build_model_input
 from engine.model_loader import iter_weights, load_hf_config
 from engine.models import get_model_class
 from engine.request import Request
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplingRow, skip_draws
 from engine.scheduler import Sample, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -145,6 +145,7 @@ class ModelRunner:
         gen = self._generators.get(req.request_id)
         if gen is None:
             gen = torch.Generator(device=self.device).manual_seed(seed)
+            skip_draws(gen, req.num_output_tokens)  # tokens sampled before: on another worker
             self._generators[req.request_id] = gen
         return gen
 

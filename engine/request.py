@@ -7,6 +7,8 @@ Torch-free. One `Request` is one sequence; a prompt with `n` > 1 becomes `n` sib
        ▲                     │
        └──── PREEMPTED ◀─────┘   (blocks freed; recomputed from scratch when readmitted)
     any non-finished state ──abort──▶ FINISHED_ABORTED
+
+    decode role: WAITING_FOR_KV (blocks reserved, bytes arriving) ──commit──▶ WAITING ──▶ …
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"

@@ -311,6 +311,14 @@ def _invert_cdf(
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
+def skip_draws(generator: torch.Generator, num_samples: int) -> None:
+    """Advance a seeded row's generator past `num_samples` samples, drawn exactly as
+    `_invert_cdf` draws them: a request whose first tokens were sampled elsewhere (another
+    worker) continues the same random sequence it would have had in one engine."""
+    for _ in range(num_samples):
+        torch.empty(1, dtype=torch.float64, device=generator.device).uniform_(generator=generator)
+
+
 # ---- helpers ----------------------------------------------------------------------------------
 def _index(idx: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(idx, dtype=torch.long, device=device)

@@ -57,13 +57,20 @@ class SchedulerStats:
 class Scheduler:
     """FCFS continuous batching with chunked prefill and preemption by recompute."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, hold_finished: bool = False
+    ):
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._leaders: dict[str, Request] = {}  # parent_id -> index-0 sibling, for n > 1
+        # Prefill role: requests finished by a token keep their blocks (to be exported) until
+        # `release`. Decode role: requests whose KV is being imported hold reserved blocks.
+        self.hold_finished = hold_finished
+        self.held: dict[str, Request] = {}
+        self.reserved: dict[str, Request] = {}
 
     # ---- queues --------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -76,16 +83,47 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """End `req` with a finished `status`, wherever it is, and free its blocks. Idempotent."""
+    def reserve(self, req: Request) -> bool:
+        """Decode role: hold blocks for `req`'s prompt, whose KV another worker computed and is
+        about to send. The request waits (WAITING_FOR_KV) outside the queue until `commit`.
+        False, changing nothing, when the blocks are not free."""
+        if not self.block_manager.allocate_slots(req, req.num_prompt_tokens):
+            return False
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.reserved[req.request_id] = req
+        return True
+
+    def commit(self, req: Request) -> None:
+        """Decode role: `req`'s prompt KV has arrived and its first token is appended; queue it.
+        It joins the running batch at the next step that has a seat for it."""
+        del self.reserved[req.request_id]
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def release(self, req: Request) -> None:
+        """Prefill role: the held blocks of a finished request have been exported; free them."""
+        if self.held.pop(req.request_id, None) is not None:
+            self.block_manager.free(req)
+
+    def finish(self, req: Request, status: RequestStatus, hold: bool = False) -> None:
+        """End `req` with a finished `status`, wherever it is, and free its blocks — or, with
+        `hold`, keep them until `release`. Idempotent; aborting a held request frees it."""
         if req.is_finished:
+            if status == RequestStatus.FINISHED_ABORTED:
+                self.release(req)
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_KV:
+            del self.reserved[req.request_id]
         else:
             self.waiting.remove(req)
         req.status = status
-        self.block_manager.free(req)
+        if hold:
+            self.held[req.request_id] = req
+        else:
+            self.block_manager.free(req)
         if self._leaders.get(req.parent_id) is req:
             del self._leaders[req.parent_id]
 
@@ -93,7 +131,7 @@ class Scheduler:
         bm = self.block_manager
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.reserved),
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,
             kv_cache_usage=bm.usage,
@@ -145,11 +183,14 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            computed = self._computed_blocks(req)
-            if computed is None:  # a sibling still computing the shared prompt
-                skipped.append(self.waiting.popleft())
-                continue
-            num_cached = len(computed) * self.block_manager.block_size
+            if req.block_ids:  # imported KV (decode role): computed up to num_computed_tokens
+                computed, num_cached = [], req.num_computed_tokens
+            else:
+                computed = self._computed_blocks(req)
+                if computed is None:  # a sibling still computing the shared prompt
+                    skipped.append(self.waiting.popleft())
+                    continue
+                num_cached = len(computed) * self.block_manager.block_size
             num_new = req.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
@@ -215,7 +256,7 @@ class Scheduler:
                     RequestStatus.FINISHED_STOPPED if reason == "stop"
                     else RequestStatus.FINISHED_LENGTH
                 )
-                self.finish(req, status)
+                self.finish(req, status, hold=self.hold_finished)
                 finished.append(req)
         return finished
 

@@ -1,0 +1,147 @@
+"""Moving a request's KV blocks between engines as raw bytes (no network code here).
+
+The transfer unit is a slab: layers [l0, l1) x the request's blocks [b0, b1), serialized as the
+raw bytes of a tensor shaped [l1 - l0, 2 (K, V), b1 - b0, block_size, num_kv_heads, head_dim].
+Block indices are positions in the request's block list, never physical ids: each side maps
+them through its own block table.
+
+    sender cache (layer l)  [2, num_blocks, bs, Hkv, D] --index_select(block ids)--> slab rows
+    receiver cache (layer l) <--index_copy_(its own block ids)-- slab rows
+
+The receiver checks the sender's `KVLayout` before accepting anything, then checks every slab's
+range and byte count, and that the slabs cover every layer x block exactly once.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    block_size: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def cell_bytes(self) -> int:
+        """Bytes of one layer x one block (K and V)."""
+        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def check_compatible(self, sender: KVLayout) -> None:
+        """ValueError naming every field where `sender`'s layout differs from this one."""
+        diffs = [
+            f"{name}: sender {getattr(sender, name)} != receiver {getattr(self, name)}"
+            for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
+            if getattr(sender, name) != getattr(self, name)
+        ]
+        if diffs:
+            raise ValueError("KV layout mismatch: " + "; ".join(diffs))
+
+
+def layout_of(kv_caches: list[torch.Tensor]) -> KVLayout:
+    _, _, block_size, num_kv_heads, head_dim = kv_caches[0].shape
+    dtype = next(name for name, dt in _DTYPES.items() if dt == kv_caches[0].dtype)
+    return KVLayout(len(kv_caches), num_kv_heads, head_dim, dtype, block_size)
+
+
+@dataclass(frozen=True)
+class KVSlab:
+    layer_start: int
+    layer_end: int
+    block_start: int
+    block_end: int
+    data: bytes
+
+
+def plan_slabs(layout: KVLayout, num_blocks: int, max_bytes: int) -> list[tuple[int, int, int, int]]:
+    """(l0, l1, b0, b1) ranges covering layers x blocks in slabs of at most `max_bytes` (or one
+    cell when a cell is larger). Whole layers first, so the first layers can leave early."""
+    cell = layout.cell_bytes()
+    per_layer = cell * num_blocks
+    if per_layer <= max_bytes:
+        group = max(1, max_bytes // per_layer)
+        return [
+            (l0, min(l0 + group, layout.num_layers), 0, num_blocks)
+            for l0 in range(0, layout.num_layers, group)
+        ]
+    blocks = max(1, max_bytes // cell)
+    return [
+        (layer, layer + 1, b0, min(b0 + blocks, num_blocks))
+        for layer in range(layout.num_layers)
+        for b0 in range(0, num_blocks, blocks)
+    ]
+
+
+def read_slabs(
+    kv_caches: list[torch.Tensor], block_ids: list[int], max_bytes: int = 4 << 20
+) -> Iterator[KVSlab]:
+    """Serialize a request's blocks (in `block_ids` order), slab by slab. Reads the cache."""
+    layout = layout_of(kv_caches)
+    device = kv_caches[0].device
+    ids = torch.tensor(block_ids, dtype=torch.long, device=device)
+    for l0, l1, b0, b1 in plan_slabs(layout, len(block_ids), max_bytes):
+        sel = ids[b0:b1]
+        slab = torch.stack([kv_caches[layer].index_select(1, sel) for layer in range(l0, l1)])
+        yield KVSlab(l0, l1, b0, b1, _to_bytes(slab))
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    t = t.contiguous()
+    if t.device.type != "cpu":
+        t = t.to("cpu", non_blocking=False)
+    return t.view(torch.uint8).numpy().tobytes()
+
+
+class KVSlabWriter:
+    """Receives one request's slabs into its reserved blocks; knows when all have arrived."""
+
+    def __init__(self, kv_caches: list[torch.Tensor], block_ids: list[int]):
+        self.kv_caches = kv_caches
+        self.layout = layout_of(kv_caches)
+        self.block_ids = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
+        self.num_blocks = len(block_ids)
+        self._missing = self.layout.num_layers * self.num_blocks  # cells not yet written
+        self._seen = torch.zeros(self.layout.num_layers, self.num_blocks, dtype=torch.bool)
+        self.bytes_received = 0
+
+    @property
+    def complete(self) -> bool:
+        return self._missing == 0
+
+    def write(self, slab: KVSlab) -> None:
+        """Check `slab` (range, size, no overlap) and copy it into the cache (mutates it).
+        ValueError, writing nothing, if any check fails."""
+        l0, l1, b0, b1 = slab.layer_start, slab.layer_end, slab.block_start, slab.block_end
+        if not (0 <= l0 < l1 <= self.layout.num_layers and 0 <= b0 < b1 <= self.num_blocks):
+            raise ValueError(f"KV slab range layers [{l0}, {l1}) x blocks [{b0}, {b1}) is invalid")
+        expected = (l1 - l0) * (b1 - b0) * self.layout.cell_bytes()
+        if len(slab.data) != expected:
+            raise ValueError(f"KV slab holds {len(slab.data)} bytes, expected {expected}")
+        if self._seen[l0:l1, b0:b1].any():
+            raise ValueError(f"KV slab layers [{l0}, {l1}) x blocks [{b0}, {b1}) overlaps another")
+        lay = self.layout
+        with warnings.catch_warnings():  # the bytes are only read
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(slab.data, dtype=torch.uint8)
+        slab_t = raw.view(lay.torch_dtype).view(
+            l1 - l0, 2, b1 - b0, lay.block_size, lay.num_kv_heads, lay.head_dim
+        ).to(self.kv_caches[0].device)
+        ids = self.block_ids[b0:b1]
+        for i, layer in enumerate(range(l0, l1)):
+            self.kv_caches[layer].index_copy_(1, ids, slab_t[i])
+        self._seen[l0:l1, b0:b1] = True
+        self._missing -= (l1 - l0) * (b1 - b0)
+        self.bytes_received += len(slab.data)

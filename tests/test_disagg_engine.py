@@ -1,0 +1,140 @@
+"""Disaggregation inside one process: a prefill-role engine exports KV, a decode-role engine
+imports it and continues; the tokens equal the colocated engine's, token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.kv_transfer import KVLayout, KVSlab, KVSlabWriter, plan_slabs, read_slabs
+from engine.llm import build_engine_config
+from engine.llm_engine import KVCacheFullError, LLMEngine
+from pdserve import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir):
+    def make(role: str, **kw) -> LLMEngine:
+        return LLMEngine(build_engine_config(tiny_llama_dir, dtype="float32", role=role, **kw))
+
+    return make("colocated"), make("prefill"), make("decode", num_kv_blocks=40)
+
+
+def run_all(engine: LLMEngine) -> dict:
+    finals = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts, params, max_bytes=4 << 20):
+    for i, p in enumerate(prompts):
+        prefill.add_request(f"r{i}", p, params)
+    firsts = run_all(prefill)
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        first = firsts[rid].outputs[0]
+        dst_blocks = decode.reserve_request(rid, p, params)
+        writer = KVSlabWriter(decode.runner.kv_caches, dst_blocks)
+        for slab in read_slabs(prefill.runner.kv_caches, prefill.held_block_ids(rid), max_bytes):
+            writer.write(slab)
+        assert writer.complete
+        assert prefill.release(rid)
+        decode.commit_request(rid, first.token_ids[0], None)
+    assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
+    outs = run_all(decode)
+    return [firsts[f"r{i}"].outputs[0].token_ids[:1] + outs[f"r{i}"].outputs[0].token_ids
+            for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("max_bytes", [4 << 20, 3000])  # whole layers per slab; block pieces
+def test_disaggregated_equals_colocated(engines, max_bytes):
+    colocated, prefill, decode = engines
+    tok = colocated.tokenizer
+    prompts = [tok.encode(t) for t in (
+        "A prompt that spans several blocks of sixteen tokens each, to cross block edges " * 2,
+        "Short one",
+        "Exactly as long as it needs to be, no more and no less.",
+    )]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        colocated.add_request(f"c{i}", p, params)
+    ref = run_all(colocated)
+    expected = [ref[f"c{i}"].outputs[0].token_ids for i in range(len(prompts))]
+    decoded = disaggregated(prefill, decode, prompts, params, max_bytes)
+    # decode outputs repeat the imported first token; drop the duplicate
+    assert [d[:1] + d[2:] for d in decoded] == expected
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+
+
+def test_seeded_sampling_continues_across_workers(engines):
+    colocated, prefill, decode = engines
+    prompt = colocated.tokenizer.encode("Seeded sampling must not repeat its first draw")
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=99, ignore_eos=True)
+    colocated.add_request("s", prompt, params)
+    expected = run_all(colocated)["s"].outputs[0].token_ids
+    got = disaggregated(prefill, decode, [prompt], params)[0]
+    assert got[:1] + got[2:] == expected
+
+
+def test_reserve_fails_cleanly_when_full(engines):
+    _, _, decode = engines
+    assert decode.block_manager.num_free_blocks == 40
+    decode.reserve_request("big", list(range(10, 410)), SamplingParams(max_tokens=1))  # 25 blocks
+    with pytest.raises(KVCacheFullError, match="15 KV blocks free"):
+        decode.reserve_request("next", list(range(10, 310)), SamplingParams(max_tokens=1))
+    assert decode.block_manager.num_free_blocks == 15
+    decode.abort_request("big")
+    assert decode.block_manager.num_free_blocks == 40
+    assert not decode.has_unfinished_requests()
+
+
+def test_abort_while_waiting_for_kv_frees_reserved_blocks(engines):
+    _, prefill, decode = engines
+    free = decode.block_manager.num_free_blocks
+    decode.reserve_request("gone", list(range(10, 60)), SamplingParams(max_tokens=4))
+    assert decode.block_manager.num_free_blocks == free - 4
+    assert decode.stats().num_waiting == 1
+    assert decode.abort_request("gone")
+    assert decode.block_manager.num_free_blocks == free and decode.stats().num_waiting == 0
+    prefill.add_request("held", list(range(10, 60)), SamplingParams(max_tokens=4))
+    run_all(prefill)
+    assert prefill.block_manager.num_free_blocks < prefill.block_manager.num_blocks
+    assert prefill.abort_request("held")  # e.g. the decode worker died mid-transfer
+    assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
+
+
+def test_writer_rejects_bad_slabs(engines):
+    _, _, decode = engines
+    blocks = decode.reserve_request("bad", list(range(10, 42)), SamplingParams(max_tokens=2))
+    writer = KVSlabWriter(decode.runner.kv_caches, blocks)
+    cell = writer.layout.cell_bytes()
+    with pytest.raises(ValueError, match="bytes"):
+        writer.write(KVSlab(0, 1, 0, 2, b"\0" * (2 * cell - 1)))
+    with pytest.raises(ValueError, match="range"):
+        writer.write(KVSlab(0, 9, 0, 1, b"\0" * cell))
+    writer.write(KVSlab(0, 1, 0, 1, b"\0" * cell))
+    with pytest.raises(ValueError, match="overlaps"):
+        writer.write(KVSlab(0, 1, 0, 2, b"\0" * 2 * cell))
+    assert not writer.complete and writer.bytes_received == cell
+    decode.abort_request("bad")
+
+
+def test_layout_check_names_the_mismatch():
+    mine = KVLayout(30, 3, 64, "float32", 16)
+    with pytest.raises(ValueError, match="num_kv_heads: sender 4 != receiver 3"):
+        mine.check_compatible(KVLayout(30, 4, 64, "float32", 16))
+    mine.check_compatible(KVLayout(30, 3, 64, "float32", 16))
+
+
+def test_slab_plan_covers_every_cell_once():
+    layout = KVLayout(5, 2, 8, "float32", 16)  # cell = 2 * 16 * 2 * 8 * 4 = 2048 bytes
+    for max_bytes in (1, 2048, 5000, 3 * 2048 * 7, 10**9):
+        seen = set()
+        for l0, l1, b0, b1 in plan_slabs(layout, 7, max_bytes):
+            assert (l1 - l0) * (b1 - b0) * 2048 <= max(max_bytes, 2048)
+            cells = {(layer, b) for layer in range(l0, l1) for b in range(b0, b1)}
+            assert not cells & seen
+            seen |= cells
+        assert len(seen) == 5 * 7
