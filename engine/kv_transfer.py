@@ -66,7 +66,10 @@ class KVSlab:
     data: bytes
 
 
-def plan_slabs(layout: KVLayout, num_blocks: int, max_bytes: int) -> list[tuple[int, int, int, int]]:
+SlabRange = tuple[int, int, int, int]  # layer_start, layer_end, block_start, block_end
+
+
+def plan_slabs(layout: KVLayout, num_blocks: int, max_bytes: int) -> list[SlabRange]:
     """(l0, l1, b0, b1) ranges covering layers x blocks in slabs of at most `max_bytes` (or one
     cell when a cell is larger). Whole layers first, so the first layers can leave early."""
     cell = layout.cell_bytes()
