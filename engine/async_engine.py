@@ -1,17 +1,23 @@
 """`AsyncLLMEngine`: many concurrent callers, one running batch.
 
-NOTE: the engine's steps run on one background thread that owns the `LLMEngine`; the asyncio side
-only adds and aborts requests (under a lock, between steps) and reads per-request queues that the
-thread fills with `loop.call_soon_threadsafe`. A step never blocks the event loop, so a request
-arriving while others decode joins the batch at the next step.
+NOTE: one background thread owns the `LLMEngine` and is the only one to touch it. Callers on the
+event loop never block on a step: they submit commands (add, abort, reserve, ...) to a queue that
+the thread drains between steps, and read per-request output queues that the thread fills with
+`loop.call_soon_threadsafe`. A request arriving while others decode joins the batch at the next
+step; commands are served in arrival order, so none starves behind a busy batch.
+
+    event loop ──call(fn)──▶ commands ──▶ [engine thread: drain commands → step → deliver]
+         ▲                                                                   │
+         └──────────────── per-request asyncio.Queue ◀───────────────────────┘
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from engine.llm import build_engine_config
 from engine.llm_engine import LLMEngine, PromptInput
@@ -19,7 +25,9 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerStats
 
+T = TypeVar("T")
 _ABORTED = object()  # ends a stream whose request was aborted through `abort()`
+_Command = tuple[Callable[..., Any], tuple, asyncio.Future, asyncio.AbstractEventLoop]
 
 
 class EngineDeadError(RuntimeError):
@@ -29,8 +37,7 @@ class EngineDeadError(RuntimeError):
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._lock = threading.Lock()
-        self._work = threading.Event()
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._stopping = False
         self._error: BaseException | None = None
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -42,6 +49,7 @@ class AsyncLLMEngine:
         """Build from the same arguments as `LLM`."""
         return cls(LLMEngine(build_engine_config(model, **kwargs)))
 
+    # ---- requests ------------------------------------------------------------------------
     async def generate(
         self, prompt: PromptInput, sampling_params: SamplingParams | None, request_id: str
     ) -> AsyncIterator[RequestOutput]:
@@ -52,21 +60,85 @@ class AsyncLLMEngine:
         Leaving the loop early (break, cancellation, a dropped client) aborts the request and
         frees its blocks. Bad input raises ValueError before anything is queued.
         """
+        self._open(request_id)
+        try:
+            await self.call(self.engine.add_request, request_id, prompt, sampling_params)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for out in self._consume(request_id):
+            yield out
+
+    async def reserve_remote(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+    ) -> list[int]:
+        """Decode role: register a request prefilled on another worker and reserve its blocks
+        (returned, in order). Its outputs are read with `stream(request_id)` once
+        `commit_remote` has queued it. Raises KVCacheFullError / ValueError, keeping nothing."""
+        self._open(request_id)
+        try:
+            return await self.call(
+                self.engine.reserve_request, request_id, prompt_token_ids, sampling_params
+            )
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+
+    async def commit_remote(
+        self, request_id: str, first_token_id: int, logprobs: tuple[float, dict] | None
+    ) -> None:
+        """Decode role: the request's KV is in place; queue it behind its first token."""
+        await self.call(self.engine.commit_request, request_id, first_token_id, logprobs)
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of a request registered by `reserve_remote`; closing early aborts it."""
+        if request_id not in self._streams:
+            raise KeyError(f"request {request_id!r} is not open")
+        async for out in self._consume(request_id):
+            yield out
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request wherever it is (held or reserved blocks too); its stream ends without
+        a final output. True if the engine knew the request."""
+        found = await self.call(self.engine.abort_request, request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, _ABORTED)
+        return found
+
+    async def stats(self) -> SchedulerStats:
+        return await self.call(self.engine.stats)
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` (a method of `self.engine`) on the engine thread between steps."""
+        if self._error is not None:
+            raise EngineDeadError("the engine loop has failed") from self._error
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._commands.put((fn, args, future, loop))
+        return await future
+
+    def shutdown(self) -> None:
+        """Stop the engine thread (requests in flight are abandoned)."""
+        self._stopping = True
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    # ---- event-loop side helpers ---------------------------------------------------------
+    def _open(self, request_id: str) -> None:
         if self._error is not None:
             raise EngineDeadError("the engine loop has failed") from self._error
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        try:
-            await asyncio.to_thread(self._add, request_id, prompt, sampling_params)
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
+        self._streams[request_id] = (asyncio.get_running_loop(), asyncio.Queue())
+
+    async def _consume(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        q = self._streams[request_id][1]
         finished = False
         try:
             while not finished:
-                item = await queue.get()
+                item = await q.get()
                 if item is _ABORTED:
                     return
                 if isinstance(item, BaseException):
@@ -76,48 +148,16 @@ class AsyncLLMEngine:
         finally:
             stream = self._streams.pop(request_id, None)
             if not finished and stream is not None:
-                await asyncio.to_thread(self._abort, request_id)
+                await asyncio.shield(self.call(self.engine.abort_request, request_id))
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request wherever it is; its stream ends without a final output."""
-        await asyncio.to_thread(self._abort, request_id)
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            loop, queue = stream
-            loop.call_soon_threadsafe(queue.put_nowait, _ABORTED)
-
-    async def stats(self) -> SchedulerStats:
-        return await asyncio.to_thread(self._stats)
-
-    def shutdown(self) -> None:
-        """Stop the step loop thread (requests in flight are abandoned)."""
-        self._stopping = True
-        self._work.set()
-        self._thread.join(timeout=30)
-
-    # ---- thread side ---------------------------------------------------------------------
-    def _add(self, request_id: str, prompt: PromptInput, params: SamplingParams | None) -> None:
-        with self._lock:
-            self.engine.add_request(request_id, prompt, params)
-        self._work.set()
-
-    def _abort(self, request_id: str) -> None:
-        with self._lock:
-            self.engine.abort_request(request_id)
-
-    def _stats(self) -> SchedulerStats:
-        with self._lock:
-            return self.engine.stats()
-
+    # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopping:
-            self._work.wait()
             try:
-                with self._lock:
-                    if not self.engine.has_work():
-                        self._work.clear()
-                        continue
-                    outputs = self.engine.step()
+                self._run_commands(block=not self.engine.has_work())
+                if self._stopping or not self.engine.has_work():
+                    continue
+                outputs = self.engine.step()
             except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
                 self._error = exc
                 self._fail_all(exc)
@@ -125,12 +165,39 @@ class AsyncLLMEngine:
             for out in outputs:
                 self._deliver(out.request_id, out)
 
+    def _run_commands(self, block: bool) -> None:
+        """Run queued commands; with `block`, wait for at least one first (the engine is idle)."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if command is None:
+                return
+            fn, args, future, loop = command
+            try:
+                result = fn(*args)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
+
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            loop, queue = stream
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, item)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self._streams):
             self._deliver(request_id, exc)
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

@@ -2,19 +2,30 @@
 
     from pdserve import LLM, SamplingParams
     outputs = LLM().generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=32))
+
+The engine (and torch) load on first use of these names, so `pdserve.cluster` and the CLI's
+help stay light.
 """
 
-from engine.async_engine import AsyncLLMEngine
-from engine.llm import LLM
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
-__all__ = [
-    "LLM",
-    "AsyncLLMEngine",
-    "CompletionOutput",
-    "RequestOutput",
-    "RequestOutputKind",
-    "SamplingParams",
-]
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "AsyncLLMEngine": "engine.async_engine",
+    "CompletionOutput": "engine.outputs",
+    "RequestOutput": "engine.outputs",
+    "RequestOutputKind": "engine.sampling_params",
+    "SamplingParams": "engine.sampling_params",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pdserve' has no attribute {name!r}")

@@ -134,9 +134,9 @@ def _prefill_attention(
         ks = k[plan.start : plan.end].transpose(0, 1)[None]  # [1, Hkv, q_len, D]
         vs = v[plan.start : plan.end].transpose(0, 1)[None]
     else:
-        context = gather_blocks(kv_cache, plan.block_ids)[:, : plan.seq_len]  # [2, L, Hkv, D]
-        ks = context[0].transpose(0, 1)[None]  # [1, Hkv, L, D]
-        vs = context[1].transpose(0, 1)[None]
+        k_ctx, v_ctx = gather_blocks(kv_cache, plan.block_ids)  # [>= seq_len, Hkv, D] each
+        ks = k_ctx[: plan.seq_len].transpose(0, 1)[None]  # [1, Hkv, L, D]
+        vs = v_ctx[: plan.seq_len].transpose(0, 1)[None]
     out = F.scaled_dot_product_attention(
         qs, ks, vs, attn_mask=plan.mask, is_causal=plan.mask is None, scale=scale, enable_gqa=True
     )  # [1, H, q_len, D]
@@ -152,13 +152,14 @@ def _decode_attention(
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = kv_cache.shape[-2]
     batch = plan.mask.shape[0]
-    context = gather_blocks(kv_cache, plan.block_ids)  # [2, B * max_blocks * bs, Hkv, D]
-    context = context.view(2, batch, -1, num_kv_heads, head_dim)  # [2, B, L, Hkv, D]
-    qs = q[plan.start :].view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    k_ctx, v_ctx = gather_blocks(kv_cache, plan.block_ids)  # [B * L, Hkv, D] each
+    ks = k_ctx.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+    vs = v_ctx.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    qs = q[plan.start :].reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
         qs,  # [B, Hkv, G, D]
-        context[0].transpose(1, 2),  # [B, Hkv, L, D]
-        context[1].transpose(1, 2),
+        ks,
+        vs,
         attn_mask=plan.mask,  # [B, 1, 1, L]
         scale=scale,
     )  # [B, Hkv, G, D]
@@ -168,7 +169,11 @@ def _decode_attention(
 def gather_blocks(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     block_ids: torch.Tensor,  # [N] int64
-) -> torch.Tensor:  # [2, N * block_size, Hkv, D], a copy
-    """K and V of the listed blocks, concatenated in order."""
-    blocks = kv_cache.index_select(1, block_ids)  # [2, N, block_size, Hkv, D]
-    return blocks.view(2, -1, *kv_cache.shape[-2:])
+) -> tuple[torch.Tensor, torch.Tensor]:  # K, V: [N * block_size, Hkv, D] each, copies
+    """K and V of the listed blocks, concatenated in order. (Row gathers on 2-D views: about
+    twice as fast on CPU as one index_select over dim 1 of the 5-D cache.)"""
+    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+    rows = (num_blocks, block_size * num_kv_heads * head_dim)
+    k = kv_cache[0].view(rows).index_select(0, block_ids)  # [N, block_size * Hkv * D]
+    v = kv_cache[1].view(rows).index_select(0, block_ids)
+    return k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)

@@ -1,0 +1,87 @@
+"""What the gateway needs from whatever serves the model: the seam between the HTTP layer and
+the engine, whether it runs in-process (colocated) or across gRPC workers (disaggregated).
+
+The gateway owns the text: it turns token deltas into text incrementally, applies stop strings,
+fans out `n` > 1 into `n` single-sequence generations and formats OpenAI responses. A backend
+only moves token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.sampling_params import SamplingParams
+
+# (chosen token's logprob, {top token id: logprob}) at one position
+TokenLogprobs = tuple[float, dict[int, float]]
+
+
+@dataclass
+class TokenDelta:
+    """Tokens generated since the previous delta of one sequence."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # one per token when asked for
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
+    stop_reason: int | None = None  # the stop token id, when a token ended it
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    model_name: str
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    has_chat_template: bool
+    vocab_size: int
+
+
+class BackendError(RuntimeError):
+    """A generation failed inside the serving system (a worker died, a transfer broke).
+    `retryable` errors may succeed if sent again (the gateway answers 503 for them)."""
+
+    def __init__(self, message: str, retryable: bool = False):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class Backend(Protocol):
+    async def model_info(self) -> ModelFacts:
+        """The served model's facts (cached after the first call)."""
+        ...
+
+    def get_tokenizer(self) -> Any:
+        """A local HF tokenizer, for incremental detokenization in the gateway."""
+        ...
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ...
+
+    async def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation after the model's chat template (ValueError if the model
+        has none and no template is given)."""
+        ...
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenDelta]:
+        """Generate one sequence (`params.n` is 1; stop strings are the gateway's job).
+
+        Yields deltas until one carries a finish_reason. Closing the iterator early (client
+        gone, stop string matched) aborts the request everywhere and frees its KV blocks.
+        Raises BackendError when the serving system fails the request.
+        """
+        ...
+
+    async def ready(self) -> bool:
+        """True once a model is loaded and requests can be served."""
+        ...
+
+    async def close(self) -> None:
+        ...

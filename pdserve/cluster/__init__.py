@@ -1,0 +1,1 @@
+"""Cluster state shared through Redis: request state, worker registry, cancellation, routing."""

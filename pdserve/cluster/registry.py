@@ -1,0 +1,170 @@
+"""Worker registry in Redis: each worker's address and load, kept alive by a heartbeat TTL.
+
+A worker writes its ``WorkerInfo`` as JSON under ``{p}:worker:{role}:{worker_id}`` with a TTL of
+``WorkerRegistry.ttl_s``; one that stops heartbeating (crash, partition) drops out of
+``list_workers`` within that TTL, with nobody cleaning up after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from pdserve.cluster.state import DEFAULT_PREFIX, Keys, StateStoreError, wrap_redis_errors
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("tokenizer", "prefill", "decode", "gateway")
+
+
+@dataclass
+class WorkerInfo:
+    """One worker's identity and load, as published in the registry."""
+
+    worker_id: str
+    role: str  # one of ROLES
+    address: str  # host:port of its gRPC (or HTTP, for gateways) server
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    metrics_address: str = ""
+    updated_at: float = 0.0  # time.time() of the last registry write
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not self.worker_id or any(c in self.worker_id for c in "*?[]"):
+            raise ValueError(f"worker_id must be non-empty without glob characters: "
+                             f"{self.worker_id!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerInfo:
+        """Parse ``to_json`` output; unknown keys (from a newer worker) are ignored."""
+        data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class WorkerRegistry:
+    """Register, heartbeat, deregister and list workers of one cluster."""
+
+    def __init__(self, client: Redis, prefix: str = DEFAULT_PREFIX, ttl_s: float = 5.0) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.client = client
+        self.keys = Keys(prefix)
+        self.ttl_s = ttl_s
+
+    @wrap_redis_errors
+    async def register(self, info: WorkerInfo) -> WorkerInfo:
+        """Write ``info`` (stamped with ``updated_at`` = now) with a TTL of ``ttl_s``, replacing
+        any previous entry. Returns the stamped copy; ``info`` itself is not modified."""
+        stamped = dataclasses.replace(info, updated_at=time.time())
+        key = self.keys.worker(info.role, info.worker_id)
+        await self.client.set(key, stamped.to_json(), px=max(1, int(self.ttl_s * 1000)))
+        return stamped
+
+    async def heartbeat(self, info: WorkerInfo) -> WorkerInfo:
+        """Same as ``register``: refresh the entry, its load numbers and its TTL."""
+        return await self.register(info)
+
+    @wrap_redis_errors
+    async def deregister(self, role: str, worker_id: str) -> None:
+        """Delete the worker's entry at once (no-op if it already expired)."""
+        await self.client.delete(self.keys.worker(role, worker_id))
+
+    @wrap_redis_errors
+    async def list_workers(self, role: str | None = None) -> list[WorkerInfo]:
+        """Live workers (of ``role``, or all), sorted by (role, worker_id). Uses SCAN, so it never
+        blocks Redis; entries that expire mid-scan or fail to parse are skipped. Read only."""
+        if role is not None and role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        keys = [k async for k in self.client.scan_iter(match=self.keys.worker_pattern(role),
+                                                       count=200)]
+        values = await self.client.mget(keys) if keys else []
+        workers = []
+        for key, value in zip(keys, values):
+            if value is None:
+                continue
+            try:
+                workers.append(WorkerInfo.from_json(value))
+            except (ValueError, TypeError) as e:
+                logger.warning("skipping malformed registry entry %s: %s", key, e)
+        return sorted(workers, key=lambda w: (w.role, w.worker_id))
+
+
+class Heartbeat:
+    """Keeps a worker's registry entry alive from an asyncio task.
+
+    Every ``interval_s`` it calls ``get_info()`` for fresh load numbers and writes them. Failures
+    (Redis down, ``get_info`` raising) are logged once per outage and retried on the next tick;
+    they never end the task. ``stop()`` ends it and deregisters the worker.
+    """
+
+    def __init__(self, registry: WorkerRegistry, get_info: Callable[[], Awaitable[WorkerInfo]],
+                 interval_s: float = 1.0) -> None:
+        if not 0 < interval_s < registry.ttl_s:
+            raise ValueError(f"need 0 < interval_s < registry ttl_s ({registry.ttl_s}), "
+                             f"got {interval_s}")
+        self.registry = registry
+        self.get_info = get_info
+        self.interval_s = interval_s
+        self.last_info: WorkerInfo | None = None  # last info obtained from get_info
+        self._healthy = True
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the heartbeat task is alive."""
+        return self._task is not None and not self._task.done()
+
+    async def beat(self) -> bool:
+        """One heartbeat now. Returns whether it reached the registry; never raises."""
+        try:
+            self.last_info = await self.get_info()
+            await self.registry.heartbeat(self.last_info)
+        except Exception as e:
+            if self._healthy:
+                logger.warning("heartbeat failed, will keep retrying: %s", e)
+            self._healthy = False
+            return False
+        if not self._healthy:
+            logger.info("heartbeat recovered")
+        self._healthy = True
+        return True
+
+    def start(self) -> None:
+        """Start the heartbeat task (first beat at once). Needs a running event loop."""
+        if self._task is not None:
+            raise RuntimeError("heartbeat already started")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="heartbeat")
+
+    async def stop(self) -> None:
+        """Stop the task, then deregister the worker (best effort: errors are logged)."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        await asyncio.wait({task})  # unlike `await task`, never swallows our own cancellation
+        if self.last_info is not None:
+            try:
+                await self.registry.deregister(self.last_info.role, self.last_info.worker_id)
+            except StateStoreError as e:
+                logger.warning("deregister failed (entry expires in %.1fs): %s",
+                               self.registry.ttl_s, e)
+
+    async def _run(self) -> None:
+        while True:
+            await self.beat()
+            await asyncio.sleep(self.interval_s)
