@@ -149,10 +149,11 @@ class LLMEngine:
     ) -> None:
         """Decode role: the prompt KV of a reserved request has been written into its blocks;
         append the token the prefill worker sampled and queue the request for decoding."""
-        req = self._groups[request_id].seqs[0].req
-        req.append_token(first_token_id, logprobs)
-        mark_progress(req)
-        self.scheduler.commit(req)
+        seq = self._groups[request_id].seqs[0]
+        seq.req.append_token(first_token_id, logprobs)
+        seq.sent_tokens = 1  # the caller already has the first token: deltas start after it
+        mark_progress(seq.req)
+        self.scheduler.commit(seq.req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

@@ -61,11 +61,13 @@ class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Open a request: reserves KV blocks for the prompt at once, waits for its KV (PushKV), then
+        """Open a request: reserves KV blocks for the prompt at once and confirms with a first message
+        holding no tokens (only then may a prefill worker push), waits for the KV (PushKV), then
         streams generated tokens as deltas, from the second token on (the first comes from the
         prefill worker). With `prefill_locally` the worker computes the prompt itself and streams
-        from the first token. The last message carries finish_reason. Fails with DEADLINE_EXCEEDED
-        if the KV does not arrive in time; cancelling the call aborts the request.
+        from the first token. The last message carries finish_reason. RESOURCE_EXHAUSTED when the
+        blocks are not free; DEADLINE_EXCEEDED if the KV does not arrive in time; UNAVAILABLE if the
+        transfer failed. Cancelling the call aborts the request and frees its blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,46 @@
+"""Decode service edge: its protobuf messages <-> engine objects."""
+
+from __future__ import annotations
+
+from engine.kv_transfer import KVLayout, KVSlab
+from engine.outputs import RequestOutput
+from pdserve.cluster.convert import logprobs_from_pb, logprobs_to_pb
+from protos import decode_pb2
+
+
+def delta_to_pb(out: RequestOutput) -> decode_pb2.GenerateResponse:
+    """One engine delta (single sequence) as a stream message."""
+    c = out.outputs[0]
+    msg = decode_pb2.GenerateResponse(token_ids=c.token_ids, finish_reason=c.finish_reason or "")
+    for token_id, step in zip(c.token_ids, c.logprobs or []):
+        top = {t: lp.logprob for t, lp in step.items() if lp.rank is not None}
+        msg.logprobs.append(logprobs_to_pb((step[token_id].logprob, top)))
+    if isinstance(c.stop_reason, int):
+        msg.stop_token_id = c.stop_reason
+    return msg
+
+
+def layout_from_pb(msg: decode_pb2.KVLayout) -> KVLayout:
+    return KVLayout(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.dtype, msg.block_size)
+
+
+def layout_to_pb(layout: KVLayout) -> decode_pb2.KVLayout:
+    return decode_pb2.KVLayout(
+        num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim, dtype=layout.dtype, block_size=layout.block_size,
+    )
+
+
+def slab_from_pb(msg: decode_pb2.KVData) -> KVSlab:
+    return KVSlab(msg.layer_start, msg.layer_end, msg.block_start, msg.block_end, msg.data)
+
+
+def slab_to_pb(slab: KVSlab) -> decode_pb2.KVChunk:
+    return decode_pb2.KVChunk(data=decode_pb2.KVData(
+        layer_start=slab.layer_start, layer_end=slab.layer_end,
+        block_start=slab.block_start, block_end=slab.block_end, data=slab.data,
+    ))
+
+
+def first_logprobs(header: decode_pb2.KVHeader) -> tuple[float, dict[int, float]] | None:
+    return logprobs_from_pb(header.first_logprobs) if header.HasField("first_logprobs") else None

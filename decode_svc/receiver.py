@@ -1,0 +1,137 @@
+"""Receiving prefilled KV into reserved blocks, one request at a time.
+
+NOTE: a request's life on the receiving side:
+
+    Generate opens ─▶ expect(): reserve blocks (WAITING_FOR_KV), Pending registered
+    PushKV header  ─▶ layout and request checked before any byte is accepted
+    PushKV slabs   ─▶ written straight into the reserved blocks (KVSlabWriter checks each)
+    PushKV end     ─▶ every layer x block present? commit: the request joins the decode batch
+    any failure    ─▶ the request is aborted: its reserved blocks are freed, Generate fails
+
+Blocks are reserved before a single byte arrives, so a transfer never waits for memory, and a
+transfer that is cut off (sender died, stream cancelled) frees everything it reserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from decode_svc.convert import first_logprobs, layout_from_pb, slab_from_pb
+from engine.async_engine import AsyncLLMEngine
+from engine.kv_transfer import KVLayout, KVSlabWriter, layout_of
+from engine.sampling_params import SamplingParams
+from pdserve.cluster.grpc_server import NotFoundError
+from protos import decode_pb2
+
+
+class TransferFailed(ConnectionError):
+    """The request's KV transfer broke off or was rejected."""
+
+
+@dataclass
+class TransferStats:
+    bytes_received: int = 0
+    transfers_completed: int = 0
+    transfers_failed: int = 0
+    transfer_seconds: float = 0.0  # summed over completed transfers
+
+
+@dataclass
+class Pending:
+    block_ids: list[int]
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str | None = None
+    receiving: bool = False
+
+
+class KVReceiver:
+    def __init__(self, engine: AsyncLLMEngine):
+        self.engine = engine
+        self.layout: KVLayout = layout_of(engine.engine.runner.kv_caches)
+        self.pending: dict[str, Pending] = {}
+        self.stats = TransferStats()
+
+    async def expect(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Reserve the prompt's blocks now (KVCacheFullError / ValueError if impossible)."""
+        blocks = await self.engine.reserve_remote(request_id, prompt_token_ids, params)
+        self.pending[request_id] = Pending(blocks)
+
+    async def wait(self, request_id: str, timeout_s: float) -> None:
+        """Until the request's KV is committed. On timeout or a failed transfer the request is
+        aborted (blocks freed) and TimeoutError / TransferFailed raised."""
+        pending = self.pending[request_id]
+        try:
+            await asyncio.wait_for(pending.done.wait(), timeout_s)
+        except BaseException:
+            await self.drop(request_id)
+            raise
+        finally:
+            self.pending.pop(request_id, None)
+        if pending.error is not None:
+            raise TransferFailed(pending.error)
+
+    async def drop(self, request_id: str) -> bool:
+        """Abort the request wherever it is and free its blocks (Generate cancelled, timeouts,
+        Abort rpc). True if this worker knew it."""
+        pending = self.pending.pop(request_id, None)
+        if pending is not None and not pending.done.is_set():
+            pending.error = "request aborted"
+            pending.done.set()
+        return await self.engine.abort(request_id)
+
+    async def receive(self, chunks: AsyncIterator[decode_pb2.KVChunk]) -> int:
+        """Consume one PushKV stream; returns the bytes accepted. Any error fails the request
+        (its blocks freed, its Generate told) and propagates to the sender."""
+        header = await _first_header(chunks)
+        request_id = header.request_id
+        pending = self.pending.get(request_id)
+        if pending is None or pending.receiving or pending.done.is_set():
+            raise NotFoundError(f"no open Generate waiting for KV of request {request_id!r}")
+        pending.receiving = True
+        started = time.perf_counter()
+        try:
+            received = await self._write_all(header, pending, chunks)
+            await self.engine.commit_remote(request_id, header.first_token_id,
+                                            first_logprobs(header))
+        except BaseException as exc:
+            self.stats.transfers_failed += 1
+            pending.error = f"KV transfer failed: {exc}"
+            pending.done.set()
+            await self.engine.abort(request_id)
+            raise
+        self.stats.transfers_completed += 1
+        self.stats.bytes_received += received
+        self.stats.transfer_seconds += time.perf_counter() - started
+        pending.done.set()
+        return received
+
+    async def _write_all(
+        self, header: decode_pb2.KVHeader, pending: Pending,
+        chunks: AsyncIterator[decode_pb2.KVChunk],
+    ) -> int:
+        self.layout.check_compatible(layout_from_pb(header.layout))
+        if header.num_blocks != len(pending.block_ids):
+            raise ValueError(
+                f"header announces {header.num_blocks} blocks, {len(pending.block_ids)} reserved"
+            )
+        writer = KVSlabWriter(self.engine.engine.runner.kv_caches, pending.block_ids)
+        async for chunk in chunks:
+            if not chunk.HasField("data"):
+                raise ValueError("a KV stream carries one header, then only data chunks")
+            writer.write(slab_from_pb(chunk.data))
+        if not writer.complete:
+            raise ValueError("KV stream ended before every layer and block arrived")
+        return writer.bytes_received
+
+
+async def _first_header(chunks: AsyncIterator[decode_pb2.KVChunk]) -> decode_pb2.KVHeader:
+    async for chunk in chunks:
+        if not chunk.HasField("header"):
+            raise ValueError("a KV stream must start with a KVHeader")
+        return chunk.header
+    raise ValueError("empty KV stream")

@@ -1,0 +1,54 @@
+"""The Decode gRPC servicer: thin — decode the message, delegate to the engine or the KV
+receiver, encode. Errors are mapped to status codes by the shared interceptor."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import grpc
+
+from decode_svc.convert import delta_to_pb
+from decode_svc.receiver import KVReceiver
+from engine.async_engine import AsyncLLMEngine
+from pdserve.cluster.convert import load_to_pb, sampling_params_from_pb
+from protos import common_pb2, decode_pb2, decode_pb2_grpc
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, engine: AsyncLLMEngine, receiver: KVReceiver, kv_timeout_s: float):
+        self.engine = engine
+        self.receiver = receiver
+        self.kv_timeout_s = kv_timeout_s
+
+    async def Generate(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.GenerateResponse]:
+        params = sampling_params_from_pb(request.params)
+        request_id, prompt = request.request_id, list(request.prompt_token_ids)
+        if request.prefill_locally:
+            outputs = self.engine.generate(prompt, params, request_id)
+        else:
+            await self.receiver.expect(request_id, prompt, params)
+            try:
+                yield decode_pb2.GenerateResponse()  # blocks reserved: the push may start
+                await self.receiver.wait(request_id, self.kv_timeout_s)
+            except BaseException:
+                await self.receiver.drop(request_id)
+                raise
+            outputs = self.engine.stream(request_id)
+        async with aclosing(outputs) as stream:
+            async for out in stream:
+                yield delta_to_pb(out)
+
+    async def PushKV(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        received = await self.receiver.receive(request_iterator)
+        return decode_pb2.PushKVResponse(bytes_received=received)
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        found = await self.receiver.drop(request.request_id)
+        return common_pb2.AbortResponse(found=found)
+
+    async def GetLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return load_to_pb("decode", await self.engine.stats())

@@ -1,0 +1,59 @@
+"""Prometheus metrics of the gateway, named as vLLM's (`vllm:` becomes `pdserve:`).
+
+Each app owns its `CollectorRegistry`, so several apps can live in one process (tests).
+Latencies are seen from the gateway: time to first token counts from the request's arrival.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LABELS = ["model_name"]
+_TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]
+_ITL_BUCKETS = [
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+]
+_E2E_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+]
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.num_requests_running = Gauge(
+            "pdserve:num_requests_running", "Requests in flight at the gateway.", _LABELS,
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "pdserve:time_to_first_token_seconds", "Time from arrival to the first token.",
+            _LABELS, buckets=_TTFT_BUCKETS, registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "pdserve:inter_token_latency_seconds", "Time between output tokens of a sequence.",
+            _LABELS, buckets=_ITL_BUCKETS, registry=r,
+        )
+        self.e2e_request_latency = Histogram(
+            "pdserve:e2e_request_latency_seconds", "Time from arrival to the last token.",
+            _LABELS, buckets=_E2E_BUCKETS, registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve:prompt_tokens", "Prompt tokens of admitted requests.", _LABELS, registry=r
+        )
+        self.generation_tokens = Counter(
+            "pdserve:generation_tokens", "Generated tokens.", _LABELS, registry=r
+        )
+        self.request_success = Counter(
+            "pdserve:request_success", "Finished sequences, by finish reason.",
+            [*_LABELS, "finished_reason"], registry=r,
+        )
+
+    def render(self) -> bytes:
+        """The registry in Prometheus' text exposition format."""
+        return generate_latest(self.registry)

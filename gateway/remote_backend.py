@@ -1,0 +1,258 @@
+"""The disaggregated backend: tokenizer, prefill and decode workers over gRPC.
+
+NOTE: one generation's path (DESIGN.md, "The request's path"):
+
+    1. pick the decode worker with the most free KV blocks and the prefill worker with the
+       shortest queue, from the live registry
+    2. open Decode.Generate: the decode worker reserves the prompt's blocks and acknowledges
+    3. Prefill(decode_address): the first token comes back at once -> yielded to the client;
+       the prefill worker pushes the KV to the decode worker in the background
+    4. the decode stream carries every later token as deltas
+Closing the generator early cancels the decode stream and aborts the prefill, so no worker keeps
+blocks for a request nobody reads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from gateway.backend import BackendError, ModelFacts, TokenDelta
+from pdserve.cluster.convert import logprobs_from_pb, sampling_params_to_pb
+from pdserve.cluster.grpc_server import check_health, open_channel
+from pdserve.cluster.registry import WorkerInfo, WorkerRegistry
+from pdserve.cluster.routing import pick_decode, pick_prefill
+from protos import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
+
+logger = logging.getLogger(__name__)
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class RemoteBackend:
+    def __init__(
+        self,
+        tokenizer_address: str,
+        registry: WorkerRegistry,
+        store: Any | None = None,
+        local_prefill_max_tokens: int = 0,
+        timeout_s: float = 600.0,
+    ):
+        self.tokenizer_address = tokenizer_address
+        self.registry = registry
+        self.store = store
+        self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.timeout_s = timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._facts: ModelFacts | None = None
+        self._tokenizer: Any = None
+
+    # ---- model facts and text ------------------------------------------------------------
+    async def start(self) -> None:
+        """Fetch the model's facts and tokenizer from the tokenizer service (once)."""
+        info = await self._tok_stub().GetModelInfo(tokenizer_pb2.ModelInfoRequest(), timeout=30)
+        self._facts = ModelFacts(
+            model_name=info.model_name, eos_token_ids=frozenset(info.eos_token_ids),
+            max_model_len=info.max_model_len, has_chat_template=info.has_chat_template,
+            vocab_size=info.vocab_size,
+        )
+        self._tokenizer = _tokenizer_from_info(info)
+
+    async def model_info(self) -> ModelFacts:
+        if self._facts is None:
+            await self.start()
+        assert self._facts is not None
+        return self._facts
+
+    def get_tokenizer(self) -> Any:
+        return self._tokenizer
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        request = tokenizer_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        reply = await self._call(self._tok_stub().Tokenize, request)
+        return list(reply.token_ids)
+
+    async def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[int]:
+        request = tokenizer_pb2.ChatTemplateRequest(
+            messages=[tokenizer_pb2.ChatMessage(role=m["role"], content=m["content"])
+                      for m in messages],
+            add_generation_prompt=add_generation_prompt,
+        )
+        if chat_template is not None:
+            request.chat_template = chat_template
+        reply = await self._call(self._tok_stub().ApplyChatTemplate, request)
+        return list(reply.token_ids)
+
+    async def ready(self) -> bool:
+        if self._facts is None or not await check_health(self.tokenizer_address):
+            return False
+        try:
+            decode = await self.registry.list_workers("decode")
+            prefill = await self.registry.list_workers("prefill")
+        except Exception:  # noqa: BLE001 - Redis down: not ready
+            return False
+        return bool(decode) and (bool(prefill) or self.local_prefill_max_tokens > 0)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    # ---- generation ----------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenDelta]:
+        local = len(prompt_token_ids) <= self.local_prefill_max_tokens
+        decode, prefill = await self._route(local)
+        max_tokens = params.max_tokens or 1
+        pb_params = sampling_params_to_pb(params, max_tokens)
+        call = decode_pb2_grpc.DecodeStub(self._channel(decode.address)).Generate(
+            decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                       params=pb_params, prefill_locally=local),
+            timeout=self.timeout_s,
+        )
+        prefill_done = local
+        finished = False
+        try:
+            if not local:
+                await self._read(call, decode)  # blocks reserved on the decode worker
+                await self._transition(request_id, "prefilling", prefill_worker=prefill.address,
+                                       decode_worker=decode.address)
+                first = await self._prefill(prefill, request_id, prompt_token_ids, pb_params,
+                                            decode.address)
+                prefill_done = True
+                finished = bool(first.finish_reason)
+                yield first
+                if finished:
+                    return
+                await self._transition(request_id, "transferring")
+            async for delta in self._decode_stream(call, decode, request_id, local):
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            if not finished:
+                call.cancel()
+                if not prefill_done and prefill is not None:
+                    await self._abort(prefill, request_id)
+
+    async def _route(self, local: bool) -> tuple[WorkerInfo, WorkerInfo | None]:
+        decode = pick_decode(await self._workers("decode"))
+        if decode is None:
+            raise BackendError("no decode worker is available", retryable=True)
+        if local:
+            return decode, None
+        prefill = pick_prefill(await self._workers("prefill"))
+        if prefill is None:
+            raise BackendError("no prefill worker is available", retryable=True)
+        return decode, prefill
+
+    async def _workers(self, role: str) -> list[WorkerInfo]:
+        try:
+            return await self.registry.list_workers(role)
+        except Exception as exc:  # noqa: BLE001
+            raise BackendError(f"worker registry unreachable: {exc}", retryable=True) from exc
+
+    async def _prefill(
+        self, prefill: WorkerInfo, request_id: str, prompt: list[int],
+        params: Any, decode_address: str,
+    ) -> TokenDelta:
+        stub = prefill_pb2_grpc.PrefillStub(self._channel(prefill.address))
+        request = prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt,
+                                             params=params, decode_address=decode_address)
+        try:
+            r = await stub.Prefill(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc, prefill) from exc
+        logprobs = [logprobs_from_pb(r.first_logprobs)] if r.HasField("first_logprobs") else None
+        reason = r.finish_reason or None
+        stop = r.first_token_id if reason == "stop" else None
+        return TokenDelta([r.first_token_id], logprobs, reason, stop)
+
+    async def _decode_stream(
+        self, call: Any, decode: WorkerInfo, request_id: str, local: bool
+    ) -> AsyncIterator[TokenDelta]:
+        first = True
+        while True:
+            msg = await self._read(call, decode)
+            if msg is None:
+                raise BackendError(f"decode worker {decode.address} ended the stream early")
+            if first and (msg.token_ids or local):
+                first = False
+                await self._transition(request_id, "decoding")
+            if not msg.token_ids and not msg.finish_reason:
+                continue
+            logprobs = [logprobs_from_pb(lp) for lp in msg.logprobs] or None
+            stop = msg.stop_token_id if msg.HasField("stop_token_id") else None
+            yield TokenDelta(list(msg.token_ids), logprobs, msg.finish_reason or None, stop)
+            if msg.finish_reason:
+                return
+
+    async def _read(self, call: Any, worker: WorkerInfo) -> Any:
+        try:
+            msg = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc, worker) from exc
+        return None if msg is grpc.aio.EOF else msg
+
+    async def _abort(self, worker: WorkerInfo, request_id: str) -> None:
+        stub = prefill_pb2_grpc.PrefillStub(self._channel(worker.address))
+        try:
+            await stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("[%s] abort on %s failed: %s", request_id, worker.address, exc.details())
+
+    def _error(self, exc: grpc.aio.AioRpcError, worker: WorkerInfo) -> BackendError:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self._channels.pop(worker.address, None)
+        return BackendError(f"{worker.role} worker {worker.address}: {exc.details()}",
+                            retryable=exc.code() in RETRYABLE)
+
+    async def _transition(self, request_id: str, status: str, **fields: Any) -> None:
+        if self.store is None:
+            return
+        try:
+            await self.store.transition(request_id, status, **fields)
+        except Exception as exc:  # noqa: BLE001 - state tracking must not fail a generation
+            logger.warning("[%s] state %s not recorded: %s", request_id, status, exc)
+
+    async def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(exc.details()) from exc
+            raise BackendError(f"tokenizer service: {exc.details()}",
+                               retryable=exc.code() in RETRYABLE) from exc
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = open_channel(address)
+        return self._channels[address]
+
+    def _tok_stub(self) -> tokenizer_pb2_grpc.TokenizerStub:
+        return tokenizer_pb2_grpc.TokenizerStub(self._channel(self.tokenizer_address))
+
+
+def _tokenizer_from_info(info: tokenizer_pb2.ModelInfo) -> Any:
+    """A local fast tokenizer rebuilt from the tokenizer service's serialized one."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    config = {k: v for k, v in json.loads(info.tokenizer_config_json).items() if v is not None}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(info.tokenizer_json),
+                                   **config)

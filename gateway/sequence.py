@@ -1,0 +1,179 @@
+"""One sequence's life at the gateway, and `n` of them merged into one stream.
+
+A backend moves token ids; each sequence turns them into text here: incremental detokenization
+(a multi-byte character is never split) and stop strings (a stop string split over several
+deltas is never shown in part). A matched stop string ends the sequence: its backend generator
+is closed, which aborts the request in the backend and frees its KV blocks.
+
+NOTE: cancellation. `merge_sequences` drains each sequence in its own task. Leaving it early
+(client gone, error in a sibling) cancels those tasks; the cancellation lands inside each
+backend generator, whose cleanup aborts the request. The cleanup is shielded from the repeated
+cancellation that Starlette's task group delivers, so it always runs to the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from engine.stop_checker import StopStringMatcher
+from gateway.backend import Backend, TokenDelta, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class SequenceSpec:
+    """One sequence to generate: choice `index` of the response."""
+
+    index: int
+    request_id: str  # the backend's request id
+    prompt_token_ids: list[int]
+    params: SamplingParams  # n == 1
+
+
+@dataclass
+class SequenceOutput:
+    """What one sequence produced since its previous output."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SequenceResult:
+    """A whole sequence, gathered from its outputs (non-streaming responses)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, out: SequenceOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs or []
+        self.finish_reason = out.finish_reason or self.finish_reason
+        self.stop_reason = out.stop_reason if out.finished else self.stop_reason
+
+
+class SequenceDecoder:
+    """Token deltas of one sequence in, text deltas out (detokenizer + stop strings)."""
+
+    def __init__(self, tokenizer: Any, spec: SequenceSpec) -> None:
+        params = spec.params
+        self.index = spec.index
+        self.detok = IncrementalDetokenizer(
+            tokenizer, spec.prompt_token_ids, params.skip_special_tokens
+        )
+        self.matcher = None
+        if params.stop_list:
+            self.matcher = StopStringMatcher(params.stop_list, params.include_stop_str_in_output)
+
+    def decode(self, delta: TokenDelta) -> SequenceOutput:
+        """Text of `delta`'s tokens, fed one token at a time so that a stop string ends the
+        output at the token that completed it (later tokens of the delta are dropped)."""
+        ids, text = delta.token_ids, ""
+        steps = [[token_id] for token_id in ids] or [[]]
+        for i, step in enumerate(steps):
+            final = delta.finish_reason is not None and i == len(steps) - 1
+            piece, stop = self._feed(self.detok.step(step), final)
+            text += piece
+            if stop is not None:
+                kept = ids[: i + 1]
+                logprobs = None if delta.logprobs is None else delta.logprobs[: i + 1]
+                return SequenceOutput(self.index, text, kept, logprobs, "stop", stop)
+        return SequenceOutput(
+            self.index, text, list(ids), delta.logprobs, delta.finish_reason, delta.stop_reason
+        )
+
+    def _feed(self, text: str, finished: bool) -> tuple[str, str | None]:
+        if finished:
+            text += self.detok.flush()
+        if self.matcher is None:
+            return text, None
+        emitted, stop = self.matcher.feed(text)
+        if stop is None and finished:
+            emitted += self.matcher.flush()
+        return emitted, stop
+
+
+async def generate_sequence(
+    backend: Backend, tokenizer: Any, spec: SequenceSpec
+) -> AsyncGenerator[SequenceOutput, None]:
+    """Stream one sequence's text until it finishes; the last output has a finish_reason.
+
+    Always closes the backend generator (stop string, error, cancellation), which aborts the
+    request in the backend if it is still running. A stream that ends without a finish_reason
+    (the backend aborted it) finishes with "abort".
+    """
+    decoder = SequenceDecoder(tokenizer, spec)
+    stream = backend.generate(spec.request_id, spec.prompt_token_ids, spec.params)
+    try:
+        async for delta in stream:
+            out = decoder.decode(delta)
+            yield out
+            if out.finished:
+                return
+        yield SequenceOutput(spec.index, "", [], finish_reason="abort")
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            with anyio.CancelScope(shield=True):
+                await aclose()
+
+
+_DONE = object()
+
+
+async def merge_sequences(
+    streams: list[AsyncGenerator[SequenceOutput, None]],
+) -> AsyncGenerator[SequenceOutput, None]:
+    """Outputs of all `streams` as they come, generated concurrently.
+
+    The first error of any stream is raised here; leaving early or failing cancels every stream
+    and waits for their cleanup (their backend requests are aborted).
+    """
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def drain(stream: AsyncGenerator[SequenceOutput, None]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    queue.put_nowait(item)
+        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer below
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(_DONE)
+
+    tasks = [asyncio.create_task(drain(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,332 @@
+"""What completions and chat share: request -> `SamplingParams`, the context-length check, the
+fan-out of `n` and of batched prompts into sequences, the request's accounting (metrics and state
+store) and the plumbing of streamed and disconnect-aware responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncGenerator, Coroutine
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Protocol, TypeVar
+
+import anyio
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine.sampling_params import SamplingParams
+from gateway.backend import Backend, BackendError, ModelFacts
+from gateway.errors import OpenAIError, from_backend_error
+from gateway.metrics import GatewayMetrics
+from gateway.protocol import ErrorResponse, OpenAIRequest
+from gateway.sequence import SequenceOutput, SequenceSpec, generate_sequence, merge_sequences
+
+logger = logging.getLogger("pdserve.gateway")
+
+T = TypeVar("T")
+SSE_DONE = "data: [DONE]\n\n"
+STORE_TIMEOUT_S = 5.0
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
+
+
+class StateStore(Protocol):
+    """Request state records (Redis in the cluster): `pdserve.cluster.state.RequestStore`."""
+
+    async def create(
+        self, request_id: str, *, model: str, prompt_tokens: int, stream: bool, n: int = 1
+    ) -> Any: ...
+
+    async def transition(self, request_id: str, status: str, **fields: Any) -> Any: ...
+
+
+@dataclass
+class ServingContext:
+    backend: Backend
+    metrics: GatewayMetrics
+    store: StateStore | None = None
+    served_model_name: str | None = None
+
+    async def model_name(self) -> str:
+        if self.served_model_name is not None:
+            return self.served_model_name
+        return (await self.backend.model_info()).model_name
+
+    async def check_model(self, requested: str | None) -> str:
+        """The served model's name; 404 when the request names another model."""
+        name = await self.model_name()
+        if requested is not None and requested != name:
+            raise OpenAIError(
+                f"The model `{requested}` does not exist.", 404, "model", "model_not_found"
+            )
+        return name
+
+
+# ---- request -> sampling params ----------------------------------------------------------
+def sampling_params(renames: dict[str, str] | None = None, **fields: Any) -> SamplingParams:
+    """`SamplingParams(**fields)`; a ValueError becomes a 400 naming the request's field
+    (`renames` maps SamplingParams names to request names, e.g. logprobs -> top_logprobs)."""
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        message = str(exc)
+        name = message.replace("(", " ").split(" ", 1)[0]
+        param = (renames or {}).get(name, name) if name in _SAMPLING_FIELDS else None
+        raise OpenAIError(message, param=param) from None
+
+
+def common_sampling_fields(req: OpenAIRequest) -> dict[str, Any]:
+    """The sampling fields completions and chat requests share, with OpenAI's defaults."""
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError(
+            "Stream options can only be defined when `stream=True`.", param="stream_options"
+        )
+    return {
+        "n": req.n,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_k": 0 if req.top_k is None else req.top_k,
+        "min_p": 0.0 if req.min_p is None else req.min_p,
+        "seed": req.seed,
+        "stop": req.stop,
+        "stop_token_ids": req.stop_token_ids,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "min_tokens": req.min_tokens,
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+    }
+
+
+def fit_context(
+    params: SamplingParams,
+    prompt_len: int,
+    max_model_len: int,
+    prompt_param: str,
+    renames: dict[str, str] | None = None,
+) -> SamplingParams:
+    """`params` with max_tokens set: as asked, or the room the context has left. 400
+    context_length_exceeded (OpenAI's wording) when prompt and completion do not fit."""
+    room = max_model_len - prompt_len
+    completion = params.max_tokens if params.max_tokens is not None else max(room, 1)
+    if completion > room:
+        raise OpenAIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + completion} tokens ({prompt_len} in the messages, "
+            f"{completion} in the completion). Please reduce the length of the messages or "
+            "completion.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    fields = {f: getattr(params, f) for f in _SAMPLING_FIELDS}
+    return sampling_params(renames, **{**fields, "max_tokens": completion})
+
+
+def check_prompt_ids(token_ids: list[int], facts: ModelFacts, param: str) -> None:
+    if not token_ids:
+        raise OpenAIError("The prompt must not be empty.", param=param)
+    bad = [t for t in token_ids if not 0 <= t < facts.vocab_size]
+    if bad:
+        raise OpenAIError(
+            f"Token id {bad[0]} is out of vocabulary (size {facts.vocab_size}).", param=param
+        )
+
+
+def fan_out(
+    request_id: str, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[SequenceSpec]:
+    """One sequence per (prompt, sample): choice index `j * n + i`, backend request id
+    `{request_id}-{index}` (the bare id when there is a single sequence), seed + i."""
+    total = sum(p.n for p in params)
+    specs: list[SequenceSpec] = []
+    for token_ids, p in zip(prompts, params):
+        for i in range(p.n):
+            index = len(specs)
+            backend_id = request_id if total == 1 else f"{request_id}-{index}"
+            seed = None if p.seed is None else p.seed + i
+            specs.append(SequenceSpec(index, backend_id, token_ids, p.clone(n=1, seed=seed)))
+    return specs
+
+
+def log_ignored_fields(request_id: str, req: OpenAIRequest) -> None:
+    ignored = req.ignored_fields()
+    if ignored:
+        logger.warning("%s: ignoring unknown fields %s", request_id, ignored)
+
+
+# ---- accounting --------------------------------------------------------------------------
+class RequestTracker:
+    """One request's accounting from admission to its end: the gateway's metrics and, when a
+    store is given, its state record (created `queued`; finished, failed or cancelled)."""
+
+    def __init__(
+        self, ctx: ServingContext, request_id: str, model: str, arrival: float,
+        prompt_tokens: int, num_choices: int, stream: bool,
+    ) -> None:
+        self.ctx, self.request_id, self.model, self.arrival = ctx, request_id, model, arrival
+        self.prompt_tokens, self.num_choices, self.stream = prompt_tokens, num_choices, stream
+        self.output_tokens = 0
+        self.finish_reasons: dict[int, str] = {}
+        self._first_token: float | None = None
+        self._last_token: dict[int, float] = {}
+
+    async def __aenter__(self) -> RequestTracker:
+        m = self.ctx.metrics
+        m.num_requests_running.labels(self.model).inc()
+        m.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
+        await self._record(
+            "create", self.request_id, model=self.model, prompt_tokens=self.prompt_tokens,
+            stream=self.stream, n=self.num_choices,
+        )
+        return self
+
+    def observe(self, out: SequenceOutput) -> None:
+        """Count one sequence output: tokens, time to first token, inter-token latency."""
+        m, now, count = self.ctx.metrics, time.monotonic(), len(out.token_ids)
+        if count:
+            if self._first_token is None:
+                self._first_token = now
+                m.time_to_first_token.labels(self.model).observe(now - self.arrival)
+            last = self._last_token.get(out.index)
+            if last is not None:
+                for _ in range(count):
+                    m.inter_token_latency.labels(self.model).observe((now - last) / count)
+            self._last_token[out.index] = now
+            self.output_tokens += count
+            m.generation_tokens.labels(self.model).inc(count)
+        if out.finish_reason is not None:
+            self.finish_reasons[out.index] = out.finish_reason
+            m.request_success.labels(self.model, out.finish_reason).inc()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        m, elapsed = self.ctx.metrics, time.monotonic() - self.arrival
+        m.num_requests_running.labels(self.model).dec()
+        fields: dict[str, Any] = {"output_tokens": self.output_tokens}
+        if exc is None and len(self.finish_reasons) == self.num_choices:
+            status = "finished"
+            fields["finish_reason"] = self.finish_reasons[min(self.finish_reasons)]
+            m.e2e_request_latency.labels(self.model).observe(elapsed)
+        elif exc is None or isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            status = "cancelled"
+            for _ in range(self.num_choices - len(self.finish_reasons)):
+                m.request_success.labels(self.model, "abort").inc()
+        else:
+            status, fields["error"] = "failed", str(exc) or type(exc).__name__
+        log = logger.info if status != "failed" else logger.error
+        log("%s: %s in %.3fs, prompt_tokens=%d output_tokens=%d %s", self.request_id, status,
+            elapsed, self.prompt_tokens, self.output_tokens, fields.get("error", ""),
+            exc_info=exc if status == "failed" and not isinstance(exc, BackendError) else None)
+        await self._record("transition", self.request_id, status, **fields)
+
+    async def _record(self, method: str, *args: Any, **fields: Any) -> None:
+        """Write to the store, if any; a store failure is logged, never fails the request."""
+        if self.ctx.store is None:
+            return
+        try:
+            with anyio.move_on_after(STORE_TIMEOUT_S, shield=True) as scope:
+                await getattr(self.ctx.store, method)(*args, **fields)
+            if scope.cancelled_caught:
+                logger.warning("%s: state store %s timed out", self.request_id, method)
+        except Exception:  # noqa: BLE001 - the store is best effort
+            logger.warning("%s: state store %s failed", self.request_id, method, exc_info=True)
+
+
+async def generate_outputs(
+    ctx: ServingContext, tracker: RequestTracker, specs: list[SequenceSpec]
+) -> AsyncGenerator[SequenceOutput, None]:
+    """Every sequence's outputs, generated concurrently and accounted for by `tracker`."""
+    tokenizer = ctx.backend.get_tokenizer()
+    async with tracker:
+        streams = [generate_sequence(ctx.backend, tokenizer, spec) for spec in specs]
+        async with contextlib.aclosing(merge_sequences(streams)) as merged:
+            async for out in merged:
+                tracker.observe(out)
+                yield out
+
+
+# ---- responses ---------------------------------------------------------------------------
+async def run_until_disconnect(raw: Request, work: Coroutine[Any, Any, T]) -> T | Response:
+    """Await `work` unless the client disconnects first: then cancel it (which aborts its
+    sequences in the backend) and answer 499. The request body must have been read already."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=499)
+    return task.result()
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def start_stream(events: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+    """Wait for the first item, so a failure before it (e.g. no worker free) raises here and
+    is answered with its status rather than inside a 200 stream; then yield it and the rest."""
+    first = await anext(events)
+
+    async def chained() -> AsyncGenerator[T, None]:
+        async with contextlib.aclosing(events):
+            yield first
+            async for item in events:
+                yield item
+
+    return chained()
+
+
+async def sse_stream(
+    request_id: str, chunks: AsyncGenerator[str, None]
+) -> AsyncGenerator[str, None]:
+    """`chunks` then `data: [DONE]`; a failure mid-stream becomes an OpenAI error event."""
+    try:
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+    except (OpenAIError, BackendError) as exc:
+        error = exc if isinstance(exc, OpenAIError) else from_backend_error(exc)
+        yield f"data: {ErrorResponse(error=error.info()).model_dump_json()}\n\n"
+    except Exception:  # noqa: BLE001 - logged by the tracker; the client gets a clean error
+        error = OpenAIError("Internal server error", status=500)
+        logger.warning("%s: stream failed", request_id)
+        yield f"data: {ErrorResponse(error=error.info()).model_dump_json()}\n\n"
+    yield SSE_DONE
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body generator, even when the client went
+    away while the body was suspended (Starlette leaves it suspended), so the backend aborts."""
+
+    body_iterator: AsyncGenerator[str, None]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+def stream_response(request_id: str, chunks: AsyncGenerator[str, None]) -> Response:
+    return ClosingStreamingResponse(
+        sse_stream(request_id, chunks),
+        media_type="text/event-stream",
+        headers={"X-Request-Id": request_id},
+    )

@@ -1,0 +1,82 @@
+"""Protobuf <-> engine conversions shared by the workers and the gateway's gRPC backend.
+
+Each service's own converter module handles its own messages; the messages several services
+share (sampling parameters, logprobs, load) convert here, once.
+"""
+
+from __future__ import annotations
+
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.scheduler import SchedulerStats
+from protos import common_pb2
+
+LogprobsTuple = tuple[float, dict[int, float]]
+
+
+def sampling_params_to_pb(p: SamplingParams, max_tokens: int) -> common_pb2.SamplingParams:
+    """Token-level sampling rules for one sequence; stop strings stay with the gateway."""
+    msg = common_pb2.SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        max_tokens=max_tokens,
+        min_tokens=p.min_tokens,
+        stop_token_ids=p.stop_token_ids,
+        ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def sampling_params_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Validated engine params (ValueError names the field) that stream token deltas only."""
+    if msg.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {msg.max_tokens}")
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty,
+        max_tokens=msg.max_tokens,
+        min_tokens=min(msg.min_tokens, msg.max_tokens),
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def logprobs_to_pb(lp: LogprobsTuple) -> common_pb2.TokenLogprobs:
+    chosen, top = lp
+    ranked = sorted(top.items(), key=lambda kv: -kv[1])
+    return common_pb2.TokenLogprobs(
+        logprob=chosen,
+        top_token_ids=[t for t, _ in ranked],
+        top_logprobs=[v for _, v in ranked],
+    )
+
+
+def logprobs_from_pb(msg: common_pb2.TokenLogprobs) -> LogprobsTuple:
+    return msg.logprob, dict(zip(msg.top_token_ids, msg.top_logprobs))
+
+
+def load_to_pb(role: str, stats: SchedulerStats) -> common_pb2.WorkerLoad:
+    return common_pb2.WorkerLoad(
+        role=role,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_free_blocks=stats.num_free_blocks,
+        num_total_blocks=stats.num_total_blocks,
+    )

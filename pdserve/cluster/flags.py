@@ -1,0 +1,43 @@
+"""Service flags with environment fallbacks, named the same everywhere.
+
+`--kv-cache-memory` reads `PDSERVE_KV_CACHE_MEMORY` when not given; the helm chart's values and
+the docs use these names too. Read at parse time, never at import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+
+def env_name(flag: str) -> str:
+    return "PDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_flag(parser: argparse.ArgumentParser, flag: str, default: Any = None, **kw: Any) -> None:
+    """`parser.add_argument(flag)` whose default comes from PDSERVE_<FLAG> when set."""
+    env = os.environ.get(env_name(flag))
+    value = default
+    if env is not None and kw.get("action") == "store_true":
+        value = env.lower() in ("1", "true", "yes")
+    elif env is not None:
+        value = kw.get("type", str)(env)
+    help_text = kw.pop("help", "")
+    kw["help"] = f"{help_text} [env {env_name(flag)}; default {default}]".strip()
+    parser.add_argument(flag, default=value, **kw)
+
+
+def add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
+    """Flags every service takes: where to listen, the Redis URL, the log level."""
+    add_flag(parser, "--host", "127.0.0.1", help="interface to bind")
+    add_flag(parser, "--port", port, type=int, help="port to listen on")
+    add_flag(parser, "--advertise-address", "", help="host:port others use (default host:port)")
+    add_flag(parser, "--redis-url", "", help="Redis for the registry and request state")
+    add_flag(parser, "--log-level", "info", help="debug, info, warning, error")
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--model", None, help="local HF folder or .gguf (default: bundled SmolLM2)")
+    add_flag(parser, "--served-model-name", "", help="model name in the OpenAI API")
+    add_flag(parser, "--max-model-len", None, type=int, help="context length served")

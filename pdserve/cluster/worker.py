@@ -1,0 +1,131 @@
+"""What the prefill and decode workers share: engine flags, building the engine in its role,
+the registry heartbeat and the Prometheus endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.async_engine import AsyncLLMEngine
+from engine.scheduler import SchedulerStats
+from pdserve.cluster.flags import add_common_flags, add_flag, add_model_flags
+from pdserve.cluster.registry import Heartbeat, WorkerInfo, WorkerRegistry
+from pdserve.cluster.state import connect
+
+logger = logging.getLogger(__name__)
+
+
+def add_worker_flags(parser: argparse.ArgumentParser, port: int) -> None:
+    add_common_flags(parser, port)
+    add_model_flags(parser)
+    add_flag(parser, "--metrics-port", 0, type=int, help="Prometheus port (0: none)")
+    add_flag(parser, "--dtype", "auto", help="auto, float32, bfloat16, float16")
+    add_flag(parser, "--device", "auto", help="auto, cpu, cuda, cuda:N")
+    add_flag(parser, "--block-size", 16, type=int, help="tokens per KV block")
+    add_flag(parser, "--kv-cache-memory", None, type=int, help="KV cache bytes")
+    add_flag(parser, "--num-kv-blocks", None, type=int, help="KV blocks (overrides memory)")
+    add_flag(parser, "--gpu-memory-utilization", 0.9, type=float, help="GPU memory fraction")
+    add_flag(parser, "--max-num-seqs", 64, type=int, help="running requests per step")
+    add_flag(parser, "--max-num-batched-tokens", None, type=int, help="tokens per step")
+    add_flag(parser, "--no-prefix-caching", False, action="store_true",
+              help="disable automatic prefix caching")
+    add_flag(parser, "--seed", 0, type=int, help="seed of unseeded sampling")
+
+
+def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
+    return AsyncLLMEngine.from_args(
+        args.model, role=role, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+    )
+
+
+def advertise_address(args: argparse.Namespace) -> str:
+    if args.advertise_address:
+        return args.advertise_address
+    host = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
+    return f"{host}:{args.port}"
+
+
+@dataclass
+class WorkerMonitor:
+    """The latest engine stats plus transfer counters, for the heartbeat and /metrics."""
+
+    role: str
+    address: str
+    engine: AsyncLLMEngine
+    counters: Callable[[], dict[str, float]] = field(default=lambda: {})
+    metrics_address: str = ""
+    stats: SchedulerStats | None = None
+
+    async def info(self) -> WorkerInfo:
+        self.stats = s = await self.engine.stats()
+        return WorkerInfo(
+            worker_id=f"{self.role}-{self.address}", role=self.role, address=self.address,
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
+            metrics_address=self.metrics_address,
+        )
+
+
+class _StatsCollector(Collector):
+    """Renders a WorkerMonitor's latest snapshot with vLLM's metric names."""
+
+    def __init__(self, monitor: WorkerMonitor):
+        self.monitor = monitor
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s, role = self.monitor.stats, self.monitor.role
+        if s is not None:
+            for name, value in (
+                ("num_requests_running", s.num_running),
+                ("num_requests_waiting", s.num_waiting),
+                ("kv_cache_usage_perc", s.kv_cache_usage),
+                ("kv_cache_free_blocks", s.num_free_blocks),
+                ("kv_cache_total_blocks", s.num_total_blocks),
+            ):
+                yield _gauge(f"pdserve:{name}", value, role)
+            for name, value in (
+                ("num_preemptions", s.num_preemptions),
+                ("prefix_cache_queries", s.prefix_cache_queries),
+                ("prefix_cache_hits", s.prefix_cache_hits),
+            ):
+                yield _counter(f"pdserve:{name}", value, role)
+        for name, value in self.monitor.counters().items():
+            yield _counter(f"pdserve:{name}", value, role)
+
+
+def _gauge(name: str, value: float, role: str) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, name.split(":", 1)[1].replace("_", " "), labels=["role"])
+    g.add_metric([role], value)
+    return g
+
+
+def _counter(name: str, value: float, role: str) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, name.split(":", 1)[1].replace("_", " "), labels=["role"])
+    c.add_metric([role], value)
+    return c
+
+
+async def start_monitoring(args: argparse.Namespace, monitor: WorkerMonitor) -> Heartbeat | None:
+    """Serve /metrics (when --metrics-port) and heartbeat into the registry (when --redis-url)."""
+    if args.metrics_port:
+        registry = CollectorRegistry()
+        registry.register(_StatsCollector(monitor))
+        start_http_server(args.metrics_port, addr=args.host, registry=registry)
+        monitor.metrics_address = f"{advertise_address(args).rsplit(':', 1)[0]}:{args.metrics_port}"
+    await monitor.info()
+    if not args.redis_url:
+        return None
+    heartbeat = Heartbeat(WorkerRegistry(connect(args.redis_url)), monitor.info)
+    heartbeat.start()
+    return heartbeat

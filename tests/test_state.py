@@ -1,0 +1,356 @@
+"""pdserve.cluster against a real redis-server: request status machine, TTLs, races,
+cancellation, worker registry and heartbeat, routing picks, prefix isolation."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from redis_server import run_redis_server
+
+from pdserve.cluster.registry import Heartbeat, WorkerInfo, WorkerRegistry
+from pdserve.cluster.routing import pick_decode, pick_prefill
+from pdserve.cluster.state import (
+    InvalidTransition,
+    Keys,
+    RequestExists,
+    RequestNotFound,
+    RequestStore,
+    StateStoreError,
+    allowed_transition,
+    connect,
+    redis_ok,
+)
+
+STATUSES = ["queued", "prefilling", "transferring", "decoding", "finished", "failed", "cancelled"]
+# Written out by hand, not derived from the implementation.
+ALLOWED = {
+    "queued": {"prefilling", "transferring", "decoding", "finished", "failed", "cancelled"},
+    "prefilling": {"transferring", "decoding", "finished", "failed", "cancelled"},
+    "transferring": {"decoding", "finished", "failed", "cancelled"},
+    "decoding": {"finished", "failed", "cancelled"},
+    "finished": set(),
+    "failed": set(),
+    "cancelled": set(),
+}
+TERMINAL = {"finished", "failed", "cancelled"}
+
+
+def _expected(src: str, dst: str) -> str:
+    if dst in ALLOWED[src]:
+        return "ok"
+    return "noop" if src == dst and src in TERMINAL else "invalid"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    with run_redis_server() as url:
+        yield url
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator:
+    c = connect(redis_url)
+    await c.flushdb()
+    yield c
+    await c.aclose()
+
+
+@pytest.fixture
+def dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"redis://127.0.0.1:{port}/0"  # nothing listens there
+
+
+# ---------------------------------------------------------------- request state
+
+
+@pytest.mark.parametrize(("src", "dst"), [(s, d) for s in STATUSES for d in STATUSES])
+async def test_transition_table(client, src: str, dst: str) -> None:
+    store = RequestStore(client)
+    await store.create("r", model="m", prompt_tokens=3, stream=False)
+    if src != "queued":
+        await store.transition("r", src)  # queued -> anything else is allowed
+    before = await store.get("r")
+    assert allowed_transition(src, dst) == (_expected(src, dst) == "ok")
+
+    if _expected(src, dst) == "invalid":
+        with pytest.raises(InvalidTransition, match=f"{src} -> {dst}"):
+            await store.transition("r", dst, error="x")
+        assert await store.get("r") == before
+    elif _expected(src, dst) == "noop":
+        await store.transition("r", dst, error="x")
+        assert await store.get("r") == before
+    else:
+        await store.transition("r", dst, error="x")
+        after = await store.get("r")
+        assert after is not None and before is not None
+        assert after["status"] == dst and after["error"] == "x"
+        assert set(after) - set(before) == {f"ts_{dst}", "error"}
+        assert float(after[f"ts_{dst}"]) >= float(before[f"ts_{src}"])
+
+
+async def test_create_records_fields_timestamps_and_ttl(client) -> None:
+    store = RequestStore(client, ttl_s=100)
+    t0 = time.time()
+    await store.create("r1", model="smol", prompt_tokens=7, stream=True, n=2)
+    t1 = time.time()
+    state = await store.get("r1")
+    assert state is not None
+    assert t0 <= float(state["created_at"]) <= t1
+    assert state == {"status": "queued", "created_at": state["created_at"],
+                     "ts_queued": state["created_at"], "model": "smol", "prompt_tokens": "7",
+                     "stream": "1", "n": "2"}
+    assert await client.ttl("pdserve:req:r1") in (99, 100)
+    with pytest.raises(RequestExists):
+        await store.create("r1", model="other", prompt_tokens=1, stream=False)
+    assert (await store.get("r1")) == state
+    assert await store.get("nope") is None
+
+
+async def test_transition_records_fields_and_refreshes_ttl(client) -> None:
+    store = RequestStore(client, ttl_s=100)
+    await store.create("r1", model="m", prompt_tokens=7, stream=False)
+    await client.expire("pdserve:req:r1", 5)
+    t0 = time.time()
+    await store.transition("r1", "prefilling", prefill_worker="p0", decode_worker="d1")
+    assert await client.ttl("pdserve:req:r1") in (99, 100)
+    await store.transition("r1", "finished", output_tokens=12, finish_reason="stop", error=None)
+    state = await store.get("r1")
+    assert state is not None
+    assert t0 <= float(state["ts_prefilling"]) <= float(state["ts_finished"]) <= time.time()
+    assert {k: v for k, v in state.items() if not k.startswith("ts_") and k != "created_at"} == {
+        "status": "finished", "model": "m", "prompt_tokens": "7", "stream": "0", "n": "1",
+        "prefill_worker": "p0", "decode_worker": "d1", "output_tokens": "12",
+        "finish_reason": "stop"}
+    assert "ts_transferring" not in state and "ts_decoding" not in state
+
+
+async def test_transition_rejects_bad_input(client) -> None:
+    store = RequestStore(client)
+    with pytest.raises(RequestNotFound):
+        await store.transition("missing", "failed")
+    await store.create("r1", model="m", prompt_tokens=1, stream=False)
+    with pytest.raises(ValueError, match="unknown status"):
+        await store.transition("r1", "running")
+    for field in ("created_at", "ts_finished"):
+        with pytest.raises(ValueError, match="reserved"):
+            await store.transition("r1", "failed", **{field: 1})
+    assert (await store.get("r1"))["status"] == "queued"  # type: ignore[index]
+
+
+async def test_concurrent_finished_vs_cancelled_leaves_one_terminal(redis_url: str) -> None:
+    c1, c2 = connect(redis_url), connect(redis_url)
+    a, b = RequestStore(c1, prefix="race"), RequestStore(c2, prefix="race")
+    winners = {"finished": 0, "cancelled": 0}
+    for i in range(40):
+        rid = f"r{i}"
+        await a.create(rid, model="m", prompt_tokens=1, stream=True)
+        await a.transition(rid, "decoding")
+        finish = a.transition(rid, "finished", finish_reason="stop")
+        cancel = b.transition(rid, "cancelled", finish_reason="abort")
+        first, second = (finish, cancel) if i % 2 else (cancel, finish)  # vary who sends first
+        results = await asyncio.gather(first, second, return_exceptions=True)
+        results = results if i % 2 else results[::-1]  # back to (finish, cancel)
+        assert sum(r is None for r in results) == 1
+        assert sum(isinstance(r, InvalidTransition) for r in results) == 1
+        winner = "finished" if results[0] is None else "cancelled"
+        loser = "cancelled" if winner == "finished" else "finished"
+        state = await a.get(rid)
+        assert state is not None
+        assert state["status"] == winner and f"ts_{winner}" in state
+        assert f"ts_{loser}" not in state
+        assert state["finish_reason"] == ("stop" if winner == "finished" else "abort")
+        winners[winner] += 1
+    assert sum(winners.values()) == 40 and min(winners.values()) > 0
+    await c1.aclose()
+    await c2.aclose()
+
+
+# ---------------------------------------------------------------- cancellation
+
+
+async def test_cancel_sets_flag_and_publishes(client) -> None:
+    store = RequestStore(client, ttl_s=50)
+    assert not await store.is_cancelled("r0")
+    await store.cancel("r0")  # nobody listening: the message is lost, the flag is not
+    async with store.listen_cancellations() as listener:
+        await store.cancel("r1")
+        await store.cancel("r2")
+        assert await asyncio.wait_for(anext(listener), 2) == "r1"
+        assert await asyncio.wait_for(anext(listener), 2) == "r2"
+    assert await store.is_cancelled("r0") and await store.is_cancelled("r1")
+    assert not await store.is_cancelled("r3")
+    assert await client.ttl("pdserve:cancel:r1") in (49, 50)
+    assert await client.get("pdserve:cancel:r1") == "1"
+
+
+# ---------------------------------------------------------------- registry
+
+
+def _info(worker_id: str, role: str = "decode", **load: int) -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, role=role, address=f"{worker_id}:50051", **load)
+
+
+async def test_registry_entry_expires_without_heartbeat(client) -> None:
+    reg = WorkerRegistry(client, ttl_s=0.5)
+    t0 = time.time()
+    stamped = await reg.register(_info("d0", num_free_blocks=11, num_total_blocks=11))
+    assert t0 <= stamped.updated_at <= time.time()
+    assert await reg.list_workers("decode") == [stamped]
+    assert 0 < await client.pttl("pdserve:worker:decode:d0") <= 500
+    await asyncio.sleep(0.7)
+    assert await reg.list_workers() == []
+
+
+async def test_heartbeat_keeps_worker_alive_and_deregisters_on_stop(client) -> None:
+    reg = WorkerRegistry(client, ttl_s=0.5)
+    load = {"num_running": 0}
+
+    async def get_info() -> WorkerInfo:
+        load["num_running"] += 1
+        return _info("p0", role="prefill", num_running=load["num_running"])
+
+    hb = Heartbeat(reg, get_info, interval_s=0.1)
+    hb.start()
+    await asyncio.sleep(0.8)  # longer than the TTL: only the heartbeat keeps it listed
+    [worker] = await reg.list_workers("prefill")
+    assert hb.running and worker.worker_id == "p0" and worker.num_running >= 5
+    await hb.stop()
+    assert not hb.running
+    assert await reg.list_workers() == []  # deregistered at once, not after the TTL
+
+
+async def test_heartbeat_survives_failures_and_recovers(client) -> None:
+    reg = WorkerRegistry(client, ttl_s=0.5)
+    calls = {"n": 0}
+
+    async def flaky() -> WorkerInfo:
+        calls["n"] += 1
+        if calls["n"] <= 3:
+            raise ConnectionError("metrics not ready")
+        return _info("d0")
+
+    hb = Heartbeat(reg, flaky, interval_s=0.05)
+    hb.start()
+    await asyncio.sleep(0.4)
+    assert hb.running and calls["n"] > 3
+    assert [w.worker_id for w in await reg.list_workers()] == ["d0"]
+    await hb.stop()
+
+
+async def test_heartbeat_survives_redis_down(dead_url: str) -> None:
+    dead = connect(dead_url, timeout_s=0.2)
+    reg = WorkerRegistry(dead, ttl_s=0.5)
+    assert not await redis_ok(dead)
+    with pytest.raises(StateStoreError):
+        await reg.list_workers()
+
+    async def get_info() -> WorkerInfo:
+        return _info("d0")
+
+    hb = Heartbeat(reg, get_info, interval_s=0.05)
+    assert await hb.beat() is False
+    hb.start()
+    await asyncio.sleep(0.3)
+    assert hb.running
+    await hb.stop()  # deregister fails, is logged, does not raise
+    assert not hb.running
+    await dead.aclose()
+
+
+async def test_list_workers_by_role(client) -> None:
+    reg = WorkerRegistry(client, ttl_s=5)
+    for wid, role in [("t0", "tokenizer"), ("p1", "prefill"), ("p0", "prefill"),
+                      ("d0", "decode"), ("g0", "gateway")]:
+        await reg.register(_info(wid, role=role))
+    await client.set(Keys().worker("decode", "bad"), "not json", px=5000)  # skipped
+    assert [w.worker_id for w in await reg.list_workers("prefill")] == ["p0", "p1"]
+    assert [w.worker_id for w in await reg.list_workers("decode")] == ["d0"]
+    assert [(w.role, w.worker_id) for w in await reg.list_workers()] == [
+        ("decode", "d0"), ("gateway", "g0"), ("prefill", "p0"), ("prefill", "p1"),
+        ("tokenizer", "t0")]
+    await reg.deregister("prefill", "p0")
+    assert [w.worker_id for w in await reg.list_workers("prefill")] == ["p1"]
+    with pytest.raises(ValueError):
+        await reg.list_workers("encoder")
+    with pytest.raises(ValueError):
+        _info("x", role="encoder")
+
+
+async def test_list_workers_spans_scan_pages(client) -> None:
+    reg = WorkerRegistry(client, ttl_s=5)
+    async with client.pipeline(transaction=False) as pipe:
+        for i in range(500):
+            pipe.set(Keys().worker("decode", f"d{i:03d}"), _info(f"d{i:03d}").to_json(), px=5000)
+        await pipe.execute()
+    workers = await reg.list_workers("decode")
+    assert [w.worker_id for w in workers] == [f"d{i:03d}" for i in range(500)]
+
+
+# ---------------------------------------------------------------- routing (pure)
+
+
+def test_pick_decode_most_free_blocks_then_fewest_running() -> None:
+    workers = [_info("d0", num_free_blocks=10, num_running=1),
+               _info("d1", num_free_blocks=12, num_running=9),
+               _info("d2", num_free_blocks=12, num_running=2),
+               _info("p0", role="prefill", num_free_blocks=99)]
+    assert pick_decode(workers) == workers[2]
+    assert pick_decode(workers[:2]) == workers[1]
+    d9, d3 = _info("d9"), _info("d3")
+    assert pick_decode([d9, d3]) == d3  # full tie: smaller worker_id
+    assert pick_decode([]) is None
+    assert pick_decode(workers[3:]) is None
+
+
+def test_pick_prefill_shortest_queue_then_most_free_blocks() -> None:
+    workers = [_info("p0", role="prefill", num_waiting=2, num_running=1, num_free_blocks=9),
+               _info("p1", role="prefill", num_waiting=0, num_running=3, num_free_blocks=5),
+               _info("p2", role="prefill", num_waiting=3, num_running=0, num_free_blocks=11),
+               _info("d0", num_waiting=0, num_running=0, num_free_blocks=99)]
+    assert pick_prefill(workers) == workers[2]
+    assert pick_prefill(workers[:2]) == workers[0]
+    p3 = _info("p3", role="prefill", num_waiting=1)
+    assert pick_prefill([*workers, p3]) == p3
+    assert pick_prefill([]) is None
+    assert pick_prefill(workers[3:]) is None
+
+
+# ---------------------------------------------------------------- isolation, health
+
+
+async def test_prefixes_isolate_clusters(client) -> None:
+    a, b = RequestStore(client, prefix="a"), RequestStore(client, prefix="b")
+    await a.create("r1", model="m", prompt_tokens=1, stream=False)
+    assert await b.get("r1") is None
+    await b.create("r1", model="m", prompt_tokens=1, stream=False)
+    await a.transition("r1", "cancelled")
+    assert (await b.get("r1"))["status"] == "queued"  # type: ignore[index]
+
+    async with a.listen_cancellations() as la, b.listen_cancellations() as lb:
+        await a.cancel("r1")
+        assert await asyncio.wait_for(anext(la), 2) == "r1"
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(anext(lb), 0.2)
+    assert await a.is_cancelled("r1") and not await b.is_cancelled("r1")
+
+    ra, rb = WorkerRegistry(client, prefix="a"), WorkerRegistry(client, prefix="b")
+    await ra.register(_info("d0"))
+    assert [w.worker_id for w in await ra.list_workers()] == ["d0"]
+    assert await rb.list_workers() == []
+    for bad in ("", "a:b", "x*", "c[1]"):
+        with pytest.raises(ValueError):
+            Keys(bad)
+
+
+async def test_redis_ok(client) -> None:
+    assert await redis_ok(client) is True

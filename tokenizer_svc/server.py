@@ -1,0 +1,52 @@
+"""`pdserve tokenizer`: the tokenizer service as its own process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from pdserve.cluster.flags import add_common_flags, add_model_flags
+from pdserve.cluster.grpc_server import make_server, serve_until_signal, set_serving
+from protos import tokenizer_pb2_grpc
+from tokenizer_svc.service import TokenizerModel, TokenizerServicer
+
+SERVICE = "pdserve.v1.Tokenizer"
+DEFAULT_PORT = 50051
+BUNDLED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_flags(parser, DEFAULT_PORT)
+    add_model_flags(parser)
+
+
+def served_name(args: argparse.Namespace, path: str) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    return BUNDLED_NAME if args.model is None else args.model
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from engine.model_loader import resolve_model
+
+    path = resolve_model(args.model)
+    model = TokenizerModel(path, served_name(args, path), args.max_model_len)
+    server, health = make_server(
+        SERVICE,
+        lambda s: tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(model), s),
+    )
+    server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+    await set_serving(health, SERVICE)
+    logging.getLogger(__name__).info("tokenizer serving %s on %s:%d", path, args.host, args.port)
+    await serve_until_signal(server)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve tokenizer")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    asyncio.run(serve(args))
+    return 0
