@@ -113,6 +113,14 @@ class UsageInfo(BaseModel):
     completion_tokens: int
     total_tokens: int
 
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
 
 class _StreamChunk(BaseModel):
     """A streamed chunk: `usage` appears only on the final usage chunk."""

@@ -155,6 +155,16 @@ def fan_out(
     return specs
 
 
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """One token's text, as shown in logprobs (special tokens included)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def clamp_logprob(logprob: float) -> float:
+    """JSON has no -inf: floor log-probabilities at -9999 as vLLM does."""
+    return max(logprob, -9999.0)
+
+
 def log_ignored_fields(request_id: str, req: OpenAIRequest) -> None:
     ignored = req.ignored_fields()
     if ignored:

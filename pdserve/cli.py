@@ -1,14 +1,21 @@
 """`pdserve` command line: one subcommand per job.
 
-    pdserve demo                      offline generation on the bundled model (chat + completion)
-    pdserve generate "prompt" ...     offline generation for prompts given on the command line
-    pdserve bench throughput          offline throughput against HF transformers
+    pdserve up [--prefill N --decode M]   the whole local cluster (Redis, tokenizer, workers,
+                                          gateway) answering OpenAI requests on localhost:8000
+    pdserve up --colocated | serve        one in-process engine behind the same gateway
+    pdserve status [--json]               registered workers and their load
+    pdserve tokenizer|prefill|decode|gateway   one service (flags with PDSERVE_* env fallbacks)
+    pdserve demo                          offline generation on the bundled model
+    pdserve generate "prompt" ...         offline generation for prompts on the command line
+    pdserve bench throughput              offline throughput against HF transformers
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from collections.abc import Callable
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -80,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.set_defaults(func=cmd_generate)
 
+    _add_services(sub)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     tp = bench_sub.add_parser("throughput", help="offline throughput vs HF transformers")
@@ -88,6 +97,40 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_arguments(tp)
     tp.set_defaults(func=lambda a: 0 if throughput.run(a) else 1)
     return parser
+
+
+def _add_services(sub: argparse._SubParsersAction) -> None:
+    from decode_svc import server as decode_server
+    from gateway import server as gateway_server
+    from pdserve import launcher, status
+    from prefill_svc import server as prefill_server
+    from tokenizer_svc import server as tokenizer_server
+
+    up = sub.add_parser("up", help="start the whole local cluster")
+    launcher.add_arguments(up)
+    up.set_defaults(func=launcher.run)
+    st = sub.add_parser("status", help="registered workers and their load")
+    status.add_arguments(st)
+    st.set_defaults(func=status.run)
+    serve = sub.add_parser("serve", help="OpenAI server with one in-process engine")
+    gateway_server.add_colocated_arguments(serve)
+    serve.set_defaults(func=lambda a: _logged(a, gateway_server.serve_colocated))
+    for name, module, text in (
+        ("tokenizer", tokenizer_server, "the tokenizer service"),
+        ("prefill", prefill_server, "a prefill worker"),
+        ("decode", decode_server, "a decode worker"),
+        ("gateway", gateway_server, "the OpenAI gateway in front of the workers"),
+    ):
+        p = sub.add_parser(name, help=f"run {text}")
+        module.add_arguments(p)
+        p.set_defaults(func=lambda a, m=module: _logged(a, m.run))
+
+
+def _logged(args: argparse.Namespace, fn: Callable[[argparse.Namespace], object]) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    fn(args)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

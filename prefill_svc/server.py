@@ -61,10 +61,5 @@ async def serve(args: argparse.Namespace) -> None:
     engine.shutdown()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve prefill")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+def run(args: argparse.Namespace) -> None:
     asyncio.run(serve(args))
-    return 0

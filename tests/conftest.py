@@ -13,6 +13,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")
+def redis_url():
+    """A throw-away real redis-server for the whole session (tests/redis_server.py)."""
+    from redis_server import run_redis_server
+
+    with run_redis_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
 def bundled_path() -> str:
     from engine.model_loader import resolve_model
 

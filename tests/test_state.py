@@ -4,13 +4,11 @@ cancellation, worker registry and heartbeat, routing picks, prefix isolation."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
-from redis_server import run_redis_server
 
 from pdserve.cluster.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from pdserve.cluster.routing import pick_decode, pick_prefill
@@ -44,14 +42,6 @@ def _expected(src: str, dst: str) -> str:
     if dst in ALLOWED[src]:
         return "ok"
     return "noop" if src == dst and src in TERMINAL else "invalid"
-
-
-@pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    with run_redis_server() as url:
-        yield url
 
 
 @pytest.fixture

@@ -43,10 +43,5 @@ async def serve(args: argparse.Namespace) -> None:
     await serve_until_signal(server)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve tokenizer")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+def run(args: argparse.Namespace) -> None:
     asyncio.run(serve(args))
-    return 0

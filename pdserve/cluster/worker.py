@@ -8,24 +8,32 @@ import logging
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.async_engine import AsyncLLMEngine
 from engine.scheduler import SchedulerStats
 from pdserve.cluster.flags import add_common_flags, add_flag, add_model_flags
 from pdserve.cluster.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from pdserve.cluster.state import connect
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger(__name__)
 
 
 def add_worker_flags(parser: argparse.ArgumentParser, port: int) -> None:
     add_common_flags(parser, port)
-    add_model_flags(parser)
     add_flag(parser, "--metrics-port", 0, type=int, help="Prometheus port (0: none)")
+    add_engine_flags(parser)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The model and engine flags (also those of the colocated `pdserve serve`)."""
+    add_model_flags(parser)
     add_flag(parser, "--dtype", "auto", help="auto, float32, bfloat16, float16")
     add_flag(parser, "--device", "auto", help="auto, cpu, cuda, cuda:N")
     add_flag(parser, "--block-size", 16, type=int, help="tokens per KV block")
@@ -40,6 +48,8 @@ def add_worker_flags(parser: argparse.ArgumentParser, port: int) -> None:
 
 
 def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
+    from engine.async_engine import AsyncLLMEngine
+
     return AsyncLLMEngine.from_args(
         args.model, role=role, dtype=args.dtype, device=args.device, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,

@@ -1,0 +1,196 @@
+"""`POST /v1/chat/completions`: a conversation in (rendered by the model's chat template),
+assistant messages out, streamed as SSE chunks or gathered into one response."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi import Response
+from fastapi.responses import JSONResponse
+
+from engine.sampling_params import SamplingParams
+from gateway.backend import ModelFacts, TokenLogprobs
+from gateway.errors import OpenAIError
+from gateway.protocol import (
+    AssistantMessage,
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatStreamChoice,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from gateway.sequence import SequenceOutput, SequenceResult
+from gateway.serving import (
+    RequestTracker,
+    ServingContext,
+    check_prompt_ids,
+    clamp_logprob,
+    common_sampling_fields,
+    fan_out,
+    fit_context,
+    generate_outputs,
+    log_ignored_fields,
+    sampling_params,
+    start_stream,
+    stream_response,
+    token_text,
+)
+
+
+class ChatServing:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, req: ChatCompletionRequest) -> Response:
+        """Serve one chat request: validate, apply the chat template, generate the `n`
+        sequences concurrently, and answer with SSE or one JSON body. Raises OpenAIError."""
+        arrival, request_id = time.monotonic(), random_id("chatcmpl")
+        model = await self.ctx.check_model(req.model)
+        log_ignored_fields(request_id, req)
+        facts = await self.ctx.backend.model_info()
+        prompt = await self._render(req)
+        check_prompt_ids(prompt, facts, "messages")
+        specs = fan_out(request_id, [prompt], [_sampling_params(req, len(prompt), facts)])
+        tracker = RequestTracker(
+            self.ctx, request_id, model, arrival, len(prompt), len(specs), req.stream
+        )
+        view = _ChatView(request_id, model, req, len(prompt), self.ctx.backend.get_tokenizer())
+        events = generate_outputs(self.ctx, tracker, specs)
+        if req.stream:
+            return stream_response(request_id, view.chunks(await start_stream(events)))
+        return await view.response(events)
+
+    async def _render(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [_message_dict(m.role, m.text(), m.name) for m in req.messages]
+        try:
+            return await self.ctx.backend.apply_chat_template(
+                messages, req.add_generation_prompt, req.chat_template
+            )
+        except ValueError as exc:
+            raise OpenAIError(f"Cannot apply the chat template: {exc}", param="messages") from exc
+
+
+def _message_dict(role: str, content: str, name: str | None) -> dict[str, str]:
+    message = {"role": role, "content": content}
+    if name is not None:
+        message["name"] = name
+    return message
+
+
+def _sampling_params(
+    req: ChatCompletionRequest, prompt_len: int, facts: ModelFacts
+) -> SamplingParams:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise OpenAIError(
+            "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs"
+        )
+    use_new = req.max_completion_tokens is not None
+    renames = {
+        "logprobs": "top_logprobs",
+        "max_tokens": "max_completion_tokens" if use_new else "max_tokens",
+    }
+    base = sampling_params(
+        renames,
+        **common_sampling_fields(req),
+        max_tokens=req.max_completion_tokens if use_new else req.max_tokens,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+    )
+    return fit_context(base, prompt_len, facts.max_model_len, "messages", renames)
+
+
+class _ChatView:
+    """Formats one request's sequence outputs as OpenAI chat completions."""
+
+    def __init__(
+        self, request_id: str, model: str, req: ChatCompletionRequest, prompt_tokens: int,
+        tokenizer: Any,
+    ) -> None:
+        self.request_id, self.model, self.req = request_id, model, req
+        self.prompt_tokens, self.tokenizer = prompt_tokens, tokenizer
+        self.created = int(time.time())
+
+    async def response(self, events: AsyncGenerator[SequenceOutput, None]) -> Response:
+        """Gather every sequence, then answer with one JSON body."""
+        results: dict[int, SequenceResult] = {}
+        async with contextlib.aclosing(events):
+            async for out in events:
+                results.setdefault(out.index, SequenceResult(out.index)).add(out)
+        ordered = [results[i] for i in sorted(results)]
+        choices = [
+            ChatCompletionChoice(
+                index=r.index, message=AssistantMessage(content=r.text),
+                logprobs=self._logprobs(r.token_ids, r.logprobs),
+                finish_reason=r.finish_reason, stop_reason=r.stop_reason,
+            )
+            for r in ordered
+        ]
+        usage = UsageInfo.of(self.prompt_tokens, sum(len(r.token_ids) for r in ordered))
+        body = ChatCompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices,
+            usage=usage,
+        )
+        return JSONResponse(body.model_dump(), headers={"X-Request-Id": self.request_id})
+
+    async def chunks(
+        self, events: AsyncGenerator[SequenceOutput, None]
+    ) -> AsyncGenerator[str, None]:
+        """SSE chunks: each choice opens with the assistant role, then its content deltas; the
+        usage chunk comes last when asked for."""
+        for index in range(self.req.n):
+            yield self._chunk(ChatStreamChoice(index=index, delta=_role_delta()))
+        completion = 0
+        async with contextlib.aclosing(events):
+            async for out in events:
+                completion += len(out.token_ids)
+                if out.text or out.finished or (self.req.logprobs and out.token_ids):
+                    yield self._chunk(self._stream_choice(out))
+        if self.req.stream_options is not None and self.req.stream_options.include_usage:
+            yield self._chunk(None, UsageInfo.of(self.prompt_tokens, completion))
+
+    def _stream_choice(self, out: SequenceOutput) -> ChatStreamChoice:
+        delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
+        return ChatStreamChoice(
+            index=out.index, delta=delta, logprobs=self._logprobs(out.token_ids, out.logprobs),
+            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+        )
+
+    def _chunk(self, choice: ChatStreamChoice | None, usage: UsageInfo | None = None) -> str:
+        chunk = ChatCompletionStreamResponse(
+            id=self.request_id, created=self.created, model=self.model,
+            choices=[] if choice is None else [choice], usage=usage,
+        )
+        return f"data: {chunk.model_dump_json()}\n\n"
+
+    def _logprobs(
+        self, token_ids: list[int], logprobs: list[TokenLogprobs] | None
+    ) -> ChatChoiceLogprobs | None:
+        """OpenAI's chat shape: per token its text, logprob, UTF-8 bytes and the top
+        `top_logprobs` alternatives, most likely first."""
+        if not self.req.logprobs:
+            return None
+        k = self.req.top_logprobs or 0
+        content = []
+        for token_id, (chosen, top) in zip(token_ids, logprobs or []):
+            ranked = sorted(top.items(), key=lambda kv: -kv[1])[:k]
+            alternatives = [self._top(t, lp) for t, lp in ranked]
+            chosen_entry = self._top(token_id, chosen).model_dump()
+            content.append(TokenLogprob(**chosen_entry, top_logprobs=alternatives))
+        return ChatChoiceLogprobs(content=content)
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        text = token_text(self.tokenizer, token_id)
+        raw = list(text.encode("utf-8", "replace"))
+        return TopLogprob(token=text, logprob=clamp_logprob(logprob), bytes=raw)
+
+
+def _role_delta() -> DeltaMessage:
+    return DeltaMessage(role="assistant", content="")

@@ -1,0 +1,210 @@
+"""`POST /v1/completions`: prompts (text or token ids, one or a batch) in, completions out,
+streamed as SSE chunks or gathered into one response."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Response
+from fastapi.responses import JSONResponse
+
+from engine.sampling_params import SamplingParams
+from gateway.backend import ModelFacts, TokenLogprobs
+from gateway.errors import OpenAIError
+from gateway.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    UsageInfo,
+    random_id,
+)
+from gateway.sequence import SequenceOutput, SequenceResult
+from gateway.serving import (
+    RequestTracker,
+    ServingContext,
+    check_prompt_ids,
+    clamp_logprob,
+    common_sampling_fields,
+    fan_out,
+    fit_context,
+    generate_outputs,
+    log_ignored_fields,
+    sampling_params,
+    start_stream,
+    stream_response,
+    token_text,
+)
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None = None  # None for token-id prompts (decoded only for echo)
+
+
+class CompletionServing:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, req: CompletionRequest) -> Response:
+        """Serve one completions request: validate, tokenize, generate every (prompt, n)
+        sequence concurrently, and answer with SSE or one JSON body. Raises OpenAIError."""
+        arrival, request_id = time.monotonic(), random_id("cmpl")
+        model = await self.ctx.check_model(req.model)
+        log_ignored_fields(request_id, req)
+        _check_supported(req)
+        facts = await self.ctx.backend.model_info()
+        prompts = await self._prompts(req, facts)
+        params = _sampling_params(req, prompts, facts)
+        specs = fan_out(request_id, [p.token_ids for p in prompts], params)
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        tracker = RequestTracker(
+            self.ctx, request_id, model, arrival, prompt_tokens, len(specs), req.stream
+        )
+        view = _CompletionView(request_id, model, req, prompts, self.ctx.backend.get_tokenizer())
+        events = generate_outputs(self.ctx, tracker, specs)
+        if req.stream:
+            return stream_response(request_id, view.chunks(await start_stream(events)))
+        return await view.response(events)
+
+    async def _prompts(self, req: CompletionRequest, facts: ModelFacts) -> list[Prompt]:
+        raw = req.prompt
+        items: list[Any] = [raw] if isinstance(raw, str) or _is_token_ids(raw) else list(raw)
+        if not items:
+            raise OpenAIError("The prompt must not be empty.", param="prompt")
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                prompt = Prompt(await self.ctx.backend.tokenize(item), item)
+            else:
+                prompt = Prompt(list(item))
+            check_prompt_ids(prompt.token_ids, facts, "prompt")
+            prompts.append(prompt)
+        return prompts
+
+
+def _is_token_ids(raw: object) -> bool:
+    return isinstance(raw, list) and bool(raw) and isinstance(raw[0], int)
+
+
+def _check_supported(req: CompletionRequest) -> None:
+    if req.suffix is not None:
+        raise OpenAIError("suffix is not currently supported", param="suffix")
+    if req.echo and req.logprobs is not None:
+        raise OpenAIError(
+            "echo with logprobs is not supported: prompt logprobs are not computed",
+            param="echo",
+        )
+
+
+def _sampling_params(
+    req: CompletionRequest, prompts: list[Prompt], facts: ModelFacts
+) -> list[SamplingParams]:
+    base = sampling_params(
+        **common_sampling_fields(req), max_tokens=req.max_tokens, logprobs=req.logprobs
+    )
+    return [fit_context(base, len(p.token_ids), facts.max_model_len, "prompt") for p in prompts]
+
+
+class _CompletionView:
+    """Formats one request's sequence outputs as OpenAI completions (choices, chunks, usage)."""
+
+    def __init__(
+        self, request_id: str, model: str, req: CompletionRequest, prompts: list[Prompt],
+        tokenizer: Any,
+    ) -> None:
+        self.request_id, self.model, self.req = request_id, model, req
+        self.prompts, self.tokenizer = prompts, tokenizer
+        self.created = int(time.time())
+        self.prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        self._echoed: set[int] = set()
+        self._offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
+
+    async def response(self, events: AsyncGenerator[SequenceOutput, None]) -> Response:
+        """Gather every sequence, then answer with one JSON body."""
+        results: dict[int, SequenceResult] = {}
+        async with contextlib.aclosing(events):
+            async for out in events:
+                results.setdefault(out.index, SequenceResult(out.index)).add(out)
+        ordered = [results[i] for i in sorted(results)]
+        choices = [self._choice(r) for r in ordered]
+        completion = sum(len(r.token_ids) for r in ordered)
+        body = CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices,
+            usage=UsageInfo.of(self.prompt_tokens, completion),
+        )
+        return JSONResponse(body.model_dump(), headers={"X-Request-Id": self.request_id})
+
+    async def chunks(
+        self, events: AsyncGenerator[SequenceOutput, None]
+    ) -> AsyncGenerator[str, None]:
+        """SSE chunks of `events`, then the usage chunk when asked for."""
+        completion = 0
+        async with contextlib.aclosing(events):
+            async for out in events:
+                completion += len(out.token_ids)
+                if self._worth_sending(out):
+                    chunk = CompletionStreamResponse(
+                        id=self.request_id, created=self.created, model=self.model,
+                        choices=[self._choice(out)],
+                    )
+                    yield f"data: {chunk.model_dump_json()}\n\n"
+        if self.req.stream_options is not None and self.req.stream_options.include_usage:
+            usage = CompletionStreamResponse(
+                id=self.request_id, created=self.created, model=self.model, choices=[],
+                usage=UsageInfo.of(self.prompt_tokens, completion),
+            )
+            yield f"data: {usage.model_dump_json()}\n\n"
+
+    def _worth_sending(self, out: SequenceOutput) -> bool:
+        """Skip pieces with nothing to show (tokens whose text is held back)."""
+        echo = self.req.echo and out.index not in self._echoed
+        wants_logprobs = self.req.logprobs is not None and bool(out.token_ids)
+        return bool(out.text) or out.finished or wants_logprobs or echo
+
+    def _choice(self, out: SequenceOutput | SequenceResult) -> CompletionChoice:
+        """One choice (or its next piece): echo prepended to its first piece; logprobs."""
+        text = out.text
+        if self.req.echo and out.index not in self._echoed:
+            text = self._prompt_text(out.index) + text
+        self._echoed.add(out.index)
+        logprobs = None
+        if self.req.logprobs is not None:
+            start = self._offsets.get(out.index, 0)
+            logprobs = self._logprobs(out.token_ids, out.logprobs or [], start)
+            self._offsets[out.index] = start + sum(len(t) for t in logprobs.tokens)
+        return CompletionChoice(
+            index=out.index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
+
+    def _prompt_text(self, index: int) -> str:
+        prompt = self.prompts[index // self.req.n]
+        if prompt.text is None:
+            prompt.text = self.tokenizer.decode(prompt.token_ids)
+        return prompt.text
+
+    def _logprobs(
+        self, token_ids: list[int], logprobs: list[TokenLogprobs], offset: int
+    ) -> CompletionLogprobs:
+        """OpenAI's legacy shape: per token its text, logprob, offset in the choice's text, and
+        the top `logprobs` alternatives plus the chosen token (as vLLM returns them)."""
+        result = CompletionLogprobs()
+        for token_id, (chosen, top) in zip(token_ids, logprobs):
+            text = token_text(self.tokenizer, token_id)
+            ranked = sorted(top.items(), key=lambda kv: -kv[1])[: self.req.logprobs]
+            alternatives = {token_text(self.tokenizer, t): clamp_logprob(lp) for t, lp in ranked}
+            alternatives.setdefault(text, clamp_logprob(chosen))
+            result.tokens.append(text)
+            result.token_logprobs.append(clamp_logprob(chosen))
+            result.top_logprobs.append(alternatives)
+            result.text_offset.append(offset)
+            offset += len(text)
+        return result
+

@@ -1,0 +1,89 @@
+"""`pdserve gateway` (in front of gRPC workers) and `pdserve serve` (one in-process engine)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import uvicorn
+
+from pdserve.cluster.flags import add_flag
+
+logger = logging.getLogger(__name__)
+
+
+def add_gateway_flags(p: argparse.ArgumentParser) -> None:
+    add_flag(p, "--host", "127.0.0.1", help="interface to bind")
+    add_flag(p, "--port", 8000, type=int, help="HTTP port")
+    add_flag(p, "--api-key", "", help="require this bearer key on /v1 routes")
+    add_flag(p, "--log-level", "info", help="debug, info, warning, error")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_gateway_flags(p)
+    add_flag(p, "--served-model-name", "", help="model name in the OpenAI API")
+    add_flag(p, "--redis-url", "redis://127.0.0.1:6379/0", help="registry and request state")
+    add_flag(p, "--tokenizer-address", "127.0.0.1:50051", help="host:port of the tokenizer")
+    add_flag(p, "--local-prefill-max-tokens", 0, type=int,
+             help="prompts up to this many tokens prefill on the decode worker (0: never)")
+
+
+async def _serve_app(app: object, args: argparse.Namespace) -> None:
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=30)
+    await uvicorn.Server(config).serve()
+
+
+async def serve_disaggregated(args: argparse.Namespace) -> None:
+    from gateway.app import build_app
+    from gateway.remote_backend import RemoteBackend
+    from pdserve.cluster.registry import WorkerRegistry
+    from pdserve.cluster.state import RequestStore, connect
+
+    client = connect(args.redis_url)
+    store = RequestStore(client)
+    backend = RemoteBackend(args.tokenizer_address, WorkerRegistry(client), store,
+                            args.local_prefill_max_tokens)
+    await _until(backend.start, "the tokenizer service")
+    app = build_app(backend, store=store, served_model_name=args.served_model_name or None,
+                    api_key=args.api_key or None)
+    await _serve_app(app, args)
+    await backend.close()
+
+
+async def _until(fn: object, what: str, timeout_s: float = 120.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            await fn()  # type: ignore[operator]
+            return
+        except Exception as exc:  # noqa: BLE001 - retried until the deadline
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(f"gave up waiting for {what}: {exc}") from exc
+            await asyncio.sleep(0.5)
+
+
+def add_colocated_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.cluster.worker import add_engine_flags
+
+    add_gateway_flags(p)
+    add_engine_flags(p)
+
+
+def serve_colocated(args: argparse.Namespace) -> None:
+    from gateway.app import build_app
+    from gateway.local_backend import LocalBackend
+    from pdserve.cluster.worker import build_engine
+
+    engine = build_engine(args, "colocated")
+    name = args.served_model_name or args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
+    app = build_app(LocalBackend(engine, name), api_key=args.api_key or None)
+    try:
+        asyncio.run(_serve_app(app, args))
+    finally:
+        engine.shutdown()
+
+
+def run(args: argparse.Namespace) -> None:
+    asyncio.run(serve_disaggregated(args))

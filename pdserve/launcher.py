@@ -1,0 +1,225 @@
+"""`pdserve up`: the whole cluster on this machine, one process per service.
+
+    redis-server (loopback, free port) ─┐
+    pdserve tokenizer                   ├─ wait until every one is healthy, print the URL,
+    pdserve prefill  x N                │  then watch; Ctrl-C or SIGTERM stops them all,
+    pdserve decode   x M                │  gateway first, Redis last
+    pdserve gateway (OpenAI API)       ─┘
+
+With `--colocated`, only the gateway runs, with the engine in-process (`pdserve serve`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from pdserve.cluster.flags import add_flag
+
+
+def cluster_file() -> Path:
+    root = os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve"
+    return Path(root) / "cluster.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    health: str  # "grpc:host:port", "http:url" or "redis:port"
+    proc: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_flag(p, "--model", None, help="local HF folder or .gguf (default: bundled SmolLM2)")
+    add_flag(p, "--host", "127.0.0.1", help="gateway interface")
+    add_flag(p, "--port", 8000, type=int, help="gateway port")
+    add_flag(p, "--prefill", 1, type=int, help="prefill workers")
+    add_flag(p, "--decode", 1, type=int, help="decode workers")
+    add_flag(p, "--colocated", False, action="store_true",
+             help="one in-process engine behind the gateway, no workers")
+    add_flag(p, "--redis-url", "", help="use this Redis instead of starting one")
+    add_flag(p, "--kv-cache-memory", 512 << 20, type=int, help="KV cache bytes per worker")
+    add_flag(p, "--max-model-len", None, type=int, help="context length served")
+    add_flag(p, "--dtype", "auto", help="auto, float32, bfloat16, float16")
+    add_flag(p, "--local-prefill-max-tokens", 0, type=int,
+             help="prompts up to this many tokens prefill on the decode worker (0: never)")
+    add_flag(p, "--startup-timeout", 300.0, type=float, help="seconds to wait for health")
+    add_flag(p, "--log-level", "info", help="debug, info, warning, error")
+
+
+def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> list[Service]:
+    """The processes to start, in start order, with their flags and health probes."""
+    py = [sys.executable, "-m", "pdserve.cli"]
+    model = ["--model", args.model] if args.model else []
+    common = [*model, "--log-level", args.log_level]
+    if args.max_model_len:
+        common += ["--max-model-len", str(args.max_model_len)]
+    engine = ["--dtype", args.dtype, "--kv-cache-memory", str(args.kv_cache_memory)]
+    gateway_url = f"http://{args.host}:{args.port}"
+    if args.colocated:
+        argv = [*py, "serve", *common, *engine, "--host", args.host, "--port", str(args.port)]
+        return [Service("gateway", argv, f"http:{gateway_url}/ready")]
+    services = []
+    if redis_port is not None:
+        services.append(Service("redis", redis_argv(redis_port), f"redis:{redis_port}"))
+    tok_port = free_port()
+    services.append(Service("tokenizer", [*py, "tokenizer", *common, "--port", str(tok_port),
+                                          "--redis-url", redis_url], f"grpc:127.0.0.1:{tok_port}"))
+    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+        for i in range(count):
+            port = free_port()
+            argv = [*py, role, *common, *engine, "--port", str(port), "--redis-url", redis_url,
+                    "--metrics-port", str(free_port())]
+            services.append(Service(f"{role}-{i}", argv, f"grpc:127.0.0.1:{port}"))
+    argv = [*py, "gateway", "--host", args.host, "--port", str(args.port), "--redis-url",
+            redis_url, "--tokenizer-address", f"127.0.0.1:{tok_port}", "--log-level",
+            args.log_level, "--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
+    services.append(Service("gateway", argv, f"http:{gateway_url}/ready"))
+    return services
+
+
+def redis_argv(port: int) -> list[str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("pdserve up: redis-server not found on PATH "
+                         "(apt-get install redis-server, or pass --redis-url)")
+    workdir = tempfile.mkdtemp(prefix="pdserve-redis-")
+    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", workdir]
+
+
+def start(service: Service) -> None:
+    service.proc = subprocess.Popen(
+        service.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **service.env},
+    )
+    threading.Thread(target=_prefix_lines, args=(service.name, service.proc.stdout),
+                     daemon=True).start()
+
+
+def _prefix_lines(name: str, stream: IO[str] | None) -> None:
+    if stream is None:
+        return
+    for line in stream:
+        sys.stdout.write(f"[{name}] {line}")
+        sys.stdout.flush()
+
+
+def healthy(service: Service) -> bool:
+    kind, _, target = service.health.partition(":")
+    if kind == "redis":
+        try:
+            with socket.create_connection(("127.0.0.1", int(target)), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+    if kind == "grpc":
+        import asyncio
+
+        from pdserve.cluster.grpc_server import check_health
+
+        return asyncio.run(check_health(target))
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(target, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def wait_healthy(service: Service, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if service.proc is not None and service.proc.poll() is not None:
+            raise RuntimeError(f"{service.name} exited with code {service.proc.returncode}")
+        if healthy(service):
+            return
+        time.sleep(0.3)
+    raise TimeoutError(f"{service.name} did not become healthy in time")
+
+
+def stop_all(services: list[Service], grace_s: float = 15.0) -> None:
+    """SIGTERM in reverse start order (gateway first, Redis last), then SIGKILL stragglers."""
+    for s in reversed(services):
+        if s.proc is not None and s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
+            try:
+                s.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                s.proc.kill()
+                s.proc.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    redis_port = None if (args.redis_url or args.colocated) else free_port()
+    redis_url = args.redis_url or (f"redis://127.0.0.1:{redis_port}/0" if redis_port else "")
+    services = plan(args, redis_url, redis_port)
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        deadline = time.monotonic() + args.startup_timeout
+        for s in services:
+            start(s)
+            if s.name in ("redis", "tokenizer"):
+                wait_healthy(s, deadline)
+        for s in services:
+            wait_healthy(s, deadline)
+        _announce(args, redis_url, services)
+        while all(s.proc is not None and s.proc.poll() is None for s in services):
+            time.sleep(0.5)
+        dead = [s.name for s in services if s.proc is not None and s.proc.poll() is not None]
+        print(f"pdserve up: {', '.join(dead)} exited; stopping the cluster", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        print("pdserve up: stopping every service ...", file=sys.stderr)
+        stop_all(services)
+        cluster_file().unlink(missing_ok=True)
+
+
+def _announce(args: argparse.Namespace, redis_url: str, services: list[Service]) -> None:
+    url = f"http://{args.host}:{args.port}"
+    info = {"gateway": url, "redis_url": redis_url,
+            "pids": {s.name: s.proc.pid for s in services if s.proc is not None}}
+    path = cluster_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(info, indent=2))
+    mode = "colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
+    print(f"""
+pdserve is up ({mode}): OpenAI API at {url}/v1
+  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+  pdserve status        (workers and their load)
+Ctrl-C stops everything.
+""", flush=True)
