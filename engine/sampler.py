@@ -28,6 +28,8 @@ from engine.sampling_params import SamplingParams
 # tokens (a partial top-k is far cheaper than sorting the vocabulary); rows whose nucleus is wider
 # are sorted in full. Other devices always sort: no host sync needed to decide.
 TOP_P_CANDIDATES = 1024
+# Tokens per block of the two-level CDF that sampling inverts.
+CDF_BLOCK = 256
 
 Logprobs = tuple[float, dict[int, float]]
 
@@ -242,14 +244,16 @@ def _restrict_rows(
     top_p: torch.Tensor,  # [M]
     num_candidates: int,
 ) -> torch.Tensor:
-    """Apply top-k/top-p to rows `idx` of `logits`; rows whose nucleus is wider than
-    `num_candidates` are redone over the whole vocabulary (a host sync: CPU only)."""
-    vocab = logits.shape[1]
+    """Apply top-k/top-p to rows `idx` of `logits`. Rows whose nucleus is wider than
+    `num_candidates` are redone with 8x as many, up to the vocabulary (host syncs: CPU only)."""
     sub, sub_k, sub_p = _select(logits, idx), _select(top_k, idx), _select(top_p, idx)
     masked, exact = apply_top_k_top_p(sub, sub_k, sub_p, num_candidates)
-    if num_candidates < vocab and not bool(exact.all()):
+    while num_candidates < logits.shape[1] and not bool(exact.all()):
+        num_candidates = min(8 * num_candidates, logits.shape[1])
         wide = (~exact).nonzero().squeeze(1)
-        masked[wide] = apply_top_k_top_p(sub[wide], sub_k[wide], sub_p[wide], vocab)[0]
+        masked[wide], exact[wide] = apply_top_k_top_p(
+            sub[wide], sub_k[wide], sub_p[wide], num_candidates
+        )
     if len(idx) == logits.shape[0]:
         return masked
     logits[_index(idx, logits.device)] = masked
@@ -296,27 +300,37 @@ def _invert_cdf(
     default_generator: torch.Generator | None,
 ) -> torch.Tensor:
     """[M] one token per row of `probs` [M, V] (unnormalised is fine): the token whose CDF
-    interval holds a uniform draw. A seeded row draws from its own generator; zero-probability
-    tokens have empty intervals and are never picked. The CDF is float64: in float32 a token of
-    probability below half an ulp of the running sum would get an interval of 0."""
-    uniform = torch.empty(probs.shape[0], 1, dtype=torch.float64, device=probs.device)  # [M, 1]
+    interval holds a uniform draw; zero-probability tokens have empty intervals. Two levels in
+    float64 (which block of tokens, then which token in it): one float32 cumsum over V would
+    round the intervals of the least likely tokens to nothing."""
+    m, vocab = probs.shape
+    uniform = torch.empty(m, 1, dtype=torch.float64, device=probs.device)  # [M, 1]
     if any(g is None for g in generators):
         uniform.uniform_(generator=default_generator)
     for i, generator in enumerate(generators):
         if generator is not None:
             uniform[i].uniform_(generator=generator)
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [M, V], non-decreasing
-    total = cdf[:, -1:]  # [M, 1]
+    full = vocab - vocab % CDF_BLOCK
+    block_mass = [probs[:, :full].reshape(m, -1, CDF_BLOCK).sum(dim=-1)]  # [M, V // BLOCK]
+    if full < vocab:
+        block_mass.append(probs[:, full:].sum(dim=-1, keepdim=True))
+    block, within = _invert(torch.cat(block_mass, dim=1).double(), uniform)  # [M, 1] each
+    ids = block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)  # [M, BLOCK]
+    mass = probs.gather(1, ids.clamp_max(vocab - 1)).masked_fill(ids >= vocab, 0.0)
+    offset, _ = _invert(mass.double(), within)
+    return (block * CDF_BLOCK + offset).squeeze(1)
+
+
+def _invert(mass: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For `mass` [M, K] float64 and `uniform` [M, 1] in [0, 1): the index [M, 1] of the interval
+    holding uniform × total on the row's CDF, and where in that interval it lies, in [0, 1)."""
+    cdf = mass.cumsum(dim=-1)  # [M, K], non-decreasing
+    total = cdf[:, -1:]
     target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
-
-
-def skip_draws(generator: torch.Generator, num_samples: int) -> None:
-    """Advance a seeded row's generator past `num_samples` samples, drawn exactly as
-    `_invert_cdf` draws them: a request whose first tokens were sampled elsewhere (another
-    worker) continues the same random sequence it would have had in one engine."""
-    for _ in range(num_samples):
-        torch.empty(1, dtype=torch.float64, device=generator.device).uniform_(generator=generator)
+    idx = torch.searchsorted(cdf, target, right=True)  # [M, 1]: mass[idx] > 0
+    before = torch.where(idx > 0, cdf.gather(1, (idx - 1).clamp_min(0)), 0.0)
+    within = (target - before) / mass.gather(1, idx)
+    return idx, within.clamp(0.0, 1.0 - 2.0**-53)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -334,3 +348,11 @@ def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     width = max((len(s) for s in seqs), default=0)
     rows = [s + [pad] * (width - len(s)) for s in seqs]
     return torch.tensor(rows, dtype=torch.long).reshape(len(seqs), width).to(device)
+
+
+def skip_draws(generator: torch.Generator, num_samples: int) -> None:
+    """Advance a seeded row's generator past `num_samples` samples, drawn exactly as
+    `_invert_cdf` draws them (one float64 uniform each): a request whose first tokens were
+    sampled on another worker continues the random sequence it would have had in one engine."""
+    for _ in range(num_samples):
+        torch.empty(1, dtype=torch.float64, device=generator.device).uniform_(generator=generator)

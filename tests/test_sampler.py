@@ -201,12 +201,19 @@ def test_logprobs_are_raw_top_k_and_chosen() -> None:
         assert list(top.values()) == pytest.approx(raw[i].topk(k).values.tolist(), abs=1e-6)
 
 
-def test_temperature_sampling_matches_softmax() -> None:
+@pytest.mark.parametrize(
+    "token_ids",
+    [[0, 1, 2, 3], [0, 255, 256, 1299]],  # ...and tokens at the edges of the CDF's blocks
+)
+def test_temperature_sampling_matches_softmax(token_ids: list[int]) -> None:
     n, temperature = 8000, 0.7
     base = torch.tensor([1.0, 0.5, 0.0, -1.0])
+    logits = torch.full((max(token_ids) + 1,), -math.inf)
+    logits[token_ids] = base
     rows = [row(SamplingParams(temperature=temperature)) for _ in range(n)]
-    out = Sampler()(base.expand(n, -1), rows, torch.Generator().manual_seed(5))
-    counts = torch.bincount(torch.tensor(out.token_ids), minlength=4).double()
+    out = Sampler()(logits.expand(n, -1), rows, torch.Generator().manual_seed(5))
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=len(logits)).double()
+    assert counts.sum() == counts[token_ids].sum()
     expected = (base / temperature).softmax(dim=-1).double() * n
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    chi2 = float(((counts[token_ids] - expected) ** 2 / expected).sum())
     assert chi2 < 16.3  # 3 degrees of freedom, p = 0.001
