@@ -38,9 +38,10 @@ class IncrementalDetokenizer:
 
     Invariant: the concatenated deltas (including `flush()`) equal
     `decode(prompt_tail + output)[len(decode(prompt_tail)):]` with `prompt_tail` the last
-    `PROMPT_CONTEXT_TOKENS` prompt tokens; for byte-level BPE tokenizers (GPT-2, Llama 3,
-    SmolLM2, Qwen) that is `tokenizer.decode(output_ids)`. SentencePiece tokenizers keep the
-    leading space that the first output token has after the prompt, as vLLM does.
+    `PROMPT_CONTEXT_TOKENS` prompt tokens (decoded without clean-up of tokenization spaces);
+    for byte-level BPE tokenizers (GPT-2, Llama 3, SmolLM2, Qwen) that is
+    `tokenizer.decode(output_ids)`. SentencePiece tokenizers keep the leading space that the first
+    output token has after the prompt, as vLLM does.
     """
 
     def __init__(
@@ -53,7 +54,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])  # the window
         self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(0, self._read_offset)
+        self._prefix_text = self._decode(self._ids)
         self._emitted = 0  # characters of the window's new text already returned
         self._stalled = 0  # tokens since the window's new text last grew
 
@@ -68,7 +69,9 @@ class IncrementalDetokenizer:
         pending = self._pending_text()
         held = len(pending) - len(pending.rstrip(REPLACEMENT_CHAR))
         if held == 0:
-            return self._advance(pending)
+            # All complete. No text at all (a skipped special token): keep the context, which
+            # gives the next token its leading space.
+            return self._advance(pending) if pending else ""
         self._stalled = 0 if held < len(pending) else self._stalled + len(new_token_ids)
         if self._stalled >= MAX_HELD_TOKENS:
             return self._advance(pending)
@@ -82,23 +85,23 @@ class IncrementalDetokenizer:
 
     def _pending_text(self) -> str:
         """Text of the tokens after `read_offset` not yet returned."""
-        text = self._decode(0, len(self._ids))
+        text = self._decode(self._ids)
         return text[len(self._prefix_text) + self._emitted :]
 
     def _advance(self, pending: str) -> str:
         """Return `pending` and slide the window: what was new becomes the context."""
         del self._ids[: self._read_offset]  # tokens left of the new context are never decoded again
         self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(0, self._read_offset)
+        self._prefix_text = self._decode(self._ids)
         self._emitted = 0
         self._stalled = 0
         return pending
 
-    def _decode(self, start: int, end: int) -> str:
-        if start >= end:
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
             return ""
         return self.tokenizer.decode(
-            self._ids[start:end],
+            ids,
             skip_special_tokens=self.skip_special_tokens,
             clean_up_tokenization_spaces=False,
         )

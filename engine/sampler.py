@@ -25,8 +25,8 @@ import torch
 from engine.sampling_params import SamplingParams
 
 # On CPU, top-p without a smaller top-k first looks for the nucleus among this many most likely
-# tokens (a partial top-k is far cheaper than sorting the vocabulary); rows whose nucleus is wider
-# are sorted in full. Other devices always sort: no host sync needed to decide.
+# tokens (a partial top-k is far cheaper than sorting the vocabulary), then 8x as many for rows
+# whose nucleus is wider, and so on. Other devices sort the whole vocabulary: no host sync.
 TOP_P_CANDIDATES = 1024
 # Tokens per block of the two-level CDF that sampling inverts.
 CDF_BLOCK = 256
@@ -278,7 +278,9 @@ def apply_top_k_top_p(
     position = torch.arange(num_candidates, device=logits.device)  # [K]
     values = values.masked_fill(position >= top_k.unsqueeze(1), -math.inf)
     k_inside = top_k <= num_candidates  # [M]: the top-k set is all among the candidates
-    log_norm = torch.where(k_inside, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))  # [M]
+    log_norm = values.logsumexp(dim=-1)  # [M]: renormalised over the top-k...
+    if num_candidates < vocab:  # ...or over the whole vocabulary for rows without one
+        log_norm = torch.where(k_inside, log_norm, logits.logsumexp(dim=-1))
     probs = (values - log_norm.unsqueeze(1)).exp()  # [M, K]
     mass = probs.cumsum(dim=-1)  # [M, K]
     # A token goes once the tokens ranked above it already hold top_p.

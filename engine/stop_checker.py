@@ -92,7 +92,8 @@ def check_token_stop(
     `num_output_tokens` counts `token_id`. Before `min_tokens` nothing stops it. Then eos ends it
     with ("stop", None) unless `ignore_eos`; a stop token id with ("stop", token_id), even with
     `ignore_eos`; otherwise reaching `max_tokens` ends it with ("length", None). The stopping token
-    stays in the output ids; its text is left out by the detokenizer (special tokens skipped).
+    stays in the output ids; its text is not part of the output (vLLM's rule), which the caller
+    ensures by not detokenizing it.
     """
     if num_output_tokens < min_tokens:
         return None, None

@@ -30,7 +30,6 @@ from gateway.protocol import (
 )
 from gateway.sequence import SequenceOutput, SequenceResult
 from gateway.serving import (
-    RequestTracker,
     ServingContext,
     check_prompt_ids,
     clamp_logprob,
@@ -60,9 +59,7 @@ class ChatServing:
         prompt = await self._render(req)
         check_prompt_ids(prompt, facts, "messages")
         specs = fan_out(request_id, [prompt], [_sampling_params(req, len(prompt), facts)])
-        tracker = RequestTracker(
-            self.ctx, request_id, model, arrival, len(prompt), len(specs), req.stream
-        )
+        tracker = self.ctx.tracker(request_id, model, arrival, len(prompt), len(specs), req.stream)
         view = _ChatView(request_id, model, req, len(prompt), self.ctx.backend.get_tokenizer())
         events = generate_outputs(self.ctx, tracker, specs)
         if req.stream:

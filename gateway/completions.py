@@ -26,7 +26,6 @@ from gateway.protocol import (
 )
 from gateway.sequence import SequenceOutput, SequenceResult
 from gateway.serving import (
-    RequestTracker,
     ServingContext,
     check_prompt_ids,
     clamp_logprob,
@@ -63,10 +62,8 @@ class CompletionServing:
         prompts = await self._prompts(req, facts)
         params = _sampling_params(req, prompts, facts)
         specs = fan_out(request_id, [p.token_ids for p in prompts], params)
-        prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        tracker = RequestTracker(
-            self.ctx, request_id, model, arrival, prompt_tokens, len(specs), req.stream
-        )
+        num_prompt = sum(len(p.token_ids) for p in prompts)
+        tracker = self.ctx.tracker(request_id, model, arrival, num_prompt, len(specs), req.stream)
         view = _CompletionView(request_id, model, req, prompts, self.ctx.backend.get_tokenizer())
         events = generate_outputs(self.ctx, tracker, specs)
         if req.stream:
@@ -81,12 +78,18 @@ class CompletionServing:
         prompts = []
         for item in items:
             if isinstance(item, str):
-                prompt = Prompt(await self.ctx.backend.tokenize(item), item)
+                prompt = Prompt(await self._tokenize(item), item)
             else:
                 prompt = Prompt(list(item))
             check_prompt_ids(prompt.token_ids, facts, "prompt")
             prompts.append(prompt)
         return prompts
+
+    async def _tokenize(self, text: str) -> list[int]:
+        try:
+            return await self.ctx.backend.tokenize(text)
+        except ValueError as exc:
+            raise OpenAIError(f"Cannot tokenize the prompt: {exc}", param="prompt") from exc
 
 
 def _is_token_ids(raw: object) -> bool:

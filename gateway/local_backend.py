@@ -12,6 +12,8 @@ from engine.outputs import CompletionOutput, Logprob
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from gateway.backend import BackendError, ModelFacts, TokenDelta, TokenLogprobs
 
+READY_TIMEOUT_S = 5.0
+
 
 class LocalBackend:
     """`Backend` over an `AsyncLLMEngine` in this process."""
@@ -85,12 +87,15 @@ class LocalBackend:
             await stream.aclose()
 
     async def ready(self) -> bool:
+        """True while the engine thread answers (within READY_TIMEOUT_S)."""
         if self._dead:
             return False
         try:
-            await self.engine.stats()
+            await asyncio.wait_for(self.engine.stats(), READY_TIMEOUT_S)
         except EngineDeadError:
             self._dead = True
+            return False
+        except asyncio.TimeoutError:
             return False
         return True
 

@@ -223,10 +223,13 @@ class RemoteBackend:
                             retryable=exc.code() in RETRYABLE)
 
     async def _transition(self, request_id: str, status: str, **fields: Any) -> None:
-        if self.store is None:
+        """Record a phase in the request's state. A fan-out's sequences are `{id}-{i}` (gateway
+        convention); the first one speaks for the request, the others stay silent."""
+        state_id = _state_id(request_id)
+        if self.store is None or state_id is None:
             return
         try:
-            await self.store.transition(request_id, status, **fields)
+            await self.store.transition(state_id, status, **fields)
         except Exception as exc:  # noqa: BLE001 - state tracking must not fail a generation
             logger.warning("[%s] state %s not recorded: %s", request_id, status, exc)
 
@@ -246,6 +249,13 @@ class RemoteBackend:
 
     def _tok_stub(self) -> tokenizer_pb2_grpc.TokenizerStub:
         return tokenizer_pb2_grpc.TokenizerStub(self._channel(self.tokenizer_address))
+
+
+def _state_id(request_id: str) -> str | None:
+    head, _, tail = request_id.rpartition("-")
+    if not tail.isdigit():
+        return request_id
+    return head if tail == "0" else None
 
 
 def _tokenizer_from_info(info: tokenizer_pb2.ModelInfo) -> Any:

@@ -81,15 +81,20 @@ class SequenceDecoder:
         self.detok = IncrementalDetokenizer(
             tokenizer, spec.prompt_token_ids, params.skip_special_tokens
         )
+        self.include_stop = params.include_stop_str_in_output
         self.matcher = None
         if params.stop_list:
             self.matcher = StopStringMatcher(params.stop_list, params.include_stop_str_in_output)
 
     def decode(self, delta: TokenDelta) -> SequenceOutput:
         """Text of `delta`'s tokens, fed one token at a time so that a stop string ends the
-        output at the token that completed it (later tokens of the delta are dropped)."""
+        output at the token that completed it (later tokens of the delta are dropped). A token
+        that stopped the sequence (eos, stop_token_ids) stays in the ids but, as in vLLM, adds
+        no text unless `include_stop_str_in_output`."""
         ids, text = delta.token_ids, ""
         steps = [[token_id] for token_id in ids] or [[]]
+        if delta.finish_reason == "stop" and ids and not self.include_stop:
+            steps[-1] = []
         for i, step in enumerate(steps):
             final = delta.finish_reason is not None and i == len(steps) - 1
             piece, stop = self._feed(self.detok.step(step), final)
@@ -123,7 +128,8 @@ async def generate_sequence(
     (the backend aborted it) finishes with "abort".
     """
     decoder = SequenceDecoder(tokenizer, spec)
-    stream = backend.generate(spec.request_id, spec.prompt_token_ids, spec.params)
+    params = spec.params.clone(stop=None, include_stop_str_in_output=False)  # ours to apply
+    stream = backend.generate(spec.request_id, spec.prompt_token_ids, params)
     try:
         async for delta in stream:
             out = decoder.decode(delta)

@@ -1,6 +1,6 @@
 """What completions and chat share: request -> `SamplingParams`, the context-length check, the
-fan-out of `n` and of batched prompts into sequences, the request's accounting (metrics and state
-store) and the plumbing of streamed and disconnect-aware responses.
+fan-out of `n` and of batched prompts into sequences, and the plumbing of streamed and
+disconnect-aware responses.
 """
 
 from __future__ import annotations
@@ -9,11 +9,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import time
 from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request, Response
@@ -26,23 +24,13 @@ from gateway.errors import OpenAIError, from_backend_error
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ErrorResponse, OpenAIRequest
 from gateway.sequence import SequenceOutput, SequenceSpec, generate_sequence, merge_sequences
+from gateway.tracker import RequestTracker, StateStore
 
 logger = logging.getLogger("pdserve.gateway")
 
 T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
-STORE_TIMEOUT_S = 5.0
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
-
-
-class StateStore(Protocol):
-    """Request state records (Redis in the cluster): `pdserve.cluster.state.RequestStore`."""
-
-    async def create(
-        self, request_id: str, *, model: str, prompt_tokens: int, stream: bool, n: int = 1
-    ) -> Any: ...
-
-    async def transition(self, request_id: str, status: str, **fields: Any) -> Any: ...
 
 
 @dataclass
@@ -65,6 +53,15 @@ class ServingContext:
                 f"The model `{requested}` does not exist.", 404, "model", "model_not_found"
             )
         return name
+
+    def tracker(
+        self, request_id: str, model: str, arrival: float, prompt_tokens: int,
+        num_choices: int, stream: bool,
+    ) -> RequestTracker:
+        return RequestTracker(
+            self.metrics, self.store, request_id, model, arrival, prompt_tokens, num_choices,
+            stream,
+        )
 
 
 # ---- request -> sampling params ----------------------------------------------------------
@@ -169,86 +166,6 @@ def log_ignored_fields(request_id: str, req: OpenAIRequest) -> None:
     ignored = req.ignored_fields()
     if ignored:
         logger.warning("%s: ignoring unknown fields %s", request_id, ignored)
-
-
-# ---- accounting --------------------------------------------------------------------------
-class RequestTracker:
-    """One request's accounting from admission to its end: the gateway's metrics and, when a
-    store is given, its state record (created `queued`; finished, failed or cancelled)."""
-
-    def __init__(
-        self, ctx: ServingContext, request_id: str, model: str, arrival: float,
-        prompt_tokens: int, num_choices: int, stream: bool,
-    ) -> None:
-        self.ctx, self.request_id, self.model, self.arrival = ctx, request_id, model, arrival
-        self.prompt_tokens, self.num_choices, self.stream = prompt_tokens, num_choices, stream
-        self.output_tokens = 0
-        self.finish_reasons: dict[int, str] = {}
-        self._first_token: float | None = None
-        self._last_token: dict[int, float] = {}
-
-    async def __aenter__(self) -> RequestTracker:
-        m = self.ctx.metrics
-        m.num_requests_running.labels(self.model).inc()
-        m.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
-        await self._record(
-            "create", self.request_id, model=self.model, prompt_tokens=self.prompt_tokens,
-            stream=self.stream, n=self.num_choices,
-        )
-        return self
-
-    def observe(self, out: SequenceOutput) -> None:
-        """Count one sequence output: tokens, time to first token, inter-token latency."""
-        m, now, count = self.ctx.metrics, time.monotonic(), len(out.token_ids)
-        if count:
-            if self._first_token is None:
-                self._first_token = now
-                m.time_to_first_token.labels(self.model).observe(now - self.arrival)
-            last = self._last_token.get(out.index)
-            if last is not None:
-                for _ in range(count):
-                    m.inter_token_latency.labels(self.model).observe((now - last) / count)
-            self._last_token[out.index] = now
-            self.output_tokens += count
-            m.generation_tokens.labels(self.model).inc(count)
-        if out.finish_reason is not None:
-            self.finish_reasons[out.index] = out.finish_reason
-            m.request_success.labels(self.model, out.finish_reason).inc()
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        m, elapsed = self.ctx.metrics, time.monotonic() - self.arrival
-        m.num_requests_running.labels(self.model).dec()
-        fields: dict[str, Any] = {"output_tokens": self.output_tokens}
-        if exc is None and len(self.finish_reasons) == self.num_choices:
-            status = "finished"
-            fields["finish_reason"] = self.finish_reasons[min(self.finish_reasons)]
-            m.e2e_request_latency.labels(self.model).observe(elapsed)
-        elif exc is None or isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-            status = "cancelled"
-            for _ in range(self.num_choices - len(self.finish_reasons)):
-                m.request_success.labels(self.model, "abort").inc()
-        else:
-            status, fields["error"] = "failed", str(exc) or type(exc).__name__
-        log = logger.info if status != "failed" else logger.error
-        log("%s: %s in %.3fs, prompt_tokens=%d output_tokens=%d %s", self.request_id, status,
-            elapsed, self.prompt_tokens, self.output_tokens, fields.get("error", ""),
-            exc_info=exc if status == "failed" and not isinstance(exc, BackendError) else None)
-        await self._record("transition", self.request_id, status, **fields)
-
-    async def _record(self, method: str, *args: Any, **fields: Any) -> None:
-        """Write to the store, if any; a store failure is logged, never fails the request."""
-        if self.ctx.store is None:
-            return
-        try:
-            with anyio.move_on_after(STORE_TIMEOUT_S, shield=True) as scope:
-                await getattr(self.ctx.store, method)(*args, **fields)
-            if scope.cancelled_caught:
-                logger.warning("%s: state store %s timed out", self.request_id, method)
-        except Exception:  # noqa: BLE001 - the store is best effort
-            logger.warning("%s: state store %s failed", self.request_id, method, exc_info=True)
 
 
 async def generate_outputs(

@@ -30,6 +30,9 @@ from pdserve.cluster.flags import add_flag
 
 
 def cluster_file() -> Path:
+    """Where `pdserve up` records its cluster (gateway URL, Redis URL, pids) for `status`."""
+    if os.environ.get("PDSERVE_CLUSTER_FILE"):
+        return Path(os.environ["PDSERVE_CLUSTER_FILE"])
     root = os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve"
     return Path(root) / "cluster.json"
 
@@ -192,11 +195,7 @@ def run(args: argparse.Namespace) -> int:
         for s in services:
             wait_healthy(s, deadline)
         _announce(args, redis_url, services)
-        while all(s.proc is not None and s.proc.poll() is None for s in services):
-            time.sleep(0.5)
-        dead = [s.name for s in services if s.proc is not None and s.proc.poll() is not None]
-        print(f"pdserve up: {', '.join(dead)} exited; stopping the cluster", file=sys.stderr)
-        return 1
+        return _watch(services)
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError) as exc:
@@ -206,6 +205,24 @@ def run(args: argparse.Namespace) -> int:
         print("pdserve up: stopping every service ...", file=sys.stderr)
         stop_all(services)
         cluster_file().unlink(missing_ok=True)
+
+
+def _watch(services: list[Service]) -> int:
+    """Until a core service (Redis, tokenizer, gateway) exits. A worker that exits is reported
+    and left out: the registry drops it and the gateway routes around it."""
+    reported: set[str] = set()
+    while True:
+        for s in services:
+            if s.proc is None or s.proc.poll() is None or s.name in reported:
+                continue
+            if s.name in ("redis", "tokenizer", "gateway"):
+                print(f"pdserve up: {s.name} exited ({s.proc.returncode}); stopping the cluster",
+                      file=sys.stderr)
+                return 1
+            reported.add(s.name)
+            print(f"pdserve up: {s.name} exited ({s.proc.returncode}); serving without it",
+                  file=sys.stderr)
+        time.sleep(0.5)
 
 
 def _announce(args: argparse.Namespace, redis_url: str, services: list[Service]) -> None:

@@ -39,7 +39,9 @@ def shuffled_block_tables(
     return tables
 
 
-def build_metadata(chunks: list[SeqChunk], block_size: int) -> AttentionMetadata:
+def build_metadata(
+    chunks: list[SeqChunk], block_size: int, device: str = "cpu"
+) -> AttentionMetadata:
     """The metadata the model runner would build for one step (prefills first, then decodes)."""
     is_decode = [c.num_new == 1 for c in chunks]
     assert is_decode == sorted(is_decode), "prefills must come before decodes"
@@ -58,10 +60,10 @@ def build_metadata(chunks: list[SeqChunk], block_size: int) -> AttentionMetadata
         num_prefills=num_prefills,
         num_prefill_tokens=starts[num_prefills],
         num_decodes=len(chunks) - num_prefills,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor([c.seq_len for c in chunks], dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([c.seq_len for c in chunks], dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
         query_start_loc_cpu=starts,
         seq_lens_cpu=[c.seq_len for c in chunks],
         max_seq_len=max(c.seq_len for c in chunks),

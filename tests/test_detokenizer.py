@@ -134,3 +134,12 @@ def test_sentencepiece_leading_spaces_and_byte_fallback(sentencepiece_tokenizer)
     # After a prompt, the first token keeps the space it has in context (vLLM's behaviour).
     prompt = tok.encode("Hello", add_special_tokens=False)
     assert "".join(stream(IncrementalDetokenizer(tok, prompt), ids[1:3])) == " world!"
+
+
+def test_sentencepiece_space_after_a_skipped_special_token(sentencepiece_tokenizer) -> None:
+    tok = sentencepiece_tokenizer
+    hello, world = tok.encode("Hello world", add_special_tokens=False)
+    ids = [hello, tok.eos_token_id, world]
+    deltas = stream(IncrementalDetokenizer(tok, []), ids)
+    assert deltas == ["Hello", "", " world", ""]
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True) == "Hello world"

@@ -5,6 +5,7 @@ errors in OpenAI's shape, metrics, the state store, and aborts when the client g
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import socket
 import threading
@@ -200,6 +201,19 @@ def test_stop_string_cuts_text(client: openai.OpenAI) -> None:
     assert kept.choices[0].text == expected + stop
 
 
+def test_stop_token_ids_leave_out_the_stop_token(client: openai.OpenAI, llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=12)
+    ids = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+    k = next(k for k in range(2, len(ids)) if ids[k] not in ids[:k])
+    r = client.completions.create(
+        prompt=PROMPT, extra_body={"stop_token_ids": [ids[k]]}, **greedy(12)
+    )
+    assert r.choices[0].text == llm.get_tokenizer().decode(ids[:k])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == ids[k]
+    assert r.usage.completion_tokens == k + 1
+
+
 def test_echo(client: openai.OpenAI) -> None:
     plain = client.completions.create(prompt=PROMPT, **greedy(5)).choices[0].text
     r = client.completions.create(prompt=PROMPT, echo=True, **greedy(5))
@@ -263,7 +277,7 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
         ({"n": "x"}, "n"),
         ({"logprobs": 21}, "logprobs"),
         ({"stop": [""]}, "stop"),
-        ({"min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+        ({"max_tokens": 5, "extra_body": {"min_tokens": 20}}, "min_tokens"),
         ({"prompt": []}, "prompt"),
         ({"prompt": [10**9]}, "prompt"),
     ],
@@ -283,13 +297,16 @@ def test_error_shapes_and_server_survives(client: openai.OpenAI, base_url: str) 
     assert missing.status_code == 400 and error_of(missing)["param"] == "messages"
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4", prompt=PROMPT)
-    assert info.value.message == "The model `gpt-4` does not exist." or "gpt-4" in str(info.value)
-    assert info.value.param == "model"
+    assert info.value.body["message"] == "The model `gpt-4` does not exist."
+    assert info.value.param == "model" and info.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt=[5] * 600, max_tokens=4)
     assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
-    assert "maximum context length is 512 tokens" in info.value.message
-    assert "604 tokens (600 in the messages, 4 in the completion)" in info.value.message
+    assert info.value.body["message"] == (
+        "This model's maximum context length is 512 tokens. However, you requested 604 tokens "
+        "(600 in the messages, 4 in the completion). Please reduce the length of the messages "
+        "or completion."
+    )
     long_chat = [{"role": "user", "content": "word " * 600}]
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=long_chat)
@@ -328,6 +345,48 @@ def test_non_stream_disconnect_aborts_in_engine(
     wait_until_idle(engine)
     status, fields = list(store.records.values())[-1][-1]
     assert status == "cancelled" and fields["output_tokens"] < 480
+
+
+def test_disconnect_while_blocked_on_a_slow_client(engine: AsyncLLMEngine) -> None:
+    """The client goes away while the response is stuck writing to it (the body generator is
+    suspended at a yield, where no cancellation reaches it): the response closes it, and the
+    engine aborts."""
+    store = RecordingStore()
+    app = build_app(LocalBackend(engine, "tiny"), store=store)
+    body = {"prompt": PROMPT, "stream": True, "ignore_eos": True, **greedy(480)}
+    asyncio.run(asyncio.wait_for(_send_and_stall(app, json.dumps(body).encode(), store), 10))
+    wait_until_idle(engine)
+    ((_, fields),) = [records[-1] for records in store.records.values()]
+    assert fields["output_tokens"] < 480
+
+
+async def _send_and_stall(app: Any, body: bytes, store: RecordingStore) -> None:
+    """Drive the ASGI app by hand: after two body chunks `send` blocks forever (a client
+    that stopped reading), then the client disconnects."""
+    gone, incoming, sent = asyncio.Event(), [{"type": "http.request", "body": body}], []
+
+    async def receive() -> dict[str, Any]:
+        if incoming:
+            return incoming.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            sent.append(message)
+            if len(sent) == 2:
+                gone.set()
+                await asyncio.Event().wait()
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": "/v1/completions", "query_string": b"",
+        "raw_path": b"/v1/completions", "root_path": "", "client": ("127.0.0.1", 1),
+        "headers": [(b"content-type", b"application/json")], "server": ("127.0.0.1", 80),
+    }
+    await app(scope, receive, send)
+    # Closed before the response returns, not later by garbage collection.
+    assert [records[-1][0] for records in store.records.values()] == ["cancelled"]
 
 
 def test_state_store_records_lifecycle(client: openai.OpenAI, store: RecordingStore) -> None:
@@ -383,6 +442,20 @@ def test_backend_errors(engine: AsyncLLMEngine, retryable: bool, status: int) ->
             assert "Traceback" not in r.text
         assert http.get("/ready").status_code == 503
         assert http.get("/health").status_code == 200
+
+
+class BrokenStore:
+    async def create(self, request_id: str, **fields: Any) -> None:
+        raise ConnectionError("redis is down")
+
+    async def transition(self, request_id: str, status: str, **fields: Any) -> None:
+        raise ConnectionError("redis is down")
+
+
+def test_state_store_failure_does_not_fail_requests(engine: AsyncLLMEngine) -> None:
+    with TestClient(build_app(LocalBackend(engine, "tiny"), store=BrokenStore())) as http:
+        r = http.post("/v1/completions", json={"prompt": PROMPT, **greedy(2)})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
 def test_api_key(engine: AsyncLLMEngine) -> None:

@@ -173,10 +173,14 @@ def test_llama3_inv_freq_equals_hf() -> None:
 BACKEND_CHUNKS = [(0, 17), (15, 18), (31, 1), (16, 1), (0, 1), (47, 1)]  # (cached, new)
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "num_blocks"), [(9, 3, 40), (4, 1, 4096)])
 def test_torch_backend_matches_naive_reference(
-    num_heads: int, num_kv_heads: int, num_blocks: int, dtype: torch.dtype
+    num_heads: int, num_kv_heads: int, num_blocks: int, dtype: torch.dtype, device: str
 ) -> None:
     head_dim, scale = 64, 0.125
     gen = torch.Generator().manual_seed(3)
@@ -184,12 +188,12 @@ def test_torch_backend_matches_naive_reference(
     tables = shuffled_block_tables(seq_lens, BLOCK_SIZE, num_blocks, seed=4)
     chunks = [SeqChunk(t, c, n) for t, (c, n) in zip(tables, BACKEND_CHUNKS, strict=True)]
     kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
-    kv_cache = kv_cache.to(dtype)
-    meta = build_metadata(chunks, BLOCK_SIZE)
+    kv_cache = kv_cache.to(device, dtype)
+    meta = build_metadata(chunks, BLOCK_SIZE, device)
     num_tokens = meta.num_tokens
-    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
-    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(device, dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device, dtype)
 
     backend = TorchAttentionBackend()
     backend.prepare(meta)
@@ -197,10 +201,10 @@ def test_torch_backend_matches_naive_reference(
 
     flat = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, Hkv, D]
     assert torch.equal(flat[0, meta.slot_mapping], k) and torch.equal(flat[1, meta.slot_mapping], v)
-    expected = naive_paged_attention(q.float(), kv_cache.float(), chunks, scale)
+    expected = naive_paged_attention(q.cpu().double(), kv_cache.cpu().double(), chunks, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert out.shape == (num_tokens, num_heads, head_dim) and out.dtype == dtype
-    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
 
 
 # ---- the bundled SmolLM2-135M (30 layers, 9/3 heads, head_dim 64) -----------------------------

@@ -1,0 +1,120 @@
+"""One request's accounting at the gateway: its metrics, and its record in the state store
+(Redis in the cluster) from admission (`queued`) to its end (finished, failed or cancelled).
+The states in between (prefilling, transferring, decoding) are the backend's to record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from types import TracebackType
+from typing import Any, Protocol
+
+import anyio
+
+from gateway.backend import BackendError
+from gateway.metrics import GatewayMetrics
+from gateway.sequence import SequenceOutput
+
+logger = logging.getLogger("pdserve.gateway")
+STORE_TIMEOUT_S = 5.0
+
+
+class StateStore(Protocol):
+    """Request state records (Redis in the cluster): `pdserve.cluster.state.RequestStore`."""
+
+    async def create(
+        self, request_id: str, *, model: str, prompt_tokens: int, stream: bool, n: int = 1
+    ) -> Any: ...
+
+    async def transition(self, request_id: str, status: str, **fields: Any) -> Any: ...
+
+
+class RequestTracker:
+    """One request's accounting from admission to its end: the gateway's metrics and, when a
+    store is given, its state record (created `queued`; finished, failed or cancelled)."""
+
+    def __init__(
+        self, metrics: GatewayMetrics, store: StateStore | None, request_id: str, model: str,
+        arrival: float, prompt_tokens: int, num_choices: int, stream: bool,
+    ) -> None:
+        self.metrics, self.store = metrics, store
+        self.request_id, self.model, self.arrival = request_id, model, arrival
+        self.prompt_tokens, self.num_choices, self.stream = prompt_tokens, num_choices, stream
+        self.output_tokens = 0
+        self.finish_reasons: dict[int, str] = {}
+        self._first_token: float | None = None
+        self._last_token: dict[int, float] = {}
+
+    async def __aenter__(self) -> RequestTracker:
+        m = self.metrics
+        m.num_requests_running.labels(self.model).inc()
+        m.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
+        await self._record(
+            "create", self.request_id, model=self.model, prompt_tokens=self.prompt_tokens,
+            stream=self.stream, n=self.num_choices,
+        )
+        return self
+
+    def observe(self, out: SequenceOutput) -> None:
+        """Count one sequence output: tokens, time to first token, inter-token latency."""
+        m, now, count = self.metrics, time.monotonic(), len(out.token_ids)
+        if count:
+            if self._first_token is None:
+                self._first_token = now
+                m.time_to_first_token.labels(self.model).observe(now - self.arrival)
+            last = self._last_token.get(out.index)
+            if last is not None:
+                for _ in range(count):
+                    m.inter_token_latency.labels(self.model).observe((now - last) / count)
+            self._last_token[out.index] = now
+            self.output_tokens += count
+            m.generation_tokens.labels(self.model).inc(count)
+        if out.finish_reason is not None:
+            self.finish_reasons[out.index] = out.finish_reason
+            m.request_success.labels(self.model, out.finish_reason).inc()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Record how the request ended: finished (every choice has a finish reason),
+        cancelled (client gone) or failed (an error); never swallows the exception."""
+        m, elapsed = self.metrics, time.monotonic() - self.arrival
+        m.num_requests_running.labels(self.model).dec()
+        fields: dict[str, Any] = {"output_tokens": self.output_tokens}
+        if exc is None and len(self.finish_reasons) == self.num_choices:
+            status = "finished"
+            fields["finish_reason"] = self.finish_reasons[min(self.finish_reasons)]
+            m.e2e_request_latency.labels(self.model).observe(elapsed)
+        elif exc is None or isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            status = "cancelled"
+            for _ in range(self.num_choices - len(self.finish_reasons)):
+                m.request_success.labels(self.model, "abort").inc()
+        else:
+            status, fields["error"] = "failed", str(exc) or type(exc).__name__
+        self._log(status, elapsed, exc)
+        await self._record("transition", self.request_id, status, **fields)
+
+    def _log(self, status: str, elapsed: float, exc: BaseException | None) -> None:
+        summary = (f"{self.request_id}: {status} in {elapsed:.3f}s, "
+                   f"prompt_tokens={self.prompt_tokens} output_tokens={self.output_tokens}")
+        if status != "failed":
+            logger.info(summary)
+        elif isinstance(exc, BackendError):
+            logger.error("%s: %s", summary, exc)
+        else:  # a bug: keep the traceback (in the log, never in a response)
+            logger.error(summary, exc_info=exc)
+
+    async def _record(self, method: str, *args: Any, **fields: Any) -> None:
+        """Write to the store, if any; a store failure is logged, never fails the request."""
+        if self.store is None:
+            return
+        try:
+            with anyio.move_on_after(STORE_TIMEOUT_S, shield=True) as scope:
+                await getattr(self.store, method)(*args, **fields)
+            if scope.cancelled_caught:
+                logger.warning("%s: state store %s timed out", self.request_id, method)
+        except Exception:  # noqa: BLE001 - the store is best effort
+            logger.warning("%s: state store %s failed", self.request_id, method, exc_info=True)

@@ -1,0 +1,207 @@
+"""The disaggregated pipeline as the README runs it: `pdserve up` (Redis, tokenizer, 1 prefill
+and 1 decode worker, gateway as separate processes) on the bundled model, driven with the
+official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from cluster import http_get, run_cluster
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The history of the Roman Empire spans many centuries. It began when Augustus became the "
+    "first emperor, and over the following years the empire grew to cover most of Europe, "
+    "North Africa and the Middle East. Describe its economy:",
+    "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n",
+    "Q: What is the boiling point of water at sea level?\nA:",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cluster")
+    with run_cluster(tmp, "--prefill", "1", "--decode", "1",
+                     "--kv-cache-memory", str(128 << 20), "--max-model-len", "2048") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def colocated_texts():
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(dtype="float32", kv_cache_memory=128 << 20, max_model_len=2048)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+def test_disaggregated_greedy_equals_colocated(client, colocated_texts):
+    for prompt, expected in zip(PROMPTS, colocated_texts):
+        r = client.completions.create(model="HuggingFaceTB/SmolLM2-135M-Instruct",
+                                      prompt=prompt, max_tokens=24, temperature=0)
+        assert r.choices[0].text == expected
+    tok_counts = [client.completions.create(model=None, prompt=p, max_tokens=1).usage.prompt_tokens
+                  for p in PROMPTS[:1]]
+    assert tok_counts[0] > 32  # spans several KV blocks of 16
+
+
+def test_chat_streamed_equals_unstreamed(client):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    full = client.chat.completions.create(model=None, messages=messages, max_tokens=20,
+                                          temperature=0)
+    assert full.choices[0].message.role == "assistant" and full.choices[0].message.content
+    u = full.usage
+    assert u.completion_tokens > 0 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    chunks = list(client.chat.completions.create(
+        model=None, messages=messages, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == u.completion_tokens
+
+
+def test_n_logprobs_stop_and_usage(client):
+    r = client.completions.create(model=None, prompt=PROMPTS[2], max_tokens=8, n=2,
+                                  temperature=1.0, seed=3, logprobs=2)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    for c in r.choices:
+        assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) <= 8
+        assert all(len(top) <= 2 + 1 for top in c.logprobs.top_logprobs)
+    assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
+    prompt = "Write one long sentence about the ocean:"
+    base = client.completions.create(model=None, prompt=prompt, max_tokens=24, temperature=0)
+    text = base.choices[0].text
+    assert len(text.strip()) > 12, text
+    stop = text.strip()[8:11]
+    cut = client.completions.create(model=None, prompt=prompt, max_tokens=24, temperature=0,
+                                    stop=[stop])
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_request_state_and_registry_in_redis(cluster, client):
+    from pdserve.cluster.state import RequestStore, connect
+
+    r = client.completions.create(model=None, prompt=PROMPTS[1], max_tokens=4, temperature=0)
+
+    async def state():
+        c = connect(cluster.redis_url)
+        try:
+            return await RequestStore(c).get(r.id)
+        finally:
+            await c.aclose()
+
+    s = asyncio.run(state())
+    assert s["status"] == "finished"
+    order = [float(s[f"ts_{k}"]) for k in
+             ("queued", "prefilling", "transferring", "decoding", "finished")]
+    assert order == sorted(order)
+    workers = {w.role: w.address for w in cluster.workers()}
+    assert s["prefill_worker"] == workers["prefill"] and s["decode_worker"] == workers["decode"]
+
+
+def test_status_command_lists_the_workers(cluster):
+    env = {**os.environ, "PDSERVE_CLUSTER_FILE": str(cluster.cluster_file)}
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--json"], env=env,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    roles = sorted(w["role"] for w in json.loads(out)["workers"])
+    assert roles == ["decode", "prefill"]
+    table = subprocess.run([sys.executable, "-m", "pdserve.cli", "status"], env=env,
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "KV BLOCKS USED/TOTAL" in table and "decode" in table
+
+
+def test_metrics_health_and_models(cluster):
+    assert http_get(cluster.url + "/health")[0] == 200
+    assert http_get(cluster.url + "/ready")[0] == 200
+    status, body = http_get(cluster.url + "/v1/models")
+    assert status == 200 and "SmolLM2" in body
+    status, body = http_get(cluster.url + "/metrics")
+    assert "pdserve:time_to_first_token_seconds" in body
+    for w in cluster.workers():
+        if w.metrics_address:
+            _, body = http_get(f"http://{w.metrics_address}/metrics")
+            assert "pdserve:kv_cache_usage_perc" in body
+
+
+async def _stream_some(url: str, i: int, keep: int) -> None:
+    async with httpx.AsyncClient(timeout=60) as h, h.stream(
+        "POST", url + "/v1/completions",
+        json={"prompt": PROMPTS[i % 3], "max_tokens": 300, "ignore_eos": True, "stream": True},
+    ) as resp:
+        seen = 0
+        async for line in resp.aiter_lines():
+            if line.startswith("data: "):
+                seen += 1
+                if seen >= keep:
+                    return  # closing the stream mid-way
+
+
+def test_closed_streams_leave_no_blocks_reserved(cluster):
+    async def go():
+        await asyncio.gather(*(_stream_some(cluster.url, i, keep=1 + i % 4) for i in range(8)))
+
+    asyncio.run(go())
+    deadline = time.monotonic() + 20
+    while True:
+        loads = cluster.loads()
+        busy = {a: (x.num_running, x.num_waiting, x.num_total_blocks - x.num_free_blocks)
+                for a, x in loads.items()}
+        if all(v == (0, 0, 0) for v in busy.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert all(v == (0, 0, 0) for v in busy.values()), busy
+
+
+def test_32_concurrent_streams_complete(cluster, colocated_texts):
+    aclient = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
+
+    async def one(i: int) -> tuple[str, str | None]:
+        stream = await aclient.completions.create(model=None, prompt=PROMPTS[i % 3],
+                                                  max_tokens=24, temperature=0, stream=True)
+        parts, reason = [], None
+        async for chunk in stream:
+            parts.append(chunk.choices[0].text)
+            reason = chunk.choices[0].finish_reason or reason
+        return "".join(parts), reason
+
+    async def go():
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    results = asyncio.run(go())
+    assert [text for text, _ in results] == [colocated_texts[i % 3] for i in range(32)]
+    assert all(reason in ("length", "stop") for _, reason in results)
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(cluster, client):
+    h = httpx.Client(base_url=cluster.url, timeout=30)
+    cases = [
+        (dict(content=b"{not json", headers={"Content-Type": "application/json"}), 400),
+        (dict(json={"model": "nope", "prompt": "x"}), 404),
+        (dict(json={"prompt": "x", "max_tokens": -1}), 400),
+        (dict(json={"prompt": "x", "temperature": -1}), 400),
+        (dict(json={"prompt": "x" * 30000, "max_tokens": 4}), 400),
+        (dict(json={"prompt": "x", "n": "many"}), 400),
+    ]
+    for kwargs, status in cases:
+        r = h.post("/v1/completions", **kwargs)
+        assert r.status_code == status, (kwargs, r.text)
+        err = r.json()["error"]
+        assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+    too_long = h.post("/v1/completions", json={"prompt": "x" * 30000, "max_tokens": 4}).json()
+    assert "maximum context length" in too_long["error"]["message"]
+    assert client.completions.create(model=None, prompt="ok", max_tokens=2).choices
