@@ -12,6 +12,7 @@ Every transformers call passes `local_files_only=True`.
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -105,15 +106,25 @@ def weights_folder(path: str, cache_root: str | Path | None = None) -> Path:
     return folder
 
 
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's files: those named by model.safetensors.index.json when present (a folder
+    may also hold e.g. Mistral's consolidated.safetensors, in another naming), else all."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    return sorted(folder.glob("*.safetensors"))
+
+
 def iter_weights(
     path: str, dtype: torch.dtype | None = None, cache_root: str | Path | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF parameter name, tensor on CPU) for every stored tensor, cast to `dtype` if given.
 
-    A tied lm_head is not stored, so it is not yielded. For a .gguf the first call converts the
-    file into the cache (see `engine.gguf_cache`); later calls only read safetensors.
+    A tied lm_head is usually absent (always, from the GGUF cache). For a .gguf the first call
+    converts the file into the cache (see `engine.gguf_cache`); later calls only read safetensors.
     """
-    for file in sorted(weights_folder(path, cache_root).glob("*.safetensors")):
+    for file in safetensors_files(weights_folder(path, cache_root)):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 tensor = f.get_tensor(name)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import uvicorn
 
 from pdserve.cluster.flags import add_flag
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def add_gateway_flags(p: argparse.ArgumentParser) -> None:
@@ -24,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_gateway_flags(p)
     add_flag(p, "--served-model-name", "", help="model name in the OpenAI API")
     add_flag(p, "--redis-url", "redis://127.0.0.1:6379/0", help="registry and request state")
-    add_flag(p, "--tokenizer-address", "127.0.0.1:50051", help="host:port of the tokenizer")
+    add_flag(p, "--tokenizer-address", "",
+             help="host:port of the tokenizer (default: the one in the registry)")
     add_flag(p, "--local-prefill-max-tokens", 0, type=int,
              help="prompts up to this many tokens prefill on the decode worker (0: never)")
 
@@ -43,8 +47,10 @@ async def serve_disaggregated(args: argparse.Namespace) -> None:
 
     client = connect(args.redis_url)
     store = RequestStore(client)
-    backend = RemoteBackend(args.tokenizer_address, WorkerRegistry(client), store,
-                            args.local_prefill_max_tokens)
+    registry = WorkerRegistry(client)
+    address = args.tokenizer_address or await _until(
+        lambda: _registered_tokenizer(registry), "a tokenizer in the registry")
+    backend = RemoteBackend(address, registry, store, args.local_prefill_max_tokens)
     await _until(backend.start, "the tokenizer service")
     app = build_app(backend, store=store, served_model_name=args.served_model_name or None,
                     api_key=args.api_key or None)
@@ -52,12 +58,19 @@ async def serve_disaggregated(args: argparse.Namespace) -> None:
     await backend.close()
 
 
-async def _until(fn: object, what: str, timeout_s: float = 120.0) -> None:
+async def _registered_tokenizer(registry: object) -> str:
+    workers = await registry.list_workers("tokenizer")  # type: ignore[attr-defined]
+    if not workers:
+        raise LookupError("no tokenizer registered yet")
+    return workers[0].address
+
+
+async def _until(fn: Callable[[], Awaitable[T]], what: str, timeout_s: float = 120.0) -> T:
+    """`await fn()` until it succeeds (retrying every 0.5 s), at most `timeout_s`."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         try:
-            await fn()  # type: ignore[operator]
-            return
+            return await fn()
         except Exception as exc:  # noqa: BLE001 - retried until the deadline
             if asyncio.get_running_loop().time() > deadline:
                 raise RuntimeError(f"gave up waiting for {what}: {exc}") from exc

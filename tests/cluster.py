@@ -58,10 +58,15 @@ class Cluster:
         stubs = {"decode": decode_pb2_grpc.DecodeStub, "prefill": prefill_pb2_grpc.PrefillStub}
         out = {}
         for w in self.workers():
-            if w.role in stubs:
-                with grpc.insecure_channel(w.address) as ch:
+            if w.role not in stubs:
+                continue
+            with grpc.insecure_channel(w.address) as ch:
+                try:
                     out[w.address] = stubs[w.role](ch).GetLoad(common_pb2.GetLoadRequest(),
                                                                 timeout=5)
+                except grpc.RpcError as exc:  # killed, not yet out of the registry
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
         return out
 
 
@@ -108,3 +113,5 @@ def http_get(url: str) -> tuple[int, str]:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+    except OSError as e:  # not listening (yet)
+        return 0, str(e)

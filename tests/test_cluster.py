@@ -111,6 +111,7 @@ def test_request_state_and_registry_in_redis(cluster, client):
              ("queued", "prefilling", "transferring", "decoding", "finished")]
     assert order == sorted(order)
     workers = {w.role: w.address for w in cluster.workers()}
+    assert set(workers) == {"tokenizer", "prefill", "decode"}
     assert s["prefill_worker"] == workers["prefill"] and s["decode_worker"] == workers["decode"]
 
 
@@ -119,7 +120,7 @@ def test_status_command_lists_the_workers(cluster):
     out = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--json"], env=env,
                          capture_output=True, text=True, timeout=60, check=True).stdout
     roles = sorted(w["role"] for w in json.loads(out)["workers"])
-    assert roles == ["decode", "prefill"]
+    assert roles == ["decode", "prefill", "tokenizer"]
     table = subprocess.run([sys.executable, "-m", "pdserve.cli", "status"], env=env,
                            capture_output=True, text=True, timeout=60, check=True).stdout
     assert "KV BLOCKS USED/TOTAL" in table and "decode" in table

@@ -45,6 +45,16 @@ class RecordingStore:
     async def transition(self, request_id: str, status: str, **fields: Any) -> None:
         self.records[request_id].append((status, fields))
 
+    def final(self, request_id: str | None = None, timeout_s: float = 5.0) -> tuple[str, dict]:
+        """The last status of a request (default: the latest created), once it has ended."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            key = request_id if request_id is not None else list(self.records)[-1]
+            if len(self.records[key]) > 1:
+                return self.records[key][-1]
+            assert time.monotonic() < deadline, f"{key} never ended: {self.records[key]}"
+            time.sleep(0.02)
+
 
 class Server:
     """uvicorn serving `app` on a free loopback port, in a background thread."""
@@ -180,33 +190,42 @@ def test_completion_logprobs_shape(client: openai.OpenAI) -> None:
         assert math.isclose(chosen, max(top.values()), abs_tol=1e-5)  # greedy: the top token
 
 
-def test_stop_string_cuts_text(client: openai.OpenAI) -> None:
-    full = client.completions.create(prompt=PROMPT, logprobs=0, **greedy(16))
-    tokens = full.choices[0].logprobs.tokens
-    stop = tokens[5] + tokens[6]
-    text = full.choices[0].text
+def seeded(max_tokens: int, **kw: Any) -> dict[str, Any]:
+    """Seeded sampling: reproducible, and more varied than the tiny model's greedy output
+    (which repeats the prompt's last token)."""
+    return {"model": "tiny", "temperature": 1.0, "seed": 1, "max_tokens": max_tokens, **kw}
+
+
+def offline_seeded(llm: LLM, max_tokens: int) -> Any:
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=max_tokens)
+    return llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+
+
+def test_stop_string_cuts_text(client: openai.OpenAI, llm: LLM) -> None:
+    text = offline_seeded(llm, 16).text
+    assert client.completions.create(prompt=PROMPT, **seeded(16)).choices[0].text == text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     expected = text[: text.index(stop)]
-    r = client.completions.create(prompt=PROMPT, stop=[stop, "never-seen"], **greedy(16))
+    assert expected
+    r = client.completions.create(prompt=PROMPT, stop=[stop, "never-seen"], **seeded(16))
     assert r.choices[0].text == expected
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].model_extra["stop_reason"] == stop
-    assert r.usage.completion_tokens <= 7
-    streamed = client.completions.create(prompt=PROMPT, stop=stop, stream=True, **greedy(16))
-    chunks = list(streamed)
-    assert "".join(c.choices[0].text for c in chunks) == expected
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 16
+    streamed = list(client.completions.create(prompt=PROMPT, stop=stop, stream=True, **seeded(16)))
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    assert streamed[-1].choices[0].finish_reason == "stop"
     kept = client.completions.create(
-        prompt=PROMPT, stop=stop, extra_body={"include_stop_str_in_output": True}, **greedy(16)
+        prompt=PROMPT, stop=stop, extra_body={"include_stop_str_in_output": True}, **seeded(16)
     )
     assert kept.choices[0].text == expected + stop
 
 
 def test_stop_token_ids_leave_out_the_stop_token(client: openai.OpenAI, llm: LLM) -> None:
-    params = SamplingParams(temperature=0, max_tokens=12)
-    ids = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+    ids = offline_seeded(llm, 12).token_ids
     k = next(k for k in range(2, len(ids)) if ids[k] not in ids[:k])
     r = client.completions.create(
-        prompt=PROMPT, extra_body={"stop_token_ids": [ids[k]]}, **greedy(12)
+        prompt=PROMPT, extra_body={"stop_token_ids": [ids[k]]}, **seeded(12)
     )
     assert r.choices[0].text == llm.get_tokenizer().decode(ids[:k])
     assert r.choices[0].finish_reason == "stop"
@@ -329,10 +348,11 @@ def test_stream_disconnect_aborts_in_engine(
     chunks = iter(stream)
     first = next(chunks)
     next(chunks)
-    assert engine_stats(engine).num_running == 2
+    stats = engine_stats(engine)
+    assert stats.num_running + stats.num_waiting == 2
     stream.close()
     wait_until_idle(engine)
-    status, fields = store.records[first.id][-1]
+    status, fields = store.final(first.id)
     assert status == "cancelled" and fields["output_tokens"] < 2 * 480
 
 
@@ -340,10 +360,13 @@ def test_non_stream_disconnect_aborts_in_engine(
     base_url: str, engine: AsyncLLMEngine, store: RecordingStore
 ) -> None:
     body = {"prompt": PROMPT, "ignore_eos": True, **greedy(480)}
+    started = time.monotonic()
+    assert httpx.post(f"{base_url}/v1/completions", json=body).status_code == 200
+    assert time.monotonic() - started > 0.6, "too fast to disconnect in the middle"
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base_url}/v1/completions", json=body, timeout=0.3)
     wait_until_idle(engine)
-    status, fields = list(store.records.values())[-1][-1]
+    status, fields = store.final()
     assert status == "cancelled" and fields["output_tokens"] < 480
 
 
@@ -391,6 +414,7 @@ async def _send_and_stall(app: Any, body: bytes, store: RecordingStore) -> None:
 
 def test_state_store_records_lifecycle(client: openai.OpenAI, store: RecordingStore) -> None:
     r = client.completions.create(prompt=PROMPT, n=2, **greedy(3))
+    store.final(r.id)
     (created, queued), (status, fields) = store.records[r.id]
     assert created == "queued" and queued["prompt_tokens"] == r.usage.prompt_tokens
     assert queued["n"] == 2 and queued["stream"] is False and queued["model"] == "tiny"

@@ -180,3 +180,17 @@ def test_bundled_model_is_cached_and_has_chat_template() -> None:
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
     assert load_hf_config(path).eos_token_id == 2
+
+
+def test_iter_weights_follows_the_safetensors_index(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(
+        {"model.norm.weight": torch.ones(2)}, str(tmp_path / "model-00001-of-00001.safetensors")
+    )
+    save_file({"norm.weight": torch.zeros(2)}, str(tmp_path / "consolidated.safetensors"))
+    index = {"weight_map": {"model.norm.weight": "model-00001-of-00001.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    weights = dict(iter_weights(str(tmp_path), torch.float16))
+    assert list(weights) == ["model.norm.weight"]
+    assert weights["model.norm.weight"].dtype == torch.float16

@@ -8,6 +8,9 @@ import logging
 
 from pdserve.cluster.flags import add_common_flags, add_model_flags
 from pdserve.cluster.grpc_server import make_server, serve_until_signal, set_serving
+from pdserve.cluster.registry import Heartbeat, WorkerInfo, WorkerRegistry
+from pdserve.cluster.state import connect
+from pdserve.cluster.worker import advertise_address
 from protos import tokenizer_pb2_grpc
 from tokenizer_svc.service import TokenizerModel, TokenizerServicer
 
@@ -21,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_flags(parser)
 
 
-def served_name(args: argparse.Namespace, path: str) -> str:
+def served_name(args: argparse.Namespace) -> str:
     if args.served_model_name:
         return args.served_model_name
     return BUNDLED_NAME if args.model is None else args.model
@@ -31,7 +34,7 @@ async def serve(args: argparse.Namespace) -> None:
     from engine.model_loader import resolve_model
 
     path = resolve_model(args.model)
-    model = TokenizerModel(path, served_name(args, path), args.max_model_len)
+    model = TokenizerModel(path, served_name(args), args.max_model_len)
     server, health = make_server(
         SERVICE,
         lambda s: tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(model), s),
@@ -40,7 +43,28 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     await set_serving(health, SERVICE)
     logging.getLogger(__name__).info("tokenizer serving %s on %s:%d", path, args.host, args.port)
-    await serve_until_signal(server)
+    heartbeat = _heartbeat(args)
+
+    async def on_stop() -> None:
+        if heartbeat is not None:
+            await heartbeat.stop()
+
+    await serve_until_signal(server, on_stop)
+
+
+def _heartbeat(args: argparse.Namespace) -> Heartbeat | None:
+    """Announce this tokenizer in the registry so gateways can find it (with --redis-url)."""
+    if not args.redis_url:
+        return None
+    address = advertise_address(args)
+    info = WorkerInfo(worker_id=f"tokenizer-{address}", role="tokenizer", address=address)
+
+    async def get_info() -> WorkerInfo:
+        return info
+
+    heartbeat = Heartbeat(WorkerRegistry(connect(args.redis_url)), get_info)
+    heartbeat.start()
+    return heartbeat
 
 
 def run(args: argparse.Namespace) -> None:

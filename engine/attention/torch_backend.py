@@ -41,9 +41,8 @@ class PrefillPlan:
 @dataclass(frozen=True)
 class DecodePlan:
     start: int  # first decode token in the packed token axis
-    block_ids: torch.Tensor  # [num_decodes * max_blocks] int64, padded rows repeat block ids
+    block_ids: torch.Tensor  # [num_decodes * max_blocks] int64; table padding (block 0) masked
     mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
-    max_blocks: int
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,7 @@ def _decode_plan(meta: AttentionMetadata) -> DecodePlan:
     key_pos = torch.arange(max_blocks * meta.block_size, device=device)  # [L]
     mask = key_pos[None, :] < meta.seq_lens[first:, None]  # [B, L]
     start = meta.query_start_loc_cpu[first]
-    return DecodePlan(start, block_ids, mask[:, None, None, :], max_blocks)
+    return DecodePlan(start, block_ids, mask[:, None, None, :])
 
 
 def _prefill_attention(
@@ -170,8 +169,8 @@ def gather_blocks(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     block_ids: torch.Tensor,  # [N] int64
 ) -> tuple[torch.Tensor, torch.Tensor]:  # K, V: [N * block_size, Hkv, D] each, copies
-    """K and V of the listed blocks, concatenated in order. (Row gathers on 2-D views: about
-    twice as fast on CPU as one index_select over dim 1 of the 5-D cache.)"""
+    """K and V of the listed blocks, concatenated in order. (Row gathers on 2-D views are much
+    faster on CPU than one index_select over dim 1 of the 5-D cache.)"""
     num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
     rows = (num_blocks, block_size * num_kv_heads * head_dim)
     k = kv_cache[0].view(rows).index_select(0, block_ids)  # [N, block_size * Hkv * D]

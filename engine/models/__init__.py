@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from torch import nn
-from transformers import PretrainedConfig
 
 from engine.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 MODEL_CLASSES: Mapping[str, type[nn.Module]] = MappingProxyType(
     {

@@ -9,15 +9,18 @@ their slices. Numerics follow transformers' Llama (same op order) so fp32 logits
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.models.layers import RMSNorm, silu_and_mul
 from engine.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # HF checkpoint name piece -> (our fused parameter name piece, shard id)
 STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (

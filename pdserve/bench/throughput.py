@@ -239,11 +239,16 @@ def _run_pdserve(args: argparse.Namespace) -> tuple[Workload, Measurement, froze
         llm.get_tokenizer(), args.num_prompts, args.input_len_range, args.output_len_range,
         args.seed,
     )
-    result = bench_pdserve(llm, workload, use_tqdm=not args.no_tqdm)
+    result = _done("pdserve", bench_pdserve(llm, workload, use_tqdm=not args.no_tqdm))
     eos = frozenset(llm.llm_engine.eos_token_ids)
     del llm  # free its KV cache before the HF model loads
     gc.collect()
     return workload, result, eos
+
+
+def _done(name: str, m: Measurement) -> Measurement:
+    print(f"{name}: {m.seconds:.1f} s", file=sys.stderr, flush=True)
+    return m
 
 
 def _run_hf(args: argparse.Namespace, workload: Workload, pad_id: int) -> dict[str, Measurement]:
@@ -251,9 +256,10 @@ def _run_hf(args: argparse.Namespace, workload: Workload, pad_id: int) -> dict[s
 
     model = load_hf_model(resolve_model(args.model), getattr(torch, args.dtype))
     model.to(torch.device(args.device))
-    results = {"hf_padded": bench_hf_padded(model, workload, pad_id)}
+    results = {"hf_padded": _done("hf_padded", bench_hf_padded(model, workload, pad_id))}
     if not args.skip_hf_sequential:
-        results["hf_sequential"] = bench_hf_sequential(model, workload, pad_id)
+        seq = bench_hf_sequential(model, workload, pad_id)
+        results["hf_sequential"] = _done("hf_sequential", seq)
     return results
 
 

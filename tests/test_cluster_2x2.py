@@ -1,0 +1,116 @@
+"""2 prefill + 2 decode workers (tiny random Llama): equality with the colocated engine, a second
+stateless gateway on the same Redis, and a decode worker killed mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+from cluster import free_port, http_get, run_cluster
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "The tiny model says",
+    "A longer prompt that needs more than one block of sixteen tokens to hold its keys "
+    "and values, so the transfer moves several blocks",
+    "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+    "Short",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_llama_dir):
+    tmp = tmp_path_factory.mktemp("cluster2x2")
+    with run_cluster(tmp, "--model", tiny_llama_dir, "--prefill", "2", "--decode", "2",
+                     "--kv-cache-memory", str(4 << 20), "--dtype", "float32") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir):
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(tiny_llama_dir, dtype="float32")
+    outs = llm.generate(TEXTS, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+async def _complete_all(url: str, prompts: list[str], **kw) -> list[str]:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    rs = await asyncio.gather(*(client.completions.create(model=None, prompt=p, **kw)
+                                for p in prompts))
+    return [r.choices[0].text for r in rs]
+
+
+def test_two_by_two_equals_colocated(cluster, expected):
+    assert sorted(w.role for w in cluster.workers() if w.role != "tokenizer") == [
+        "decode", "decode", "prefill", "prefill"]
+    got = asyncio.run(_complete_all(cluster.url, TEXTS * 4, max_tokens=20, temperature=0))
+    assert got == expected * 4
+
+
+def test_a_second_gateway_on_the_same_redis_serves_the_same_workers(cluster, expected):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "gateway", "--port", str(port),
+         "--redis-url", cluster.redis_url],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while http_get(url + "/ready")[0] != 200:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        got = asyncio.run(_complete_all(url, TEXTS, max_tokens=20, temperature=0))
+        assert got == expected
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_decode_worker_killed_mid_stream(cluster, expected):
+    decode_pids = {name: pid for name, pid in cluster.pids().items() if name.startswith("decode")}
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
+
+    async def stream(i: int) -> str:
+        try:
+            s = await client.completions.create(model=None, prompt=TEXTS[i % 4], max_tokens=500,
+                                                stream=True, temperature=0,
+                                                extra_body={"ignore_eos": True})
+            async for _ in s:
+                pass
+            return "completed"
+        except openai.APIError as exc:
+            return f"error: {exc}"
+
+    async def go() -> list[str]:
+        tasks = [asyncio.create_task(stream(i)) for i in range(8)]
+        await asyncio.sleep(1.0)
+        os.kill(decode_pids["decode-0"], signal.SIGKILL)
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+
+    outcomes = asyncio.run(go())
+    assert any(o.startswith("error") for o in outcomes), outcomes
+    # every surviving worker ends with nothing reserved
+    deadline = time.monotonic() + 20
+    while True:
+        loads = cluster.loads()
+        left = {a: x.num_total_blocks - x.num_free_blocks for a, x in loads.items()}
+        if not any(left.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not any(left.values()), left
+    # the dead worker drops out of the registry; new requests go to the survivor
+    deadline = time.monotonic() + 30
+    while len([w for w in cluster.workers("decode")]) != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert asyncio.run(_complete_all(cluster.url, TEXTS, max_tokens=20, temperature=0)) == expected
