@@ -107,6 +107,11 @@ class AsyncLLMEngine:
             loop.call_soon_threadsafe(q.put_nowait, _ABORTED)
         return found
 
+    @property
+    def is_running(self) -> bool:
+        """False once the engine thread failed or was shut down."""
+        return self._error is None and not self._stopping and self._thread.is_alive()
+
     async def stats(self) -> SchedulerStats:
         return await self.call(self.engine.stats)
 

@@ -36,6 +36,8 @@ class SequenceState:
         new = self.req.output_token_ids[self.seen_tokens :]
         self.seen_tokens = len(self.req.output_token_ids)
         self.closed = self.req.is_finished
+        if self.closed and new and self.req.stop_reason == new[-1]:
+            new = new[:-1]  # a stop token ends the sequence; its text is not output (vLLM)
         if self.detok is None:
             return None
         delta = self.detok.step(new) if new else ""

@@ -8,7 +8,7 @@ only moves token ids.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,7 +70,7 @@ class Backend(Protocol):
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[TokenDelta]:
+    ) -> AsyncGenerator[TokenDelta, None]:
         """Generate one sequence (`params.n` is 1; stop strings are the gateway's job).
 
         Yields deltas until one carries a finish_reason. Closing the iterator early (client

@@ -12,8 +12,6 @@ from engine.outputs import CompletionOutput, Logprob
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from gateway.backend import BackendError, ModelFacts, TokenDelta, TokenLogprobs
 
-READY_TIMEOUT_S = 5.0
-
 
 class LocalBackend:
     """`Backend` over an `AsyncLLMEngine` in this process."""
@@ -22,7 +20,6 @@ class LocalBackend:
         self.engine = engine
         self.model_name = model_name
         self._facts: ModelFacts | None = None
-        self._dead = False
 
     async def model_info(self) -> ModelFacts:
         if self._facts is None:
@@ -79,7 +76,6 @@ class LocalBackend:
             async for out in stream:
                 yield _to_delta(out.outputs[0])
         except EngineDeadError as exc:
-            self._dead = True
             raise BackendError(f"the engine has failed: {exc.__cause__ or exc}") from exc
         except ValueError as exc:  # the gateway validates first: this is an inconsistency
             raise BackendError(f"the engine rejected the request: {exc}") from exc
@@ -87,17 +83,8 @@ class LocalBackend:
             await stream.aclose()
 
     async def ready(self) -> bool:
-        """True while the engine thread answers (within READY_TIMEOUT_S)."""
-        if self._dead:
-            return False
-        try:
-            await asyncio.wait_for(self.engine.stats(), READY_TIMEOUT_S)
-        except EngineDeadError:
-            self._dead = True
-            return False
-        except asyncio.TimeoutError:
-            return False
-        return True
+        """True while the engine thread runs."""
+        return self.engine.is_running
 
     async def close(self) -> None:
         """Stop the engine thread (requests in flight are abandoned)."""
