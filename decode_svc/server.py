@@ -16,6 +16,7 @@ from pdserve.cluster.worker import (
     advertise_address,
     build_engine,
     start_monitoring,
+    watch_cancellations,
 )
 from protos import decode_pb2_grpc
 
@@ -32,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def serve(args: argparse.Namespace) -> None:
     engine = await asyncio.to_thread(build_engine, args, "decode")
     receiver = KVReceiver(engine)
-    servicer = DecodeServicer(engine, receiver, args.kv_timeout)
+    cancels = watch_cancellations(args, receiver.drop)
+    servicer = DecodeServicer(engine, receiver, args.kv_timeout, cancels)
     server, health = make_server(
         SERVICE, lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s)
     )
@@ -54,6 +56,7 @@ async def serve(args: argparse.Namespace) -> None:
     logging.getLogger(__name__).info("decode worker serving on %s", monitor.address)
 
     async def on_stop() -> None:
+        await cancels.stop()
         if heartbeat is not None:
             await heartbeat.stop()
 

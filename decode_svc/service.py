@@ -12,21 +12,27 @@ import grpc
 from decode_svc.convert import delta_to_pb
 from decode_svc.receiver import KVReceiver
 from engine.async_engine import AsyncLLMEngine
+from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
 from pdserve.cluster.convert import load_to_pb, sampling_params_from_pb
 from protos import common_pb2, decode_pb2, decode_pb2_grpc
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, engine: AsyncLLMEngine, receiver: KVReceiver, kv_timeout_s: float):
+    def __init__(
+        self, engine: AsyncLLMEngine, receiver: KVReceiver, kv_timeout_s: float,
+        cancels: CancelWatch | NoCancelWatch,
+    ):
         self.engine = engine
         self.receiver = receiver
         self.kv_timeout_s = kv_timeout_s
+        self.cancels = cancels
 
     async def Generate(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.GenerateResponse]:
         params = sampling_params_from_pb(request.params)
         request_id, prompt = request.request_id, list(request.prompt_token_ids)
+        await self.cancels.check(request_id)
         if request.prefill_locally:
             outputs = self.engine.generate(prompt, params, request_id)
         else:
@@ -38,9 +44,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 await self.receiver.drop(request_id)
                 raise
             outputs = self.engine.stream(request_id)
+        finished = False
         async with aclosing(outputs) as stream:
             async for out in stream:
+                finished = out.finished
                 yield delta_to_pb(out)
+        if not finished:  # aborted here (Abort rpc, a cancellation in Redis)
+            yield decode_pb2.GenerateResponse(finish_reason="abort")
 
     async def PushKV(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         received = await self.receiver.receive(request_iterator)

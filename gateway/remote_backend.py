@@ -149,6 +149,7 @@ class RemoteBackend:
                 call.cancel()
                 if not prefill_done and prefill is not None:
                     await self._abort(prefill, request_id)
+                await self._cancel(request_id)
 
     async def _route(self, local: bool) -> tuple[WorkerInfo, WorkerInfo | None]:
         decode = pick_decode(await self._workers("decode"))
@@ -215,6 +216,16 @@ class RemoteBackend:
             await stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=5)
         except grpc.aio.AioRpcError as exc:
             logger.warning("[%s] abort on %s failed: %s", request_id, worker.address, exc.details())
+
+    async def _cancel(self, request_id: str) -> None:
+        """Record the cancellation in Redis too: its flag and message reach every worker, also
+        one whose call was still on its way."""
+        if self.store is None:
+            return
+        try:
+            await self.store.cancel(request_id)
+        except Exception as exc:  # noqa: BLE001 - best effort, the gRPC cancel already went
+            logger.warning("[%s] cancellation not recorded: %s", request_id, exc)
 
     def _error(self, exc: grpc.aio.AioRpcError, worker: WorkerInfo) -> BackendError:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:

@@ -14,6 +14,7 @@ from pdserve.cluster.worker import (
     advertise_address,
     build_engine,
     start_monitoring,
+    watch_cancellations,
 )
 from prefill_svc.sender import GrpcKVSender
 from prefill_svc.service import PrefillServicer
@@ -31,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def serve(args: argparse.Namespace) -> None:
     engine = await asyncio.to_thread(build_engine, args, "prefill")
     sender = GrpcKVSender(engine.engine.runner.kv_caches, args.kv_slab_bytes)
-    servicer = PrefillServicer(engine, sender)
+    cancels = watch_cancellations(args, lambda request_id: servicer.abort(request_id))
+    servicer = PrefillServicer(engine, sender, cancels)
     server, health = make_server(
         SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s)
     )
@@ -53,6 +55,7 @@ async def serve(args: argparse.Namespace) -> None:
     logging.getLogger(__name__).info("prefill worker serving on %s", monitor.address)
 
     async def on_stop() -> None:
+        await cancels.stop()
         if heartbeat is not None:
             await heartbeat.stop()
         await sender.close()

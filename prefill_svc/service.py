@@ -12,6 +12,7 @@ import grpc
 
 from engine.async_engine import AsyncLLMEngine
 from engine.outputs import RequestOutput
+from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
 from pdserve.cluster.convert import load_to_pb, sampling_params_from_pb
 from prefill_svc.convert import first_logprobs, response_to_pb
 from prefill_svc.sender import KVSender, KVTransfer
@@ -21,14 +22,18 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, engine: AsyncLLMEngine, sender: KVSender):
+    def __init__(
+        self, engine: AsyncLLMEngine, sender: KVSender, cancels: CancelWatch | NoCancelWatch
+    ):
         self.engine = engine
         self.sender = sender
+        self.cancels = cancels
         self.pushes: dict[str, asyncio.Task] = {}
 
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         params = sampling_params_from_pb(request.params)
         request_id, prompt = request.request_id, list(request.prompt_token_ids)
+        await self.cancels.check(request_id)
         out = await self._first_token(request_id, prompt, params)
         c = out.outputs[0]
         finish = c.finish_reason if c.finish_reason == "stop" else ""
@@ -65,11 +70,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await self.engine.call(self.engine.engine.release, rid)
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        task = self.pushes.pop(request.request_id, None)
+        return common_pb2.AbortResponse(found=await self.abort(request.request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop the request's prefill or push and free its blocks. True if it was here."""
+        task = self.pushes.pop(request_id, None)
         if task is not None:
             task.cancel()
-        found = await self.engine.abort(request.request_id)
-        return common_pb2.AbortResponse(found=found or task is not None)
+        found = await self.engine.abort(request_id)
+        return found or task is not None
 
     async def GetLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return load_to_pb("prefill", await self.engine.stats())

@@ -114,3 +114,43 @@ def test_decode_worker_killed_mid_stream(cluster, expected):
         assert time.monotonic() < deadline
         time.sleep(0.5)
     assert asyncio.run(_complete_all(cluster.url, TEXTS, max_tokens=20, temperature=0)) == expected
+
+
+def test_cancellation_in_redis_reaches_the_workers(cluster):
+    import grpc
+
+    from pdserve import SamplingParams
+    from pdserve.cluster.convert import sampling_params_to_pb
+    from pdserve.cluster.state import RequestStore, connect
+    from protos import decode_pb2, decode_pb2_grpc
+
+    async def cancel(request_id: str) -> None:
+        client = connect(cluster.redis_url)
+        try:
+            await RequestStore(client).cancel(request_id)
+        finally:
+            await client.aclose()
+
+    decode = cluster.workers("decode")[0]
+    params = sampling_params_to_pb(SamplingParams(temperature=0, ignore_eos=True), 400)
+    with grpc.insecure_channel(decode.address) as ch:
+        stub = decode_pb2_grpc.DecodeStub(ch)
+        asyncio.run(cancel("cancelled-early"))  # the flag: refused on arrival
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(decode_pb2.GenerateRequest(
+                request_id="cancelled-early", prompt_token_ids=[5, 6, 7], params=params,
+                prefill_locally=True), timeout=30))
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        stream = stub.Generate(decode_pb2.GenerateRequest(
+            request_id="cancelled-later", prompt_token_ids=[5, 6, 7], params=params,
+            prefill_locally=True), timeout=60)
+        next(stream)
+        asyncio.run(cancel("cancelled-later"))  # the message: aborts what is running
+        rest = list(stream)
+        assert sum(len(m.token_ids) for m in rest) < 399
+        assert rest[-1].finish_reason == "abort"
+    deadline = time.monotonic() + 10
+    while cluster.loads()[decode.address].num_free_blocks != cluster.loads()[
+            decode.address].num_total_blocks:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)

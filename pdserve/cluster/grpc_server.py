@@ -40,9 +40,12 @@ class NotFoundError(KeyError):
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status a servicer exception maps to."""
     from engine.llm_engine import KVCacheFullError
+    from pdserve.cluster.cancel import RequestCancelled
 
     if isinstance(exc, NotFoundError):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, RequestCancelled):
+        return grpc.StatusCode.CANCELLED
     if isinstance(exc, KVCacheFullError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, (ValueError, TypeError)):

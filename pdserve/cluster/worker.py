@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.scheduler import SchedulerStats
+from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
 from pdserve.cluster.flags import add_common_flags, add_flag, add_model_flags
 from pdserve.cluster.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from pdserve.cluster.state import connect
@@ -124,6 +125,17 @@ def _counter(name: str, value: float, role: str) -> CounterMetricFamily:
     c = CounterMetricFamily(name, name.split(":", 1)[1].replace("_", " "), labels=["role"])
     c.add_metric([role], value)
     return c
+
+
+def watch_cancellations(
+    args: argparse.Namespace, on_cancel: Callable[[str], Awaitable[object]]
+) -> CancelWatch | NoCancelWatch:
+    """Abort requests cancelled through Redis (with --redis-url); needs a running loop."""
+    if not args.redis_url:
+        return NoCancelWatch()
+    watch = CancelWatch(args.redis_url, on_cancel)
+    watch.start()
+    return watch
 
 
 async def start_monitoring(args: argparse.Namespace, monitor: WorkerMonitor) -> Heartbeat | None:

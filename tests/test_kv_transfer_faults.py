@@ -1,0 +1,371 @@
+"""KV transfer faults between real worker processes over loopback gRPC (no gateway, no Redis).
+
+One `pdserve prefill` and one `pdserve decode` (tiny random Llama, 64 blocks of 16 tokens,
+--kv-timeout 3) serve the whole module; a fake decode worker (tests/worker_procs.py) breaks off
+pushes. Every test ends with both workers' blocks all free: a leak fails the next test too.
+
+    KV cell (1 layer x 1 block, K and V) = 2 x 16 tokens x 2 heads x 16 dims x 4 B = 4096 B
+    --kv-slab-bytes 2048 < one cell, so every slab is one cell: a 3-block prompt is 6 slabs.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+
+import grpc
+import pytest
+from cluster import free_port
+from worker_procs import spawn_fake_decode, spawn_worker, wait_serving
+
+from decode_svc.convert import layout_to_pb
+from engine.kv_transfer import KVLayout, layout_of, plan_slabs
+from pdserve.cluster.convert import sampling_params_to_pb
+from pdserve.cluster.grpc_server import GRPC_OPTIONS
+from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+NUM_BLOCKS = 64
+BLOCK_SIZE = 16
+SLAB_BYTES = 2048
+KV_TIMEOUT_S = 3
+MAX_TOKENS = 8
+TEXTS = [
+    "The tiny model says",
+    "A longer prompt that needs more than one block of sixteen tokens to hold its keys and "
+    "values, so the transfer moves several blocks of them, layer by layer, from the prefill "
+    "worker to the decode worker",
+]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One prompt and the colocated engine's greedy continuation of it."""
+
+    prompt: list[int]
+    tokens: list[int]
+    finish_reason: str
+
+    @property
+    def num_blocks(self) -> int:
+        return math.ceil(len(self.prompt) / BLOCK_SIZE)
+
+
+@dataclass(frozen=True)
+class Workers:
+    prefill: prefill_pb2_grpc.PrefillStub
+    decode: decode_pb2_grpc.DecodeStub
+    decode_address: str
+    layout: KVLayout
+    short: Reference  # one block
+    long: Reference  # three blocks
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_llama_dir: str) -> Iterator[Workers]:
+    """Both workers, started together; the reference runs in this process while they load."""
+    pport, dport = free_port(), free_port()
+    common = ["--num-kv-blocks", str(NUM_BLOCKS), "--dtype", "float32"]
+    prefill = spawn_worker("prefill", tiny_llama_dir, pport, *common,
+                           "--kv-slab-bytes", str(SLAB_BYTES))
+    decode = spawn_worker("decode", tiny_llama_dir, dport, *common,
+                          "--kv-timeout", str(KV_TIMEOUT_S))
+    try:
+        layout, short, long = _reference(tiny_llama_dir)
+        paddr, daddr = f"127.0.0.1:{pport}", f"127.0.0.1:{dport}"
+        wait_serving(prefill, paddr)
+        wait_serving(decode, daddr)
+        with grpc.insecure_channel(paddr, options=GRPC_OPTIONS) as pch, \
+                grpc.insecure_channel(daddr, options=GRPC_OPTIONS) as dch:
+            yield Workers(prefill_pb2_grpc.PrefillStub(pch), decode_pb2_grpc.DecodeStub(dch),
+                          daddr, layout, short, long)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def _reference(model: str) -> tuple[KVLayout, Reference, Reference]:
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(model, dtype="float32", num_kv_blocks=NUM_BLOCKS)
+    outs = llm.generate(TEXTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                        use_tqdm=False)
+    short, long = (Reference(o.prompt_token_ids, o.outputs[0].token_ids,
+                             o.outputs[0].finish_reason or "") for o in outs)
+    assert (short.num_blocks, long.num_blocks) == (1, 3)
+    return layout_of(llm.llm_engine.runner.kv_caches), short, long
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+def _params() -> common_pb2.SamplingParams:
+    from pdserve import SamplingParams
+
+    return sampling_params_to_pb(SamplingParams(temperature=0, max_tokens=MAX_TOKENS), MAX_TOKENS)
+
+
+def _load(stub: prefill_pb2_grpc.PrefillStub | decode_pb2_grpc.DecodeStub) -> tuple[int, ...]:
+    """(num_running, num_waiting, num_free_blocks, num_total_blocks)."""
+    w = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+    return w.num_running, w.num_waiting, w.num_free_blocks, w.num_total_blocks
+
+
+IDLE = (0, 0, NUM_BLOCKS, NUM_BLOCKS)
+
+
+def _reserved(num_blocks: int) -> tuple[int, ...]:
+    """A decode worker's load with one request waiting for `num_blocks` blocks of KV."""
+    return 0, 1, NUM_BLOCKS - num_blocks, NUM_BLOCKS
+
+
+def _wait_idle(stub: prefill_pb2_grpc.PrefillStub | decode_pb2_grpc.DecodeStub,
+               timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (load := _load(stub)) != IDLE:
+        assert time.monotonic() < deadline, f"not idle after {timeout_s} s: {load}"
+        time.sleep(0.05)
+
+
+def _open(w: Workers, request_id: str, ref: Reference) -> grpc.Call:
+    """Generate on the decode worker, up to its first (empty) message: blocks reserved."""
+    assert _load(w.decode) == IDLE
+    call = w.decode.Generate(decode_pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=ref.prompt, params=_params()), timeout=30)
+    assert next(call) == decode_pb2.GenerateResponse()
+    assert _load(w.decode) == _reserved(ref.num_blocks)
+    return call
+
+
+def _rpc_error(fn: Callable[[], object]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value
+
+
+def _header(request_id: str, layout: KVLayout, ref: Reference) -> decode_pb2.KVChunk:
+    return decode_pb2.KVChunk(header=decode_pb2.KVHeader(
+        request_id=request_id, layout=layout_to_pb(layout), num_tokens=len(ref.prompt),
+        num_blocks=ref.num_blocks, first_token_id=ref.tokens[0]))
+
+
+def _slabs(layout: KVLayout, num_blocks: int) -> list[decode_pb2.KVChunk]:
+    """Zero-filled slabs covering every layer x block, planned like the prefill worker's."""
+    return [
+        _data(l0, l1, b0, b1, (l1 - l0) * (b1 - b0) * layout.cell_bytes())
+        for l0, l1, b0, b1 in plan_slabs(layout, num_blocks, SLAB_BYTES)
+    ]
+
+
+def _data(l0: int, l1: int, b0: int, b1: int, nbytes: int) -> decode_pb2.KVChunk:
+    return decode_pb2.KVChunk(data=decode_pb2.KVData(
+        layer_start=l0, layer_end=l1, block_start=b0, block_end=b1, data=bytes(nbytes)))
+
+
+def _push(w: Workers, chunks: Iterable[decode_pb2.KVChunk]) -> decode_pb2.PushKVResponse:
+    return w.decode.PushKV(iter(list(chunks)), timeout=10)
+
+
+# ---- 1. the push to the decode side breaks off: the prefill side frees its blocks ------------
+@pytest.mark.parametrize("then", ["abort", "hang"])
+def test_transfer_cut_off_midway_frees_the_prefill_blocks(workers: Workers, then: str) -> None:
+    """The fake decode worker reads the header and one slab of six, then aborts with
+    UNAVAILABLE (`abort`) or hangs until SIGKILLed (`hang`)."""
+    w, ref, rid = workers, workers.long, f"cut-{then}"
+    assert _load(w.prefill) == IDLE
+    port = free_port()
+    fake = spawn_fake_decode(port, chunks=1, then=then)
+    try:
+        reply = w.prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=ref.prompt, params=_params(),
+            decode_address=f"127.0.0.1:{port}"), timeout=30)
+        assert (reply.first_token_id, reply.finish_reason) == (ref.tokens[0], "")
+        assert fake.next_event() == {
+            "event": "header", "request_id": rid, "num_tokens": len(ref.prompt),
+            "num_blocks": 3, "first_token_id": ref.tokens[0],
+            "layout": [2, 2, 16, "float32", BLOCK_SIZE],
+        }
+        full = len(plan_slabs(w.layout, ref.num_blocks, SLAB_BYTES))
+        assert full == 6
+        assert fake.next_event() == {"event": "data", "range": [0, 1, 0, 1], "nbytes": 4096}
+        assert fake.next_event() == {"event": "breaking", "then": then}
+        if then == "hang":
+            # Prefill answered while its push is stuck mid-stream; the blocks wait for it.
+            assert _load(w.prefill) == (0, 0, NUM_BLOCKS - 3, NUM_BLOCKS)
+            fake.popen.send_signal(signal.SIGKILL)
+            assert fake.popen.wait(timeout=10) == -signal.SIGKILL
+        _wait_idle(w.prefill)
+    finally:
+        fake.stop()
+
+
+# ---- 2. KV that never arrives, or stalls past the timeout -----------------------------------
+def test_kv_that_never_arrives_times_out_and_frees_the_blocks(workers: Workers) -> None:
+    started = time.monotonic()
+    call = _open(workers, "never", workers.long)
+    err = _rpc_error(lambda: next(call))
+    assert time.monotonic() - started >= KV_TIMEOUT_S
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert err.details() == "KV of request 'never' did not arrive within 3 s"
+    assert _load(workers.decode) == IDLE
+
+
+def test_a_push_that_outlives_its_generate_is_refused(workers: Workers) -> None:
+    """Header and one slab, then a stall past --kv-timeout: the Generate fails and frees the
+    blocks; the rest of the push must not be written into them (another request may own them
+    by then) nor committed."""
+    w, ref, rid = workers, workers.long, "stalled"
+    call = _open(w, rid, ref)
+    slabs = _slabs(w.layout, ref.num_blocks)
+    resume = threading.Event()
+
+    def chunks() -> Iterator[decode_pb2.KVChunk]:
+        yield _header(rid, w.layout, ref)
+        yield slabs[0]
+        assert resume.wait(timeout=20)
+        yield from slabs[1:]
+
+    push = w.decode.PushKV.future(chunks(), timeout=30)
+    err = _rpc_error(lambda: next(call))
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert err.details() == "KV of request 'stalled' did not arrive within 3 s"
+    assert _load(w.decode) == IDLE
+    resume.set()
+    err = _rpc_error(push.result)
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    assert err.details() == "request 'stalled' was dropped while its KV arrived: request aborted"
+    assert _load(w.decode) == IDLE
+
+
+# ---- 3. bad pushes to a real decode worker ---------------------------------------------------
+def _wrong_layout(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
+    bad = replace(lay, num_kv_heads=3, block_size=32)
+    return [_header(rid, bad, ref), *_slabs(lay, ref.num_blocks)]
+
+
+def _wrong_block_count(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
+    head = _header(rid, lay, ref)
+    head.header.num_blocks = 2
+    return [head, *_slabs(lay, 2)]
+
+
+def _short_slab(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
+    slabs = _slabs(lay, ref.num_blocks)
+    slabs[2].data.data = slabs[2].data.data[:-1]
+    return [_header(rid, lay, ref), *slabs]
+
+
+def _truncated(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
+    return [_header(rid, lay, ref), *_slabs(lay, ref.num_blocks)[:-1]]
+
+
+def _overlap(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
+    slabs = _slabs(lay, ref.num_blocks)
+    return [_header(rid, lay, ref), slabs[0], *slabs]
+
+
+def _out_of_range(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
+    return [_header(rid, lay, ref), _data(0, 1, 3, 4, lay.cell_bytes())]
+
+
+def _two_headers(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
+    return [_header(rid, lay, ref), _header(rid, lay, ref)]
+
+
+BAD_PUSHES = {
+    "wrong layout": (
+        _wrong_layout,
+        "KV layout mismatch: num_kv_heads: sender 3 != receiver 2; "
+        "block_size: sender 32 != receiver 16",
+    ),
+    "wrong block count": (_wrong_block_count, "header announces 2 blocks, 3 reserved"),
+    "slab one byte short": (_short_slab, "KV slab holds 4095 bytes, expected 4096"),
+    "stream ends early": (
+        _truncated, "KV stream ended before every layer and block arrived"),
+    "slab sent twice": (_overlap, "KV slab layers [0, 1) x blocks [0, 1) overlaps another"),
+    "block out of range": (
+        _out_of_range, "KV slab range layers [0, 1) x blocks [3, 4) is invalid"),
+    "second header": (
+        _two_headers, "a KV stream carries one header, then only data chunks"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PUSHES))
+def test_a_bad_push_fails_it_and_its_generate_and_frees_the_blocks(
+    workers: Workers, case: str
+) -> None:
+    """INVALID_ARGUMENT naming the fault to the sender; UNAVAILABLE with the same reason to the
+    waiting Generate. (decode.proto says FAILED_PRECONDITION for a layout mismatch; the shared
+    interceptor maps the receiver's ValueError to INVALID_ARGUMENT.)"""
+    build, message = BAD_PUSHES[case]
+    w, ref, rid = workers, workers.long, f"bad-{case.replace(' ', '-')}"
+    call = _open(w, rid, ref)
+    err = _rpc_error(lambda: _push(w, build(rid, w.layout, ref)))
+    assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+    assert _load(w.decode) == IDLE
+    err = _rpc_error(lambda: next(call))
+    assert (err.code(), err.details()) == (grpc.StatusCode.UNAVAILABLE,
+                                           f"KV transfer failed: {message}")
+    assert _load(w.decode) == IDLE
+
+
+@pytest.mark.parametrize(("chunks", "message"), [
+    ([], "empty KV stream"),
+    ([_data(0, 1, 0, 1, 4096)], "a KV stream must start with a KVHeader"),
+])
+def test_a_push_without_a_header_is_refused_and_reserves_nothing(
+    workers: Workers, chunks: list[decode_pb2.KVChunk], message: str
+) -> None:
+    err = _rpc_error(lambda: _push(workers, chunks))
+    assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+    assert _load(workers.decode) == IDLE
+
+
+def test_a_push_for_an_unknown_request_is_not_found_and_leaves_others_waiting(
+    workers: Workers,
+) -> None:
+    w, ref = workers, workers.long
+    call = _open(w, "known", ref)
+    chunks = [_header("ghost", w.layout, ref), *_slabs(w.layout, ref.num_blocks)]
+    err = _rpc_error(lambda: _push(w, chunks))
+    assert (err.code(), err.details()) == (
+        grpc.StatusCode.NOT_FOUND, "no open Generate waiting for KV of request 'ghost'")
+    assert _load(w.decode) == _reserved(ref.num_blocks)
+    call.cancel()
+    _wait_idle(w.decode)
+
+
+# ---- 4. the client gives up while waiting for the KV -----------------------------------------
+def test_cancelling_generate_frees_the_blocks_and_refuses_a_later_push(workers: Workers) -> None:
+    w, ref, rid = workers, workers.long, "cancelled"
+    call = _open(w, rid, ref)
+    assert call.cancel()
+    _wait_idle(w.decode)
+    chunks = [_header(rid, w.layout, ref), *_slabs(w.layout, ref.num_blocks)]
+    err = _rpc_error(lambda: _push(w, chunks))
+    assert (err.code(), err.details()) == (
+        grpc.StatusCode.NOT_FOUND, "no open Generate waiting for KV of request 'cancelled'")
+    assert _load(w.decode) == IDLE
+
+
+# ---- 5. the happy path through both processes ------------------------------------------------
+@pytest.mark.parametrize("which", ["short", "long"])
+def test_disaggregated_tokens_equal_colocated(workers: Workers, which: str) -> None:
+    """Generate on decode, Prefill naming it: its first token, then the decode stream's deltas,
+    equal `LLM.generate` greedy; both workers end with every block free."""
+    w, ref, rid = workers, getattr(workers, which), f"happy-{which}"
+    assert _load(w.prefill) == IDLE
+    call = _open(w, rid, ref)
+    reply = w.prefill.Prefill(prefill_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=ref.prompt, params=_params(),
+        decode_address=w.decode_address), timeout=30)
+    assert reply.finish_reason == ""
+    tokens, finish = [reply.first_token_id], []
+    for msg in call:
+        tokens += msg.token_ids
+        finish.append(msg.finish_reason)
+    assert tokens == ref.tokens
+    assert finish[-1] == ref.finish_reason and set(finish[:-1]) <= {""}
+    _wait_idle(w.prefill)
+    _wait_idle(w.decode)
