@@ -67,6 +67,11 @@ class KVReceiver:
         pending = self.pending[request_id]
         try:
             await asyncio.wait_for(pending.done.wait(), timeout_s)
+        except asyncio.TimeoutError:  # its str() is empty: the status would carry no reason
+            await self.drop(request_id)
+            raise TimeoutError(
+                f"KV of request {request_id!r} did not arrive within {timeout_s:g} s"
+            ) from None
         except BaseException:
             await self.drop(request_id)
             raise
