@@ -27,6 +27,9 @@ from pdserve.cluster.grpc_server import NotFoundError
 from protos import decode_pb2
 
 
+ABORTED = "request aborted"
+
+
 class TransferFailed(ConnectionError):
     """The request's KV transfer broke off or was rejected."""
 
@@ -61,9 +64,10 @@ class KVReceiver:
         blocks = await self.engine.reserve_remote(request_id, prompt_token_ids, params)
         self.pending[request_id] = Pending(blocks)
 
-    async def wait(self, request_id: str, timeout_s: float) -> None:
-        """Until the request's KV is committed. On timeout or a failed transfer the request is
-        aborted (blocks freed) and TimeoutError / TransferFailed raised."""
+    async def wait(self, request_id: str, timeout_s: float) -> bool:
+        """Until the request's KV is committed (True) or the request is aborted here (False).
+        On timeout or a failed transfer the request is aborted (blocks freed) and TimeoutError /
+        TransferFailed raised."""
         pending = self.pending[request_id]
         try:
             await asyncio.wait_for(pending.done.wait(), timeout_s)
@@ -77,15 +81,18 @@ class KVReceiver:
             raise
         finally:
             self.pending.pop(request_id, None)
+        if pending.error == ABORTED:
+            return False
         if pending.error is not None:
             raise TransferFailed(pending.error)
+        return True
 
     async def drop(self, request_id: str) -> bool:
         """Abort the request wherever it is and free its blocks (Generate cancelled, timeouts,
         Abort rpc). True if this worker knew it."""
         pending = self.pending.pop(request_id, None)
         if pending is not None and not pending.done.is_set():
-            pending.error = "request aborted"
+            pending.error = ABORTED
             pending.done.set()
         return await self.engine.abort(request_id)
 
@@ -128,10 +135,21 @@ class KVReceiver:
         async for chunk in chunks:
             if not chunk.HasField("data"):
                 raise ValueError("a KV stream carries one header, then only data chunks")
+            _check_not_dropped(header.request_id, pending)
             writer.write(slab_from_pb(chunk.data))
         if not writer.complete:
             raise ValueError("KV stream ended before every layer and block arrived")
+        _check_not_dropped(header.request_id, pending)
         return writer.bytes_received
+
+
+def _check_not_dropped(request_id: str, pending: Pending) -> None:
+    """NotFoundError once `drop` ended the request mid-transfer (timeout, cancelled Generate,
+    Abort): its blocks are freed, maybe another request's already, so write nothing more."""
+    if pending.done.is_set():
+        raise NotFoundError(
+            f"request {request_id!r} was dropped while its KV arrived: {pending.error}"
+        )
 
 
 async def _first_header(chunks: AsyncIterator[decode_pb2.KVChunk]) -> decode_pb2.KVHeader:

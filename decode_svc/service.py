@@ -39,10 +39,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await self.receiver.expect(request_id, prompt, params)
             try:
                 yield decode_pb2.GenerateResponse()  # blocks reserved: the push may start
-                await self.receiver.wait(request_id, self.kv_timeout_s)
+                arrived = await self.receiver.wait(request_id, self.kv_timeout_s)
             except BaseException:
                 await self.receiver.drop(request_id)
                 raise
+            if not arrived:  # aborted while waiting (Abort rpc, a cancellation in Redis)
+                yield decode_pb2.GenerateResponse(finish_reason="abort")
+                return
             outputs = self.engine.stream(request_id)
         finished = False
         async with aclosing(outputs) as stream:

@@ -76,7 +76,8 @@ class DecodeServicer:
     def PushKV(self, request_iterator, context):
         """Receive one request's KV: a KVHeader, then KVData chunks of a few MiB each. The header's
         layout must equal this worker's and its request must have an open Generate; otherwise the
-        stream is rejected (FAILED_PRECONDITION / NOT_FOUND) and nothing stays reserved.
+        stream is rejected (INVALID_ARGUMENT naming the difference / NOT_FOUND) and nothing stays
+        reserved.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

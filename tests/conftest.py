@@ -61,6 +61,7 @@ def tiny_llama_dir(tmp_path_factory, bundled_tokenizer) -> str:
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=512, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2, rope_theta=10000.0,
+        initializer_range=0.2,  # HF's 0.02 gives a near-uniform model that repeats its prompt
     )
     return _save_tiny(cfg, bundled_tokenizer, tmp_path_factory.mktemp("tiny_llama"))
 
@@ -73,7 +74,7 @@ def tiny_qwen2_dir(tmp_path_factory, bundled_tokenizer) -> str:
         vocab_size=len(bundled_tokenizer), hidden_size=64, intermediate_size=96,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
         max_position_embeddings=512, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2,
+        bos_token_id=1, eos_token_id=2, initializer_range=0.2,
     )
     return _save_tiny(cfg, bundled_tokenizer, tmp_path_factory.mktemp("tiny_qwen2"))
 

@@ -4,6 +4,10 @@ One `pdserve prefill` and one `pdserve decode` (tiny random Llama, 64 blocks of 
 --kv-timeout 3) serve the whole module; a fake decode worker (tests/worker_procs.py) breaks off
 pushes. Every test ends with both workers' blocks all free: a leak fails the next test too.
 
+The model is `tiny_llama_dir`'s with initializer_range 0.2 instead of 0.02: at 0.02 its greedy
+output repeats the last prompt token whatever the KV holds (an all-zero push decodes the same
+tokens), so token equality would prove nothing about the transfer.
+
     KV cell (1 layer x 1 block, K and V) = 2 x 16 tokens x 2 heads x 16 dims x 4 B = 4096 B
     --kv-slab-bytes 2048 < one cell, so every slab is one cell: a 3-block prompt is 6 slabs.
 """
@@ -20,7 +24,7 @@ from dataclasses import dataclass, replace
 import grpc
 import pytest
 from cluster import free_port
-from worker_procs import spawn_fake_decode, spawn_worker, wait_serving
+from worker_procs import spawn_fake_decode, spawn_worker, stop_all, wait_serving
 
 from decode_svc.convert import layout_to_pb
 from engine.kv_transfer import KVLayout, layout_of, plan_slabs
@@ -65,16 +69,31 @@ class Workers:
 
 
 @pytest.fixture(scope="module")
-def workers(tiny_llama_dir: str) -> Iterator[Workers]:
+def model_dir(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`tiny_llama_dir`'s config and tokenizer, weights drawn with std 0.2 (see the top)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("kv_sensitive_llama")
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    config.initializer_range = 0.2
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.float32).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def workers(model_dir: str) -> Iterator[Workers]:
     """Both workers, started together; the reference runs in this process while they load."""
     pport, dport = free_port(), free_port()
     common = ["--num-kv-blocks", str(NUM_BLOCKS), "--dtype", "float32"]
-    prefill = spawn_worker("prefill", tiny_llama_dir, pport, *common,
+    prefill = spawn_worker("prefill", model_dir, pport, *common,
                            "--kv-slab-bytes", str(SLAB_BYTES))
-    decode = spawn_worker("decode", tiny_llama_dir, dport, *common,
+    decode = spawn_worker("decode", model_dir, dport, *common,
                           "--kv-timeout", str(KV_TIMEOUT_S))
     try:
-        layout, short, long = _reference(tiny_llama_dir)
+        layout, short, long = _reference(model_dir)
         paddr, daddr = f"127.0.0.1:{pport}", f"127.0.0.1:{dport}"
         wait_serving(prefill, paddr)
         wait_serving(decode, daddr)
@@ -83,8 +102,7 @@ def workers(tiny_llama_dir: str) -> Iterator[Workers]:
             yield Workers(prefill_pb2_grpc.PrefillStub(pch), decode_pb2_grpc.DecodeStub(dch),
                           daddr, layout, short, long)
     finally:
-        prefill.stop()
-        decode.stop()
+        stop_all([prefill, decode])
 
 
 def _reference(model: str) -> tuple[KVLayout, Reference, Reference]:
@@ -197,7 +215,7 @@ def test_transfer_cut_off_midway_frees_the_prefill_blocks(workers: Workers, then
             assert fake.popen.wait(timeout=10) == -signal.SIGKILL
         _wait_idle(w.prefill)
     finally:
-        fake.stop()
+        stop_all([fake])
 
 
 # ---- 2. KV that never arrives, or stalls past the timeout -----------------------------------
@@ -368,4 +386,16 @@ def test_disaggregated_tokens_equal_colocated(workers: Workers, which: str) -> N
     assert tokens == ref.tokens
     assert finish[-1] == ref.finish_reason and set(finish[:-1]) <= {""}
     _wait_idle(w.prefill)
+    _wait_idle(w.decode)
+
+
+def test_a_zero_filled_push_decodes_other_tokens(workers: Workers) -> None:
+    """The control that gives the equality above its meaning: the same first token over an
+    all-zero KV continues differently, so the decode worker's tokens depend on the pushed KV."""
+    w, ref, rid = workers, workers.long, "zeros"
+    call = _open(w, rid, ref)
+    reply = _push(w, [_header(rid, w.layout, ref), *_slabs(w.layout, ref.num_blocks)])
+    assert reply.bytes_received == 6 * w.layout.cell_bytes()
+    tokens = [ref.tokens[0], *(t for msg in call for t in msg.token_ids)]
+    assert len(tokens) == len(ref.tokens) and tokens != ref.tokens
     _wait_idle(w.decode)

@@ -66,15 +66,20 @@ class Proc:
     def tail(self, n: int = 40) -> str:
         return "".join(self.log[-n:])
 
-    def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGINT (a worker drains and exits), SIGKILL if it does not within `timeout_s`."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGINT)
-            try:
-                self.popen.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+
+def stop_all(procs: list[Proc], timeout_s: float = 20.0) -> None:
+    """SIGINT to every process at once (a worker drains and exits), then SIGKILL to any still
+    running after `timeout_s`."""
+    running = [p.popen for p in procs if p.popen.poll() is None]
+    for popen in running:
+        popen.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + timeout_s
+    for popen in running:
+        try:
+            popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait()
 
 
 def spawn(name: str, args: list[str]) -> Proc:

@@ -7,7 +7,7 @@ uniformly from the vocabulary minus the tokenizer's special/added tokens (length
 `--input-len-range`), and one output length uniform in `--output-len-range`. Random ids, not
 text: no dataset to ship, identical across tokenizer versions, and no two prompts share a prefix,
 so pdserve's prefix cache gives it nothing. Every request is greedy and generates exactly its
-length (pdserve: `ignore_eos`; HF: `min_new_tokens` = `max_new_tokens`).
+length (pdserve: `ignore_eos`; HF: `min_new_tokens` = `max_new_tokens`, padding with eos).
 
 Three systems run, one after the other, in one process with one torch thread count:
 
@@ -31,9 +31,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from pdserve import LLM
 
 SYSTEMS = ("pdserve", "hf_padded", "hf_sequential")
 
@@ -55,7 +58,7 @@ class Workload:
 @dataclass(frozen=True)
 class Measurement:
     seconds: float
-    tokens: list[list[int]]  # each request's own output: what the system produced, truncated
+    tokens: list[list[int]]  # each request's output (a padded row cut to the request's length)
     generated_tokens: int  # every token the system generated, useful or not
 
 
@@ -110,7 +113,7 @@ def _sync(device: torch.device) -> None:
 
 
 # ---- systems ------------------------------------------------------------------------------------
-def bench_pdserve(llm: Any, workload: Workload, use_tqdm: bool) -> Measurement:
+def bench_pdserve(llm: LLM, workload: Workload, use_tqdm: bool) -> Measurement:
     """All prompts in one `LLM.generate`, after an untimed warm-up on a prompt of its own."""
     from pdserve import SamplingParams
 
@@ -188,9 +191,8 @@ def match_fraction(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def _ratio(systems: dict[str, dict[str, Any]], other: str) -> float | None:
-    if other not in systems:
-        return None
-    return systems["pdserve"]["output_tokens_per_s"] / systems[other]["output_tokens_per_s"]
+    ours, theirs = systems["pdserve"], systems.get(other)
+    return None if theirs is None else ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
 
 
 def _environment(device: torch.device) -> dict[str, Any]:
@@ -287,7 +289,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "elapsed_s": time.perf_counter() - start,
     }
     print(format_table(report))
-    _write_json(report, Path(args.output_json))
+    path = Path(args.output_json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
     return report
 
 
@@ -300,12 +305,6 @@ def _sanity(results: dict[str, Measurement], eos: frozenset[int]) -> dict[str, f
            if name in results else None for name in SYSTEMS[1:]},
         "pdserve_requests_emitting_eos": sum(bool(eos & set(t)) for t in ours),
     }
-
-
-def _write_json(report: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,30 +1,34 @@
 """KV transfer throughput over gRPC on loopback: pdserve's PushKV path against raw grpcio.
 
-    python -m pdserve.bench.transfer [--kv-mib 256] [--slab-mib 1,4,8] [--repeats 3]
+    python -m pdserve.bench.transfer [--kv-mib 256] [--slab-mib 1,4,8] [--repeats 5]
 
-NOTE: three measurements, one run, both ends always in separate processes:
+NOTE: what is measured, one run, the two ends of every stream in separate processes:
 
-  raw        the ceiling: a grpc.aio client streams N pre-made `--raw-chunk-mib` bytes messages
-             (no protobuf) to a trivial grpc.aio sink in a child process that only counts them.
-  pdserve    the real path: a real decode worker (`pdserve decode --num-kv-blocks ...`) and, in
-             this process, a KV cache shaped like the decode worker's model (default: the
-             bundled SmolLM2, 30 layers x 3 kv heads x head dim 64, float32, block 16). Per
-             push: open Generate (the worker reserves the blocks and answers an empty message),
-             time `GrpcKVSender.send` of the request's (shuffled) blocks until the worker's
-             PushKVResponse (every slab written into its cache, the request committed), then read
-             Generate to its end so the blocks are freed. Once per `--slab-mib` size.
-  serialize  the sender's own cost without a wire: the same push's messages built and
-             serialized to the bytes grpc sends, in this process. `wire_s` = push - serialize:
-             what the network path (grpc both sides, the receiver's parse and scatter) adds.
+  raw        the ceiling: a grpc.aio client streams pre-made bytes messages (no protobuf) to a
+             trivial grpc.aio sink in a child process that only counts them; `--raw-chunk-mib`
+             messages for the ceiling, and each slab size's for a like-for-like ratio.
+  push       pdserve's real path: a real decode worker (`pdserve decode --num-kv-blocks ...`)
+             and, in this process, a KV cache shaped like the worker's model (default: the
+             bundled SmolLM2, 30 layers x 3 kv heads x head dim 64, float32, block 16). Per push:
+             open Generate (the worker reserves the blocks, then answers an empty message), time
+             `GrpcKVSender.send` of the request's shuffled blocks up to the worker's reply (every
+             slab written into its cache, the request committed), then read Generate to its end
+             (the blocks are freed). Once per `--slab-mib` size.
+  serialize  the sender's own share: the same push's messages built to the bytes grpc sends, in
+             this process, no wire. `wire` = push - serialize: what grpc on both sides and the
+             receiver (parse, scatter into the cache) add.
 
-GiB/s counts KV payload bytes. Medians over `--repeats` after one untimed warm-up each. CPU
-timings on a shared box move with other processes: the report records the load average.
+Every case runs once per round, rounds `--repeats` times after a warm-up round, so all cases see
+the same background load; the ratio to raw is the median of each round's own ratio. GiB/s
+counts KV payload bytes. CPU timings on a shared box move with other processes: the report
+records the load average.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -32,7 +36,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,15 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slab-mib", type=parse_sizes, default=[1, 4, 8], metavar="A,B,..",
                         help="PushKV slab sizes to measure")
     parser.add_argument("--raw-chunk-mib", type=int, default=4, help="raw stream message size")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds")
     parser.add_argument("--num-layers", type=int, default=30)
     parser.add_argument("--num-kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None, help="torch threads, this process")
-    parser.add_argument("--skip-raw", action="store_true")
-    parser.add_argument("--skip-pdserve", action="store_true")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--output-json", default="bench_results/transfer.json")
 
@@ -104,32 +106,49 @@ class Plan:
 def make_plan(args: argparse.Namespace) -> Plan:
     layout = KVLayout(args.num_layers, args.num_kv_heads, args.head_dim, args.dtype,
                       args.block_size)
-    plan = Plan(layout, 1)
-    return Plan(layout, max(1, (args.kv_mib * MIB) // plan.block_bytes))
+    return Plan(layout, max(1, args.kv_mib * MIB // Plan(layout, 1).block_bytes))
 
 
-# ---- timing -------------------------------------------------------------------------------------
-def summarize(seconds: list[float], nbytes: int) -> dict[str, Any]:
-    """Median and best of repeated timings of moving `nbytes`."""
-    median = statistics.median(seconds)
-    return {"bytes": nbytes, "seconds": seconds, "median_s": median,
-            "gib_per_s": nbytes / median / GIB, "best_gib_per_s": nbytes / min(seconds) / GIB}
+# ---- cases, timed in interleaved rounds ---------------------------------------------------------
+@dataclass
+class Case:
+    """One thing to time: `once()` does it and returns the seconds of its timed part."""
+
+    name: str
+    nbytes: int
+    once: Callable[[], Awaitable[float]]
+    seconds: list[float] = field(default_factory=list)
 
 
-async def timed(fn: Callable[[], Awaitable[Any]], repeats: int) -> list[float]:
-    """Seconds of each of `repeats` awaited calls of `fn`, after one untimed warm-up."""
-    await fn()
-    seconds = []
+async def run_rounds(cases: list[Case], repeats: int) -> None:
+    """An untimed warm-up round, then `repeats` rounds of every case in turn."""
+    for case in cases:
+        await case.once()
     for _ in range(repeats):
-        start = time.perf_counter()
-        await fn()
-        seconds.append(time.perf_counter() - start)
-    return seconds
+        for case in cases:
+            case.seconds.append(await case.once())
+
+
+def summarize(case: Case) -> dict[str, Any]:
+    """Median and best of a case's timings."""
+    median = statistics.median(case.seconds)
+    return {"bytes": case.nbytes, "seconds": case.seconds, "median_s": median,
+            "gib_per_s": case.nbytes / median / GIB,
+            "best_gib_per_s": case.nbytes / min(case.seconds) / GIB}
+
+
+def paired_ratio(case: Case, ceiling: Case) -> float:
+    """Median over rounds of the case's throughput over the ceiling's in the same round."""
+    return statistics.median(
+        (case.nbytes / s) / (ceiling.nbytes / c)
+        for s, c in zip(case.seconds, ceiling.seconds, strict=True))
 
 
 # ---- (a) the raw grpcio ceiling -----------------------------------------------------------------
 def serve_raw(port: int) -> None:
-    """The raw sink (child process): a grpc.aio server counting the bytes of a client stream."""
+    """The raw sink (run in a child process): a grpc.aio server that counts the bytes of a
+    client stream and answers their number as 8 little-endian bytes."""
+
     async def push(chunks: AsyncIterator[bytes], context: Any) -> bytes:
         total = 0
         async for chunk in chunks:
@@ -148,25 +167,25 @@ def serve_raw(port: int) -> None:
     asyncio.run(main())
 
 
-async def bench_raw(port: int, nbytes: int, chunk: int, repeats: int) -> dict[str, Any]:
-    """Stream `nbytes` as pre-made `chunk`-byte messages to the sink; GiB/s per push."""
-    messages = [os.urandom(chunk) for _ in range(max(1, nbytes // chunk))]
+def raw_case(channel: grpc.aio.Channel, source: bytes, chunk: int) -> Case:
+    """Stream `source` as pre-made `chunk`-byte messages (no serializer) to the sink."""
+    messages = [source[i:i + chunk] for i in range(0, len(source) - chunk + 1, chunk)]
     total = len(messages) * chunk
+    push = channel.stream_unary(RAW_METHOD)
 
     async def stream() -> AsyncIterator[bytes]:
         for m in messages:
             yield m
 
-    async with open_channel(f"127.0.0.1:{port}") as channel:
-        await asyncio.wait_for(channel.channel_ready(), 60)
-        push = channel.stream_unary(RAW_METHOD)
+    async def once() -> float:
+        start = time.perf_counter()
+        reply = await push(stream())
+        seconds = time.perf_counter() - start
+        if int.from_bytes(reply, "little") != total:
+            raise RuntimeError(f"raw sink counted {int.from_bytes(reply, 'little')} of {total}")
+        return seconds
 
-        async def once() -> None:
-            reply = await push(stream())
-            assert int.from_bytes(reply, "little") == total
-
-        seconds = await timed(once, repeats)
-    return {"chunk_bytes": chunk, **summarize(seconds, total)}
+    return Case(f"raw {chunk // MIB} MiB", total, once)
 
 
 # ---- (b) pdserve's path: GrpcKVSender -> a real decode worker -----------------------------------
@@ -195,19 +214,20 @@ def sender_cache(plan: Plan, spare_blocks: int = 8) -> tuple[list[torch.Tensor],
 class PushDriver:
     """Drives one decode worker the way the gateway and a prefill worker do, one push at a time."""
 
-    def __init__(self, address: str, plan: Plan, caches: list[torch.Tensor], blocks: list[int]):
-        self.address, self.plan, self.caches, self.blocks = address, plan, caches, blocks
-        self.channel = open_channel(address)
-        self.stub = decode_pb2_grpc.DecodeStub(self.channel)
+    def __init__(self, channel: grpc.aio.Channel, address: str, plan: Plan):
+        self.stub = decode_pb2_grpc.DecodeStub(channel)
+        self.address, self.plan = address, plan
+        self.caches, self.blocks = sender_cache(plan)
+        self.senders: list[GrpcKVSender] = []
         self.count = 0
 
     def transfer(self) -> KVTransfer:
         self.count += 1
         return KVTransfer(f"bench-{self.count}", self.plan.num_tokens, self.blocks, 100)
 
-    async def push(self, sender: GrpcKVSender) -> tuple[int, float]:
+    async def push(self, sender: GrpcKVSender) -> float:
         """Generate (blocks reserved) -> timed send -> Generate read to its end (blocks freed).
-        Returns the bytes the worker accepted and the seconds of the send alone."""
+        Returns the seconds of the send alone."""
         t = self.transfer()
         prompt = [100 + (i * 7919 + self.count) % 20000 for i in range(t.num_tokens)]
         params = sampling_params_to_pb(SamplingParams(temperature=0, max_tokens=2), 2)
@@ -215,51 +235,46 @@ class PushDriver:
             request_id=t.request_id, prompt_token_ids=prompt, params=params), timeout=300)
         ack = await call.read()
         if ack is grpc.aio.EOF or ack.token_ids:
-            raise RuntimeError("decode worker did not acknowledge the reservation")
+            raise RuntimeError("the decode worker did not acknowledge the reservation")
         start = time.perf_counter()
         sent = await sender.send(self.address, t)
         seconds = time.perf_counter() - start
         while (msg := await call.read()) is not grpc.aio.EOF and not msg.finish_reason:
             pass
-        return sent, seconds
+        if sent != self.plan.kv_bytes:
+            raise RuntimeError(f"the decode worker accepted {sent} of {self.plan.kv_bytes} bytes")
+        return seconds
+
+    def cases(self, slab_mib: int) -> tuple[Case, Case]:
+        """The push and the serialization alone of one slab size."""
+        sender = GrpcKVSender(self.caches, slab_bytes=slab_mib * MIB)
+        self.senders.append(sender)
+
+        async def serialize() -> float:
+            transfer, total = self.transfer(), 0
+            start = time.perf_counter()
+            async for message in sender.messages(transfer):
+                total += len(message)
+            return time.perf_counter() - start
+
+        return (Case(f"push {slab_mib} MiB", self.plan.kv_bytes, lambda: self.push(sender)),
+                Case(f"serialize {slab_mib} MiB", self.plan.kv_bytes, serialize))
 
     async def close(self) -> None:
-        await self.channel.close()
-
-
-async def bench_slab(driver: PushDriver, slab_mib: int, repeats: int) -> dict[str, Any]:
-    """Push timings (send until the worker's reply) and serialization alone, one slab size."""
-    sender = GrpcKVSender(driver.caches, slab_bytes=slab_mib * MIB)
-    pushes = [await driver.push(sender) for _ in range(repeats + 1)]  # the first: a warm-up
-    await sender.close()
-    pushed, push_s = [n for n, _ in pushes], [s for _, s in pushes]
-    assert all(n == driver.plan.kv_bytes for n in pushed), (pushed, driver.plan.kv_bytes)
-    ser_s = await timed(lambda: serialize_only(sender, driver.transfer()), repeats)
-    push = summarize(push_s[1:], driver.plan.kv_bytes)
-    ser = summarize(ser_s, driver.plan.kv_bytes)
-    wire_s = max(push["median_s"] - ser["median_s"], 1e-9)
-    return {"slab_bytes": slab_mib * MIB, "push": push, "serialize": ser,
-            "wire_s": wire_s, "wire_gib_per_s": driver.plan.kv_bytes / wire_s / GIB,
-            "serialize_share": ser["median_s"] / push["median_s"]}
-
-
-async def serialize_only(sender: GrpcKVSender, transfer: KVTransfer) -> int:
-    """Every message of one push, serialized to the bytes grpc would send; no wire."""
-    total = 0
-    async for message in sender._chunks(transfer):
-        total += len(message if isinstance(message, bytes) else message.SerializeToString())
-    return total
+        for sender in self.senders:
+            await sender.close()
 
 
 # ---- processes ----------------------------------------------------------------------------------
-def spawn(argv: list[str], log: Path) -> subprocess.Popen:
+@contextlib.contextmanager
+def child(argv: list[str], log: Path) -> Any:
+    """A child process logging to `log`, terminated (then killed) on exit."""
     with open(log, "w") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
+    try:
+        yield proc
+    finally:
         proc.terminate()
         try:
             proc.wait(timeout=20)
@@ -268,54 +283,65 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-async def wait_serving(address: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    """Until the gRPC health check at `address` says SERVING; RuntimeError if `proc` exits."""
+async def wait_serving(channel: grpc.aio.Channel, address: str, proc: subprocess.Popen,
+                       log: Path, timeout_s: float, health: bool = True) -> None:
+    """Until the server at `address` is up (its gRPC health check says SERVING when `health`);
+    RuntimeError if `proc` exits first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[3]} exited {proc.returncode}:\n"
-                               f"{log.read_text()[-3000:]}")
-        if await check_health(address):
-            return
+            raise RuntimeError(f"{proc.args} exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(channel.channel_ready(), 0.5)
+            if not health or await check_health(address):
+                return
         await asyncio.sleep(0.3)
     raise TimeoutError(f"{address} not serving after {timeout_s:.0f} s")
 
 
 # ---- driver -------------------------------------------------------------------------------------
-async def run_raw(args: argparse.Namespace, plan: Plan, logs: Path) -> dict[str, Any]:
-    port = free_port()
-    code = f"from pdserve.bench.transfer import serve_raw; serve_raw({port})"
-    proc = spawn([sys.executable, "-c", code], logs / "raw-sink.log")
-    try:
-        return await bench_raw(port, plan.kv_bytes, args.raw_chunk_mib * MIB, args.repeats)
-    finally:
-        stop(proc)
-
-
-async def run_pdserve(args: argparse.Namespace, plan: Plan, logs: Path) -> list[dict[str, Any]]:
-    port = free_port()
-    log = logs / "decode-worker.log"
-    proc = spawn(decode_worker_argv(args, plan, port), log)
-    caches, blocks = sender_cache(plan)
-    try:
-        await wait_serving(f"127.0.0.1:{port}", proc, log, args.startup_timeout)
-        driver = PushDriver(f"127.0.0.1:{port}", plan, caches, blocks)
-        try:
-            return [await bench_slab(driver, mib, args.repeats) for mib in args.slab_mib]
-        finally:
-            await driver.close()
-    finally:
-        stop(proc)
-
-
 async def measure(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
+    """Start the raw sink and the decode worker, time every case in rounds; the two sections."""
     logs = Path(args.output_json).parent
     logs.mkdir(parents=True, exist_ok=True)
-    raw = None if args.skip_raw else await run_raw(args, plan, logs)
-    slabs = [] if args.skip_pdserve else await run_pdserve(args, plan, logs)
-    for s in slabs:
-        s["ratio_to_raw"] = s["push"]["gib_per_s"] / raw["gib_per_s"] if raw else None
-    return {"raw": raw, "pdserve": slabs}
+    raw_addr, dec_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    sink = [sys.executable, "-c", "from pdserve.bench.transfer import serve_raw; "
+            f"serve_raw({raw_addr.rsplit(':', 1)[1]})"]
+    with (child(sink, logs / "raw-sink.log") as sink_proc,
+          child(decode_worker_argv(args, plan, int(dec_addr.rsplit(":", 1)[1])),
+                logs / "decode-worker.log") as dec_proc):
+        async with open_channel(raw_addr) as raw_ch, open_channel(dec_addr) as dec_ch:
+            await wait_serving(raw_ch, raw_addr, sink_proc, logs / "raw-sink.log", 60, False)
+            await wait_serving(dec_ch, dec_addr, dec_proc, logs / "decode-worker.log",
+                               args.startup_timeout)
+            driver = PushDriver(dec_ch, dec_addr, plan)
+            source = os.urandom(plan.kv_bytes)
+            raws = {mib: raw_case(raw_ch, source, mib * MIB)
+                    for mib in sorted({args.raw_chunk_mib, *args.slab_mib})}
+            slabs = [driver.cases(mib) for mib in args.slab_mib]
+            try:
+                await run_rounds([*raws.values(), *(c for pair in slabs for c in pair)],
+                                 args.repeats)
+            finally:
+                await driver.close()
+    ceiling = raws[args.raw_chunk_mib]
+    return {"raw": {"chunk_bytes": args.raw_chunk_mib * MIB, **summarize(ceiling)},
+            "raw_by_size": [{"chunk_bytes": mib * MIB, **summarize(c)} for mib, c in raws.items()],
+            "pdserve": [slab_report(mib, push, ser, ceiling, raws[mib])
+                        for mib, (push, ser) in zip(args.slab_mib, slabs, strict=True)]}
+
+
+def slab_report(
+    slab_mib: int, push: Case, serialize: Case, ceiling: Case, same_size: Case
+) -> dict[str, Any]:
+    """One slab size: the push, serialization alone, the rest (`wire`), the ratios to raw."""
+    p, s = summarize(push), summarize(serialize)
+    wire_s = max(p["median_s"] - s["median_s"], 1e-9)
+    return {"slab_bytes": slab_mib * MIB, "push": p, "serialize": s, "wire_s": wire_s,
+            "wire_gib_per_s": push.nbytes / wire_s / GIB,
+            "serialize_share": s["median_s"] / p["median_s"],
+            "ratio_to_raw": paired_ratio(push, ceiling),
+            "ratio_to_raw_same_size": paired_ratio(push, same_size)}
 
 
 def environment() -> dict[str, Any]:
@@ -328,34 +354,35 @@ def format_table(report: dict[str, Any]) -> str:
     """The report as a readable text table."""
     w, raw = report["workload"], report["raw"]
     load = report["environment"]["load_avg_1m_at_start"]
-    lines = [f"KV of {w['num_blocks']} blocks x {w['num_layers']} layers = "
-             f"{w['kv_bytes'] / MIB:.0f} MiB | load average {load:.1f}"]
-    if raw:
-        lines.append(f"raw grpcio, {raw['chunk_bytes'] // MIB} MiB messages: "
-                     f"{raw['gib_per_s']:.2f} GiB/s (best {raw['best_gib_per_s']:.2f})")
-    lines.append(f"{'slab MiB':>8}{'push GiB/s':>12}{'best':>7}{'vs raw':>8}"
-                 f"{'push s':>8}{'serial. s':>10}{'wire s':>8}{'serial. %':>10}")
+    lines = [
+        f"KV of {w['num_blocks']} blocks x {w['num_layers']} layers = {w['kv_bytes'] / MIB:.0f} "
+        f"MiB, {report['config']['repeats']} rounds | load average {load:.1f}",
+        f"raw grpcio ceiling, {raw['chunk_bytes'] // MIB} MiB messages: {raw['gib_per_s']:.2f} "
+        f"GiB/s (best {raw['best_gib_per_s']:.2f})",
+        f"{'MiB':>4}{'raw GiB/s':>10}{'push GiB/s':>11}{'best':>6}{'/ceiling':>9}{'/raw':>6}"
+        f"{'push s':>8}{'serial. s':>10}{'serial. GiB/s':>14}{'wire s':>8}{'serial.':>8}",
+    ]
+    raw_by_size = {r["chunk_bytes"]: r for r in report["raw_by_size"]}
     for s in report["pdserve"]:
-        ratio = "-" if s["ratio_to_raw"] is None else f"{s['ratio_to_raw']:.2f}"
+        p, ser = s["push"], s["serialize"]
         lines.append(
-            f"{s['slab_bytes'] // MIB:>8}{s['push']['gib_per_s']:>12.2f}"
-            f"{s['push']['best_gib_per_s']:>7.2f}{ratio:>8}{s['push']['median_s']:>8.3f}"
-            f"{s['serialize']['median_s']:>10.3f}{s['wire_s']:>8.3f}"
-            f"{100 * s['serialize_share']:>9.0f}%")
+            f"{s['slab_bytes'] // MIB:>4}{raw_by_size[s['slab_bytes']]['gib_per_s']:>10.2f}"
+            f"{p['gib_per_s']:>11.2f}{p['best_gib_per_s']:>6.2f}{s['ratio_to_raw']:>9.2f}"
+            f"{s['ratio_to_raw_same_size']:>6.2f}{p['median_s']:>8.3f}{ser['median_s']:>10.3f}"
+            f"{ser['gib_per_s']:>14.2f}{s['wire_s']:>8.3f}{100 * s['serialize_share']:>7.0f}%")
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark for parsed `args`, print the table, write the JSON report; return it."""
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     plan, started = make_plan(args), time.perf_counter()
-    env = environment()
     report: dict[str, Any] = {
         "config": {k: v for k, v in vars(args).items() if k != "func"},
-        "environment": env,
+        "environment": environment(),
         "workload": {"num_blocks": plan.num_blocks, "num_tokens": plan.num_tokens,
                      "num_layers": plan.layout.num_layers, "kv_bytes": plan.kv_bytes},
         **asyncio.run(measure(args, plan)),
