@@ -26,7 +26,6 @@ from engine.sampling_params import SamplingParams
 from pdserve.cluster.grpc_server import NotFoundError
 from protos import decode_pb2
 
-
 ABORTED = "request aborted"
 
 

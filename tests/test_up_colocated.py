@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-
 from cluster import http_get, run_cluster
 
 pytestmark = pytest.mark.slow
