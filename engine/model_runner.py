@@ -12,8 +12,9 @@ from engine.input_batch import build_model_input
 from engine.model_loader import iter_weights, load_hf_config
 from engine.models import get_model_class
 from engine.request import Request
-from engine.sampler import Sampler, SamplingRow, skip_draws
+from engine.sampler import Sampler, SamplingRow
 from engine.scheduler import Sample, SchedulerOutput
+from engine.token_choice import skip_draws
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ A sampled row needs one uniform U (not V noise values, as an exponential race wo
 cost more than all the rest). A seeded row draws U from its own generator, so a seed gives the
 same tokens whatever else is in the batch and wherever the row sits. The only host transfer is the
 results; on CPU, where a sync is free, top-p may also redo rows whose nucleus is unusually wide.
+Choosing the token lives in `engine.token_choice`; this module owns the logits processing.
 """
 
 from __future__ import annotations
@@ -23,13 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
-
-# On CPU, top-p without a smaller top-k first looks for the nucleus among this many most likely
-# tokens (a partial top-k is far cheaper than sorting the vocabulary), then 8x as many for rows
-# whose nucleus is wider, and so on. Other devices sort the whole vocabulary: no host sync.
-TOP_P_CANDIDATES = 1024
-# Tokens per block of the two-level CDF that sampling inverts.
-CDF_BLOCK = 256
+from engine.token_choice import index_tensor, padded, pick_tokens, select_rows
 
 Logprobs = tuple[float, dict[int, float]]
 
@@ -70,7 +65,7 @@ class Sampler:
             raise ValueError(f"logits must be [{len(rows)}, V], got {list(logits.shape)}")
         raw = _RawLogprobs.compute(logits, rows)
         logits = _apply_penalties_to_rows(_apply_min_tokens(logits, rows), rows)
-        token_ids = _pick(logits, rows, default_generator)  # [N] long
+        token_ids = pick_tokens(logits, rows, default_generator)  # [N] long
         logprobs = raw.gather(token_ids) if raw is not None else [None] * len(rows)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
 
@@ -91,13 +86,13 @@ class _RawLogprobs:
         if not idx:
             return None
         ks = [min(rows[i].params.logprobs or 0, logits.shape[1]) for i in idx]
-        logprobs = torch.log_softmax(_select(logits, idx), dim=-1)  # [L, V]
+        logprobs = torch.log_softmax(select_rows(logits, idx), dim=-1)  # [L, V]
         top_values, top_ids = logprobs.topk(max(ks), dim=-1)  # [L, max k]
         return cls(idx, ks, logprobs, top_values, top_ids)
 
     def gather(self, token_ids: torch.Tensor) -> list[Logprobs | None]:
         """One (chosen logprob, {top id: logprob}) per batch row; None for rows not asking."""
-        chosen_ids = _select(token_ids, self.rows).unsqueeze(1)  # [L, 1]
+        chosen_ids = select_rows(token_ids, self.rows).unsqueeze(1)  # [L, 1]
         chosen = self.logprobs.gather(1, chosen_ids).squeeze(1).tolist()  # [L]
         values, ids = self.top_values.tolist(), self.top_ids.tolist()
         out: list[Logprobs | None] = [None] * token_ids.shape[0]
@@ -122,7 +117,7 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     if not row_idx:
         return logits
     logits = logits.clone()
-    logits[_index(row_idx, logits.device), _index(token_idx, logits.device)] = -math.inf
+    logits[index_tensor(row_idx, logits.device), index_tensor(token_idx, logits.device)] = -math.inf
     return logits
 
 
@@ -145,15 +140,15 @@ def _apply_penalties_to_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> t
         dtype=logits.dtype,
     ).to(device)  # [M, 3]
     penalised = apply_penalties(
-        _select(logits, idx),
-        _padded(prompts, vocab, device),
-        _padded([r.output_token_ids for r in sel], vocab, device),
+        select_rows(logits, idx),
+        padded(prompts, vocab, device),
+        padded([r.output_token_ids for r in sel], vocab, device),
         params[:, 0], params[:, 1], params[:, 2],
     )
     if len(idx) == len(rows):
         return penalised
     logits = logits.clone()
-    logits[_index(idx, device)] = penalised
+    logits[index_tensor(idx, device)] = penalised
     return logits
 
 
@@ -186,175 +181,3 @@ def apply_penalties(
     penalised = torch.where(values > 0, values / rep, values * rep)
     penalised = penalised - frequency.unsqueeze(1) * count - presence.unsqueeze(1) * (count > 0)
     return logits.scatter(1, idx, torch.where(last >= 0, penalised, values))
-
-
-# ---- choosing tokens --------------------------------------------------------------------------
-def _pick(
-    logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None
-) -> torch.Tensor:
-    """[N] token ids: argmax for greedy rows, a sample for the others."""
-    sample_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if not sample_idx:
-        return logits.argmax(dim=-1)
-    sampled = _sample(_select(logits, sample_idx), [rows[i] for i in sample_idx], default_generator)
-    if len(sample_idx) == len(rows):
-        return sampled
-    token_ids = logits.argmax(dim=-1)  # [N]; the sampled rows' are overwritten
-    token_ids[_index(sample_idx, logits.device)] = sampled
-    return token_ids
-
-
-def _sample(
-    logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None
-) -> torch.Tensor:
-    """[M] sampled ids from `logits` [M, V] (a copy is processed, never the argument)."""
-    params = [r.params for r in rows]
-    vocab, device = logits.shape[1], logits.device
-    knobs = torch.tensor(
-        [[p.temperature, min(p.top_k or vocab, vocab), p.top_p if p.top_p < 1.0 else math.inf,
-          p.min_p] for p in params],
-        dtype=torch.float64,
-    ).to(device)  # [M, 4]: temperature, top_k (V = off), top_p (inf = off), min_p
-    logits = logits / knobs[:, 0:1].to(logits.dtype)
-    restricted = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
-    if restricted:
-        num = _num_candidates([params[i] for i in restricted], vocab, device)
-        top_k, top_p = knobs[:, 1].long(), knobs[:, 2].to(logits.dtype)
-        logits = _restrict_rows(logits, restricted, top_k, top_p, num)
-    probs = logits.softmax(dim=-1)  # [M, V]
-    if any(p.min_p > 0.0 for p in params):
-        probs = apply_min_p(probs, knobs[:, 3].to(probs.dtype))
-    return _invert_cdf(probs, [r.generator for r in rows], default_generator)
-
-
-def _num_candidates(params: list[SamplingParams], vocab: int, device: torch.device) -> int:
-    """How many most likely tokens top-k/top-p must examine for rows with these params."""
-    if device.type != "cpu":
-        return vocab
-    top_ks = [p.top_k for p in params if 0 < p.top_k < vocab]
-    if len(top_ks) == len(params):  # every row has a top-k: the nucleus lies within it
-        return max(top_ks)
-    return min(vocab, max(top_ks + [TOP_P_CANDIDATES]))
-
-
-def _restrict_rows(
-    logits: torch.Tensor,  # [M, V], private: rewritten in place
-    idx: list[int],
-    top_k: torch.Tensor,  # [M] long
-    top_p: torch.Tensor,  # [M]
-    num_candidates: int,
-) -> torch.Tensor:
-    """Apply top-k/top-p to rows `idx` of `logits`. Rows whose nucleus is wider than
-    `num_candidates` are redone with 8x as many, up to the vocabulary (host syncs: CPU only)."""
-    sub, sub_k, sub_p = _select(logits, idx), _select(top_k, idx), _select(top_p, idx)
-    masked, exact = apply_top_k_top_p(sub, sub_k, sub_p, num_candidates)
-    while num_candidates < logits.shape[1] and not bool(exact.all()):
-        num_candidates = min(8 * num_candidates, logits.shape[1])
-        wide = (~exact).nonzero().squeeze(1)
-        masked[wide], exact[wide] = apply_top_k_top_p(
-            sub[wide], sub_k[wide], sub_p[wide], num_candidates
-        )
-    if len(idx) == logits.shape[0]:
-        return masked
-    logits[_index(idx, logits.device)] = masked
-    return logits
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor,  # [M, V]
-    top_k: torch.Tensor,  # [M] long; V = off
-    top_p: torch.Tensor,  # [M] float; inf = off
-    num_candidates: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copy of `logits` with tokens outside each row's top-k, then top-p nucleus, set to -inf.
-
-    top-k keeps exactly k tokens (ties broken by `torch.topk`). top-p keeps the smallest set of
-    most likely tokens whose probability (renormalised after top-k) reaches top_p; at least one.
-    Only the `num_candidates` most likely tokens of each row are examined: the second result,
-    exact [M] bool, is False for rows whose nucleus may extend past them.
-    """
-    vocab = logits.shape[1]
-    values, ids = logits.topk(num_candidates, dim=-1)  # [M, K], descending
-    position = torch.arange(num_candidates, device=logits.device)  # [K]
-    values = values.masked_fill(position >= top_k.unsqueeze(1), -math.inf)
-    k_inside = top_k <= num_candidates  # [M]: the top-k set is all among the candidates
-    log_norm = values.logsumexp(dim=-1)  # [M]: renormalised over the top-k...
-    if num_candidates < vocab:  # ...or over the whole vocabulary for rows without one
-        log_norm = torch.where(k_inside, log_norm, logits.logsumexp(dim=-1))
-    probs = (values - log_norm.unsqueeze(1)).exp()  # [M, K]
-    mass = probs.cumsum(dim=-1)  # [M, K]
-    # A token goes once the tokens ranked above it already hold top_p.
-    values = values.masked_fill(mass - probs >= top_p.unsqueeze(1), -math.inf)
-    exact = k_inside | (mass[:, -1] >= top_p) | (num_candidates >= vocab)
-    masked = torch.full_like(logits, -math.inf).scatter_(1, ids, values)
-    return masked, exact
-
-
-def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Copy of `probs` [M, V] with tokens below min_p [M] × the row's top probability zeroed."""
-    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [M, 1]
-    return probs.masked_fill(probs < threshold, 0.0)
-
-
-def _invert_cdf(
-    probs: torch.Tensor,
-    generators: list[torch.Generator | None],
-    default_generator: torch.Generator | None,
-) -> torch.Tensor:
-    """[M] one token per row of `probs` [M, V] (unnormalised is fine): the token whose CDF
-    interval holds a uniform draw; zero-probability tokens have empty intervals. Two levels in
-    float64 (which block of tokens, then which token in it): one float32 cumsum over V would
-    round the intervals of the least likely tokens to nothing."""
-    m, vocab = probs.shape
-    uniform = torch.empty(m, 1, dtype=torch.float64, device=probs.device)  # [M, 1]
-    if any(g is None for g in generators):
-        uniform.uniform_(generator=default_generator)
-    for i, generator in enumerate(generators):
-        if generator is not None:
-            uniform[i].uniform_(generator=generator)
-    full = vocab - vocab % CDF_BLOCK
-    block_mass = [probs[:, :full].reshape(m, -1, CDF_BLOCK).sum(dim=-1)]  # [M, V // BLOCK]
-    if full < vocab:
-        block_mass.append(probs[:, full:].sum(dim=-1, keepdim=True))
-    block, within = _invert(torch.cat(block_mass, dim=1).double(), uniform)  # [M, 1] each
-    ids = block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)  # [M, BLOCK]
-    mass = probs.gather(1, ids.clamp_max(vocab - 1)).masked_fill(ids >= vocab, 0.0)
-    offset, _ = _invert(mass.double(), within)
-    return (block * CDF_BLOCK + offset).squeeze(1)
-
-
-def _invert(mass: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For `mass` [M, K] float64 and `uniform` [M, 1] in [0, 1): the index [M, 1] of the interval
-    holding uniform × total on the row's CDF, and where in that interval it lies, in [0, 1)."""
-    cdf = mass.cumsum(dim=-1)  # [M, K], non-decreasing
-    total = cdf[:, -1:]
-    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-    idx = torch.searchsorted(cdf, target, right=True)  # [M, 1]: mass[idx] > 0
-    before = torch.where(idx > 0, cdf.gather(1, (idx - 1).clamp_min(0)), 0.0)
-    within = (target - before) / mass.gather(1, idx)
-    return idx, within.clamp(0.0, 1.0 - 2.0**-53)
-
-
-# ---- helpers ----------------------------------------------------------------------------------
-def _index(idx: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(idx, dtype=torch.long, device=device)
-
-
-def _select(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
-    """Rows `idx` (sorted, distinct) of `t`; `t` itself when that is every row."""
-    return t if len(idx) == t.shape[0] else t[_index(idx, t.device)]
-
-
-def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """[len(seqs), longest] long tensor of `seqs`, right-padded with `pad`."""
-    width = max((len(s) for s in seqs), default=0)
-    rows = [s + [pad] * (width - len(s)) for s in seqs]
-    return torch.tensor(rows, dtype=torch.long).reshape(len(seqs), width).to(device)
-
-
-def skip_draws(generator: torch.Generator, num_samples: int) -> None:
-    """Advance a seeded row's generator past `num_samples` samples, drawn exactly as
-    `_invert_cdf` draws them (one float64 uniform each): a request whose first tokens were
-    sampled on another worker continues the random sequence it would have had in one engine."""
-    for _ in range(num_samples):
-        torch.empty(1, dtype=torch.float64, device=generator.device).uniform_(generator=generator)

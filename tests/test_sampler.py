@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingRow, apply_penalties, apply_top_k_top_p
+from engine.sampler import Sampler, SamplingRow, apply_penalties
 from engine.sampling_params import SamplingParams
+from engine.token_choice import apply_top_k_top_p
 
 EOS = 2
 # Five live tokens, then -inf padding: the vocabulary is wider than the sampler's top-p candidate
