@@ -60,6 +60,11 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext, api_key: str | None) -
         req = await _parse(raw, ChatCompletionRequest)
         return await run_until_disconnect(raw, chat.create(req))
 
+    @app.get("/workers", dependencies=auth)
+    async def workers() -> Response:
+        """The workers behind this gateway and their load (`pdserve status --gateway`)."""
+        return JSONResponse({"workers": await ctx.backend.workers()})
+
     @app.get("/v1/models", dependencies=auth)
     async def list_models() -> Response:
         facts = await ctx.backend.model_info()

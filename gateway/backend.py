@@ -83,5 +83,10 @@ class Backend(Protocol):
         """True once a model is loaded and requests can be served."""
         ...
 
+    async def workers(self) -> list[dict[str, Any]]:
+        """Every worker serving the model with its role, address and load (WorkerInfo fields),
+        for `pdserve status --gateway`."""
+        ...
+
     async def close(self) -> None:
         ...

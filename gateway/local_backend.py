@@ -82,6 +82,15 @@ class LocalBackend:
         finally:
             await stream.aclose()
 
+    async def workers(self) -> list[dict[str, Any]]:
+        """The one in-process engine, as a worker of role "colocated"."""
+        s = await self.engine.stats()
+        return [{
+            "worker_id": "colocated", "role": "colocated", "address": "in-process",
+            "num_running": s.num_running, "num_waiting": s.num_waiting,
+            "num_free_blocks": s.num_free_blocks, "num_total_blocks": s.num_total_blocks,
+        }]
+
     async def ready(self) -> bool:
         """True while the engine thread runs."""
         return self.engine.is_running

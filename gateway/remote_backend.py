@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from typing import Any
 
 import grpc
@@ -108,6 +109,9 @@ class RemoteBackend:
             return False
         return bool(decode) and (bool(prefill) or self.local_prefill_max_tokens > 0)
 
+    async def workers(self) -> list[dict[str, Any]]:
+        return [asdict(w) for w in await self._workers(None)]
+
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
@@ -162,7 +166,7 @@ class RemoteBackend:
             raise BackendError("no prefill worker is available", retryable=True)
         return decode, prefill
 
-    async def _workers(self, role: str) -> list[WorkerInfo]:
+    async def _workers(self, role: str | None) -> list[WorkerInfo]:
         try:
             return await self.registry.list_workers(role)
         except Exception as exc:  # noqa: BLE001

@@ -121,6 +121,10 @@ def test_status_command_lists_the_workers(cluster):
                          capture_output=True, text=True, timeout=60, check=True).stdout
     roles = sorted(w["role"] for w in json.loads(out)["workers"])
     assert roles == ["decode", "prefill", "tokenizer"]
+    via_gateway = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "status", "--json", "--gateway", cluster.url],
+        capture_output=True, text=True, timeout=60, check=True).stdout
+    assert sorted(w["role"] for w in json.loads(via_gateway)["workers"]) == roles
     table = subprocess.run([sys.executable, "-m", "pdserve.cli", "status"], env=env,
                            capture_output=True, text=True, timeout=60, check=True).stdout
     assert "KV BLOCKS USED/TOTAL" in table and "decode" in table
