@@ -8,6 +8,7 @@
     pdserve demo                          offline generation on the bundled model
     pdserve generate "prompt" ...         offline generation for prompts on the command line
     pdserve bench throughput              offline throughput against HF transformers
+    pdserve bench transfer|pipeline       KV transfer throughput; handover and gateway overhead
 """
 
 from __future__ import annotations
@@ -96,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     throughput.add_arguments(tp)
     tp.set_defaults(func=lambda a: 0 if throughput.run(a) else 1)
+    from pdserve.bench import pipeline, transfer
+
+    for name, module, text in (
+        ("transfer", transfer, "KV transfer throughput over gRPC vs raw grpcio"),
+        ("pipeline", pipeline, "handover and gateway overhead of a running cluster"),
+    ):
+        p = bench_sub.add_parser(name, help=text)
+        module.add_arguments(p)
+        p.set_defaults(func=lambda a, m=module: 0 if m.run(a) else 1)
     return parser
 
 

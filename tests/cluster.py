@@ -88,7 +88,7 @@ def run_cluster(tmp: Path, *args: str, timeout_s: float = 240.0) -> Iterator[Clu
         redis_url = json.loads(cluster_file.read_text())["redis_url"]
         yield Cluster(url, redis_url, proc, log, cluster_file)
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)  # SIGINT is ignored by background jobs of a script
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

@@ -29,9 +29,10 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from pdserve import LLM
 
 SYSTEMS = ("pdserve", "hf_padded", "hf_sequential")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Workload:
 @dataclass(frozen=True)
 class Measurement:
     seconds: float
+    cpu_seconds: float  # process CPU time; well below threads x seconds: others shared the CPUs
     tokens: list[list[int]]  # each request's output (a padded row cut to the request's length)
     generated_tokens: int  # every token the system generated, useful or not
 
@@ -107,9 +110,16 @@ def make_workload(
     return Workload(prompts, output_lens)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
+def _timed(fn: Callable[[], T], device: torch.device | None = None) -> tuple[T, float, float]:
+    """`fn()` with its wall and process-CPU seconds (a CUDA `device` synchronized at both ends)."""
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - wall, time.process_time() - cpu
 
 
 # ---- systems ------------------------------------------------------------------------------------
@@ -122,11 +132,10 @@ def bench_pdserve(llm: LLM, workload: Workload, use_tqdm: bool) -> Measurement:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
               for n in workload.output_lens]
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-    seconds = time.perf_counter() - start
+    # outputs come back as Python lists: nothing is left running on the device
+    outputs, seconds, cpu = _timed(lambda: llm.generate(prompts, params, use_tqdm=use_tqdm))
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    return Measurement(seconds, tokens, sum(len(t) for t in tokens))
+    return Measurement(seconds, cpu, tokens, sum(len(t) for t in tokens))
 
 
 def _hf_generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, n: int, pad: int) -> Any:
@@ -146,28 +155,24 @@ def bench_hf_padded(model: Any, workload: Workload, pad_id: int) -> Measurement:
     mask = torch.tensor(masks, device=device)  # [B, width]
     longest = max(workload.output_lens)
     _hf_generate(model, ids[:1, -4:], mask[:1, -4:], 2, pad_id)  # warm-up, untimed
-    _sync(device)
-    start = time.perf_counter()
-    out = _hf_generate(model, ids, mask, longest, pad_id)  # [B, width + longest]
-    _sync(device)
-    seconds = time.perf_counter() - start
+    run = lambda: _hf_generate(model, ids, mask, longest, pad_id)  # [B, width + longest]
+    out, seconds, cpu = _timed(run, device)
     new = out[:, width:].tolist()
     tokens = [row[:n] for row, n in zip(new, workload.output_lens, strict=True)]
-    return Measurement(seconds, tokens, len(rows) * longest)
+    return Measurement(seconds, cpu, tokens, len(rows) * longest)
 
 
 @torch.inference_mode()
 def bench_hf_sequential(model: Any, workload: Workload, pad_id: int) -> Measurement:
     """One `generate` per prompt, each run to exactly its own output length."""
-    device, tokens = model.device, []
-    start = time.perf_counter()
-    for prompt, n in zip(workload.prompts, workload.output_lens, strict=True):
-        ids = torch.tensor([prompt], device=device)  # [1, len]
-        out = _hf_generate(model, ids, torch.ones_like(ids), n, pad_id)
-        tokens.append(out[0, len(prompt):].tolist())
-    _sync(device)
-    seconds = time.perf_counter() - start
-    return Measurement(seconds, tokens, sum(len(t) for t in tokens))
+
+    def one(prompt: list[int], n: int) -> list[int]:
+        ids = torch.tensor([prompt], device=model.device)  # [1, len]
+        return _hf_generate(model, ids, torch.ones_like(ids), n, pad_id)[0, len(prompt):].tolist()
+
+    pairs = zip(workload.prompts, workload.output_lens, strict=True)
+    tokens, seconds, cpu = _timed(lambda: [one(p, n) for p, n in pairs], model.device)
+    return Measurement(seconds, cpu, tokens, sum(len(t) for t in tokens))
 
 
 # ---- report -------------------------------------------------------------------------------------
@@ -177,6 +182,7 @@ def summarize(m: Measurement, workload: Workload) -> dict[str, Any]:
     total = workload.input_tokens + useful
     return {
         "wall_s": m.seconds,
+        "cpu_s": m.cpu_seconds,
         "output_tokens": useful,
         "generated_tokens": m.generated_tokens,
         "total_tokens": total,
@@ -216,12 +222,13 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         f"{w['num_prompts']} requests, {w['input_tokens']} prompt + {w['output_tokens']} output "
         f"tokens | {env['device']}, {env['torch_threads']} torch threads of {env['cpu_count']} "
-        f"CPUs, torch {env['torch_version']}",
-        f"{'system':<15}{'wall s':>9}{'out tok/s':>11}{'total tok/s':>13}{'generated':>11}",
+        f"CPUs (load {env['load_avg_1m_at_start']:.1f}), torch {env['torch_version']}",
+        f"{'system':<15}{'wall s':>9}{'cpu s':>9}{'out tok/s':>11}{'total tok/s':>13}"
+        f"{'generated':>11}",
     ]
     for name, r in s.items():
         lines.append(
-            f"{name:<15}{r['wall_s']:>9.2f}{r['output_tokens_per_s']:>11.1f}"
+            f"{name:<15}{r['wall_s']:>9.2f}{r['cpu_s']:>9.1f}{r['output_tokens_per_s']:>11.1f}"
             f"{r['total_tokens_per_s']:>13.1f}{r['generated_tokens']:>11}"
         )
     for key, value in {**report["ratios"], **report["sanity"]}.items():

@@ -35,7 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -214,7 +214,7 @@ def sender_cache(plan: Plan, spare_blocks: int = 8) -> tuple[list[torch.Tensor],
 class PushDriver:
     """Drives one decode worker the way the gateway and a prefill worker do, one push at a time."""
 
-    def __init__(self, channel: grpc.aio.Channel, address: str, plan: Plan):
+    def __init__(self, channel: grpc.aio.Channel, address: str, plan: Plan) -> None:
         self.stub = decode_pb2_grpc.DecodeStub(channel)
         self.address, self.plan = address, plan
         self.caches, self.blocks = sender_cache(plan)
@@ -267,7 +267,7 @@ class PushDriver:
 
 # ---- processes ----------------------------------------------------------------------------------
 @contextlib.contextmanager
-def child(argv: list[str], log: Path) -> Any:
+def child(argv: list[str], log: Path) -> Iterator[subprocess.Popen]:
     """A child process logging to `log`, terminated (then killed) on exit."""
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
