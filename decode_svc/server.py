@@ -35,7 +35,7 @@ async def serve(args: argparse.Namespace) -> None:
     receiver = KVReceiver(engine)
     cancels = watch_cancellations(args, receiver.drop)
     servicer = DecodeServicer(engine, receiver, args.kv_timeout, cancels)
-    server, health = make_server(
+    server, health = await make_server(
         SERVICE, lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s)
     )
     server.add_insecure_port(f"{args.host}:{args.port}")

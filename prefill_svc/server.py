@@ -34,7 +34,7 @@ async def serve(args: argparse.Namespace) -> None:
     sender = GrpcKVSender(engine.engine.runner.kv_caches, args.kv_slab_bytes)
     cancels = watch_cancellations(args, lambda request_id: servicer.abort(request_id))
     servicer = PrefillServicer(engine, sender, cancels)
-    server, health = make_server(
+    server, health = await make_server(
         SERVICE, lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s)
     )
     server.add_insecure_port(f"{args.host}:{args.port}")

@@ -57,10 +57,12 @@ def test_two_by_two_equals_colocated(cluster, expected):
 
 
 def test_a_second_gateway_on_the_same_redis_serves_the_same_workers(cluster, expected):
+    """Gateways keep no state of their own. This one also prefills prompts of up to 8 tokens on
+    the decode worker (the short-prompt shortcut), longer ones on a prefill worker."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "gateway", "--port", str(port),
-         "--redis-url", cluster.redis_url],
+         "--redis-url", cluster.redis_url, "--local-prefill-max-tokens", "8"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"

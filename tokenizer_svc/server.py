@@ -35,7 +35,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     path = resolve_model(args.model)
     model = TokenizerModel(path, served_name(args), args.max_model_len)
-    server, health = make_server(
+    server, health = await make_server(
         SERVICE,
         lambda s: tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(model), s),
     )

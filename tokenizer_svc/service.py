@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import grpc
 
 from protos import tokenizer_pb2, tokenizer_pb2_grpc
+from tokenizer_svc.convert import messages_from_pb, model_info_to_pb
 
 
 class TokenizerModel:
@@ -27,25 +27,6 @@ class TokenizerModel:
         self.max_model_len = max_model_len or context
         self.eos_token_ids = sorted(eos_token_ids(config, self.tokenizer))
         self.vocab_size = config.vocab_size
-
-    def info(self) -> tokenizer_pb2.ModelInfo:
-        tok = self.tokenizer
-        special = {
-            name: getattr(tok, name)
-            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
-            if getattr(tok, name, None) is not None
-        }
-        special["additional_special_tokens"] = list(getattr(tok, "additional_special_tokens", []))
-        special["chat_template"] = tok.chat_template
-        return tokenizer_pb2.ModelInfo(
-            model_name=self.model_name,
-            eos_token_ids=self.eos_token_ids,
-            max_model_len=self.max_model_len,
-            has_chat_template=bool(tok.chat_template),
-            vocab_size=self.vocab_size,
-            tokenizer_json=tok.backend_tokenizer.to_str(),
-            tokenizer_config_json=json.dumps(special),
-        )
 
     def chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool,
                  chat_template: str | None) -> list[int]:
@@ -71,7 +52,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         return tokenizer_pb2.TokenizeResponse(token_ids=ids, prompt=request.text)
 
     async def ApplyChatTemplate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        messages = messages_from_pb(request.messages)
         template = request.chat_template if request.HasField("chat_template") else None
         ids = await asyncio.to_thread(
             self.model.chat_ids, messages, request.add_generation_prompt, template
@@ -90,4 +71,4 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         return tokenizer_pb2.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return self.model.info()
+        return model_info_to_pb(self.model)

@@ -115,14 +115,16 @@ def _wrap_stream(fn: Callable[..., Any], method: str) -> Callable[..., Any]:
     return wrapped
 
 
-def make_server(
+async def make_server(
     service_name: str, add_servicers: Callable[[grpc.aio.Server], None]
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """A grpc.aio server with the error interceptor and the standard health service; the
-    service starts NOT_SERVING until `set_serving` is called (once the model is loaded)."""
+    server and `service_name` report NOT_SERVING until `set_serving` is called."""
     server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=GRPC_OPTIONS)
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
+    for name in ("", service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server, health_servicer
 
