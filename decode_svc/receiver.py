@@ -24,6 +24,7 @@ from engine.async_engine import AsyncLLMEngine
 from engine.kv_transfer import KVLayout, KVSlabWriter, layout_of
 from engine.sampling_params import SamplingParams
 from pdserve.cluster.grpc_server import NotFoundError
+from pdserve.cluster.worker import TransferStats
 from protos import decode_pb2
 
 ABORTED = "request aborted"
@@ -31,14 +32,6 @@ ABORTED = "request aborted"
 
 class TransferFailed(ConnectionError):
     """The request's KV transfer broke off or was rejected."""
-
-
-@dataclass
-class TransferStats:
-    bytes_received: int = 0
-    transfers_completed: int = 0
-    transfers_failed: int = 0
-    transfer_seconds: float = 0.0  # summed over completed transfers
 
 
 @dataclass
@@ -110,14 +103,12 @@ class KVReceiver:
             await self.engine.commit_remote(request_id, header.first_token_id,
                                             first_logprobs(header))
         except BaseException as exc:
-            self.stats.transfers_failed += 1
+            self.stats.failed += 1
             pending.error = f"KV transfer failed: {exc}"
             pending.done.set()
             await self.engine.abort(request_id)
             raise
-        self.stats.transfers_completed += 1
-        self.stats.bytes_received += received
-        self.stats.transfer_seconds += time.perf_counter() - started
+        self.stats.record(received, time.perf_counter() - started)
         pending.done.set()
         return received
 

@@ -31,6 +31,7 @@ from decode_svc.convert import layout_to_pb
 from engine.kv_transfer import SlabRange, layout_of, plan_slabs
 from pdserve.cluster.convert import LogprobsTuple, logprobs_to_pb
 from pdserve.cluster.grpc_server import open_channel
+from pdserve.cluster.worker import TransferStats
 from protos import decode_pb2
 
 _PUSH_KV = decode_pb2.DESCRIPTOR.services_by_name["Decode"].methods_by_name["PushKV"]
@@ -48,16 +49,8 @@ class KVTransfer:
     first_logprobs: LogprobsTuple | None = None
 
 
-@dataclass
-class SenderStats:
-    bytes_sent: int = 0
-    transfers_completed: int = 0
-    transfers_failed: int = 0
-    transfer_seconds: float = 0.0
-
-
 class KVSender(Protocol):
-    stats: SenderStats
+    stats: TransferStats
 
     async def send(self, decode_address: str, transfer: KVTransfer) -> int:
         """Ship every block of `transfer` to the decode worker; returns bytes sent. Raises on
@@ -76,7 +69,7 @@ class GrpcKVSender:
         self.layout = layout_of(kv_caches)
         self.slab_bytes = slab_bytes
         self.timeout_s = timeout_s
-        self.stats = SenderStats()
+        self.stats = TransferStats()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def send(self, decode_address: str, transfer: KVTransfer) -> int:
@@ -87,13 +80,11 @@ class GrpcKVSender:
         try:
             reply = await push(self.messages(transfer), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            self.stats.transfers_failed += 1
+            self.stats.failed += 1
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 await self._drop_channel(decode_address)
             raise ConnectionError(f"KV push to {decode_address} failed: {exc.details()}") from exc
-        self.stats.transfers_completed += 1
-        self.stats.bytes_sent += reply.bytes_received
-        self.stats.transfer_seconds += time.perf_counter() - started
+        self.stats.record(reply.bytes_received, time.perf_counter() - started)
         return reply.bytes_received
 
     async def messages(self, t: KVTransfer) -> AsyncIterator[bytes]:

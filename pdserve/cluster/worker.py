@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -17,6 +18,7 @@ from prometheus_client.registry import Collector
 from engine.scheduler import SchedulerStats
 from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
 from pdserve.cluster.flags import add_common_flags, add_flag, add_model_flags
+from pdserve.cluster.grpc_server import make_server, serve_until_signal, set_serving
 from pdserve.cluster.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from pdserve.cluster.state import connect
 
@@ -65,6 +67,30 @@ def advertise_address(args: argparse.Namespace) -> str:
         return args.advertise_address
     host = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
     return f"{host}:{args.port}"
+
+
+@dataclass
+class TransferStats:
+    """A worker's KV transfer counters: pushes sent (prefill) or received (decode)."""
+
+    bytes: int = 0
+    completed: int = 0
+    failed: int = 0
+    seconds: float = 0.0  # summed over completed transfers
+
+    def record(self, num_bytes: int, seconds: float) -> None:
+        self.bytes += num_bytes
+        self.completed += 1
+        self.seconds += seconds
+
+    def counters(self) -> dict[str, float]:
+        """The Prometheus counters (vLLM-style names under `pdserve:`)."""
+        return {
+            "kv_transfer_bytes": self.bytes,
+            "kv_transfers": self.completed,
+            "kv_transfer_failures": self.failed,
+            "kv_transfer_seconds": self.seconds,
+        }
 
 
 @dataclass
@@ -136,6 +162,31 @@ def watch_cancellations(
     watch = CancelWatch(args.redis_url, on_cancel)
     watch.start()
     return watch
+
+
+async def run_worker(
+    args: argparse.Namespace, role: str, engine: AsyncLLMEngine,
+    add_servicer: Callable[[grpc.aio.Server], None], transfer: TransferStats,
+    on_stop: Callable[[], Awaitable[None]],
+) -> None:
+    """Serve a worker's gRPC service until SIGTERM: health NOT_SERVING until it listens, then
+    metrics and registry heartbeat; on stop, `on_stop`, deregistration, drain, engine shutdown."""
+    service = f"pdserve.v1.{role.capitalize()}"
+    server, health = await make_server(service, add_servicer)
+    server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+    monitor = WorkerMonitor(role, advertise_address(args), engine, transfer.counters)
+    heartbeat = await start_monitoring(args, monitor)
+    await set_serving(health, service)
+    logger.info("%s worker serving on %s", role, monitor.address)
+
+    async def stop() -> None:
+        await on_stop()
+        if heartbeat is not None:
+            await heartbeat.stop()
+
+    await serve_until_signal(server, stop)
+    engine.shutdown()
 
 
 async def start_monitoring(args: argparse.Namespace, monitor: WorkerMonitor) -> Heartbeat | None:
