@@ -15,6 +15,7 @@ transfer that is cut off (sender died, stream cancelled) frees everything it res
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from pdserve.cluster.grpc_server import NotFoundError
 from pdserve.cluster.worker import TransferStats
 from protos import decode_pb2
 
+logger = logging.getLogger(__name__)
 ABORTED = "request aborted"
 
 
@@ -108,7 +110,9 @@ class KVReceiver:
             pending.done.set()
             await self.engine.abort(request_id)
             raise
-        self.stats.record(received, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.stats.record(received, seconds)
+        logger.info("[%s] KV received: %d bytes in %.1f ms", request_id, received, seconds * 1e3)
         pending.done.set()
         return received
 

@@ -3,6 +3,7 @@ receiver, encode. Errors are mapped to status codes by the shared interceptor.""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -15,6 +16,8 @@ from engine.async_engine import AsyncLLMEngine
 from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
 from pdserve.cluster.convert import load_to_pb, sampling_params_from_pb
 from protos import common_pb2, decode_pb2, decode_pb2_grpc
+
+logger = logging.getLogger(__name__)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -44,6 +47,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 await self.receiver.drop(request_id)
                 raise
             if not arrived:  # aborted while waiting (Abort rpc, a cancellation in Redis)
+                logger.info("[%s] aborted while waiting for its KV", request_id)
                 yield decode_pb2.GenerateResponse(finish_reason="abort")
                 return
             outputs = self.engine.stream(request_id)
@@ -53,6 +57,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 finished = out.finished
                 yield delta_to_pb(out)
         if not finished:  # aborted here (Abort rpc, a cancellation in Redis)
+            logger.info("[%s] aborted", request_id)
             yield decode_pb2.GenerateResponse(finish_reason="abort")
 
     async def PushKV(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:

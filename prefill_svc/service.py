@@ -39,6 +39,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         finish = c.finish_reason if c.finish_reason == "stop" else ""
         if not finish and params.max_tokens == 1:
             finish = "length"
+        logger.info("[%s] prefilled %d tokens (%d cached), first token %d%s", request_id,
+                    len(prompt), out.num_cached_tokens, c.token_ids[0],
+                    f", finished: {finish}" if finish else f", KV to {request.decode_address}")
         if finish or not request.decode_address:
             await self.engine.call(self.engine.engine.release, request_id)
         else:
@@ -60,7 +63,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         rid = transfer.request_id
         try:
             transfer.block_ids = await self.engine.call(self.engine.engine.held_block_ids, rid)
-            await self.sender.send(decode_address, transfer)
+            sent = await self.sender.send(decode_address, transfer)
+            logger.info("[%s] KV pushed: %d blocks, %d bytes", rid, len(transfer.block_ids), sent)
         except asyncio.CancelledError:
             logger.info("[%s] KV push aborted", rid)
         except Exception as exc:  # noqa: BLE001 - the decode side fails the request
