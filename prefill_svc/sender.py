@@ -63,7 +63,7 @@ class KVSender(Protocol):
 
 class GrpcKVSender:
     def __init__(
-        self, kv_caches: list[torch.Tensor], slab_bytes: int = 4 << 20, timeout_s: float = 60.0
+        self, kv_caches: list[torch.Tensor], slab_bytes: int = 2 << 20, timeout_s: float = 60.0
     ):
         self.kv_caches = kv_caches
         self.layout = layout_of(kv_caches)

@@ -16,7 +16,7 @@ DEFAULT_PORT = 50071
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_flags(parser, DEFAULT_PORT)
-    add_flag(parser, "--kv-slab-bytes", 4 << 20, type=int, help="bytes per KV transfer message")
+    add_flag(parser, "--kv-slab-bytes", 2 << 20, type=int, help="bytes per KV transfer message")
 
 
 async def serve(args: argparse.Namespace) -> None:
