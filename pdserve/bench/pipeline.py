@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.report import bench_main, config_of, write_report
 from pdserve.bench.throughput import make_workload
 from pdserve.bench.transfer import parse_sizes
 from pdserve.launcher import free_port
@@ -372,29 +373,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pdserve-")))
             cluster = stack.enter_context(start_cluster(args, workdir))
         results = asyncio.run(measure(args, cluster))
-    report = {"config": {k: v for k, v in vars(args).items() if k != "func"},
+    report = {"config": config_of(args),
               "environment": {"cpu_count": os.cpu_count(), "load_avg_1m_at_start": load},
               "cluster_started": not args.url, **results,
               "elapsed_s": time.perf_counter() - started}
     print(format_table(report))
-    path = Path(args.output_json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_report(report, args.output_json)
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.pipeline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        run(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return bench_main("pipeline", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import random
@@ -31,10 +30,11 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+
+from pdserve.bench.report import bench_main, config_of, write_report
 
 if TYPE_CHECKING:
     from pdserve import LLM
@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results = {"pdserve": pd_result, **_run_hf(args, workload, min(eos))}
     systems = {name: summarize(results[name], workload) for name in SYSTEMS if name in results}
     report = {
-        "config": {k: v for k, v in vars(args).items() if k != "func"},
+        "config": config_of(args),
         "environment": environment,
         "workload": {
             "num_prompts": len(workload.prompts), "input_tokens": workload.input_tokens,
@@ -296,10 +296,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "elapsed_s": time.perf_counter() - start,
     }
     print(format_table(report))
-    path = Path(args.output_json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"wrote {path}")
+    write_report(report, args.output_json)
     return report
 
 
@@ -315,16 +312,7 @@ def _sanity(results: dict[str, Measurement], eos: frozenset[int]) -> dict[str, f
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.throughput", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        run(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return bench_main("throughput", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

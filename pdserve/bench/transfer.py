@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import statistics
 import subprocess
@@ -45,6 +44,7 @@ import torch
 
 from engine.kv_transfer import KVLayout
 from engine.sampling_params import SamplingParams
+from pdserve.bench.report import bench_main, config_of, write_report
 from pdserve.cluster.convert import sampling_params_to_pb
 from pdserve.cluster.grpc_server import GRPC_OPTIONS, check_health, open_channel
 from pdserve.launcher import free_port
@@ -381,7 +381,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     plan, started = make_plan(args), time.perf_counter()
     report: dict[str, Any] = {
-        "config": {k: v for k, v in vars(args).items() if k != "func"},
+        "config": config_of(args),
         "environment": environment(),
         "workload": {"num_blocks": plan.num_blocks, "num_tokens": plan.num_tokens,
                      "num_layers": plan.layout.num_layers, "kv_bytes": plan.kv_bytes},
@@ -389,23 +389,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     report["elapsed_s"] = time.perf_counter() - started
     print(format_table(report))
-    path = Path(args.output_json)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_report(report, args.output_json)
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.transfer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        run(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return bench_main("transfer", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
