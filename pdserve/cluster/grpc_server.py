@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-# KV slabs are a few MiB (2 by default); leave head-room for the header without lifting limits to the maximum.
+# KV slabs are a few MiB (2 by default): head-room for the header, limits nowhere near the maximum.
 MAX_MESSAGE_BYTES = 16 << 20
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
