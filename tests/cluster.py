@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,12 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.cluster.registry import WorkerInfo
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pdserve.launcher import free_port
 
 
 @dataclass

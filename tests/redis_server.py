@@ -11,11 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from pdserve.launcher import free_port
 
 
 def _answers_ping(port: int) -> bool:
@@ -51,7 +47,7 @@ def _start(
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Start the server, retrying on a new port if another process took the free one first."""
     for _ in range(attempts):
-        port = _free_port()
+        port = free_port()
         cmd = [path, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                "--appendonly", "no", "--dir", tmp, "--logfile", f"{tmp}/redis.log"]
         proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

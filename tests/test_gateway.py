@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from gateway.app import build_app
 from gateway.backend import BackendError
 from gateway.local_backend import LocalBackend
 from pdserve import LLM, SamplingParams
+from pdserve.launcher import free_port
 
 PROMPT = "The quick brown fox jumps over"
 CHAT = [{"role": "user", "content": "Tell me a story about a dragon."}]
@@ -60,9 +60,7 @@ class Server:
     """uvicorn serving `app` on a free loopback port, in a background thread."""
 
     def __init__(self, app: Any) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -4,7 +4,6 @@ cancellation, worker registry and heartbeat, routing picks, prefix isolation."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -23,6 +22,7 @@ from pdserve.cluster.state import (
     connect,
     redis_ok,
 )
+from pdserve.launcher import free_port
 
 STATUSES = ["queued", "prefilling", "transferring", "decoding", "finished", "failed", "cancelled"]
 # Written out by hand, not derived from the implementation.
@@ -54,10 +54,7 @@ async def client(redis_url: str) -> AsyncIterator:
 
 @pytest.fixture
 def dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"redis://127.0.0.1:{port}/0"  # nothing listens there
+    return f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
 
 
 # ---------------------------------------------------------------- request state
