@@ -66,6 +66,9 @@ class EngineConfig:
     seed: int = 0
     role: str = "colocated"
     attention_backend: str = "auto"  # "torch" | "triton" | "auto"
+    # CUDA only: False captures CUDA graphs of decode steps for batches up to
+    # min(max_num_seqs, 512); True runs every step eagerly (vLLM's flag of the same name).
+    enforce_eager: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

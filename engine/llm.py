@@ -34,6 +34,7 @@ def build_engine_config(
     device: str = "auto",
     attention_backend: str = "auto",
     role: str = "colocated",
+    enforce_eager: bool = False,
 ) -> EngineConfig:
     """Resolve the model and turn user-facing arguments into an `EngineConfig` (ValueError on
     bad values). `max_model_len` defaults to the model's context length."""
@@ -52,6 +53,7 @@ def build_engine_config(
         seed=seed,
         role=role,
         attention_backend=attention_backend,
+        enforce_eager=enforce_eager,
         cache=CacheConfig(
             block_size=block_size,
             kv_cache_memory=kv_cache_memory,

@@ -7,7 +7,9 @@ import logging
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import build_model_input
 from engine.model_loader import iter_weights, load_hf_config
 from engine.models import get_model_class
@@ -19,6 +21,8 @@ from engine.token_choice import skip_draws
 logger = logging.getLogger(__name__)
 
 _CPU_KV_CACHE_BYTES = 2 << 30  # default KV budget on CPU, like vLLM's CPU backend
+_MAX_GRAPH_BATCH = 512
+_GRAPH_RESERVE_BYTES = 512 << 20  # CUDA-graph pool and allocator slack, kept out of the KV budget
 
 
 def resolve_device(name: str) -> torch.device:
@@ -58,6 +62,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.graphs = self._capture_graphs()
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -97,19 +102,71 @@ class ModelRunner:
         return int(num_blocks)
 
     def _cuda_free_bytes(self) -> int:
+        """vLLM's rule: the KV cache gets gpu_memory_utilization of the card, less what is in
+        use now (weights, CUDA context, other processes) and the activation peak of the largest
+        step, measured by running one (`_profile_activation_bytes`)."""
+        peak = self._profile_activation_bytes()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        reserve = (1.0 - self.config.cache.gpu_memory_utilization) * total
-        activations = 2 << 30  # head-room for activations and sampling of a full batch
-        return int(max(free - reserve - activations, 0))
+        budget = total * self.config.cache.gpu_memory_utilization - (total - free)
+        return int(max(budget - peak - _GRAPH_RESERVE_BYTES, 0))
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
+    @torch.inference_mode()
+    def _profile_activation_bytes(self) -> int:
+        """Peak bytes allocated by a forward over a full token budget plus a full batch of
+        logits. The dummy step reads one zeroed KV block and writes none (slots -1)."""
+        sched = self.config.scheduler
+        tokens = sched.max_num_batched_tokens
+        lens = [sched.max_model_len] * (tokens // sched.max_model_len)
+        lens += [tokens % sched.max_model_len] if tokens % sched.max_model_len else []
+        width = -(-max(lens) // self.block_size)
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        meta = AttentionMetadata(
+            num_prefills=len(lens), num_prefill_tokens=tokens, num_decodes=0,
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(len(lens), width, dtype=torch.int32, device=self.device),
+            query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens),
+            block_size=self.block_size,
+        )
+        cache = self._allocate_kv_cache(1, log=False)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.backend.prepare(meta)
+        ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, ids, cache, meta)
+        rows = min(sched.max_num_seqs, tokens)
+        logits = self.model.compute_logits(hidden[:rows])
+        torch.log_softmax(logits, dim=-1).exp_()  # the sampler's largest temporaries
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        logger.info("activation peak of a %d-token step: %.0f MiB", tokens, peak / 2**20)
+        return int(peak)
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":
+            return None
+        sched = self.config.scheduler
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, min(sched.max_num_seqs, _MAX_GRAPH_BATCH),
+            sched.max_model_len, self.block_size, self.device,
+        )
+        graphs.capture()
+        return graphs
+
+    def _allocate_kv_cache(self, num_blocks: int, log: bool = True) -> list[torch.Tensor]:
         kv_heads, head_dim = self.kv_shape_per_layer
         shape = (2, num_blocks, self.block_size, kv_heads, head_dim)
         layers = self.hf_config.num_hidden_layers
-        logger.info(
-            "KV cache: %d blocks of %d tokens, %.1f MiB",
-            num_blocks, self.block_size, num_blocks * self.block_bytes() / 2**20,
-        )
+        if log:
+            logger.info(
+                "KV cache: %d blocks of %d tokens, %.1f MiB",
+                num_blocks, self.block_size, num_blocks * self.block_bytes() / 2**20,
+            )
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
 
     # ---- one step ------------------------------------------------------------------------
@@ -118,8 +175,11 @@ class ModelRunner:
         """Run the forward pass for `out` (writes the new tokens' K/V into the cache) and sample
         the sequences whose chunk reaches their end. Returns request id -> sample."""
         inp = build_model_input(out, self.block_size, self.device)
-        self.backend.prepare(inp.meta)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        if self.graphs is not None and self.graphs.can_run(inp.meta):
+            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
+        else:
+            self.backend.prepare(inp.meta)
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         if not inp.sampling:
             return {}
         logits = self.model.compute_logits(hidden[inp.sample_rows])

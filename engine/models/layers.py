@@ -1,4 +1,8 @@
-"""Small building blocks shared by the decoder models."""
+"""Small building blocks shared by the decoder models.
+
+On CUDA they run pdserve's fused Triton kernels (kernels/rmsnorm.py, kernels/silu_mul.py); on the
+CPU the same math in eager torch. Both follow transformers' op order.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +10,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+try:
+    from kernels.rmsnorm import rms_norm as _fused_rms_norm
+    from kernels.silu_mul import silu_and_mul as _fused_silu_and_mul
+
+    FUSED_KERNELS = True
+except ImportError:  # no triton (a CPU-only platform without it)
+    FUSED_KERNELS = False
+
+
+def use_fused_kernels(x: torch.Tensor) -> bool:
+    return FUSED_KERNELS and x.is_cuda
+
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with HF's op order: normalize in fp32, cast back, then scale."""
+    """Root-mean-square norm with HF's op order: normalize in fp32, cast back, then scale.
+
+    With `residual`, first adds it (the decoder's skip connection) and returns
+    (normed, x + residual): one fused kernel on CUDA instead of an add and a norm."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, hidden]
+        if use_fused_kernels(x):
+            return _fused_rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
         input_dtype = x.dtype
         x32 = x.float()
         variance = x32.pow(2).mean(-1, keepdim=True)  # [T, 1]
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+        out = self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+        return out if residual is None else (out, x)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2*I] -> [T, I]
     """SwiGLU on a fused gate_up projection: silu(gate) * up."""
+    if use_fused_kernels(gate_up):
+        return _fused_silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -17,7 +17,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.models.layers import RMSNorm, silu_and_mul
-from engine.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from engine.models.rotary import RopeInputs, RotaryEmbedding, rope_parameters, rotate_qk
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -69,8 +69,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, head_dim]
-        sin: torch.Tensor,  # [T, head_dim]
+        rope: RopeInputs,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
@@ -78,8 +77,11 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = rotate_qk(
+            rope,
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+        )
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -116,14 +118,21 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        h: torch.Tensor,  # [T, hidden]: the previous layer's MLP output (or the embeddings)
+        residual: torch.Tensor | None,  # [T, hidden]: the stream before it; None at layer 0
+        rope: RopeInputs,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), both [T, hidden]
+        """HF's `residual + sublayer(norm(residual))` twice, with each skip-connection add
+        deferred into the next norm (one fused kernel on CUDA)."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -134,7 +143,10 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, attn_backend) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config))
+        self.rotary_emb = RotaryEmbedding(
+            head_dim_of(config), rope_parameters(config),
+            max_positions=getattr(config, "max_position_embeddings", 0),
+        )
 
     def forward(
         self,
@@ -144,10 +156,11 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         h = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary_emb(positions, h.dtype)  # [T, head_dim] each, shared by layers
+        rope = self.rotary_emb.inputs(positions, h.dtype)  # shared by every layer
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, rope, kv_cache, meta)
+        return self.norm(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

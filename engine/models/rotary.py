@@ -9,6 +9,7 @@ and copied to the positions' device on first use.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,8 +53,25 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
     return torch.where(is_medium, smoothed, scaled)
 
 
+try:
+    from kernels.rotary import cos_sin_cache, rotary_embedding
+except ImportError:  # no triton
+    cos_sin_cache = rotary_embedding = None
+
+
+@dataclass
+class RopeInputs:
+    """What every layer needs to rotate its q/k, computed once per step: cos/sin tables on the
+    CPU path, or the positions and the whole-context cos|sin cache for the fused CUDA kernel."""
+
+    cos: torch.Tensor | None = None  # [T, head_dim]
+    sin: torch.Tensor | None = None
+    positions: torch.Tensor | None = None  # [T] int64
+    cache: torch.Tensor | None = None  # [max_positions, head_dim] fp32
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
+    def __init__(self, head_dim: int, params: dict[str, Any], max_positions: int = 0) -> None:
         super().__init__()
         rope_type = params["rope_type"]
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -62,6 +80,17 @@ class RotaryEmbedding(nn.Module):
         if rope_type == "llama3":
             inv_freq = llama3_inv_freq(inv_freq, params)
         self.inv_freq = inv_freq  # [head_dim // 2] fp32, plain attribute (see module doc)
+        self.max_positions = max_positions
+        self._cache: torch.Tensor | None = None  # fused path: built once, on first CUDA use
+
+    def inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
+        """The step's rotary inputs: the fused kernel's on CUDA, cos/sin tables elsewhere."""
+        if positions.is_cuda and rotary_embedding is not None and self.max_positions:
+            if self._cache is None:  # before any CUDA-graph capture: the first (eager) step
+                self._cache = cos_sin_cache(self.inv_freq, self.max_positions, positions.device)
+            return RopeInputs(positions=positions, cache=self._cache)
+        cos, sin = self(positions, dtype)
+        return RopeInputs(cos=cos, sin=sin)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -81,3 +110,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # rotate_half(x)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rotate_qk(
+    rope: RopeInputs, q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated q [T, H, D] and k [T, Hkv, D]: in place by the fused kernel, or new tensors."""
+    if rope.cache is not None:
+        rotary_embedding(rope.positions, q, k, rope.cache)
+        return q, k
+    return apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)

@@ -1,0 +1,83 @@
+"""Paged attention on the GPU through pdserve's Triton kernels (kernels/).
+
+NOTE: per layer, one KV-store launch, then at most two attention launches over the packed batch:
+
+    new tokens  | prefill chunks (any length, any earlier context) | decodes (one token each) |
+                  kernels.prefill_attention                          kernels.paged_decode_attention
+                  (causal over the paged cache)                      (flash-decoding splits)
+
+Both read every key from the paged cache, where the store has just put the new tokens' K/V. No
+host data is read inside `forward` after the first layer: the step's split count and longest
+prefill chunk are computed once (from the metadata's Python-side lists) and kept in
+`meta.backend_state`, so a decode step captured in a CUDA graph replays for any context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from kernels.kv_store import store_kv
+from kernels.paged_decode_attention import default_num_splits, paged_decode_attention
+from kernels.prefill_attention import prefill_attention
+
+
+@dataclass(frozen=True)
+class TritonAttentionState:
+    num_splits: int  # context splits of the decode kernel
+    max_prefill_query_len: int  # longest prefill chunk: the prefill kernel's grid
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self, num_sms: int | None = None) -> None:
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties().multi_processor_count \
+                if torch.cuda.is_available() else 1
+        self.num_sms = num_sms
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Nothing to precompute before the kv head count is known: `forward` fills the state
+        on the first layer."""
+        meta.backend_state = None
+
+    def _state(self, meta: AttentionMetadata, num_kv_heads: int) -> TritonAttentionState:
+        starts = meta.query_start_loc_cpu
+        longest = max((starts[i + 1] - starts[i] for i in range(meta.num_prefills)), default=0)
+        splits = default_num_splits(max(meta.num_decodes, 1), num_kv_heads, meta.max_seq_len,
+                                    self.num_sms)
+        return TritonAttentionState(num_splits=splits, max_prefill_query_len=longest)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        """Write k/v into `kv_cache` at `meta.slot_mapping` (mutates it), then attend."""
+        if meta.backend_state is None:
+            meta.backend_state = self._state(meta, kv_cache.shape[-2])
+        state: TritonAttentionState = meta.backend_state
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        num_prefills, split = meta.num_prefills, meta.num_prefill_tokens
+        if num_prefills:
+            prefill_attention(
+                q[:split], k_cache, v_cache, meta.block_tables[:num_prefills],
+                meta.query_start_loc[: num_prefills + 1], meta.seq_lens[:num_prefills], scale,
+                state.max_prefill_query_len, out=out[:split],
+            )
+        if meta.num_decodes:
+            paged_decode_attention(
+                q[split:], k_cache, v_cache, meta.block_tables[num_prefills:],
+                meta.seq_lens[num_prefills:], scale, num_splits=state.num_splits,
+                out=out[split:],
+            )
+        return out

@@ -1,0 +1,122 @@
+"""CUDA graphs for decode-only steps: the model forward replayed with one launch.
+
+NOTE: why and how. A decode step of a small model is hundreds of short kernels; launched one by
+one from Python the GPU idles between them. Each graph is captured once, at start-up, for a
+padded batch size from a ladder (1, 2, 4, 8, then every 8 up to the largest), over static input
+buffers; a step with n decodes copies its inputs into the buffers' first n rows and replays the
+graph of the smallest size >= n. Padding rows have slot -1 (the KV store skips them) and length
+0 (attention reads nothing and writes zeros), so they cost no memory traffic and touch no cache.
+
+    buffers  input_ids [B]  positions [B]  slot_mapping [B]  seq_lens [B]  block_tables [B, W]
+             (B = largest size, W = blocks of a max_model_len sequence)
+
+The attention kernels read only these tensors on replay; the decode split count is fixed per
+graph at capture (sized for max_model_len). Steps with prefills, or more decodes than the largest
+graph, run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, ... up to and including `max_batch`."""
+    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8))
+    return sorted(set(sizes + [max_batch]))
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        max_batch: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = capture_sizes(max_batch)
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        width = -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_batch, width, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0  # steps served by a graph (stats, tests)
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_prefills=0,
+            num_prefill_tokens=0,
+            num_decodes=size,
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[self.max_model_len] * size,
+            max_seq_len=self.max_model_len,  # the split count must suit any length
+            block_size=self.block_size,
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        meta = self._meta(size)
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first (smaller graphs reuse the shared memory pool)."""
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self._forward(size)  # warm-up: compiles the kernels for this shape outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._forward(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s",
+                    len(self.sizes), self.max_batch, time.perf_counter() - start)
+
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        return bool(self.graphs) and meta.num_prefills == 0 and 0 < meta.num_decodes <= \
+            self.max_batch
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [n, hidden]
+        """Replay for a decode-only step of n sequences (`can_run` must hold)."""
+        n = meta.num_decodes
+        size = next(s for s in self.sizes if s >= n)
+        width = meta.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.slot_mapping[n:size].fill_(-1)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.seq_lens[n:size].fill_(0)
+        # columns past `width` keep older ids: never read, each row's length bounds its reads
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        self.graphs[size].replay()
+        self.replays += 1
+        return self.outputs[size][:n]
