@@ -122,11 +122,13 @@ def _reduce_kernel(
 
 def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
                        block_n: int = 64) -> int:
-    """Splits so that batch * kv_heads * splits programs make about four waves of the GPU, never
-    more splits than tiles of the longest context and at most 32."""
+    """Enough splits for batch * kv_heads * splits programs to cover every SM once, each split
+    keeping at least 4 tiles of the longest context (shorter splits cost more in the reduce than
+    they add in parallelism), at most 32. Measured on an H100 (132 SMs), bf16, 32/8 heads, d 64:
+    B 64 x 1k and B 32 x 8k are fastest with 1 split, B 1 x 2k with 8."""
     programs = batch * num_kv_heads
-    want = triton.cdiv(4 * num_sms, programs)
-    return max(1, min(want, triton.cdiv(max_seq_len, block_n), 32))
+    want = triton.cdiv(num_sms, programs)
+    return max(1, min(want, triton.cdiv(max_seq_len, 4 * block_n), 32))
 
 
 def paged_decode_attention(
@@ -139,6 +141,8 @@ def paged_decode_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,  # [B, H, D]
     block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:  # [B, H, D]
     """Attention of each sequence's one query token over its cached context (already holding
     the token's own K/V). Launches one kernel, plus a reduce when `num_splits` > 1."""
@@ -166,7 +170,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=num_splits,
         DOT_PRECISION=dot_precision(q.dtype), UPCAST=INTERPRET,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](

@@ -91,15 +91,16 @@ def test_bf16_greedy_close_to_hf(model_dir):
     del llm
     torch.cuda.empty_cache()
     theirs, their_tops = hf_run(model_dir, torch.bfloat16, batch)
-    exact = 0
+    agreed = 0
     for i, (a, b) in enumerate(zip(ours, theirs)):
-        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if first is None:
-            exact += 1
-            continue
-        assert a[first] in their_tops[i][first], f"seq {i} step {first}: ours not in HF top-5"
-        assert b[first] in our_tops[i][first], f"seq {i} step {first}: HF's not in our top-5"
-    assert exact >= len(batch) // 2  # divergence is the exception, not the rule
+        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        agreed += first
+        if first < len(a):
+            assert a[first] in their_tops[i][first], f"seq {i} step {first}: ours not in HF top-5"
+            assert b[first] in our_tops[i][first], f"seq {i} step {first}: HF's not in our top-5"
+    # A random model's top logits are close, so some divergence is expected; most steps before
+    # the first one must still agree (a broken kernel diverges at once).
+    assert agreed >= len(batch) * 4, f"only {agreed} tokens agreed before divergence"
 
 
 def test_kv_cache_takes_the_configured_share_of_the_gpu(model_dir):
@@ -123,7 +124,7 @@ def test_sampling_needs_one_host_sync_per_step(model_dir):
     ]
     engine = llm.llm_engine
     for i, (p, sp) in enumerate(zip(prompts(4, seed=2), params)):
-        engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+        engine.add_request(f"r{i}", p, sp)
     engine.step()  # the prefill step
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")

@@ -91,10 +91,12 @@ def test_decode_splits_agree_with_one_split():
 
 
 def test_default_num_splits_fills_the_gpu_and_respects_bounds():
-    assert default_num_splits(batch=1, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 32
+    assert default_num_splits(batch=1, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 17
+    assert default_num_splits(batch=1, num_kv_heads=8, max_seq_len=2048, num_sms=132) == 8
     assert default_num_splits(batch=256, num_kv_heads=8, max_seq_len=1024, num_sms=132) == 1
-    assert default_num_splits(batch=32, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 3
-    assert default_num_splits(batch=1, num_kv_heads=8, max_seq_len=100, num_sms=132) == 2
+    assert default_num_splits(batch=32, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 1
+    assert default_num_splits(batch=1, num_kv_heads=8, max_seq_len=100, num_sms=132) == 1
+    assert default_num_splits(batch=1, num_kv_heads=1, max_seq_len=10**6, num_sms=132) == 32
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
