@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine, PromptInput
 from engine.model_loader import load_hf_config, resolve_model
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -97,7 +98,10 @@ class LLM:
         Bad input raises ValueError before anything runs.
         """
         prompt_list = _as_prompt_list(prompts)
-        params = _per_prompt(sampling_params, len(prompt_list))
+        # Only finished outputs are returned: ask for nothing else (vLLM's LLM does the same),
+        # which also lets the engine detokenize each sequence once, at its end.
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                  for p in _per_prompt(sampling_params, len(prompt_list))]
         ids = [str(next(self._ids)) for _ in prompt_list]
         try:
             for request_id, prompt, p in zip(ids, prompt_list, params):

@@ -17,7 +17,7 @@ from engine.model_runner import ModelRunner
 from engine.output_processor import RequestGroup, SequenceState, mark_progress
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler, SchedulerStats
 from engine.stop_checker import StopStringMatcher
 
@@ -235,7 +235,8 @@ class LLMEngine:
             )
             if params.stop_list:
                 matcher = StopStringMatcher(params.stop_list, params.include_stop_str_in_output)
-        return SequenceState(req, detok, matcher)
+        lazy = matcher is None and params.output_kind == RequestOutputKind.FINAL_ONLY
+        return SequenceState(req, detok, matcher, lazy=lazy)
 
 
 def eos_token_ids(hf_config: object, tokenizer: object) -> frozenset[int]:

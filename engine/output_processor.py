@@ -26,12 +26,16 @@ class SequenceState:
     sent_tokens: int = 0  # tokens already sent in delta mode
     seen_tokens: int = 0  # tokens already turned into text
     closed: bool = False  # text is final
+    # Nobody reads this sequence's text before it finishes (final-only output, no stop strings):
+    # detokenize once at the end instead of every step. Same text: the detokenizer's deltas
+    # concatenate to the same string however the tokens are grouped into steps.
+    lazy: bool = False
 
     def absorb(self) -> str | None:
         """Detokenize tokens sampled since the last call; return a matched stop string, if any.
 
         When the request finished on a token (eos, length), flushes everything held back."""
-        if self.closed:
+        if self.closed or (self.lazy and not self.req.is_finished):
             return None
         new = self.req.output_token_ids[self.seen_tokens :]
         self.seen_tokens = len(self.req.output_token_ids)
