@@ -18,6 +18,7 @@ reusable and go to the very front.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     """Chain hash of one full block: stable across processes (prefill and decode workers)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent_hash or b"\0")
-    h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in token_ids))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))  # 4-byte little-endian ids
     return h.digest()
 
 

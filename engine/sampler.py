@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_copy import to_device
 from engine.sampling_params import SamplingParams
 from engine.token_choice import index_tensor, padded, pick_tokens, select_rows
 
@@ -134,11 +135,11 @@ def _apply_penalties_to_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> t
     sel = [rows[i] for i in idx]
     any_repetition = any(r.params.repetition_penalty != 1.0 for r in sel)
     prompts = [r.prompt_token_ids if any_repetition else [] for r in sel]
-    params = torch.tensor(
-        [[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty]
-         for r in sel],
-        dtype=logits.dtype,
-    ).to(device)  # [M, 3]
+    params = to_device(
+        [x for r in sel for x in (r.params.repetition_penalty, r.params.frequency_penalty,
+                                  r.params.presence_penalty)],
+        torch.float64, device,
+    ).view(-1, 3).to(logits.dtype)  # [M, 3]
     penalised = apply_penalties(
         select_rows(logits, idx),
         padded(prompts, vocab, device),

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.host_copy import to_device
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,11 +49,11 @@ def _sample(
     """[M] sampled ids from `logits` [M, V] (a copy is processed, never the argument)."""
     params = [r.params for r in rows]
     vocab, device = logits.shape[1], logits.device
-    knobs = torch.tensor(
-        [[p.temperature, min(p.top_k or vocab, vocab), p.top_p if p.top_p < 1.0 else math.inf,
-          p.min_p] for p in params],
-        dtype=torch.float64,
-    ).to(device)  # [M, 4]: temperature, top_k (V = off), top_p (inf = off), min_p
+    knobs = to_device(
+        [x for p in params for x in (p.temperature, min(p.top_k or vocab, vocab),
+                                     p.top_p if p.top_p < 1.0 else math.inf, p.min_p)],
+        torch.float64, device,
+    ).view(-1, 4)  # [M, 4]: temperature, top_k (V = off), top_p (inf = off), min_p
     logits = logits / knobs[:, 0:1].to(logits.dtype)
     restricted = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
     if restricted:
@@ -175,7 +176,7 @@ def _invert(mass: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, to
 
 # ---- helpers ----------------------------------------------------------------------------------
 def index_tensor(idx: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(idx, dtype=torch.long, device=device)
+    return to_device(idx, torch.long, device)
 
 
 def select_rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
@@ -186,8 +187,8 @@ def select_rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
 def padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     """[len(seqs), longest] long tensor of `seqs`, right-padded with `pad`."""
     width = max((len(s) for s in seqs), default=0)
-    rows = [s + [pad] * (width - len(s)) for s in seqs]
-    return torch.tensor(rows, dtype=torch.long).reshape(len(seqs), width).to(device)
+    flat = [t for s in seqs for t in s + [pad] * (width - len(s))]
+    return to_device(flat, torch.long, device).view(len(seqs), width)
 
 
 def skip_draws(generator: torch.Generator, num_samples: int) -> None:
