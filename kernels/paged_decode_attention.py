@@ -34,12 +34,13 @@ LOG2E = 1.4426950408889634
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    num_splits,  # a run-time value: a new split count must not cost a compile mid-serving
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,  # K and V caches share strides
     stride_tb,
     stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -47,7 +48,7 @@ def _decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + seq)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -86,13 +87,13 @@ def _decode_kernel(
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     o = acc / safe_l[:, None]
-    if SPLITS == 1:
+    if ONE_SPLIT:
         out = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         # part [B, H, SPLITS, D] and lse [B, H, SPLITS], contiguous fp32
         num_heads = tl.num_programs(1) * GROUP
-        row = (seq * num_heads + heads) * SPLITS + split  # [G]
+        row = (seq * num_heads + heads) * num_splits + split  # [G]
         tl.store(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))  # base 2
         tl.store(lse_ptr + row, lse, mask=g_mask)
@@ -100,20 +101,20 @@ def _decode_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     row = seq * tl.num_programs(1) + head
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < SPLITS
-    lse = tl.load(lse_ptr + row * SPLITS + offs_s, mask=s_mask, other=float("-inf"))  # [S]
+    s_mask = offs_s < num_splits
+    lse = tl.load(lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))  # [S]
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: weights 0, output 0
     w = tl.exp2(lse - top)  # [S]
-    part = tl.load(part_ptr + (row * SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+    part = tl.load(part_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                    mask=s_mask[:, None], other=0.0)  # [S, D]
     total = tl.sum(w, 0)
     o = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
@@ -165,20 +166,20 @@ def paged_decode_attention(
         lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part, lse,
-        scale * LOG2E,
+        scale * LOG2E, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=num_splits,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, ONE_SPLIT=num_splits == 1,
         DOT_PRECISION=dot_precision(q.dtype), UPCAST=INTERPRET,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](
-            part, lse, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            part, lse, out, out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
         )
     return out
 
