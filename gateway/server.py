@@ -21,6 +21,8 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--port", 8000, type=int, help="HTTP port")
     add_flag(p, "--api-key", "", help="require this bearer key on /v1 routes")
     add_flag(p, "--log-level", "info", help="debug, info, warning, error")
+    add_flag(p, "--drain-timeout", 30.0, type=float,
+             help="seconds in-flight requests (streams too) get to finish after SIGTERM")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 async def _serve_app(app: object, args: argparse.Namespace) -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=30)
+                            timeout_graceful_shutdown=args.drain_timeout)
     await uvicorn.Server(config).serve()
 
 

@@ -49,7 +49,7 @@ async def serve(args: argparse.Namespace) -> None:
         if heartbeat is not None:
             await heartbeat.stop()
 
-    await serve_until_signal(server, on_stop)
+    await serve_until_signal(server, on_stop, args.drain_timeout)
 
 
 def _heartbeat(args: argparse.Namespace) -> Heartbeat | None:

@@ -35,6 +35,8 @@ def add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
     add_flag(parser, "--advertise-address", "", help="host:port others use (default host:port)")
     add_flag(parser, "--redis-url", "", help="Redis for the registry and request state")
     add_flag(parser, "--log-level", "info", help="debug, info, warning, error")
+    add_flag(parser, "--drain-timeout", 10.0, type=float,
+             help="seconds in-flight calls get to finish after SIGTERM")
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:

@@ -185,7 +185,7 @@ async def run_worker(
         if heartbeat is not None:
             await heartbeat.stop()
 
-    await serve_until_signal(server, stop)
+    await serve_until_signal(server, stop, args.drain_timeout)
     engine.shutdown()
 
 
