@@ -9,6 +9,7 @@
     pdserve generate "prompt" ...         offline generation for prompts on the command line
     pdserve bench throughput              offline throughput against HF transformers
     pdserve bench transfer|pipeline       KV transfer throughput; handover and gateway overhead
+    pdserve bench gpu                     ceilings, kernels vs peers, throughput, batch-1 latency
 """
 
 from __future__ import annotations
@@ -97,11 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     throughput.add_arguments(tp)
     tp.set_defaults(func=lambda a: 0 if throughput.run(a) else 1)
-    from pdserve.bench import pipeline, transfer
+    from pdserve.bench import gpu, pipeline, transfer
 
     for name, module, text in (
         ("transfer", transfer, "KV transfer throughput over gRPC vs raw grpcio"),
         ("pipeline", pipeline, "handover and gateway overhead of a running cluster"),
+        ("gpu", gpu, "the GPU benchmark: ceilings, kernels vs peers, throughput, latency"),
     ):
         p = bench_sub.add_parser(name, help=text)
         module.add_arguments(p)
