@@ -97,6 +97,10 @@ class BlockManager:
         caller advances `req.num_computed_tokens` past them. Returns False, changing nothing, if
         the free blocks do not suffice.
         """
+        if not computed_blocks:  # the common case (every decode step): maybe no block at all
+            room = len(req.block_ids) * self.block_size - req.num_computed_tokens
+            if num_new_tokens <= room:
+                return True
         computed_blocks = computed_blocks or []
         num_tokens = req.num_computed_tokens + len(computed_blocks) * self.block_size
         need = self.blocks_needed(num_tokens + num_new_tokens)

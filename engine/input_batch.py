@@ -44,10 +44,16 @@ def build_model_input(out: SchedulerOutput, block_size: int, device: torch.devic
     for s in order:
         req, start = s.request, s.request.num_computed_tokens
         end = start + s.num_new_tokens
-        input_ids += req.token_ids_slice(start, end)
-        positions += range(start, end)
         table = req.block_ids
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        if s.num_new_tokens == 1:  # decodes: most of the batch, most steps
+            input_ids.append(req.token_ids_slice(start, end)[0])
+            positions.append(start)
+            slots.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            input_ids += req.token_ids_slice(start, end)
+            positions += range(start, end)
+            slots += [table[p // block_size] * block_size + p % block_size
+                      for p in range(start, end)]
         query_start.append(query_start[-1] + s.num_new_tokens)
         seq_lens.append(end)
         if s.samples:

@@ -7,6 +7,7 @@ Used directly by the offline `LLM` and driven by a background task in `AsyncLLME
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 from engine.block_manager import BlockManager
@@ -177,9 +178,10 @@ class LLMEngine:
         samples = self.runner.execute(out)
         self.scheduler.update_from_output(out, samples)
         touched: dict[str, RequestGroup] = {}
+        now = time.monotonic()
         for s in out.scheduled:
             req = s.request
-            mark_progress(req)
+            mark_progress(req, now)
             if s.samples:
                 touched[req.parent_id] = self._groups[req.parent_id]
         outputs = []

@@ -69,7 +69,10 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return all(s.req.is_finished for s in self.seqs)
+        for s in self.seqs:  # noqa: SIM110 (a plain loop: asked for every request every step)
+            if not s.req.is_finished:
+                return False
+        return True
 
     def make_output(self) -> RequestOutput | None:
         """The group's output for this step, shaped by its output kind (None: nothing to send)."""
