@@ -10,6 +10,7 @@
     pdserve bench throughput              offline throughput against HF transformers
     pdserve bench transfer|pipeline       KV transfer throughput; handover and gateway overhead
     pdserve bench gpu                     ceilings, kernels vs peers, throughput, batch-1 latency
+    pdserve bench serve                   load test an OpenAI endpoint (loadtest/)
 """
 
 from __future__ import annotations
@@ -98,12 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     throughput.add_arguments(tp)
     tp.set_defaults(func=lambda a: 0 if throughput.run(a) else 1)
+    import loadtest.cli as serve
     from pdserve.bench import gpu, pipeline, transfer
 
     for name, module, text in (
         ("transfer", transfer, "KV transfer throughput over gRPC vs raw grpcio"),
         ("pipeline", pipeline, "handover and gateway overhead of a running cluster"),
         ("gpu", gpu, "the GPU benchmark: ceilings, kernels vs peers, throughput, latency"),
+        ("serve", serve, "load test an OpenAI endpoint: TTFT, TPOT, ITL, goodput (loadtest)"),
     ):
         p = bench_sub.add_parser(name, help=text)
         module.add_arguments(p)

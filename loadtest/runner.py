@@ -1,0 +1,180 @@
+"""Driving the load: warm-up, then one timed run per request rate of the sweep.
+
+NOTE: a run sends its requests at the arrival process's offsets, each as its own task; with
+--max-concurrency a semaphore holds a due request back until a slot frees (the wait is queueing
+in the client: it shows in `sent_at - scheduled_at`, not in TTFT, as in vLLM's benchmark).
+Every run is bounded: `len(specs)` requests at most, and --max-duration seconds of wall time,
+after which the requests still in flight are cancelled (recorded as failed) and those never sent
+are counted apart (`not_sent`). With --metrics-url, the server's own counters are read before
+and after each run, and their increase reported (`server_counters`). Each rate of a sweep gets
+its own slice of the workload, so a later rate never re-sends a prompt an earlier one left in
+the server's prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from loadtest import scrape
+from loadtest.arrivals import arrival_offsets
+from loadtest.client import StreamClient
+from loadtest.metrics import SLO, run_metrics
+from loadtest.record import RequestRecord
+from loadtest.workloads import RequestSpec
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    rates: tuple[float, ...] = (math.inf,)
+    num_prompts: int = 100  # per rate
+    arrival: str = "poisson"
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    num_warmups: int = 1
+    max_duration_s: float = 600.0  # per rate
+    seed: int = 0
+    slo: SLO = SLO()
+    progress: bool = True
+    metrics_urls: tuple[str, ...] = ()  # Prometheus pages whose counters each run reports
+
+    def __post_init__(self) -> None:
+        if not self.rates or any(not r > 0 for r in self.rates):
+            raise ValueError(f"request rates must be > 0 (inf: all at once), got {self.rates}")
+        if self.num_prompts < 1 or self.num_warmups < 0:
+            raise ValueError("num_prompts must be >= 1 and num_warmups >= 0")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if not self.max_duration_s > 0:
+            raise ValueError(f"max_duration_s must be > 0, got {self.max_duration_s}")
+
+    @property
+    def total_requests(self) -> int:
+        """Requests the workload must hold: the warm-ups, then one slice per rate."""
+        return self.num_warmups + self.num_prompts * len(self.rates)
+
+
+async def sweep(client: StreamClient, specs: Sequence[RequestSpec],
+                cfg: RunConfig) -> list[dict[str, Any]]:
+    """Warm up, then one run per rate; each run's metrics and records."""
+    if len(specs) < cfg.total_requests:
+        raise ValueError(f"{len(specs)} requests for {cfg.total_requests} needed")
+    await warm_up(client, specs[:cfg.num_warmups], cfg.max_concurrency)
+    results = []
+    for i, rate in enumerate(cfg.rates):
+        start = cfg.num_warmups + i * cfg.num_prompts
+        results.append(await run_rate(client, specs[start:start + cfg.num_prompts], rate, cfg))
+    return results
+
+
+async def warm_up(client: StreamClient, specs: Sequence[RequestSpec],
+                  max_concurrency: int | None) -> None:
+    """Send `specs` (concurrently, bounded), untimed. Raises RuntimeError if one fails: a
+    server that fails its warm-up is not worth measuring."""
+    slots = asyncio.Semaphore(max_concurrency or max(1, len(specs)))
+    records = [RequestRecord(i, s.prompt_len, s.output_len) for i, s in enumerate(specs)]
+
+    async def one(spec: RequestSpec, record: RequestRecord) -> None:
+        async with slots:
+            await client.send(spec, record, time.perf_counter)
+
+    await asyncio.gather(*(one(s, r) for s, r in zip(specs, records)))
+    if failed := [r.error for r in records if not r.ok]:
+        raise RuntimeError(f"warm-up request failed: {failed[0]}")
+
+
+async def run_rate(client: StreamClient, specs: Sequence[RequestSpec], rate: float,
+                   cfg: RunConfig) -> dict[str, Any]:
+    """One timed run of `specs` at `rate` requests/s: its metrics, then its records."""
+    offsets = arrival_offsets(len(specs), rate, cfg.arrival, cfg.burstiness, cfg.seed)
+    records = [RequestRecord(i, s.prompt_len, s.output_len, scheduled_at=t)
+               for i, (s, t) in enumerate(zip(specs, offsets))]
+    counters = await scrape.read_counters(client.http, cfg.metrics_urls)
+    load_start, t0 = _load_average(), time.perf_counter()
+    clock = lambda: time.perf_counter() - t0
+    async with _progress(len(specs), f"rate {rate:g}/s", cfg.progress) as bar:
+        send = _sender(client, cfg.max_concurrency or len(specs), clock, bar)
+        try:
+            await asyncio.wait_for(_send_all(specs, records, send, clock), cfg.max_duration_s)
+            timed_out = False
+        except asyncio.TimeoutError:
+            timed_out = True
+    duration = clock()
+    sent = [r for r in records if r.done_at > 0]  # set by the client once it sent a request
+    counters = scrape.deltas(counters, await scrape.read_counters(client.http, cfg.metrics_urls))
+    return {
+        "request_rate": rate, "arrival": cfg.arrival, "burstiness": cfg.burstiness,
+        "max_concurrency": cfg.max_concurrency, "timed_out": timed_out,
+        "not_sent": len(records) - len(sent), "load_avg_1m": [load_start, _load_average()],
+        **run_metrics(sent, duration, cfg.slo),
+        "server_counters": counters,
+        "requests": [r.to_json() for r in sent],
+    }
+
+
+Send = Callable[[RequestSpec, RequestRecord], Awaitable[None]]
+
+
+def _sender(client: StreamClient, slots: int, clock: Callable[[], float], bar: Any) -> Send:
+    """Send one request once one of `slots` is free; tick the progress bar when it is done."""
+    semaphore = asyncio.Semaphore(slots)
+
+    async def send(spec: RequestSpec, record: RequestRecord) -> None:
+        async with semaphore:
+            await client.send(spec, record, clock)
+        bar.update(1)
+
+    return send
+
+
+async def _send_all(specs: Sequence[RequestSpec], records: list[RequestRecord], send: Send,
+                    clock: Callable[[], float]) -> None:
+    """Start each request at its `scheduled_at`, then wait for all. Cancelled (the time bound),
+    it cancels every request it started."""
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        for spec, record in zip(specs, records):
+            if (delay := record.scheduled_at - clock()) > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(send(spec, record)))
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _load_average() -> float | None:
+    """The host's 1-minute load average (other processes skew the timings), where known."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+
+@contextlib.asynccontextmanager
+async def _progress(total: int, desc: str, enabled: bool) -> AsyncIterator[Any]:
+    """A tqdm bar of completed requests (none when disabled or tqdm is missing)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        enabled = False
+    if not enabled:
+        yield _NoBar()
+        return
+    bar = tqdm(total=total, desc=desc, unit="req", leave=True)
+    try:
+        yield bar
+    finally:
+        bar.close()
