@@ -31,11 +31,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        # Identity tests, not `in` a dict: Enum hashing runs in Python and this is asked for
-        # every running request several times a step.
-        cls = type(self)
-        return (self is cls.FINISHED_STOPPED or self is cls.FINISHED_LENGTH
-                or self is cls.FINISHED_ABORTED)
+        return self in _FINISH_REASONS
 
     @property
     def finish_reason(self) -> str | None:
