@@ -8,21 +8,30 @@ The app does not own the backend: whoever built it closes it (`await backend.clo
 
 from __future__ import annotations
 
-import json
 import secrets
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
+from gateway.admission import AdmissionLimit
 from gateway.backend import Backend
+from gateway.body import DEFAULT_MAX_BODY_BYTES, read_json_body
 from gateway.chat import ChatServing
 from gateway.completions import CompletionServing
 from gateway.errors import OpenAIError, from_validation_error, install_error_handlers
 from gateway.metrics import GatewayMetrics
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.openapi import error_responses, install_request_schemas, json_body
+from gateway.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
 from gateway.serving import ServingContext, StateStore, run_until_disconnect
 
 M = TypeVar("M", bound=BaseModel)
@@ -33,39 +42,72 @@ def build_app(
     store: StateStore | None = None,
     served_model_name: str | None = None,
     api_key: str | None = None,
+    max_concurrent_requests: int = 0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `backend`'s model as `served_model_name` (default:
     the backend's model name). With `store`, every admitted request gets a state record. With
-    `api_key`, /v1/* requires `Authorization: Bearer <api_key>`."""
+    `api_key`, /v1/* requires `Authorization: Bearer <api_key>`. With
+    `max_concurrent_requests`, generation requests past that many in flight get 429. Bodies
+    over `max_body_bytes` get 413. A chat request's own `chat_template` (Jinja run on the
+    server: a loop can hold a thread for hours) gets 400 unless `trust_request_chat_template`."""
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None)
     ctx = ServingContext(backend, GatewayMetrics(), store, served_model_name)
     app.state.serving = ctx
     install_error_handlers(app)
-    _add_openai_routes(app, ctx, api_key)
+    _add_openai_routes(app, ctx, api_key, max_body_bytes, trust_request_chat_template)
     _add_ops_routes(app, ctx)
+    install_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
+    if max_concurrent_requests > 0:
+        app.add_middleware(AdmissionLimit, limit=max_concurrent_requests,
+                           on_reject=ctx.metrics.requests_rejected.inc)
     return app
 
 
-def _add_openai_routes(app: FastAPI, ctx: ServingContext, api_key: str | None) -> None:
+def _generation_responses(body: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """The spec's answers of a generation route: `body` as JSON, or SSE chunks when streamed."""
+    event = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+    sse = {"text/event-stream": {"schema": event}}  # each event's data: a JSON chunk or [DONE]
+    ok = {200: {"model": body, "description": "The completion", "content": sse}}
+    return {**ok, **error_responses(400, 401, 404, 413, 429, 500, 503)}
+
+
+def _add_openai_routes(
+    app: FastAPI, ctx: ServingContext, api_key: str | None, max_body_bytes: int,
+    trust_chat_template: bool,
+) -> None:
     completions, chat = CompletionServing(ctx), ChatServing(ctx)
     auth = [Depends(_bearer_auth(api_key))]
 
-    @app.post("/v1/completions", dependencies=auth)
+    async def parse(raw: Request, model: type[M]) -> M:
+        return _validate(await read_json_body(raw, max_body_bytes), model)
+
+    @app.post("/v1/completions", dependencies=auth, openapi_extra=json_body(CompletionRequest),
+              responses=_generation_responses(CompletionResponse))
     async def create_completion(raw: Request) -> Response:
-        req = await _parse(raw, CompletionRequest)
+        req = await parse(raw, CompletionRequest)
         return await run_until_disconnect(raw, completions.create(req))
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", dependencies=auth,
+              openapi_extra=json_body(ChatCompletionRequest),
+              responses=_generation_responses(ChatCompletionResponse))
     async def create_chat_completion(raw: Request) -> Response:
-        req = await _parse(raw, ChatCompletionRequest)
+        req = await parse(raw, ChatCompletionRequest)
+        if req.chat_template is not None and not trust_chat_template:
+            raise OpenAIError(
+                "chat_template in the request is refused: the server was not started with "
+                "--trust-request-chat-template.", param="chat_template",
+            )
         return await run_until_disconnect(raw, chat.create(req))
 
-    @app.get("/workers", dependencies=auth)
+    @app.get("/workers", dependencies=auth, responses=error_responses(401, 503))
     async def workers() -> Response:
         """The workers behind this gateway and their load (`pdserve status --gateway`)."""
         return JSONResponse({"workers": await ctx.backend.workers()})
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", dependencies=auth,
+             responses={200: {"model": ModelList}, **error_responses(401, 503)})
     async def list_models() -> Response:
         facts = await ctx.backend.model_info()
         name = await ctx.model_name()
@@ -74,11 +116,11 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext, api_key: str | None) -
 
 
 def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
-    @app.get("/health")
+    @app.get("/health", response_class=Response)  # an empty 200: no media type in the spec
     async def health() -> Response:
         return Response(status_code=200)
 
-    @app.get("/ready")
+    @app.get("/ready", responses={503: {"description": "Not ready: no model or no workers"}})
     async def ready() -> Response:
         try:
             is_ready = await ctx.backend.ready()
@@ -86,18 +128,13 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
             is_ready = False
         return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _parse(raw: Request, model: type[M]) -> M:
-    """The request body as `model`: 400 for malformed JSON or any validation error."""
-    body = await raw.body()
-    try:
-        data: Any = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise OpenAIError(f"Invalid JSON body: {exc}") from None
+def _validate(data: Any, model: type[M]) -> M:
+    """The parsed body as `model`: 400 naming the field for any validation error."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:

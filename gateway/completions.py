@@ -77,6 +77,8 @@ class CompletionServing:
             raise OpenAIError("The prompt must not be empty.", param="prompt")
         prompts = []
         for item in items:
+            if isinstance(item, str) and not item:  # the tokenizer might add a BOS to ""
+                raise OpenAIError("The prompt must not be empty.", param="prompt")
             if isinstance(item, str):
                 prompt = Prompt(await self._tokenize(item), item)
             else:

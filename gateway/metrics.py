@@ -53,6 +53,10 @@ class GatewayMetrics:
             "pdserve:request_success", "Finished sequences, by finish reason.",
             [*_LABELS, "finished_reason"], registry=r,
         )
+        self.requests_rejected = Counter(
+            "pdserve:requests_rejected", "Requests answered 429: too many in flight.",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format."""

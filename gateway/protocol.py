@@ -3,19 +3,30 @@
 min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output).
 
 Requests accept unknown fields and keep them in `model_extra`, so the serving layer can log them
-as ignored, as vLLM does. Range checks live in `SamplingParams`, the one place that knows them;
-these models check types and the OpenAI-specific bounds (logprobs 0..20).
+as ignored, as vLLM does (OpenAI itself answers 400 "Unrecognized request argument"): clients
+send vendor fields through `extra_body`, and one gateway serves them all. Range checks live in
+`SamplingParams`, the one place that knows them; these models check types, the OpenAI-specific
+bounds (logprobs 0..20, n up to 128) and the wire's: finite numbers, integers that fit the
+workers' protobuf fields, and list lengths that keep one request from fanning out without end.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # OpenAI's bound on `n`
+MAX_STOP = 16  # stop strings (OpenAI allows 4; vLLM has no bound) and, alike, stop token ids
+MAX_PROMPTS = 2048  # prompts in one batched completions request
+UINT32_MAX = 2**32 - 1  # token ids and counts travel as uint32 to the workers
+INT64 = 2**63  # the seed travels as int64
+FLOAT32_RANGE = (1.1754943508222875e-38, 3.4028234663852886e38)  # normal float32 magnitudes
+
+TokenCount = Annotated[int, Field(le=UINT32_MAX)]
 
 
 def random_id(prefix: str) -> str:
@@ -42,21 +53,23 @@ class StreamOptions(BaseModel):
 class OpenAIRequest(BaseModel):
     """Fields shared by completions and chat requests."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: TokenCount | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64, lt=INT64 - MAX_N)  # sample i: seed + i
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] | None = Field(
+        default=None, max_length=MAX_STOP
+    )
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    min_tokens: TokenCount = 0
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -64,16 +77,44 @@ class OpenAIRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
+    @field_validator(
+        "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+        "repetition_penalty",
+    )
+    @classmethod
+    def _fits_float32(cls, value: float | None) -> float | None:
+        """Sampling numbers travel as float32: 1e-300 would arrive as 0 (a top_p of 0 is
+        invalid), 1e300 as inf. Refuse what would change on the way."""
+        low, high = FLOAT32_RANGE
+        if value and not low <= abs(value) <= high:
+            raise ValueError(f"must be 0 or between {low:.2g} and {high:.2g} in magnitude")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(stop)}")
+        return stop
+
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: TokenCount | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _bounded_batch(cls, prompt: Any) -> Any:
+        batched = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+        if batched and len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed, got {len(prompt)}")
+        return prompt
 
 
 class TextPart(BaseModel):
@@ -99,8 +140,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: TokenCount | None = None  # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True

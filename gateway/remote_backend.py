@@ -28,6 +28,7 @@ from pdserve.cluster.convert import logprobs_from_pb, sampling_params_to_pb
 from pdserve.cluster.grpc_server import check_health, open_channel
 from pdserve.cluster.registry import WorkerInfo, WorkerRegistry
 from pdserve.cluster.routing import pick_decode, pick_prefill
+from pdserve.cluster.tls import PLAINTEXT, TLSConfig
 from protos import (
     common_pb2,
     decode_pb2,
@@ -50,12 +51,14 @@ class RemoteBackend:
         store: Any | None = None,
         local_prefill_max_tokens: int = 0,
         timeout_s: float = 600.0,
+        tls: TLSConfig = PLAINTEXT,
     ):
         self.tokenizer_address = tokenizer_address
         self.registry = registry
         self.store = store
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.timeout_s = timeout_s
+        self.tls = tls  # of every channel: tokenizer, prefill and decode workers
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._facts: ModelFacts | None = None
         self._tokenizer: Any = None
@@ -100,7 +103,7 @@ class RemoteBackend:
         return list(reply.token_ids)
 
     async def ready(self) -> bool:
-        if self._facts is None or not await check_health(self.tokenizer_address):
+        if self._facts is None or not await check_health(self.tokenizer_address, tls=self.tls):
             return False
         try:
             decode = await self.registry.list_workers("decode")
@@ -259,7 +262,7 @@ class RemoteBackend:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = open_channel(address)
+            self._channels[address] = open_channel(address, self.tls)
         return self._channels[address]
 
     def _tok_stub(self) -> tokenizer_pb2_grpc.TokenizerStub:

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import uvicorn
 
-from pdserve.cluster.flags import add_flag
+from pdserve.cluster.flags import add_flag, add_redis_namespace_flag, add_tls_flags
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -20,19 +20,28 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--host", "127.0.0.1", help="interface to bind")
     add_flag(p, "--port", 8000, type=int, help="HTTP port")
     add_flag(p, "--api-key", "", help="require this bearer key on /v1 routes")
+    add_flag(p, "--max-body-bytes", 16 << 20, type=int,
+             help="largest request body accepted (larger: 413)")
+    add_flag(p, "--trust-request-chat-template", False, action="store_true",
+             help="run a chat_template sent in a request (else 400: it is code)")
     add_flag(p, "--log-level", "info", help="debug, info, warning, error")
     add_flag(p, "--drain-timeout", 30.0, type=float,
              help="seconds in-flight requests (streams too) get to finish after SIGTERM")
+    add_flag(p, "--max-concurrent-requests", 0, type=int,
+             help="generation requests in flight past which new ones get 429 at once (0: no "
+                  "limit)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_gateway_flags(p)
     add_flag(p, "--served-model-name", "", help="model name in the OpenAI API")
     add_flag(p, "--redis-url", "redis://127.0.0.1:6379/0", help="registry and request state")
+    add_redis_namespace_flag(p)
     add_flag(p, "--tokenizer-address", "",
              help="host:port of the tokenizer (default: the one in the registry)")
     add_flag(p, "--local-prefill-max-tokens", 0, type=int,
              help="prompts up to this many tokens prefill on the decode worker (0: never)")
+    add_tls_flags(p)
 
 
 async def _serve_app(app: object, args: argparse.Namespace) -> None:
@@ -46,16 +55,21 @@ async def serve_disaggregated(args: argparse.Namespace) -> None:
     from gateway.remote_backend import RemoteBackend
     from pdserve.cluster.registry import WorkerRegistry
     from pdserve.cluster.state import RequestStore, connect
+    from pdserve.cluster.tls import tls_from_args
 
     client = connect(args.redis_url)
-    store = RequestStore(client)
-    registry = WorkerRegistry(client)
+    store = RequestStore(client, prefix=args.redis_namespace)
+    registry = WorkerRegistry(client, prefix=args.redis_namespace)
     address = args.tokenizer_address or await _until(
         lambda: _registered_tokenizer(registry), "a tokenizer in the registry")
-    backend = RemoteBackend(address, registry, store, args.local_prefill_max_tokens)
+    backend = RemoteBackend(address, registry, store, args.local_prefill_max_tokens,
+                            tls=tls_from_args(args))
     await _until(backend.start, "the tokenizer service")
     app = build_app(backend, store=store, served_model_name=args.served_model_name or None,
-                    api_key=args.api_key or None)
+                    api_key=args.api_key or None,
+                    max_concurrent_requests=args.max_concurrent_requests,
+                    max_body_bytes=args.max_body_bytes,
+                    trust_request_chat_template=args.trust_request_chat_template)
     await _serve_app(app, args)
     await backend.close()
 
@@ -93,7 +107,10 @@ def serve_colocated(args: argparse.Namespace) -> None:
 
     engine = build_engine(args, "colocated")
     name = args.served_model_name or args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
-    app = build_app(LocalBackend(engine, name), api_key=args.api_key or None)
+    app = build_app(LocalBackend(engine, name), api_key=args.api_key or None,
+                    max_concurrent_requests=args.max_concurrent_requests,
+                    max_body_bytes=args.max_body_bytes,
+                    trust_request_chat_template=args.trust_request_chat_template)
     try:
         asyncio.run(_serve_app(app, args))
     finally:

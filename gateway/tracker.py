@@ -51,10 +51,14 @@ class RequestTracker:
         m = self.metrics
         m.num_requests_running.labels(self.model).inc()
         m.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
-        await self._record(
-            "create", self.request_id, model=self.model, prompt_tokens=self.prompt_tokens,
-            stream=self.stream, n=self.num_choices,
-        )
+        try:
+            await self._record(
+                "create", self.request_id, model=self.model, prompt_tokens=self.prompt_tokens,
+                stream=self.stream, n=self.num_choices,
+            )
+        except BaseException as exc:  # cancelled meanwhile (client gone): `async with` will
+            await self.__aexit__(type(exc), exc, exc.__traceback__)  # not call __aexit__
+            raise
         return self
 
     def observe(self, out: SequenceOutput) -> None:
@@ -108,11 +112,25 @@ class RequestTracker:
             logger.error(summary, exc_info=exc)
 
     async def _record(self, method: str, *args: Any, **fields: Any) -> None:
-        """Write to the store, if any; a store failure is logged, never fails the request."""
+        """Write to the store, if any; a store failure is logged, never fails the request.
+
+        The write runs in a task of its own, so that cancelling the request (its client went
+        away) never cuts it in half: a cancelled caller waits for it to land (at most
+        STORE_TIMEOUT_S), then the cancellation goes on. (An anyio shield would not do: the
+        gateway cancels request tasks with `Task.cancel()`, which anyio scopes do not stop.)"""
         if self.store is None:
             return
+        write = asyncio.ensure_future(self._write(method, *args, **fields))
         try:
-            with anyio.move_on_after(STORE_TIMEOUT_S, shield=True) as scope:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            await asyncio.wait({write})
+            raise
+
+    async def _write(self, method: str, *args: Any, **fields: Any) -> None:
+        assert self.store is not None
+        try:
+            with anyio.move_on_after(STORE_TIMEOUT_S) as scope:
                 await getattr(self.store, method)(*args, **fields)
             if scope.cancelled_caught:
                 logger.warning("%s: state store %s timed out", self.request_id, method)

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from pdserve.cluster.flags import add_flag
+from pdserve.cluster.flags import add_flag, add_redis_namespace_flag, add_tls_flags
+from pdserve.cluster.tls import PLAINTEXT, TLSConfig, tls_from_args
 
 
 def cluster_file() -> Path:
@@ -61,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--colocated", False, action="store_true",
              help="one in-process engine behind the gateway, no workers")
     add_flag(p, "--redis-url", "", help="use this Redis instead of starting one")
+    add_redis_namespace_flag(p)
+    add_tls_flags(p)
     add_flag(p, "--kv-cache-memory", 512 << 20, type=int, help="KV cache bytes per worker")
     add_flag(p, "--max-model-len", None, type=int, help="context length served")
     add_flag(p, "--dtype", "auto", help="auto, float32, bfloat16, float16")
@@ -78,6 +81,8 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     if args.max_model_len:
         common += ["--max-model-len", str(args.max_model_len)]
     engine = ["--dtype", args.dtype, "--kv-cache-memory", str(args.kv_cache_memory)]
+    cluster = _cluster_flags(args)  # what every disaggregated service must agree on
+    internal = ["--host", "127.0.0.1"]  # only the gateway listens on --host; workers: loopback
     gateway_url = f"http://{args.host}:{args.port}"
     if args.colocated:
         argv = [*py, "serve", *common, *engine, "--host", args.host, "--port", str(args.port)]
@@ -86,19 +91,29 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     if redis_port is not None:
         services.append(Service("redis", redis_argv(redis_port), f"redis:{redis_port}"))
     tok_port = free_port()
-    services.append(Service("tokenizer", [*py, "tokenizer", *common, "--port", str(tok_port),
-                                          "--redis-url", redis_url], f"grpc:127.0.0.1:{tok_port}"))
+    services.append(Service("tokenizer", [*py, "tokenizer", *common, *cluster, *internal, "--port",
+                                          str(tok_port), "--redis-url", redis_url],
+                            f"grpc:127.0.0.1:{tok_port}"))
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
             port = free_port()
-            argv = [*py, role, *common, *engine, "--port", str(port), "--redis-url", redis_url,
-                    "--metrics-port", str(free_port())]
+            argv = [*py, role, *common, *engine, *cluster, *internal, "--port", str(port),
+                    "--redis-url", redis_url, "--metrics-port", str(free_port())]
             services.append(Service(f"{role}-{i}", argv, f"grpc:127.0.0.1:{port}"))
-    argv = [*py, "gateway", "--host", args.host, "--port", str(args.port), "--redis-url",
-            redis_url, "--tokenizer-address", f"127.0.0.1:{tok_port}", "--log-level",
+    argv = [*py, "gateway", *cluster, "--host", args.host, "--port", str(args.port),
+            "--redis-url", redis_url, "--tokenizer-address", f"127.0.0.1:{tok_port}", "--log-level",
             args.log_level, "--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
     services.append(Service("gateway", argv, f"http:{gateway_url}/ready"))
     return services
+
+
+def _cluster_flags(args: argparse.Namespace) -> list[str]:
+    """The Redis namespace and the gRPC TLS files, handed to every service alike."""
+    flags = ["--redis-namespace", args.redis_namespace]
+    for flag in ("--tls-cert", "--tls-key", "--tls-ca"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        flags += [flag, value] if value else []
+    return flags
 
 
 def redis_argv(port: int) -> list[str]:
@@ -128,7 +143,7 @@ def _prefix_lines(name: str, stream: IO[str] | None) -> None:
         sys.stdout.flush()
 
 
-def healthy(service: Service) -> bool:
+def healthy(service: Service, tls: TLSConfig = PLAINTEXT) -> bool:
     kind, _, target = service.health.partition(":")
     if kind == "redis":
         try:
@@ -142,7 +157,7 @@ def healthy(service: Service) -> bool:
 
         from pdserve.cluster.grpc_server import check_health
 
-        return asyncio.run(check_health(target))
+        return asyncio.run(check_health(target, tls=tls))
     import urllib.request
 
     try:
@@ -152,11 +167,11 @@ def healthy(service: Service) -> bool:
         return False
 
 
-def wait_healthy(service: Service, deadline: float) -> None:
+def wait_healthy(service: Service, deadline: float, tls: TLSConfig = PLAINTEXT) -> None:
     while time.monotonic() < deadline:
         if service.proc is not None and service.proc.poll() is not None:
             raise RuntimeError(f"{service.name} exited with code {service.proc.returncode}")
-        if healthy(service):
+        if healthy(service, tls):
             return
         time.sleep(0.3)
     raise TimeoutError(f"{service.name} did not become healthy in time")
@@ -178,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     redis_port = None if (args.redis_url or args.colocated) else free_port()
     redis_url = args.redis_url or (f"redis://127.0.0.1:{redis_port}/0" if redis_port else "")
     services = plan(args, redis_url, redis_port)
+    tls = tls_from_args(args)  # the health probes dial the services as the gateway does
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -191,9 +207,9 @@ def run(args: argparse.Namespace) -> int:
         for s in services:
             start(s)
             if s.name in ("redis", "tokenizer"):
-                wait_healthy(s, deadline)
+                wait_healthy(s, deadline, tls)
         for s in services:
-            wait_healthy(s, deadline)
+            wait_healthy(s, deadline, tls)
         _announce(args, redis_url, services)
         return _watch(services)
     except KeyboardInterrupt:

@@ -9,11 +9,12 @@ import sys
 import urllib.request
 from dataclasses import asdict
 
-from pdserve.cluster.flags import add_flag
+from pdserve.cluster.flags import add_flag, add_redis_namespace_flag
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--redis-url", "", help="the cluster's Redis (default: the one `pdserve up` runs)")
+    add_redis_namespace_flag(p)
     add_flag(p, "--gateway", "", help="ask this gateway (http://host:port) instead of Redis")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -23,7 +24,7 @@ def fetch(args: argparse.Namespace) -> list[dict]:
         with urllib.request.urlopen(args.gateway.rstrip("/") + "/workers", timeout=5) as r:
             return json.loads(r.read())["workers"]
     url = args.redis_url or _local_cluster_redis()
-    return asyncio.run(_from_redis(url))
+    return asyncio.run(_from_redis(url, args.redis_namespace))
 
 
 def _local_cluster_redis() -> str:
@@ -39,13 +40,13 @@ def _local_cluster_redis() -> str:
     return url
 
 
-async def _from_redis(url: str) -> list[dict]:
+async def _from_redis(url: str, namespace: str) -> list[dict]:
     from pdserve.cluster.registry import WorkerRegistry
     from pdserve.cluster.state import connect
 
     client = connect(url)
     try:
-        return [asdict(w) for w in await WorkerRegistry(client).list_workers()]
+        return [asdict(w) for w in await WorkerRegistry(client, prefix=namespace).list_workers()]
     finally:
         await client.aclose()
 

@@ -31,6 +31,7 @@ from decode_svc.convert import layout_to_pb
 from engine.kv_transfer import SlabRange, layout_of, plan_slabs
 from pdserve.cluster.convert import LogprobsTuple, logprobs_to_pb
 from pdserve.cluster.grpc_server import open_channel
+from pdserve.cluster.tls import PLAINTEXT, TLSConfig
 from pdserve.cluster.worker import TransferStats
 from protos import decode_pb2
 
@@ -63,9 +64,11 @@ class KVSender(Protocol):
 
 class GrpcKVSender:
     def __init__(
-        self, kv_caches: list[torch.Tensor], slab_bytes: int = 2 << 20, timeout_s: float = 60.0
+        self, kv_caches: list[torch.Tensor], slab_bytes: int = 2 << 20, timeout_s: float = 60.0,
+        tls: TLSConfig = PLAINTEXT,
     ):
         self.kv_caches = kv_caches
+        self.tls = tls
         self.layout = layout_of(kv_caches)
         self.slab_bytes = slab_bytes
         self.timeout_s = timeout_s
@@ -103,7 +106,7 @@ class GrpcKVSender:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = open_channel(address)
+            self._channels[address] = open_channel(address, self.tls)
         return self._channels[address]
 
     async def _drop_channel(self, address: str) -> None:

@@ -84,5 +84,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         found = await self.engine.abort(request_id)
         return found or task is not None
 
+    async def expire(self, request_id: str) -> bool:
+        """Its KV lease ran out: end the request's push (waiting for the push to stop reading
+        the blocks) and free them. True if it held any."""
+        task = self.pushes.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # its `finally` frees the blocks
+        released = await self.engine.call(self.engine.engine.release, request_id)
+        return released or task is not None
+
     async def GetLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return load_to_pb("prefill", await self.engine.stats())

@@ -65,12 +65,15 @@ class Cluster:
 
 
 @contextmanager
-def run_cluster(tmp: Path, *args: str, timeout_s: float = 240.0) -> Iterator[Cluster]:
-    """`pdserve up ARGS` on a free port; yields once the gateway is ready; stops it after."""
+def run_cluster(
+    tmp: Path, *args: str, timeout_s: float = 240.0, env: dict[str, str] | None = None
+) -> Iterator[Cluster]:
+    """`pdserve up ARGS` on a free port; yields once the gateway is ready; stops it after.
+    `env` reaches every service (PDSERVE_<FLAG> sets a flag `pdserve up` does not pass on)."""
     port = free_port()
     log = tmp / f"cluster-{port}.log"
     cluster_file = tmp / f"cluster-{port}.json"
-    env = {**os.environ, "PDSERVE_CLUSTER_FILE": str(cluster_file)}
+    env = {**os.environ, **(env or {}), "PDSERVE_CLUSTER_FILE": str(cluster_file)}
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), *args],

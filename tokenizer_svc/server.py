@@ -10,6 +10,7 @@ from pdserve.cluster.flags import add_common_flags, add_model_flags
 from pdserve.cluster.grpc_server import make_server, serve_until_signal, set_serving
 from pdserve.cluster.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from pdserve.cluster.state import connect
+from pdserve.cluster.tls import listen, tls_from_args
 from pdserve.cluster.worker import advertise_address
 from protos import tokenizer_pb2_grpc
 from tokenizer_svc.service import TokenizerModel, TokenizerServicer
@@ -39,7 +40,7 @@ async def serve(args: argparse.Namespace) -> None:
         SERVICE,
         lambda s: tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(model), s),
     )
-    server.add_insecure_port(f"{args.host}:{args.port}")
+    listen(server, f"{args.host}:{args.port}", tls_from_args(args))
     await server.start()
     await set_serving(health, SERVICE)
     logging.getLogger(__name__).info("tokenizer serving %s on %s:%d", path, args.host, args.port)
@@ -62,7 +63,8 @@ def _heartbeat(args: argparse.Namespace) -> Heartbeat | None:
     async def get_info() -> WorkerInfo:
         return info
 
-    heartbeat = Heartbeat(WorkerRegistry(connect(args.redis_url)), get_info)
+    registry = WorkerRegistry(connect(args.redis_url), prefix=args.redis_namespace)
+    heartbeat = Heartbeat(registry, get_info)
     heartbeat.start()
     return heartbeat
 

@@ -34,10 +34,15 @@ class TokenizerModel:
             raise ValueError("messages must not be empty")
         if chat_template is None and not self.tokenizer.chat_template:
             raise ValueError("the model has no chat template")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-            chat_template=chat_template, return_dict=False,
-        )
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                chat_template=chat_template, return_dict=False,
+            )
+        except ValueError:
+            raise
+        except Exception as exc:  # jinja2 errors of a bad template or a role it rejects:
+            raise ValueError(str(exc)) from exc  # the caller's mistake (INVALID_ARGUMENT)
         return list(ids)
 
 

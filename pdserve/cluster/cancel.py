@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from pdserve.cluster.state import RequestStore, StateStoreError, connect
+from pdserve.cluster.state import DEFAULT_PREFIX, RequestStore, StateStoreError, connect
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +23,11 @@ class RequestCancelled(Exception):
 
 
 class CancelWatch:
-    def __init__(self, redis_url: str, on_cancel: Callable[[str], Awaitable[object]]):
-        self.store = RequestStore(connect(redis_url))
+    def __init__(
+        self, redis_url: str, on_cancel: Callable[[str], Awaitable[object]],
+        prefix: str = DEFAULT_PREFIX,
+    ):
+        self.store = RequestStore(connect(redis_url), prefix=prefix)
         self.on_cancel = on_cancel
         self._task: asyncio.Task | None = None
 

@@ -34,9 +34,26 @@ def add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
     add_flag(parser, "--port", port, type=int, help="port to listen on")
     add_flag(parser, "--advertise-address", "", help="host:port others use (default host:port)")
     add_flag(parser, "--redis-url", "", help="Redis for the registry and request state")
+    add_redis_namespace_flag(parser)
     add_flag(parser, "--log-level", "info", help="debug, info, warning, error")
     add_flag(parser, "--drain-timeout", 10.0, type=float,
              help="seconds in-flight calls get to finish after SIGTERM")
+    add_tls_flags(parser)
+
+
+def add_redis_namespace_flag(parser: argparse.ArgumentParser) -> None:
+    """The prefix of every Redis key (pdserve.cluster.state.Keys): clusters sharing one Redis
+    never see each other's requests or workers."""
+    add_flag(parser, "--redis-namespace", "pdserve",
+             help="prefix of this cluster's Redis keys (letters, digits, _ . -)")
+
+
+def add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    """gRPC TLS (pdserve.cluster.tls): this process's certificate and key, the peers' CA."""
+    add_flag(parser, "--tls-cert", "", help="PEM certificate chain: serve and dial gRPC over TLS")
+    add_flag(parser, "--tls-key", "", help="PEM private key of --tls-cert")
+    add_flag(parser, "--tls-ca", "",
+             help="PEM CA of the peers: verify servers; a server requires client certificates")
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:

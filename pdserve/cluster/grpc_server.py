@@ -17,6 +17,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdserve.cluster.tls import PLAINTEXT, TLSConfig, channel
+
 logger = logging.getLogger(__name__)
 
 # KV slabs are a few MiB (2 by default): head-room for the header, limits nowhere near the maximum.
@@ -134,14 +136,17 @@ async def set_serving(health_servicer: health.aio.HealthServicer, service_name: 
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-def open_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+def open_channel(address: str, tls: TLSConfig = PLAINTEXT) -> grpc.aio.Channel:
+    """A channel with pdserve's options, over TLS when `tls` is configured."""
+    return channel(address, tls, GRPC_OPTIONS)
 
 
-async def check_health(address: str, service: str = "", timeout: float = 2.0) -> bool:
+async def check_health(
+    address: str, service: str = "", timeout: float = 2.0, tls: TLSConfig = PLAINTEXT
+) -> bool:
     """True when the server at `address` reports SERVING through the standard health rpc."""
-    async with open_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    async with open_channel(address, tls) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
         try:
             request = health_pb2.HealthCheckRequest(service=service)
             reply = await stub.Check(request, timeout=timeout)

@@ -60,16 +60,34 @@ class RequestExists(ValueError):
 
 
 def wrap_redis_errors(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
-    """Re-raise ``RedisError`` from ``fn`` as ``StateStoreError`` (for this package's modules)."""
+    """Re-raise ``RedisError`` from ``fn`` as ``StateStoreError`` (for this package's modules),
+    and deliver a cancellation ``fn`` swallowed.
+
+    NOTE: redis-py sends each command under ``asyncio.wait_for`` (the socket timeout). Before
+    Python 3.12, ``wait_for`` returns normally when its task is cancelled just as the send
+    completes (CPython gh-86296), so the cancellation is lost: a gateway request whose client
+    had gone away went on generating to its last token, holding its KV blocks all along. A
+    cancellation requested during the call (``Task.cancelling()`` grew) is raised here.
+    """
 
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        cancels = _cancelling()
         try:
-            return await fn(*args, **kwargs)
+            result = await fn(*args, **kwargs)
         except RedisError as e:
             raise StateStoreError(f"redis: {type(e).__name__}: {e}") from e
+        if _cancelling() > cancels:
+            raise asyncio.CancelledError
+        return result
 
     return wrapper
+
+
+def _cancelling() -> int:
+    """Cancellations requested of the current task and not withdrawn (0 before Python 3.11)."""
+    task = asyncio.current_task()
+    return task.cancelling() if task is not None and hasattr(task, "cancelling") else 0
 
 
 def connect(url: str, *, timeout_s: float = 5.0) -> Redis:

@@ -21,6 +21,7 @@ from pdserve.cluster.flags import add_common_flags, add_flag, add_model_flags
 from pdserve.cluster.grpc_server import make_server, serve_until_signal, set_serving
 from pdserve.cluster.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from pdserve.cluster.state import connect
+from pdserve.cluster.tls import listen, tls_from_args
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncLLMEngine
@@ -77,6 +78,7 @@ class TransferStats:
     completed: int = 0
     failed: int = 0
     seconds: float = 0.0  # summed over completed transfers
+    lease_expired: int = 0  # prefill: held KV freed unclaimed when its lease ran out
 
     def record(self, num_bytes: int, seconds: float) -> None:
         self.bytes += num_bytes
@@ -90,6 +92,7 @@ class TransferStats:
             "kv_transfers": self.completed,
             "kv_transfer_failures": self.failed,
             "kv_transfer_seconds": self.seconds,
+            "kv_lease_expired": self.lease_expired,
         }
 
 
@@ -159,7 +162,7 @@ def watch_cancellations(
     """Abort requests cancelled through Redis (with --redis-url); needs a running loop."""
     if not args.redis_url:
         return NoCancelWatch()
-    watch = CancelWatch(args.redis_url, on_cancel)
+    watch = CancelWatch(args.redis_url, on_cancel, args.redis_namespace)
     watch.start()
     return watch
 
@@ -173,7 +176,7 @@ async def run_worker(
     metrics and registry heartbeat; on stop, `on_stop`, deregistration, drain, engine shutdown."""
     service = f"pdserve.v1.{role.capitalize()}"
     server, health = await make_server(service, add_servicer)
-    server.add_insecure_port(f"{args.host}:{args.port}")
+    listen(server, f"{args.host}:{args.port}", tls_from_args(args))
     await server.start()
     monitor = WorkerMonitor(role, advertise_address(args), engine, transfer.counters)
     heartbeat = await start_monitoring(args, monitor)
@@ -199,6 +202,7 @@ async def start_monitoring(args: argparse.Namespace, monitor: WorkerMonitor) -> 
     await monitor.info()
     if not args.redis_url:
         return None
-    heartbeat = Heartbeat(WorkerRegistry(connect(args.redis_url)), monitor.info)
+    registry = WorkerRegistry(connect(args.redis_url), prefix=args.redis_namespace)
+    heartbeat = Heartbeat(registry, monitor.info)
     heartbeat.start()
     return heartbeat

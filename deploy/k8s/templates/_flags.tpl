@@ -4,12 +4,17 @@
 the chart-managed ones below). tests/test_helm_chart.py holds these lists equal to the services'
 parsers, so a new flag fails CI until it is added here. */}}
 {{- define "pdserve.knownFlags" -}}
-gateway: [port, log-level, drain-timeout, served-model-name, local-prefill-max-tokens]
-tokenizer: [port, log-level, drain-timeout, model, served-model-name, max-model-len]
-prefill: [port, log-level, drain-timeout, metrics-port, model, served-model-name, max-model-len,
+gateway: [port, log-level, drain-timeout, served-model-name, local-prefill-max-tokens,
+  max-concurrent-requests, max-body-bytes, trust-request-chat-template, redis-namespace,
+  tls-cert, tls-key, tls-ca]
+tokenizer: [port, log-level, drain-timeout, model, served-model-name, max-model-len,
+  redis-namespace, tls-cert, tls-key, tls-ca]
+prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
+  metrics-port, model, served-model-name, max-model-len,
   dtype, device, block-size, kv-cache-memory, num-kv-blocks, gpu-memory-utilization,
-  max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, kv-slab-bytes]
-decode: [port, log-level, drain-timeout, metrics-port, model, served-model-name, max-model-len,
+  max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, kv-slab-bytes, kv-lease-seconds]
+decode: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
+  metrics-port, model, served-model-name, max-model-len,
   dtype, device, block-size, kv-cache-memory, num-kv-blocks, gpu-memory-utilization,
   max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, kv-timeout]
 {{- end }}

@@ -1,0 +1,69 @@
+"""Hypothesis strategies for any protobuf message, read off its descriptor: every field present
+or not, each value anywhere in its wire type's range (NaN and inf floats, ids up to 2**32 - 1,
+any text, any bytes), small values drawn often so that some messages are also valid."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
+from google.protobuf.message_factory import GetMessageClass
+from hypothesis import strategies as st
+
+_T = FieldDescriptor
+_TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=40)  # proto strings: UTF-8
+
+
+def _ints(low: int, high: int) -> st.SearchStrategy[int]:
+    small = st.integers(max(low, -4), min(high, 64))
+    return st.one_of(small, st.integers(low, high))
+
+
+_SCALARS: dict[int, st.SearchStrategy[Any]] = {
+    _T.TYPE_FLOAT: st.floats(width=32),
+    _T.TYPE_DOUBLE: st.floats(),
+    _T.TYPE_BOOL: st.booleans(),
+    _T.TYPE_STRING: _TEXT,
+    _T.TYPE_BYTES: st.binary(max_size=512),
+    _T.TYPE_INT32: _ints(-(2**31), 2**31 - 1),
+    _T.TYPE_SINT32: _ints(-(2**31), 2**31 - 1),
+    _T.TYPE_SFIXED32: _ints(-(2**31), 2**31 - 1),
+    _T.TYPE_UINT32: _ints(0, 2**32 - 1),
+    _T.TYPE_FIXED32: _ints(0, 2**32 - 1),
+    _T.TYPE_INT64: _ints(-(2**63), 2**63 - 1),
+    _T.TYPE_SINT64: _ints(-(2**63), 2**63 - 1),
+    _T.TYPE_SFIXED64: _ints(-(2**63), 2**63 - 1),
+    _T.TYPE_UINT64: _ints(0, 2**64 - 1),
+    _T.TYPE_FIXED64: _ints(0, 2**64 - 1),
+}
+
+
+def messages(cls: type[Message], depth: int = 3) -> st.SearchStrategy[Message]:
+    """Random instances of `cls` (nested messages down to `depth` levels)."""
+    fields = {f.name: _field(f, depth) for f in cls.DESCRIPTOR.fields}
+    return st.fixed_dictionaries({}, optional=fields).map(lambda kw: cls(**kw))
+
+
+def _field(f: FieldDescriptor, depth: int) -> st.SearchStrategy[Any]:
+    value = _value(f, depth)
+    return st.lists(value, max_size=6) if _is_repeated(f) else value
+
+
+def _value(f: FieldDescriptor, depth: int) -> st.SearchStrategy[Any]:
+    if f.type == _T.TYPE_MESSAGE:
+        if depth <= 0:
+            return st.just(_message_class(f.message_type)())
+        return messages(_message_class(f.message_type), depth - 1)
+    if f.type == _T.TYPE_ENUM:
+        return st.sampled_from([v.number for v in f.enum_type.values])
+    return _SCALARS[f.type]
+
+
+def _is_repeated(f: FieldDescriptor) -> bool:
+    repeated = getattr(f, "is_repeated", None)  # newer protobuf; `label` is deprecated there
+    return bool(repeated) if repeated is not None else f.label == _T.LABEL_REPEATED
+
+
+def _message_class(descriptor: Descriptor) -> type[Message]:
+    return GetMessageClass(descriptor)

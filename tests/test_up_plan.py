@@ -1,0 +1,39 @@
+"""What `pdserve up` starts (no process runs): internal services listen on loopback whatever
+the gateway's --host, and every service gets the cluster's Redis namespace and TLS files."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pdserve.cli import build_parser
+from pdserve.launcher import add_arguments, plan
+
+
+def _up(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
+    for name in ("HOST", "REDIS_NAMESPACE", "TLS_CERT", "TLS_KEY", "TLS_CA"):
+        monkeypatch.delenv(f"PDSERVE_{name}", raising=False)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_workers_on_loopback_with_the_cluster_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = _up(["--host", "0.0.0.0", "--redis-namespace", "blue", "--tls-cert", "c.pem",
+                "--tls-key", "k.pem", "--tls-ca", "ca.pem"], monkeypatch)
+    services = plan(args, "redis://127.0.0.1:6379/0", None)
+    assert [s.name for s in services] == ["tokenizer", "prefill-0", "decode-0", "gateway"]
+    for s in services:
+        parsed = build_parser().parse_args(s.argv[3:])  # after `python -m pdserve.cli`
+        assert parsed.host == ("0.0.0.0" if s.name == "gateway" else "127.0.0.1"), s.name
+        assert parsed.redis_namespace == "blue"
+        assert (parsed.tls_cert, parsed.tls_key, parsed.tls_ca) == ("c.pem", "k.pem", "ca.pem")
+
+
+def test_defaults_are_plaintext_in_the_default_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
+    services = plan(_up([], monkeypatch), "redis://127.0.0.1:6379/0", None)
+    for s in services:
+        parsed = build_parser().parse_args(s.argv[3:])
+        assert parsed.host == "127.0.0.1" and parsed.redis_namespace == "pdserve"
+        assert (parsed.tls_cert, parsed.tls_key, parsed.tls_ca) == ("", "", "")
