@@ -63,6 +63,10 @@ class AsyncLLMEngine:
         self._open(request_id)
         try:
             await self.call(self.engine.add_request, request_id, prompt, sampling_params)
+        except asyncio.CancelledError:
+            self._streams.pop(request_id, None)
+            self._abort_soon(request_id)  # the add may still be queued: undo it after it runs
+            raise
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -80,6 +84,10 @@ class AsyncLLMEngine:
             return await self.call(
                 self.engine.reserve_request, request_id, prompt_token_ids, sampling_params
             )
+        except asyncio.CancelledError:
+            self._streams.pop(request_id, None)
+            self._abort_soon(request_id)  # the reservation may still be queued: release it after
+            raise
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -131,6 +139,14 @@ class AsyncLLMEngine:
         self._thread.join(timeout=30)
 
     # ---- event-loop side helpers ---------------------------------------------------------
+    def _abort_soon(self, request_id: str) -> None:
+        """Queue an abort without waiting for it (the caller is being cancelled). Commands run
+        in order, so it lands after any add/reserve of the same request still in the queue."""
+        if self._error is None and not self._stopping:
+            future = asyncio.get_running_loop().create_future()
+            self._commands.put((self.engine.abort_request, (request_id,), future,
+                                asyncio.get_running_loop()))
+
     def _open(self, request_id: str) -> None:
         if self._error is not None:
             raise EngineDeadError("the engine loop has failed") from self._error

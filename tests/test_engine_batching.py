@@ -7,6 +7,7 @@ observed (hits counted, preemptions counted, chunks scheduled), not assumed.
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import aclosing
 
 import pytest
@@ -137,5 +138,30 @@ def test_async_abort_frees_blocks(tiny_llama_dir, prompts):
     finally:
         engine.shutdown()
     assert seen == 3
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_async_cancel_while_the_add_is_still_queued_leaves_nothing(tiny_llama_dir, prompts):
+    """A caller cancelled before the engine thread has even run its add_request: the request
+    must not be added and then left running with no reader."""
+    engine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def main():
+        busy = asyncio.create_task(engine.call(time.sleep, 0.5))  # holds the engine thread
+        await asyncio.sleep(0.05)
+        task = asyncio.create_task(anext(engine.generate(prompts[0], params, "early")))
+        await asyncio.sleep(0.05)  # generate() is now awaiting its queued add_request
+        task.cancel()
+        await asyncio.gather(task, busy, return_exceptions=True)
+        await engine.call(time.sleep, 0.05)  # every queued command (add, then abort) has run
+        return await engine.stats(), engine.engine.has_unfinished_requests()
+
+    try:
+        stats, unfinished = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert not unfinished
     assert stats.num_running == 0 and stats.num_waiting == 0
     assert stats.num_free_blocks == stats.num_total_blocks
