@@ -16,6 +16,7 @@ import re
 from typing import Any
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from gateway.errors import OpenAIError
 
@@ -34,11 +35,17 @@ async def read_body(raw: Request, limit: int) -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     chunks, size = [], 0
-    async for chunk in raw.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in raw.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # The client left mid-upload: nothing was started, and nobody reads the answer. An
+        # OpenAIError ends the request quietly (no "Exception in ASGI application" traceback).
+        raise OpenAIError("The client disconnected before sending the whole body.",
+                          status=400, code="client_disconnected") from None
     return b"".join(chunks)
 
 
