@@ -52,10 +52,13 @@ class KVReceiver:
         self.stats = TransferStats()
 
     async def expect(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        prior_output_token_ids: list[int] | None = None,
     ) -> None:
-        """Reserve the prompt's blocks now (KVCacheFullError / ValueError if impossible)."""
-        blocks = await self.engine.reserve_remote(request_id, prompt_token_ids, params)
+        """Reserve the blocks of the prompt and of any prior output tokens now
+        (KVCacheFullError / ValueError if impossible)."""
+        blocks = await self.engine.reserve_remote(request_id, prompt_token_ids, params,
+                                                  prior_output_token_ids)
         self.pending[request_id] = Pending(blocks)
 
     async def wait(self, request_id: str, timeout_s: float) -> bool:

@@ -35,11 +35,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ) -> AsyncIterator[decode_pb2.GenerateResponse]:
         params = sampling_params_from_pb(request.params)
         request_id, prompt = request.request_id, list(request.prompt_token_ids)
+        prior = list(request.prior_output_token_ids)
         await self.cancels.check(request_id)
         if request.prefill_locally:
-            outputs = self.engine.generate(prompt, params, request_id)
+            outputs = self.engine.generate(prompt, params, request_id, prior)
         else:
-            await self.receiver.expect(request_id, prompt, params)
+            await self.receiver.expect(request_id, prompt, params, prior)
             try:
                 yield decode_pb2.GenerateResponse()  # blocks reserved: the push may start
                 arrived = await self.receiver.wait(request_id, self.kv_timeout_s)

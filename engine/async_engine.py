@@ -14,6 +14,7 @@ step; commands are served in arrival order, so none starves behind a busy batch.
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -51,7 +52,8 @@ class AsyncLLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     async def generate(
-        self, prompt: PromptInput, sampling_params: SamplingParams | None, request_id: str
+        self, prompt: PromptInput, sampling_params: SamplingParams | None, request_id: str,
+        prior_output_token_ids: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs for one prompt until it finishes.
 
@@ -59,10 +61,14 @@ class AsyncLLMEngine:
         `SamplingParams(output_kind="delta")`, or comes once at the end with "final_only".
         Leaving the loop early (break, cancellation, a dropped client) aborts the request and
         frees its blocks. Bad input raises ValueError before anything is queued.
+        `prior_output_token_ids`: see `LLMEngine.add_request` (a request resumed from another
+        worker).
         """
         self._open(request_id)
+        add = functools.partial(self.engine.add_request,
+                                prior_output_token_ids=prior_output_token_ids)
         try:
-            await self.call(self.engine.add_request, request_id, prompt, sampling_params)
+            await self.call(add, request_id, prompt, sampling_params)
         except asyncio.CancelledError:
             self._streams.pop(request_id, None)
             self._abort_soon(request_id)  # the add may still be queued: undo it after it runs
@@ -74,7 +80,8 @@ class AsyncLLMEngine:
             yield out
 
     async def reserve_remote(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+        prior_output_token_ids: list[int] | None = None,
     ) -> list[int]:
         """Decode role: register a request prefilled on another worker and reserve its blocks
         (returned, in order). Its outputs are read with `stream(request_id)` once
@@ -82,7 +89,8 @@ class AsyncLLMEngine:
         self._open(request_id)
         try:
             return await self.call(
-                self.engine.reserve_request, request_id, prompt_token_ids, sampling_params
+                self.engine.reserve_request, request_id, prompt_token_ids, sampling_params,
+                prior_output_token_ids,
             )
         except asyncio.CancelledError:
             self._streams.pop(request_id, None)

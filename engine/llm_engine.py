@@ -61,17 +61,24 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         queue: bool = True,
+        prior_output_token_ids: list[int] | None = None,
     ) -> None:
         """Validate and queue one prompt (`params.n` sequences). Raises ValueError on bad input,
-        queueing nothing. In the prefill role a request stops after its first token and keeps
-        its blocks until `release`."""
+        queueing nothing. In the prefill role a request stops after its next token and keeps
+        its blocks until `release`.
+
+        `prior_output_token_ids`: tokens this request generated before, elsewhere (a decode
+        worker that died). They are recomputed after the prompt and count as output (max_tokens,
+        min_tokens, penalties, seeded draws) but are never output again."""
         params = params or SamplingParams()
+        prior = list(prior_output_token_ids or [])
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
+        self._check_prior(prior, max_tokens, params.n)
         if self.config.role == "prefill":
-            max_tokens = 1
+            max_tokens = len(prior) + 1
         group = RequestGroup(
             request_id, text, token_ids, params.output_kind, tokenizer=self.tokenizer
         )
@@ -88,10 +95,13 @@ class LLMEngine:
                 parent_id=request_id,
                 index=index,
                 prompt=text,
+                output_token_ids=list(prior),
             )
             if arrival_time is not None:
                 req.metrics.arrival_time = arrival_time
-            group.seqs.append(self._sequence_state(req, params))
+            seq = self._sequence_state(req, params)
+            seq.sent_tokens = seq.seen_tokens = len(prior)  # the caller has them already
+            group.seqs.append(seq)
         self._groups[request_id] = group
         if queue:
             for s in group.seqs:
@@ -127,20 +137,23 @@ class LLMEngine:
         return True
 
     def reserve_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        prior_output_token_ids: list[int] | None = None,
     ) -> list[int]:
-        """Decode role: register a request whose prompt KV another worker computes, and reserve
-        its blocks now (returned in order). Raises KVCacheFullError when they are not free and
-        ValueError on bad input; registers nothing then."""
+        """Decode role: register a request whose prompt KV (and that of its prior outputs, see
+        `add_request`) another worker computes, and reserve its blocks now (returned in order).
+        Raises KVCacheFullError when they are not free and ValueError on bad input; registers
+        nothing then."""
         if params.n != 1:
             raise ValueError("n must be 1 for a request prefilled elsewhere")
-        self.add_request(request_id, prompt_token_ids, params, queue=False)
+        self.add_request(request_id, prompt_token_ids, params, queue=False,
+                         prior_output_token_ids=prior_output_token_ids)
         req = self._groups[request_id].seqs[0].req
         if not self.scheduler.reserve(req):
             self._groups.pop(request_id)
             self._forget(req)
             raise KVCacheFullError(
-                f"no room for {req.num_prompt_tokens} prompt tokens: "
+                f"no room for {req.num_tokens} prompt tokens: "
                 f"{self.block_manager.num_free_blocks} KV blocks free"
             )
         return list(req.block_ids)
@@ -152,7 +165,7 @@ class LLMEngine:
         append the token the prefill worker sampled and queue the request for decoding."""
         seq = self._groups[request_id].seqs[0]
         seq.req.append_token(first_token_id, logprobs)
-        seq.sent_tokens = 1  # the caller already has the first token: deltas start after it
+        seq.sent_tokens = seq.req.num_output_tokens  # the caller has these: deltas start after
         mark_progress(seq.req)
         self.scheduler.commit(seq.req)
 
@@ -228,6 +241,17 @@ class LLMEngine:
                 f"is {self.max_model_len} and at least one token must be generated"
             )
         return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def _check_prior(self, prior: list[int], max_tokens: int, n: int) -> None:
+        if not prior:
+            return
+        if n != 1:
+            raise ValueError("n must be 1 for a request resumed with prior output tokens")
+        if len(prior) >= max_tokens:
+            raise ValueError(f"{len(prior)} prior output tokens leave none of max_tokens "
+                             f"({max_tokens}) to generate")
+        if any(not 0 <= t < self.vocab_size for t in prior):
+            raise ValueError("a prior output token id is outside the vocabulary")
 
     def _sequence_state(self, req: Request, params: SamplingParams) -> SequenceState:
         detok = matcher = None

@@ -87,7 +87,7 @@ class Scheduler:
         """Decode role: hold blocks for `req`'s prompt, whose KV another worker computed and is
         about to send. The request waits (WAITING_FOR_KV) outside the queue until `commit`.
         False, changing nothing, when the blocks are not free."""
-        if not self.block_manager.allocate_slots(req, req.num_prompt_tokens):
+        if not self.block_manager.allocate_slots(req, req.num_tokens):  # prompt + prior outputs
             return False
         req.status = RequestStatus.WAITING_FOR_KV
         self.reserved[req.request_id] = req
@@ -97,7 +97,7 @@ class Scheduler:
         """Decode role: `req`'s prompt KV has arrived and its first token is appended; queue it.
         It joins the running batch at the next step that has a seat for it."""
         del self.reserved[req.request_id]
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_tokens - 1  # all but the first token, just appended
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 

@@ -89,14 +89,15 @@ def check_token_stop(
 ) -> tuple[str | None, int | None]:
     """Whether the token just appended ends the sequence: (finish_reason, stop_reason).
 
-    `num_output_tokens` counts `token_id`. Before `min_tokens` nothing stops it. Then eos ends it
+    `num_output_tokens` counts `token_id`. Before `min_tokens` only `max_tokens` stops it (a
+    prefill worker's request ends at its first token whatever min_tokens says). Then eos ends it
     with ("stop", None) unless `ignore_eos`; a stop token id with ("stop", token_id), even with
     `ignore_eos`; otherwise reaching `max_tokens` ends it with ("length", None). The stopping token
     stays in the output ids; its text is not part of the output (vLLM's rule), which the caller
     ensures by not detokenizing it.
     """
     if num_output_tokens < min_tokens:
-        return None, None
+        return ("length", None) if num_output_tokens >= max_tokens else (None, None)
     if token_id in eos_token_ids and not ignore_eos:
         return "stop", None
     if token_id in stop_token_ids:

@@ -45,15 +45,17 @@ def build_app(
     max_concurrent_requests: int = 0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     trust_request_chat_template: bool = False,
+    metrics: GatewayMetrics | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `backend`'s model as `served_model_name` (default:
     the backend's model name). With `store`, every admitted request gets a state record. With
     `api_key`, /v1/* requires `Authorization: Bearer <api_key>`. With
     `max_concurrent_requests`, generation requests past that many in flight get 429. Bodies
     over `max_body_bytes` get 413. A chat request's own `chat_template` (Jinja run on the
-    server: a loop can hold a thread for hours) gets 400 unless `trust_request_chat_template`."""
+    server: a loop can hold a thread for hours) gets 400 unless `trust_request_chat_template`.
+    `metrics`: the registry /metrics renders, when the backend counts into it too."""
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None)
-    ctx = ServingContext(backend, GatewayMetrics(), store, served_model_name)
+    ctx = ServingContext(backend, metrics or GatewayMetrics(), store, served_model_name)
     app.state.serving = ctx
     install_error_handlers(app)
     _add_openai_routes(app, ctx, api_key, max_body_bytes, trust_request_chat_template)

@@ -1,8 +1,8 @@
 """Every failure as OpenAI's error body `{"error": {"message", "type", "param", "code"}}`.
 
 Handlers turn each kind of exception into its status: request mistakes 4xx (pydantic errors are
-400, not FastAPI's 422), `BackendError` 503 when retryable else 500, anything unexpected 500 with
-a generic message; the stack trace goes to the log, never into the body.
+400, not FastAPI's 422), `BackendError` 503 with `Retry-After` when retryable else 500, anything
+unexpected 500 with a generic message; the stack trace goes to the log, never into the body.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from gateway.backend import BackendError
 from gateway.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
+# A retryable backend failure (no worker free, the registry unreachable) is answered 503 with
+# `Retry-After`: heartbeats re-register workers within about a second of Redis coming back.
+RETRY_AFTER_S = 1
 
 
 class OpenAIError(Exception):
@@ -86,7 +89,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_backend(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, BackendError)
         logger.warning("backend error: %s (retryable=%s)", exc, exc.retryable)
-        return from_backend_error(exc).response()
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.retryable else None
+        return from_backend_error(exc).response(headers)
 
     async def on_http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)

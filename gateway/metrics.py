@@ -57,6 +57,14 @@ class GatewayMetrics:
             "pdserve:requests_rejected", "Requests answered 429: too many in flight.",
             registry=r,
         )
+        self.decode_migrations = Counter(
+            "pdserve:decode_migrations", "Streams moved to another decode worker after theirs "
+            "failed (re-prefilled with the tokens already generated).", registry=r,
+        )
+        self.prefill_retries = Counter(
+            "pdserve:prefill_retries", "Prefills retried on another prefill worker after "
+            "theirs failed.", registry=r,
+        )
 
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format."""

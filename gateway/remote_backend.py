@@ -9,7 +9,9 @@ NOTE: one generation's path (DESIGN.md, "The request's path"):
        the prefill worker pushes the KV to the decode worker in the background
     4. the decode stream carries every later token as deltas
 Closing the generator early cancels the decode stream and aborts the prefill, so no worker keeps
-blocks for a request nobody reads.
+blocks for a request nobody reads. A worker that dies (UNAVAILABLE) is routed around: a prefill
+is retried on another prefill worker, a decode stream moves to another decode worker that
+re-prefills the prompt plus the tokens already streamed (`prior_output_token_ids`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import asdict
 from typing import Any
 
@@ -24,6 +27,7 @@ import grpc
 
 from engine.sampling_params import SamplingParams
 from gateway.backend import BackendError, ModelFacts, TokenDelta
+from gateway.metrics import GatewayMetrics
 from pdserve.cluster.convert import logprobs_from_pb, sampling_params_to_pb
 from pdserve.cluster.grpc_server import check_health, open_channel
 from pdserve.cluster.registry import WorkerInfo, WorkerRegistry
@@ -43,6 +47,14 @@ logger = logging.getLogger(__name__)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
+class WorkerLost(BackendError):
+    """A worker failed a call with UNAVAILABLE (killed, unreachable): the request may move."""
+
+    def __init__(self, message: str, worker: WorkerInfo):
+        super().__init__(message, retryable=True)
+        self.worker = worker
+
+
 class RemoteBackend:
     def __init__(
         self,
@@ -52,6 +64,8 @@ class RemoteBackend:
         local_prefill_max_tokens: int = 0,
         timeout_s: float = 600.0,
         tls: TLSConfig = PLAINTEXT,
+        max_migrations: int = 2,
+        metrics: GatewayMetrics | None = None,
     ):
         self.tokenizer_address = tokenizer_address
         self.registry = registry
@@ -59,6 +73,8 @@ class RemoteBackend:
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.timeout_s = timeout_s
         self.tls = tls  # of every channel: tokenizer, prefill and decode workers
+        self.max_migrations = max_migrations  # worker failures one request may survive
+        self.metrics = metrics  # counts those moves
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._facts: ModelFacts | None = None
         self._tokenizer: Any = None
@@ -124,13 +140,42 @@ class RemoteBackend:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenDelta]:
-        local = len(prompt_token_ids) <= self.local_prefill_max_tokens
-        decode, prefill = await self._route(local)
-        max_tokens = params.max_tokens or 1
-        pb_params = sampling_params_to_pb(params, max_tokens)
+        """Stream one sequence. A decode worker lost mid-stream (UNAVAILABLE: killed, cut off)
+        hands the request to another one, which re-prefills the prompt plus the tokens already
+        streamed and continues where it stopped: the client sees no gap, no repeat, no error.
+        At most `max_migrations` moves (prefill retries included) per request."""
+        generated: list[int] = []
+        lost: set[str] = set()  # addresses of workers that failed this request
+        finished = False
+        try:
+            while True:
+                attempt = self._attempt(request_id, prompt_token_ids, params, generated, lost)
+                try:
+                    async with aclosing(attempt) as deltas:
+                        async for delta in deltas:
+                            generated.extend(delta.token_ids)
+                            finished = delta.finish_reason is not None
+                            yield delta
+                    return
+                except WorkerLost as exc:
+                    self._count_move(request_id, exc, lost)
+        finally:
+            if not finished:
+                await self._cancel(request_id)
+
+    async def _attempt(
+        self, request_id: str, prompt: list[int], params: SamplingParams,
+        prior: list[int], lost: set[str],
+    ) -> AsyncIterator[TokenDelta]:
+        """One try on one decode worker, continuing after `prior` (tokens already streamed).
+        A prefill worker that dies is replaced here; a dead decode worker raises WorkerLost."""
+        local = len(prompt) + len(prior) <= self.local_prefill_max_tokens
+        decode, prefill = await self._route(local, lost)
+        pb_params = sampling_params_to_pb(params, params.max_tokens or 1)
         call = decode_pb2_grpc.DecodeStub(self._channel(decode.address)).Generate(
-            decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                       params=pb_params, prefill_locally=local),
+            decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
+                                       params=pb_params, prefill_locally=local,
+                                       prior_output_token_ids=prior),
             timeout=self.timeout_s,
         )
         prefill_done = local
@@ -138,10 +183,8 @@ class RemoteBackend:
         try:
             if not local:
                 await self._read(call, decode)  # blocks reserved on the decode worker
-                await self._transition(request_id, "prefilling", prefill_worker=prefill.address,
-                                       decode_worker=decode.address)
-                first = await self._prefill(prefill, request_id, prompt_token_ids, pb_params,
-                                            decode.address)
+                first = await self._prefill_retrying(request_id, prompt, pb_params, prior,
+                                                     decode, prefill, lost)
                 prefill_done = True
                 finished = bool(first.finish_reason)
                 yield first
@@ -156,15 +199,49 @@ class RemoteBackend:
                 call.cancel()
                 if not prefill_done and prefill is not None:
                     await self._abort(prefill, request_id)
-                await self._cancel(request_id)
 
-    async def _route(self, local: bool) -> tuple[WorkerInfo, WorkerInfo | None]:
-        decode = pick_decode(await self._workers("decode"))
+    async def _prefill_retrying(
+        self, request_id: str, prompt: list[int], pb_params: Any, prior: list[int],
+        decode: WorkerInfo, prefill: WorkerInfo | None, lost: set[str],
+    ) -> TokenDelta:
+        """Prefill on `prefill`; if it dies, on another one (the decode worker's reservation
+        stays), while the request's move budget lasts."""
+        while True:
+            assert prefill is not None
+            await self._transition(request_id, "prefilling", prefill_worker=prefill.address,
+                                   decode_worker=decode.address)
+            try:
+                return await self._prefill(prefill, request_id, prompt, pb_params, prior,
+                                           decode.address)
+            except WorkerLost as exc:
+                self._count_move(request_id, exc, lost)
+            prefill = pick_prefill(_alive(await self._workers("prefill"), lost))
+            if prefill is None:
+                raise BackendError("no prefill worker is available", retryable=True)
+
+    def _count_move(self, request_id: str, exc: WorkerLost, lost: set[str]) -> None:
+        """Record a lost worker, or re-raise when the request has moved too often."""
+        if len(lost) >= self.max_migrations:
+            raise BackendError(f"{exc} (after {len(lost)} worker failures)",
+                               retryable=True) from exc
+        lost.add(exc.worker.address)
+        role = exc.worker.role
+        logger.warning("[%s] %s worker %s lost (%s): moving the request", request_id, role,
+                       exc.worker.address, exc)
+        if self.metrics is not None:
+            counter = (self.metrics.decode_migrations if role == "decode"
+                       else self.metrics.prefill_retries)
+            counter.inc()
+
+    async def _route(
+        self, local: bool, lost: set[str] = frozenset()  # type: ignore[assignment]
+    ) -> tuple[WorkerInfo, WorkerInfo | None]:
+        decode = pick_decode(_alive(await self._workers("decode"), lost))
         if decode is None:
             raise BackendError("no decode worker is available", retryable=True)
         if local:
             return decode, None
-        prefill = pick_prefill(await self._workers("prefill"))
+        prefill = pick_prefill(_alive(await self._workers("prefill"), lost))
         if prefill is None:
             raise BackendError("no prefill worker is available", retryable=True)
         return decode, prefill
@@ -177,11 +254,12 @@ class RemoteBackend:
 
     async def _prefill(
         self, prefill: WorkerInfo, request_id: str, prompt: list[int],
-        params: Any, decode_address: str,
+        params: Any, prior: list[int], decode_address: str,
     ) -> TokenDelta:
         stub = prefill_pb2_grpc.PrefillStub(self._channel(prefill.address))
         request = prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt,
-                                             params=params, decode_address=decode_address)
+                                             params=params, decode_address=decode_address,
+                                             prior_output_token_ids=prior)
         try:
             r = await stub.Prefill(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -235,10 +313,11 @@ class RemoteBackend:
             logger.warning("[%s] cancellation not recorded: %s", request_id, exc)
 
     def _error(self, exc: grpc.aio.AioRpcError, worker: WorkerInfo) -> BackendError:
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            self._channels.pop(worker.address, None)
-        return BackendError(f"{worker.role} worker {worker.address}: {exc.details()}",
-                            retryable=exc.code() in RETRYABLE)
+        message = f"{worker.role} worker {worker.address}: {exc.details()}"
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:  # dead or unreachable: a fresh channel
+            self._channels.pop(worker.address, None)   # next time, and the request moves
+            return WorkerLost(message, worker)
+        return BackendError(message, retryable=exc.code() in RETRYABLE)
 
     async def _transition(self, request_id: str, status: str, **fields: Any) -> None:
         """Record a phase in the request's state. A fan-out's sequences are `{id}-{i}` (gateway
@@ -267,6 +346,10 @@ class RemoteBackend:
 
     def _tok_stub(self) -> tokenizer_pb2_grpc.TokenizerStub:
         return tokenizer_pb2_grpc.TokenizerStub(self._channel(self.tokenizer_address))
+
+
+def _alive(workers: list[WorkerInfo], lost: set[str]) -> list[WorkerInfo]:
+    return [w for w in workers if w.address not in lost]
 
 
 def _state_id(request_id: str) -> str | None:

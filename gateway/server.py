@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              help="host:port of the tokenizer (default: the one in the registry)")
     add_flag(p, "--local-prefill-max-tokens", 0, type=int,
              help="prompts up to this many tokens prefill on the decode worker (0: never)")
+    add_flag(p, "--max-migrations", 2, type=int,
+             help="worker failures one request survives: its stream moves to another decode "
+                  "worker, its prefill to another prefill worker (0: fail it)")
     add_tls_flags(p)
 
 
@@ -52,6 +55,7 @@ async def _serve_app(app: object, args: argparse.Namespace) -> None:
 
 async def serve_disaggregated(args: argparse.Namespace) -> None:
     from gateway.app import build_app
+    from gateway.metrics import GatewayMetrics
     from gateway.remote_backend import RemoteBackend
     from pdserve.cluster.registry import WorkerRegistry
     from pdserve.cluster.state import RequestStore, connect
@@ -62,14 +66,17 @@ async def serve_disaggregated(args: argparse.Namespace) -> None:
     registry = WorkerRegistry(client, prefix=args.redis_namespace)
     address = args.tokenizer_address or await _until(
         lambda: _registered_tokenizer(registry), "a tokenizer in the registry")
+    metrics = GatewayMetrics()
     backend = RemoteBackend(address, registry, store, args.local_prefill_max_tokens,
-                            tls=tls_from_args(args))
+                            tls=tls_from_args(args), max_migrations=args.max_migrations,
+                            metrics=metrics)
     await _until(backend.start, "the tokenizer service")
     app = build_app(backend, store=store, served_model_name=args.served_model_name or None,
                     api_key=args.api_key or None,
                     max_concurrent_requests=args.max_concurrent_requests,
                     max_body_bytes=args.max_body_bytes,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    metrics=metrics)
     await _serve_app(app, args)
     await backend.close()
 

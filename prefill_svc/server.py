@@ -41,7 +41,7 @@ async def serve(args: argparse.Namespace) -> None:
     await run_worker(
         args, "prefill", engine,
         lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s),
-        sender.stats, on_stop,
+        sender.stats, on_stop, busy=lambda: bool(servicer.pushes),
     )
 
 

@@ -33,11 +33,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         params = sampling_params_from_pb(request.params)
         request_id, prompt = request.request_id, list(request.prompt_token_ids)
+        prior = list(request.prior_output_token_ids)  # a migrated request's earlier outputs
         await self.cancels.check(request_id)
-        out = await self._first_token(request_id, prompt, params)
+        out = await self._first_token(request_id, prompt, params, prior)
         c = out.outputs[0]
         finish = c.finish_reason if c.finish_reason == "stop" else ""
-        if not finish and params.max_tokens == 1:
+        if not finish and params.max_tokens == len(prior) + 1:
             finish = "length"
         logger.info("[%s] prefilled %d tokens (%d cached), first token %d%s", request_id,
                     len(prompt), out.num_cached_tokens, c.token_ids[0],
@@ -45,14 +46,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if finish or not request.decode_address:
             await self.engine.call(self.engine.engine.release, request_id)
         else:
-            transfer = KVTransfer(request_id, len(prompt), [], c.token_ids[0], first_logprobs(c))
+            transfer = KVTransfer(request_id, len(prompt) + len(prior), [], c.token_ids[0],
+                                  first_logprobs(c))
             task = asyncio.create_task(self._push(request.decode_address, transfer))
             self.pushes[request_id] = task
         return response_to_pb(c, out.num_cached_tokens, finish)
 
-    async def _first_token(self, request_id: str, prompt: list[int], params: Any) -> RequestOutput:
+    async def _first_token(
+        self, request_id: str, prompt: list[int], params: Any, prior: list[int]
+    ) -> RequestOutput:
         final = None
-        async with aclosing(self.engine.generate(prompt, params, request_id)) as outs:
+        async with aclosing(self.engine.generate(prompt, params, request_id, prior)) as outs:
             async for out in outs:
                 final = out
         assert final is not None and final.finished

@@ -111,3 +111,18 @@ def _wait_ready(
             return False
         time.sleep(0.02)
     return True
+
+
+def start_redis_on(port: int, workdir: str, binary: str = "redis-server",
+                   startup_s: float = 10.0) -> subprocess.Popen[bytes]:
+    """redis-server on 127.0.0.1:`port` (plaintext, no password, no persistence) in `workdir`,
+    answering PING, for a test that stops and restarts Redis on one port. The caller stops it.
+    Raises RuntimeError if it does not come up within `startup_s`."""
+    path = shutil.which(binary) or binary
+    proc = subprocess.Popen(_argv(path, workdir, port, None, None), cwd=workdir,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if not _wait_ready(proc, port, startup_s, None, None):
+        proc.kill()
+        proc.wait(timeout=10)
+        raise RuntimeError(f"redis-server did not start on port {port}")
+    return proc

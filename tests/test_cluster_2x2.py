@@ -84,7 +84,7 @@ def test_decode_worker_killed_mid_stream(cluster, expected):
 
     async def stream(i: int) -> str:
         try:
-            s = await client.completions.create(model=None, prompt=TEXTS[i % 4], max_tokens=500,
+            s = await client.completions.create(model=None, prompt=TEXTS[i % 4], max_tokens=400,
                                                 stream=True, temperature=0,
                                                 extra_body={"ignore_eos": True})
             async for _ in s:
@@ -100,7 +100,7 @@ def test_decode_worker_killed_mid_stream(cluster, expected):
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
 
     outcomes = asyncio.run(go())
-    assert any(o.startswith("error") for o in outcomes), outcomes
+    assert outcomes == ["completed"] * 8  # its streams moved to decode-1 (--max-migrations)
     # every surviving worker ends with nothing reserved
     deadline = time.monotonic() + 20
     while True:

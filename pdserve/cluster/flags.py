@@ -37,7 +37,8 @@ def add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
     add_redis_namespace_flag(parser)
     add_flag(parser, "--log-level", "info", help="debug, info, warning, error")
     add_flag(parser, "--drain-timeout", 10.0, type=float,
-             help="seconds in-flight calls get to finish after SIGTERM")
+             help="seconds in-flight calls get to finish after SIGTERM (a worker leaves the "
+                  "registry, admits for min(1 s, a quarter of this) more, then only drains)")
     add_tls_flags(parser)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -118,11 +118,14 @@ def _wrap_stream(fn: Callable[..., Any], method: str) -> Callable[..., Any]:
 
 
 async def make_server(
-    service_name: str, add_servicers: Callable[[grpc.aio.Server], None]
+    service_name: str, add_servicers: Callable[[grpc.aio.Server], None],
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """A grpc.aio server with the error interceptor and the standard health service; the
-    server and `service_name` report NOT_SERVING until `set_serving` is called."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=GRPC_OPTIONS)
+    """A grpc.aio server with `interceptors` (outermost first), the error interceptor and the
+    standard health service; the server and `service_name` report NOT_SERVING until
+    `set_serving` is called."""
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()],
+                             options=GRPC_OPTIONS)
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     for name in ("", service_name):
@@ -131,9 +134,13 @@ async def make_server(
     return server, health_servicer
 
 
-async def set_serving(health_servicer: health.aio.HealthServicer, service_name: str) -> None:
+async def set_serving(
+    health_servicer: health.aio.HealthServicer, service_name: str, serving: bool = True
+) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else (
+        health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in ("", service_name):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, status)
 
 
 def open_channel(address: str, tls: TLSConfig = PLAINTEXT) -> grpc.aio.Channel:
@@ -160,12 +167,17 @@ async def serve_until_signal(
     grace_s: float = 10.0,
 ) -> None:
     """Run `server` until SIGTERM/SIGINT, then stop admitting and give in-flight calls `grace_s`."""
+    await wait_for_signal()
+    logger.info("stopping: draining for up to %.0f s", grace_s)
+    if on_stop is not None:
+        await on_stop()
+    await server.stop(grace_s)
+
+
+async def wait_for_signal() -> None:
+    """Return on the first SIGTERM or SIGINT."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    logger.info("stopping: draining for up to %.0f s", grace_s)
-    if on_stop is not None:
-        await on_stop()
-    await server.stop(grace_s)

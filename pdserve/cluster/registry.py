@@ -22,6 +22,7 @@ from pdserve.cluster.state import DEFAULT_PREFIX, Keys, StateStoreError, wrap_re
 logger = logging.getLogger(__name__)
 
 ROLES = ("tokenizer", "prefill", "decode", "gateway")
+MIN_BEATS_PER_TTL = 3  # heartbeats per TTL: an entry survives two missed beats
 
 
 @dataclass
@@ -107,22 +108,29 @@ class WorkerRegistry:
 class Heartbeat:
     """Keeps a worker's registry entry alive from an asyncio task.
 
-    Every ``interval_s`` it calls ``get_info()`` for fresh load numbers and writes them. Failures
-    (Redis down, ``get_info`` raising) are logged once per outage and retried on the next tick;
-    they never end the task. ``stop()`` ends it and deregisters the worker.
+    Every ``interval_s`` it writes the worker's info, refreshed by ``get_info()`` (load numbers).
+    NOTE: ``get_info`` may be slow: a worker's asks its engine, which answers between steps, and
+    a long step on a loaded CPU takes seconds. The write never waits on it past
+    ``interval_s / 2``: the entry is then refreshed with the last info, and the pending
+    ``get_info`` is awaited again on the next beat (never started twice). So a busy worker stays
+    registered (TTL ``registry.ttl_s``, at least 3 intervals) with load numbers a beat or two old.
+
+    Failures (Redis down, ``get_info`` raising) are logged once per outage and retried on the
+    next tick; they never end the task. ``stop()`` ends it and deregisters the worker.
     """
 
     def __init__(self, registry: WorkerRegistry, get_info: Callable[[], Awaitable[WorkerInfo]],
                  interval_s: float = 1.0) -> None:
-        if not 0 < interval_s < registry.ttl_s:
-            raise ValueError(f"need 0 < interval_s < registry ttl_s ({registry.ttl_s}), "
-                             f"got {interval_s}")
+        if not 0 < interval_s <= registry.ttl_s / MIN_BEATS_PER_TTL:
+            raise ValueError(f"need 0 < interval_s <= registry ttl_s / {MIN_BEATS_PER_TTL} "
+                             f"({registry.ttl_s} / {MIN_BEATS_PER_TTL}), got {interval_s}")
         self.registry = registry
         self.get_info = get_info
         self.interval_s = interval_s
         self.last_info: WorkerInfo | None = None  # last info obtained from get_info
         self._healthy = True
         self._task: asyncio.Task[None] | None = None
+        self._pending: asyncio.Future[WorkerInfo] | None = None  # a get_info still running
 
     @property
     def running(self) -> bool:
@@ -132,8 +140,7 @@ class Heartbeat:
     async def beat(self) -> bool:
         """One heartbeat now. Returns whether it reached the registry; never raises."""
         try:
-            self.last_info = await self.get_info()
-            await self.registry.heartbeat(self.last_info)
+            await self.registry.heartbeat(await self._info())
         except Exception as e:
             if self._healthy:
                 logger.warning("heartbeat failed, will keep retrying: %s", e)
@@ -143,6 +150,20 @@ class Heartbeat:
             logger.info("heartbeat recovered")
         self._healthy = True
         return True
+
+    async def _info(self) -> WorkerInfo:
+        """Fresh info if ``get_info`` answers within half an interval, else the last info."""
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self.get_info())
+        done, _ = await asyncio.wait({self._pending}, timeout=self.interval_s / 2)
+        if done:
+            pending, self._pending = self._pending, None
+            self.last_info = pending.result()
+        elif self.last_info is None:
+            raise TimeoutError("no worker info yet: get_info has not answered")
+        else:
+            logger.debug("get_info is slow: heartbeat with the last load numbers")
+        return self.last_info
 
     def start(self) -> None:
         """Start the heartbeat task (first beat at once). Needs a running event loop."""
@@ -157,6 +178,9 @@ class Heartbeat:
             return
         task.cancel()
         await asyncio.wait({task})  # unlike `await task`, never swallows our own cancellation
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
         if self.last_info is not None:
             try:
                 await self.registry.deregister(self.last_info.role, self.last_info.worker_id)
@@ -165,6 +189,9 @@ class Heartbeat:
                                self.registry.ttl_s, e)
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             await self.beat()
-            await asyncio.sleep(self.interval_s)
+            # A fixed period: a slow beat (Redis timing out) does not push the next one back.
+            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))

@@ -17,8 +17,9 @@ from prometheus_client.registry import Collector
 
 from engine.scheduler import SchedulerStats
 from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
+from pdserve.cluster.drain import DrainGate, drain
 from pdserve.cluster.flags import add_common_flags, add_flag, add_model_flags
-from pdserve.cluster.grpc_server import make_server, serve_until_signal, set_serving
+from pdserve.cluster.grpc_server import make_server, set_serving, wait_for_signal
 from pdserve.cluster.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from pdserve.cluster.state import connect
 from pdserve.cluster.tls import listen, tls_from_args
@@ -170,12 +171,14 @@ def watch_cancellations(
 async def run_worker(
     args: argparse.Namespace, role: str, engine: AsyncLLMEngine,
     add_servicer: Callable[[grpc.aio.Server], None], transfer: TransferStats,
-    on_stop: Callable[[], Awaitable[None]],
+    on_stop: Callable[[], Awaitable[None]], busy: Callable[[], bool] = lambda: False,
 ) -> None:
     """Serve a worker's gRPC service until SIGTERM: health NOT_SERVING until it listens, then
-    metrics and registry heartbeat; on stop, `on_stop`, deregistration, drain, engine shutdown."""
+    metrics and registry heartbeat; on SIGTERM the graceful stop of `pdserve.cluster.drain`
+    (`busy`: work in flight that no call accounts for), then engine shutdown."""
     service = f"pdserve.v1.{role.capitalize()}"
-    server, health = await make_server(service, add_servicer)
+    gate = DrainGate()
+    server, health = await make_server(service, add_servicer, [gate])
     listen(server, f"{args.host}:{args.port}", tls_from_args(args))
     await server.start()
     monitor = WorkerMonitor(role, advertise_address(args), engine, transfer.counters)
@@ -183,12 +186,14 @@ async def run_worker(
     await set_serving(health, service)
     logger.info("%s worker serving on %s", role, monitor.address)
 
-    async def stop() -> None:
-        await on_stop()
+    async def deregister() -> None:
+        await set_serving(health, service, serving=False)
         if heartbeat is not None:
             await heartbeat.stop()
 
-    await serve_until_signal(server, stop, args.drain_timeout)
+    await wait_for_signal()
+    logger.info("stopping: draining for up to %.0f s", args.drain_timeout)
+    await drain(gate, server, args.drain_timeout, deregister, on_stop, busy)
     engine.shutdown()
 
 
