@@ -119,8 +119,10 @@ def test_redis_restart_makes_the_gateway_unready_then_everything_recovers(
         redis["proc"] = start_redis_on(port, redis["dir"])  # empty: nothing was persisted
         ready_s = _until(lambda: http_get(c.url + "/ready")[0] == 200, 20.0,
                          "the gateway did not become ready again")
-        roles = sorted(w.role for w in c.workers())
-        assert roles == ["decode", "prefill", "tokenizer"]
+        # Each service re-registers on its next heartbeat (1 s apart, not in lockstep with the
+        # gateway's readiness): wait for all three, within a few beats.
+        _until(lambda: sorted(w.role for w in c.workers()) == ["decode", "prefill", "tokenizer"],
+               10.0, "a service did not re-register after Redis came back")
         for stream in (False, True):
             r = _complete(c.url, stream)
             assert r.status_code == 200, r.text
