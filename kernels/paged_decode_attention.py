@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import INTERPRET, dot_precision
+from kernels._common import INTERPRET, check_paged_layout, dot_precision
 
 LOG2E = 1.4426950408889634
 
@@ -150,8 +150,7 @@ def paged_decode_attention(
     the token's own K/V). Launches one kernel, plus a reduce when `num_splits` > 1."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must share strides with contiguous head_dim")
+    check_paged_layout(q, k_cache, v_cache)
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:

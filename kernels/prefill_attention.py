@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import INTERPRET, dot_precision
+from kernels._common import INTERPRET, check_paged_layout, dot_precision
 
 LOG2E = 1.4426950408889634
 
@@ -129,8 +129,7 @@ def prefill_attention(
 ) -> torch.Tensor:  # [T, H, D]
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must share strides with contiguous head_dim")
+    check_paged_layout(q, k_cache, v_cache)
     if out is None:
         out = torch.empty_like(q)
     num_seqs = seq_lens.shape[0]
