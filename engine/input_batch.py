@@ -1,7 +1,8 @@
 """Turn a `SchedulerOutput` into the flat tensors one forward pass reads.
 
 Sequences are laid out prefills first, then decodes (see `engine.attention.metadata`). Built with
-Python lists and moved to the device in one copy per tensor.
+Python lists, packed into one int64 and one int32 buffer, and moved to the device in two copies;
+the step's tensors are views of those two.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The seam between the model and the attention implementation (pure torch now, Triton later).
+"""The seam between the model and the attention implementation (torch_backend.py: pure torch,
+CPU and GPU; triton_backend.py: pdserve's Triton kernels, the default on CUDA).
 
 A backend stores the step's new K/V into the paged cache and computes causal attention of the new
 queries over each sequence's whole context (earlier tokens already in the cache plus the new
