@@ -2,14 +2,17 @@
 
 NOTE: a request's life on the receiving side:
 
-    Generate opens ─▶ expect(): reserve blocks (WAITING_FOR_KV), Pending registered
+    Generate opens ─▶ expect(): Pending registered, blocks reserved (WAITING_FOR_KV) — after
+                     waiting for them, first come first served, while the cache is full
     PushKV header  ─▶ layout and request checked before any byte is accepted
     PushKV slabs   ─▶ written straight into the reserved blocks (KVSlabWriter checks each)
     PushKV end     ─▶ every layer x block present? commit: the request joins the decode batch
     any failure    ─▶ the request is aborted: its reserved blocks are freed, Generate fails
 
 Blocks are reserved before a single byte arrives, so a transfer never waits for memory, and a
-transfer that is cut off (sender died, stream cancelled) frees everything it reserved.
+transfer that is cut off (sender died, stream cancelled) frees everything it reserved. A request
+dropped while it waits for blocks (Abort, cancellation, Generate cancelled) leaves the queue with
+nothing reserved; one that waits longer than `KVWaitConfig.seconds` fails (RESOURCE_EXHAUSTED).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 
 from decode_svc.convert import first_logprobs, layout_from_pb, slab_from_pb
 from engine.async_engine import AsyncLLMEngine
+from engine.config import NO_KV_WAIT, KVWaitConfig
 from engine.kv_transfer import KVLayout, KVSlabWriter, layout_of
 from engine.sampling_params import SamplingParams
 from pdserve.cluster.grpc_server import NotFoundError
@@ -38,15 +42,16 @@ class TransferFailed(ConnectionError):
 
 @dataclass
 class Pending:
-    block_ids: list[int]
+    block_ids: list[int] | None = None  # None until the blocks are reserved
     done: asyncio.Event = field(default_factory=asyncio.Event)
     error: str | None = None
     receiving: bool = False
 
 
 class KVReceiver:
-    def __init__(self, engine: AsyncLLMEngine):
+    def __init__(self, engine: AsyncLLMEngine, kv_wait: KVWaitConfig = NO_KV_WAIT):
         self.engine = engine
+        self.kv_wait = kv_wait
         self.layout: KVLayout = layout_of(engine.engine.runner.kv_caches)
         self.pending: dict[str, Pending] = {}
         self.stats = TransferStats()
@@ -54,12 +59,25 @@ class KVReceiver:
     async def expect(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         prior_output_token_ids: list[int] | None = None,
-    ) -> None:
-        """Reserve the blocks of the prompt and of any prior output tokens now
-        (KVCacheFullError / ValueError if impossible)."""
-        blocks = await self.engine.reserve_remote(request_id, prompt_token_ids, params,
-                                                  prior_output_token_ids)
-        self.pending[request_id] = Pending(blocks)
+    ) -> bool:
+        """Reserve the blocks of the prompt and of any prior output tokens, waiting for them as
+        `kv_wait` allows when the cache is full. False if the request was dropped before they
+        were reserved (nothing stays reserved); KVCacheFullError / ValueError if impossible."""
+        if request_id in self.pending:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        pending = self.pending[request_id] = Pending()
+        try:
+            blocks = await self.engine.reserve_remote(request_id, prompt_token_ids, params,
+                                                      prior_output_token_ids, self.kv_wait)
+        except BaseException:
+            self.pending.pop(request_id, None)
+            raise
+        if blocks is None or pending.done.is_set():  # dropped while reserving
+            self.pending.pop(request_id, None)
+            await self.engine.abort(request_id)  # frees blocks granted just before the drop
+            return False
+        pending.block_ids = blocks
+        return True
 
     async def wait(self, request_id: str, timeout_s: float) -> bool:
         """Until the request's KV is committed (True) or the request is aborted here (False).
@@ -99,7 +117,8 @@ class KVReceiver:
         header = await _first_header(chunks)
         request_id = header.request_id
         pending = self.pending.get(request_id)
-        if pending is None or pending.receiving or pending.done.is_set():
+        if (pending is None or pending.block_ids is None or pending.receiving
+                or pending.done.is_set()):
             raise NotFoundError(f"no open Generate waiting for KV of request {request_id!r}")
         pending.receiving = True
         started = time.perf_counter()
@@ -124,6 +143,7 @@ class KVReceiver:
         chunks: AsyncIterator[decode_pb2.KVChunk],
     ) -> int:
         self.layout.check_compatible(layout_from_pb(header.layout))
+        assert pending.block_ids is not None  # `receive` checked it
         if header.num_blocks != len(pending.block_ids):
             raise ValueError(
                 f"header announces {header.num_blocks} blocks, {len(pending.block_ids)} reserved"

@@ -7,6 +7,7 @@ import asyncio
 
 from decode_svc.receiver import KVReceiver
 from decode_svc.service import DecodeServicer
+from engine.config import KVWaitConfig
 from pdserve.cluster.flags import add_flag
 from pdserve.cluster.worker import add_worker_flags, build_engine, run_worker, watch_cancellations
 from protos import decode_pb2_grpc
@@ -18,11 +19,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_flags(parser, DEFAULT_PORT)
     add_flag(parser, "--kv-timeout", 30.0, type=float,
              help="seconds a Generate waits for its KV before failing")
+    add_flag(parser, "--kv-wait-seconds", 30.0, type=float,
+             help="seconds a Generate waits for free KV blocks when the cache is full, behind "
+                  "those that came first, before failing with RESOURCE_EXHAUSTED (0: fail at "
+                  "once)")
+    add_flag(parser, "--kv-wait-max-requests", 64, type=int,
+             help="Generates that may wait for free KV blocks at a time; more get "
+                  "RESOURCE_EXHAUSTED at once")
 
 
 async def serve(args: argparse.Namespace) -> None:
     engine = await asyncio.to_thread(build_engine, args, "decode")
-    receiver = KVReceiver(engine)
+    receiver = KVReceiver(engine, KVWaitConfig(args.kv_wait_seconds, args.kv_wait_max_requests))
     cancels = watch_cancellations(args, receiver.drop)
     servicer = DecodeServicer(engine, receiver, args.kv_timeout, cancels)
     await run_worker(

@@ -40,7 +40,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if request.prefill_locally:
             outputs = self.engine.generate(prompt, params, request_id, prior)
         else:
-            await self.receiver.expect(request_id, prompt, params, prior)
+            if not await self.receiver.expect(request_id, prompt, params, prior):
+                logger.info("[%s] aborted while waiting for free KV blocks", request_id)
+                yield decode_pb2.GenerateResponse(finish_reason="abort")
+                return
             try:
                 yield decode_pb2.GenerateResponse()  # blocks reserved: the push may start
                 arrived = await self.receiver.wait(request_id, self.kv_timeout_s)

@@ -4,7 +4,9 @@ NOTE: one background thread owns the `LLMEngine` and is the only one to touch it
 event loop never block on a step: they submit commands (add, abort, reserve, ...) to a queue that
 the thread drains between steps, and read per-request output queues that the thread fills with
 `loop.call_soon_threadsafe`. A request arriving while others decode joins the batch at the next
-step; commands are served in arrival order, so none starves behind a busy batch.
+step; commands are served in arrival order, so none starves behind a busy batch. After every
+round of commands and every step (the moments blocks are freed) the thread grants the decode
+reservations queued for free KV blocks, first come first served, and settles their futures.
 
     event loop ──call(fn)──▶ commands ──▶ [engine thread: drain commands → step → deliver]
          ▲                                                                   │
@@ -20,8 +22,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from engine.config import NO_KV_WAIT, KVWaitConfig
 from engine.llm import build_engine_config
-from engine.llm_engine import LLMEngine, PromptInput
+from engine.llm_engine import KVCacheFullError, LLMEngine, PromptInput
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerStats
@@ -42,6 +45,9 @@ class AsyncLLMEngine:
         self._stopping = False
         self._error: BaseException | None = None
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Engine thread only: reservations queued for free blocks -> the future their blocks
+        # (or None: aborted while queued) are handed to.
+        self._granted: dict[str, asyncio.Future] = {}
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -81,17 +87,29 @@ class AsyncLLMEngine:
 
     async def reserve_remote(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-        prior_output_token_ids: list[int] | None = None,
-    ) -> list[int]:
+        prior_output_token_ids: list[int] | None = None, wait: KVWaitConfig = NO_KV_WAIT,
+    ) -> list[int] | None:
         """Decode role: register a request prefilled on another worker and reserve its blocks
         (returned, in order). Its outputs are read with `stream(request_id)` once
-        `commit_remote` has queued it. Raises KVCacheFullError / ValueError, keeping nothing."""
+        `commit_remote` has queued it.
+
+        When the cache has no room, the request waits for its blocks behind those that came
+        first, as `wait` allows; None if it is aborted (`abort`) while it waits. Raises
+        KVCacheFullError (no room, none within `wait.seconds`, `wait.max_requests` waiting
+        already) / ValueError, keeping nothing; a cancelled caller keeps nothing either."""
         self._open(request_id)
+        granted = asyncio.get_running_loop().create_future()
         try:
-            return await self.call(
-                self.engine.reserve_request, request_id, prompt_token_ids, sampling_params,
-                prior_output_token_ids,
-            )
+            blocks = await self.call(self._reserve, request_id, prompt_token_ids,
+                                     sampling_params, prior_output_token_ids, wait, granted)
+            if blocks is None:
+                blocks = await asyncio.wait_for(granted, wait.seconds)
+        except TimeoutError:
+            await self.abort(request_id)  # out of the queue, or its blocks freed if just granted
+            raise KVCacheFullError(
+                f"no room for request {request_id!r}: its KV blocks were not free within "
+                f"{wait.seconds:g} s"
+            ) from None
         except asyncio.CancelledError:
             self._streams.pop(request_id, None)
             self._abort_soon(request_id)  # the reservation may still be queued: release it after
@@ -99,6 +117,7 @@ class AsyncLLMEngine:
         except BaseException:
             self._streams.pop(request_id, None)
             raise
+        return blocks
 
     async def commit_remote(
         self, request_id: str, first_token_id: int, logprobs: tuple[float, dict] | None
@@ -116,7 +135,7 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str) -> bool:
         """Abort a request wherever it is (held or reserved blocks too); its stream ends without
         a final output. True if the engine knew the request."""
-        found = await self.call(self.engine.abort_request, request_id)
+        found = await self.call(self._abort, request_id)
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             loop, q = stream
@@ -152,8 +171,7 @@ class AsyncLLMEngine:
         in order, so it lands after any add/reserve of the same request still in the queue."""
         if self._error is None and not self._stopping:
             future = asyncio.get_running_loop().create_future()
-            self._commands.put((self.engine.abort_request, (request_id,), future,
-                                asyncio.get_running_loop()))
+            self._commands.put((self._abort, (request_id,), future, asyncio.get_running_loop()))
 
     def _open(self, request_id: str) -> None:
         if self._error is not None:
@@ -177,22 +195,46 @@ class AsyncLLMEngine:
         finally:
             stream = self._streams.pop(request_id, None)
             if not finished and stream is not None:
-                await asyncio.shield(self.call(self.engine.abort_request, request_id))
+                await asyncio.shield(self.call(self._abort, request_id))
 
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopping:
             try:
                 self._run_commands(block=not self.engine.has_work())
-                if self._stopping or not self.engine.has_work():
-                    continue
-                outputs = self.engine.step()
+                outputs = []
+                if not self._stopping and self.engine.has_work():
+                    outputs = self.engine.step()
+                self._grant_reservations()  # blocks freed by the commands or the step
             except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
                 self._error = exc
                 self._fail_all(exc)
                 return
             for out in outputs:
                 self._deliver(out.request_id, out)
+
+    def _reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        prior: list[int] | None, wait: KVWaitConfig, granted: asyncio.Future,
+    ) -> list[int] | None:
+        """Reserve now (the blocks) or queue (None; `granted` gets the blocks later)."""
+        blocks = self.engine.reserve_request(request_id, prompt_token_ids, params, prior,
+                                             max_waiting=wait.max_waiting)
+        if blocks is None:
+            self._granted[request_id] = granted
+        return blocks
+
+    def _grant_reservations(self) -> None:
+        for request_id, blocks in self.engine.grant_reservations():
+            future = self._granted.pop(request_id)
+            future.get_loop().call_soon_threadsafe(_settle, future, blocks, None)
+
+    def _abort(self, request_id: str) -> bool:
+        """`LLMEngine.abort_request`; a reservation queued for blocks is told None."""
+        future = self._granted.pop(request_id, None)
+        if future is not None:
+            future.get_loop().call_soon_threadsafe(_settle, future, None, None)
+        return self.engine.abort_request(request_id)
 
     def _run_commands(self, block: bool) -> None:
         """Run queued commands; with `block`, wait for at least one first (the engine is idle)."""
@@ -221,6 +263,10 @@ class AsyncLLMEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self._streams):
             self._deliver(request_id, exc)
+        dead = EngineDeadError("the engine loop has failed")
+        dead.__cause__ = exc
+        for future in self._granted.values():
+            future.get_loop().call_soon_threadsafe(_settle, future, None, dead)
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:

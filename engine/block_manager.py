@@ -128,7 +128,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        num_full = req.num_computed_tokens // self.block_size
+        # tokens sampled but not yet appended have no id to hash yet
+        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
         if num_full <= req.num_registered_blocks:
             return
         self._extend_hashes(req, num_full)

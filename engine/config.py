@@ -57,6 +57,30 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class KVWaitConfig:
+    """Decode role: how a reservation that finds the KV cache full waits for free blocks, first
+    come first served: up to `seconds`, with at most `max_requests` waiting at a time. With 0 of
+    either it fails at once."""
+
+    seconds: float = 0.0
+    max_requests: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.seconds >= 0:
+            raise ValueError(f"seconds must be >= 0, got {self.seconds}")
+        if self.max_requests < 0:
+            raise ValueError(f"max_requests must be >= 0, got {self.max_requests}")
+
+    @property
+    def max_waiting(self) -> int:
+        """How many reservations may wait at a time (0: none)."""
+        return self.max_requests if self.seconds > 0 else 0
+
+
+NO_KV_WAIT = KVWaitConfig()  # a full cache fails a reservation at once
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs. `model` is a resolved local path (HF folder or .gguf)."""
 
@@ -69,6 +93,9 @@ class EngineConfig:
     # CUDA only: False captures CUDA graphs of decode steps for batches up to
     # min(max_num_seqs, 512); True runs every step eagerly (vLLM's flag of the same name).
     enforce_eager: bool = False
+    # Schedule and launch step N+1 before waiting for step N's tokens (see engine.llm_engine);
+    # colocated and decode roles. False waits for every step (vLLM's --async-scheduling off).
+    async_scheduling: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -48,7 +48,8 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch)
         self.max_model_len = max_model_len
         self.block_size = block_size
-        width = -(-max_model_len // block_size)
+        blocks = -(-max_model_len // block_size)
+        width = -(-blocks // 4) * 4  # rows 16-byte aligned, as engine.input_batch lays them out
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
@@ -108,7 +109,7 @@ class DecodeGraphs:
         """Replay for a decode-only step of n sequences (`can_run` must hold)."""
         n = meta.num_decodes
         size = next(s for s in self.sizes if s >= n)
-        width = meta.block_tables.shape[1]
+        width = min(meta.block_tables.shape[1], self.block_tables.shape[1])
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
@@ -116,7 +117,7 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.seq_lens[n:size].fill_(0)
         # columns past `width` keep older ids: never read, each row's length bounds its reads
-        self.block_tables[:n, :width].copy_(meta.block_tables)
+        self.block_tables[:n, :width].copy_(meta.block_tables[:, :width])
         self.graphs[size].replay()
         self.replays += 1
         return self.outputs[size][:n]

@@ -36,6 +36,7 @@ def build_engine_config(
     attention_backend: str = "auto",
     role: str = "colocated",
     enforce_eager: bool = False,
+    async_scheduling: bool = True,
 ) -> EngineConfig:
     """Resolve the model and turn user-facing arguments into an `EngineConfig` (ValueError on
     bad values). `max_model_len` defaults to the model's context length."""
@@ -55,6 +56,7 @@ def build_engine_config(
         role=role,
         attention_backend=attention_backend,
         enforce_eager=enforce_eager,
+        async_scheduling=async_scheduling,
         cache=CacheConfig(
             block_size=block_size,
             kv_cache_memory=kv_cache_memory,

@@ -2,6 +2,20 @@
 
 One step = schedule → forward + sample → advance requests → text and stop strings → outputs.
 Used directly by the offline `LLM` and driven by a background task in `AsyncLLMEngine`.
+
+NOTE: asynchronous scheduling (vLLM's name). On a GPU the host's share of a step (scheduling,
+building inputs, appending tokens, detokenizing) is as long as the forward pass itself for a
+small model, and serially the GPU idles while the host works. So a step schedules and launches
+step N+1 before it waits for step N's tokens:
+
+    host   sched N+1 | launch N+1 | wait N, append N's tokens, outputs of N | sched N+2 | ...
+    GPU    ... forward + sample N ...| forward + sample N+1 ...............| ...
+
+Step N+1 is scheduled as if every request sampled in N got its token (the scheduler counts it
+as pending); its input ids for those tokens are read on the device from N's results. A request
+that N ends (eos, stop string) has one wasted row in N+1, whose token is discarded. Steps do not
+overlap while any request's sampling needs its full history (penalties, min_tokens), nor in the
+prefill role.
 """
 
 from __future__ import annotations
@@ -14,12 +28,12 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_loader import load_tokenizer
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.output_processor import RequestGroup, SequenceState, mark_progress
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.scheduler import Scheduler, SchedulerStats
+from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from engine.stop_checker import StopStringMatcher
 
 logger = logging.getLogger(__name__)
@@ -28,7 +42,8 @@ PromptInput = str | list[int]
 
 
 class KVCacheFullError(RuntimeError):
-    """Not enough free KV blocks to reserve for an incoming transfer."""
+    """Not enough free KV blocks to reserve for an incoming transfer (now, or within the wait
+    a decode worker allows, or too many requests wait for blocks already)."""
 
 
 class LLMEngine:
@@ -52,6 +67,9 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.runner.hf_config, self.tokenizer)
         self.vocab_size = self.runner.hf_config.vocab_size
         self._groups: dict[str, RequestGroup] = {}
+        self._overlap = config.async_scheduling and config.role != "prefill"
+        self._history_bound: set[str] = set()  # requests whose sampling reads every token
+        self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -103,6 +121,8 @@ class LLMEngine:
             seq.sent_tokens = seq.seen_tokens = len(prior)  # the caller has them already
             group.seqs.append(seq)
         self._groups[request_id] = group
+        if _reads_history(params):
+            self._history_bound.add(request_id)
         if queue:
             for s in group.seqs:
                 self.scheduler.add_request(s.req)
@@ -118,6 +138,7 @@ class LLMEngine:
             if group is None:
                 continue
             found = True
+            self._history_bound.discard(request_id)
             for s in group.seqs:
                 self.scheduler.finish(s.req, RequestStatus.FINISHED_ABORTED)
                 self._forget(s.req)
@@ -138,25 +159,41 @@ class LLMEngine:
 
     def reserve_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        prior_output_token_ids: list[int] | None = None,
-    ) -> list[int]:
+        prior_output_token_ids: list[int] | None = None, max_waiting: int = 0,
+    ) -> list[int] | None:
         """Decode role: register a request whose prompt KV (and that of its prior outputs, see
-        `add_request`) another worker computes, and reserve its blocks now (returned in order).
-        Raises KVCacheFullError when they are not free and ValueError on bad input; registers
-        nothing then."""
+        `add_request`) another worker computes, and reserve its blocks (returned in order).
+
+        When they are not free, or earlier reservations still wait for theirs, the request
+        queues (None returned) if fewer than `max_waiting` do: `grant_reservations` reserves
+        them in arrival order as blocks free up; `abort_request` takes one out of the queue.
+        Raises KVCacheFullError when it may not queue and ValueError on bad input or a request
+        the whole cache could not hold; registers nothing then."""
         if params.n != 1:
             raise ValueError("n must be 1 for a request prefilled elsewhere")
         self.add_request(request_id, prompt_token_ids, params, queue=False,
                          prior_output_token_ids=prior_output_token_ids)
         req = self._groups[request_id].seqs[0].req
-        if not self.scheduler.reserve(req):
-            self._groups.pop(request_id)
-            self._forget(req)
+        num_queued = len(self.scheduler.awaiting_blocks)
+        try:
+            if self.scheduler.reserve(req, queue=num_queued < max_waiting):
+                return list(req.block_ids)
+            if req.status == RequestStatus.WAITING_FOR_BLOCKS:
+                return None
             raise KVCacheFullError(
                 f"no room for {req.num_tokens} prompt tokens: "
                 f"{self.block_manager.num_free_blocks} KV blocks free"
+                + (f", {num_queued} requests already waiting for blocks" if num_queued else "")
             )
-        return list(req.block_ids)
+        except BaseException:
+            self._groups.pop(request_id)
+            self._forget(req)
+            raise
+
+    def grant_reservations(self) -> list[tuple[str, list[int]]]:
+        """Decode role: reserve blocks for the requests `reserve_request` queued, first come
+        first served, as far as the free blocks go: (request id, its blocks) of each granted."""
+        return [(r.request_id, list(r.block_ids)) for r in self.scheduler.grant_reservations()]
 
     def commit_request(
         self, request_id: str, first_token_id: int, logprobs: tuple[float, dict[int, float]] | None
@@ -174,7 +211,7 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         """Whether `step()` would run anything (requests waiting for KV do not count)."""
-        return self.scheduler.has_unfinished()
+        return self._inflight is not None or self.scheduler.has_unfinished()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
@@ -184,19 +221,38 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine iteration; return an output for every prompt that progressed."""
+        """Run one engine iteration; return an output for every prompt that progressed. With
+        overlapping steps these are the outputs of the step launched by the previous call."""
+        overlap = self._overlap and not self._history_bound
+        if self._inflight is not None and not overlap:
+            return self._complete(*self._take_inflight())
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        samples = self.runner.execute(out)
-        self.scheduler.update_from_output(out, samples)
+        launched = None if out.is_empty else self.runner.launch(out)
+        outputs = self._complete(*self._take_inflight()) if self._inflight is not None else []
+        if launched is not None:
+            if overlap:
+                self._inflight = (out, launched)
+            else:
+                outputs = self._complete(out, launched)
+        return outputs
+
+    def _take_inflight(self) -> tuple[SchedulerOutput, LaunchedStep]:
+        inflight, self._inflight = self._inflight, None
+        assert inflight is not None
+        return inflight
+
+    def _complete(self, out: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, append them, and make the outputs."""
+        self.scheduler.update_from_output(out, launched.result())
         touched: dict[str, RequestGroup] = {}
         now = time.monotonic()
         for s in out.scheduled:
             req = s.request
             mark_progress(req, now)
             if s.samples:
-                touched[req.parent_id] = self._groups[req.parent_id]
+                group = self._groups.get(req.parent_id)
+                if group is not None:  # None: aborted while the step ran
+                    touched[req.parent_id] = group
         outputs = []
         for group in touched.values():
             self._process_text(group)
@@ -205,6 +261,7 @@ class LLMEngine:
                 outputs.append(output)
             if group.finished:
                 del self._groups[group.request_id]
+                self._history_bound.discard(group.request_id)
                 for seq in group.seqs:
                     self._forget(seq.req)
         return outputs
@@ -277,3 +334,10 @@ def eos_token_ids(hf_config: object, tokenizer: object) -> frozenset[int]:
     if tok_eos is not None:
         ids.add(tok_eos)
     return frozenset(ids)
+
+
+def _reads_history(params: SamplingParams) -> bool:
+    """Whether sampling a token needs every earlier one on the host (penalties, min_tokens)."""
+    return params.min_tokens > 0 or (
+        params.repetition_penalty, params.frequency_penalty, params.presence_penalty
+    ) != (1.0, 0.0, 0.0)

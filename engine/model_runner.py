@@ -10,11 +10,11 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.input_batch import build_model_input
+from engine.input_batch import PendingTokens, build_model_input
 from engine.model_loader import iter_weights, load_hf_config
 from engine.models import get_model_class
 from engine.request import Request
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import SampledTokens, Sampler, SamplingRow
 from engine.scheduler import Sample, SchedulerOutput
 from engine.token_choice import skip_draws
 
@@ -51,6 +51,19 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     return TorchAttentionBackend()
 
 
+class LaunchedStep:
+    """A step queued on the device; `result()` waits for its samples (request id -> sample)."""
+
+    def __init__(self, request_ids: list[str], sampled: SampledTokens | None) -> None:
+        self.request_ids, self.sampled = request_ids, sampled
+
+    def result(self) -> dict[str, Sample]:
+        if self.sampled is None:
+            return {}
+        host = self.sampled.to_host()
+        return dict(zip(self.request_ids, zip(host.token_ids, host.logprobs)))
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -66,6 +79,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._pending: PendingTokens | None = None  # the last launch's sampled tokens
 
     # ---- set-up --------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
@@ -170,25 +184,31 @@ class ModelRunner:
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
 
     # ---- one step ------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, Sample]:
         """Run the forward pass for `out` (writes the new tokens' K/V into the cache) and sample
         the sequences whose chunk reaches their end. Returns request id -> sample."""
-        inp = build_model_input(out, self.block_size, self.device)
+        return self.launch(out).result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Queue `out`'s forward pass and sampling on the device without waiting for them.
+        Input tokens still pending (sampled by the previous launch, not appended yet) are read
+        from that launch's results on the device."""
+        inp = build_model_input(out, self.block_size, self.device, self._pending)
         if self.graphs is not None and self.graphs.can_run(inp.meta):
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
         else:
             self.backend.prepare(inp.meta)
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         if not inp.sampling:
-            return {}
+            self._pending = None
+            return LaunchedStep([], None)
         logits = self.model.compute_logits(hidden[inp.sample_rows])
         rows = [self._sampling_row(s.request) for s in inp.sampling]
-        result = self.sampler(logits, rows, self.default_generator)
-        return {
-            s.request.request_id: (token_id, lp)
-            for s, token_id, lp in zip(inp.sampling, result.token_ids, result.logprobs)
-        }
+        sampled = self.sampler.sample(logits, rows, self.default_generator)
+        ids = [s.request.request_id for s in inp.sampling]
+        self._pending = PendingTokens(sampled.token_ids, {rid: i for i, rid in enumerate(ids)})
+        return LaunchedStep(ids, sampled)
 
     def _sampling_row(self, req: Request) -> SamplingRow:
         return SamplingRow(

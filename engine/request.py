@@ -9,6 +9,7 @@ Torch-free. One `Request` is one sequence; a prompt with `n` > 1 becomes `n` sib
     any non-finished state ──abort──▶ FINISHED_ABORTED
 
     decode role: WAITING_FOR_KV (blocks reserved, bytes arriving) ──commit──▶ WAITING ──▶ …
+                 WAITING_FOR_BLOCKS (cache full: queued) ──blocks freed──▶ WAITING_FOR_KV
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from engine.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"
+    WAITING_FOR_BLOCKS = "waiting_for_blocks"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -59,9 +61,12 @@ class RequestMetrics:
 class Request:
     """One sequence: prompt, generated tokens and how much of it has KV in the cache.
 
-    Invariant: `num_computed_tokens <= num_tokens`; the tokens `[num_computed_tokens, num_tokens)`
-    still need a forward pass. A request samples a token only in a step whose scheduled chunk
-    reaches `num_tokens`. `block_ids` is the block table; only the block manager writes it.
+    Invariant: `num_computed_tokens <= num_tokens + num_pending`; the tokens
+    `[num_computed_tokens, num_tokens + num_pending)` still need a forward pass. The scheduler
+    advances `num_computed_tokens` when it schedules a chunk; a chunk that reaches the end samples
+    a token, counted in `num_pending` until it is appended (with asynchronous scheduling the next
+    step is scheduled, and its input built, before that). `block_ids` is the block table; only
+    the block manager writes it.
     """
 
     request_id: str
@@ -77,6 +82,7 @@ class Request:
     output_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    num_pending: int = 0  # tokens sampled in launched steps, not appended yet
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     block_ids: list[int] = field(default_factory=list)
     # Prefix-cache bookkeeping (block manager): chain hashes of this request's full blocks, and how
@@ -118,7 +124,7 @@ class Request:
 
     @property
     def num_tokens_to_compute(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_pending - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

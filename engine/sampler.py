@@ -62,13 +62,44 @@ class Sampler:
         uniform; unseeded rows share one draw from `default_generator` (torch's default generator
         when None). Greedy rows draw nothing.
         """
+        return self.sample(logits, rows, default_generator).to_host()
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        default_generator: torch.Generator | None = None,
+    ) -> SampledTokens:
+        """As `__call__`, with the results left on the device: nothing waits for the GPU."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [{len(rows)}, V], got {list(logits.shape)}")
         raw = _RawLogprobs.compute(logits, rows)
         logits = _apply_penalties_to_rows(_apply_min_tokens(logits, rows), rows)
         token_ids = pick_tokens(logits, rows, default_generator)  # [N] long
-        logprobs = raw.gather(token_ids) if raw is not None else [None] * len(rows)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+        return SampledTokens(token_ids, raw)
+
+
+class SampledTokens:
+    """One step's sampled tokens on the device. `to_host` is the step's only synchronisation;
+    on CUDA the ids are already being copied into pinned memory when this is made."""
+
+    def __init__(self, token_ids: torch.Tensor, raw: _RawLogprobs | None) -> None:
+        self.token_ids = token_ids  # [N] long, on the logits' device
+        self._raw = raw
+        self._host = token_ids
+        self._ready: torch.cuda.Event | None = None
+        if token_ids.is_cuda:
+            self._host = token_ids.to("cpu", non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def to_host(self) -> SamplerOutput:
+        if self._ready is not None:
+            self._ready.synchronize()
+        token_ids = self._host.tolist()
+        if self._raw is None:
+            return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(token_ids))
+        return SamplerOutput(token_ids=token_ids, logprobs=self._raw.gather(self.token_ids))
 
 
 @dataclass

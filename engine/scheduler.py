@@ -22,13 +22,15 @@ Sample = tuple[int, "tuple[float, dict[int, float]] | None"]
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)
-    # Set when scheduled: the chunk reaches the end of the sequence, so its logits are sampled.
+    num_new_tokens: int  # tokens [start, start + num_new_tokens) of the request
+    start: int = field(init=False)  # num_computed_tokens when scheduled
+    # The chunk reaches the end of the sequence, so its logits are sampled.
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.request
-        self.samples = r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        self.start = r.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens == r.num_tokens + r.num_pending
 
 
 @dataclass
@@ -52,6 +54,7 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    num_waiting_for_blocks: int = 0  # decode role: reservations queued for free blocks
 
 
 class Scheduler:
@@ -71,6 +74,8 @@ class Scheduler:
         self.hold_finished = hold_finished
         self.held: dict[str, Request] = {}
         self.reserved: dict[str, Request] = {}
+        # Decode role: reservations waiting, first come first served, for their blocks to free up.
+        self.awaiting_blocks: deque[Request] = deque()
 
     # ---- queues --------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -83,10 +88,36 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def reserve(self, req: Request) -> bool:
-        """Decode role: hold blocks for `req`'s prompt, whose KV another worker computed and is
-        about to send. The request waits (WAITING_FOR_KV) outside the queue until `commit`.
-        False, changing nothing, when the blocks are not free."""
+    def reserve(self, req: Request, queue: bool = False) -> bool:
+        """Decode role: hold blocks for `req`'s prompt (and prior outputs), whose KV another worker
+        computed and is about to send. The request waits (WAITING_FOR_KV) outside the queue until
+        `commit`. False when the blocks are not free or earlier reservations still wait for
+        theirs (first come first served): with `queue`, `req` then waits (WAITING_FOR_BLOCKS)
+        for `grant_reservations`; without, nothing changes. ValueError, changing nothing, when
+        it needs more blocks than the whole cache has: it could never be granted."""
+        bm = self.block_manager
+        if (need := bm.blocks_needed(req.num_tokens)) > bm.num_blocks:
+            raise ValueError(
+                f"request {req.request_id!r} needs {need} KV blocks for {req.num_tokens} tokens, "
+                f"more than the whole cache holds ({bm.num_blocks}): it can never fit"
+            )
+        if not self.awaiting_blocks and self._hold_for_kv(req):
+            return True
+        if queue:
+            req.status = RequestStatus.WAITING_FOR_BLOCKS
+            self.awaiting_blocks.append(req)
+        return False
+
+    def grant_reservations(self) -> list[Request]:
+        """Decode role: reserve the blocks of queued reservations in arrival order while the
+        first in line fits; it alone decides, so a big early request is never overtaken by small
+        later ones. Returns the requests granted (now WAITING_FOR_KV), oldest first."""
+        granted = []
+        while self.awaiting_blocks and self._hold_for_kv(self.awaiting_blocks[0]):
+            granted.append(self.awaiting_blocks.popleft())
+        return granted
+
+    def _hold_for_kv(self, req: Request) -> bool:
         if not self.block_manager.allocate_slots(req, req.num_tokens):  # prompt + prior outputs
             return False
         req.status = RequestStatus.WAITING_FOR_KV
@@ -117,6 +148,8 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING_FOR_KV:
             del self.reserved[req.request_id]
+        elif req.status == RequestStatus.WAITING_FOR_BLOCKS:
+            self.awaiting_blocks.remove(req)
         else:
             self.waiting.remove(req)
         req.status = status
@@ -131,13 +164,14 @@ class Scheduler:
         bm = self.block_manager
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting) + len(self.reserved),
+            num_waiting=len(self.waiting) + len(self.reserved) + len(self.awaiting_blocks),
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,
             kv_cache_usage=bm.usage,
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
+            num_waiting_for_blocks=len(self.awaiting_blocks),
         )
 
     # ---- one step ------------------------------------------------------------------------
@@ -166,6 +200,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending and req.num_output_tokens + req.num_pending >= req.max_tokens:
+                i += 1  # its last token is on its way: nothing more to compute
+                continue
             num_new = min(req.num_tokens_to_compute, budget)
             while not self.block_manager.allocate_slots(req, num_new):
                 victim = self.running[-1]
@@ -174,7 +211,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, num_new))
+                self._take(out, req, num_new)
                 budget -= num_new
                 i += 1
         return budget
@@ -186,7 +223,7 @@ class Scheduler:
             if req.block_ids:  # imported KV (decode role): computed up to num_computed_tokens
                 computed, num_cached = [], req.num_computed_tokens
             else:
-                computed = self._computed_blocks(req)
+                computed = self._computed_blocks(req, out)
                 if computed is None:  # a sibling still computing the shared prompt
                     skipped.append(self.waiting.popleft())
                     continue
@@ -203,22 +240,39 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new))
+            self._take(out, req, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
-    def _computed_blocks(self, req: Request) -> list[int] | None:
+    def _computed_blocks(self, req: Request, out: SchedulerOutput) -> list[int] | None:
         """Blocks `req` can reuse: its prefix-cache hits or, for a later sibling of an `n` > 1
-        prompt, the leader's prompt blocks if that gives more. None: wait for the leader."""
+        prompt, the leader's prompt blocks if that gives more. None: wait for the leader, until
+        a step before this one has computed its whole prompt."""
         hits = self.block_manager.get_computed_blocks(req)
         leader = self._leaders.get(req.parent_id)
         if leader is None or leader is req or leader.status != RequestStatus.RUNNING:
             return hits
-        if not leader.prompt_done:
+        computing = any(s.request is leader and s.start < leader.num_prompt_tokens
+                        for s in out.scheduled)
+        if computing or not leader.prompt_done:
             return None
         shareable = (req.num_prompt_tokens - 1) // self.block_manager.block_size
         shared = leader.block_ids[:shareable]
         return shared if len(shared) > len(hits) else hits
+
+    def _take(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        """Schedule `num_new` tokens of `req`: they count as computed from now on, and a chunk
+        that reaches the end adds a pending token (appended by `update_from_output`).
+
+        Blocks filled by earlier steps are registered in the prefix cache first, even while
+        such a step is still running on the device: a request admitted now reads them in a
+        later step, which the device runs after it."""
+        self.block_manager.cache_full_blocks(req)
+        scheduled = ScheduledRequest(req, num_new)
+        out.scheduled.append(scheduled)
+        req.num_computed_tokens += num_new
+        if scheduled.samples:
+            req.num_pending += 1
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -233,19 +287,22 @@ class Scheduler:
     def update_from_output(
         self, out: SchedulerOutput, samples: Mapping[str, Sample]
     ) -> list[Request]:
-        """Advance each scheduled request past its chunk and append its sampled token.
+        """Append the tokens a launched step sampled, and register newly full blocks.
 
         `samples` maps the request id of every scheduled request whose chunk `samples` to what
         was sampled. Applies token-level stops (eos, stop token ids, max_tokens); returns the
-        requests that finished.
+        requests that finished. Requests that finished meanwhile (aborted, or stopped by the
+        step before when steps overlap) are skipped: their token is discarded.
         """
         finished: list[Request] = []
         for s in out.scheduled:
             req = s.request
-            sampled = s.samples
-            req.num_computed_tokens += s.num_new_tokens
+            if s.samples:
+                req.num_pending -= 1
+            if req.is_finished:
+                continue
             self.block_manager.cache_full_blocks(req)
-            if not sampled:
+            if not s.samples:
                 continue
             token_id, logprobs = samples[req.request_id]
             req.append_token(token_id, logprobs)
@@ -272,3 +329,4 @@ class Scheduler:
             p.stop_token_ids,
             p.ignore_eos,
         )
+

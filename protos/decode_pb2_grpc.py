@@ -61,12 +61,15 @@ class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Open a request: reserves KV blocks for the prompt at once and confirms with a first message
-        holding no tokens (only then may a prefill worker push), waits for the KV (PushKV), then
-        streams generated tokens as deltas, from the second token on (the first comes from the
-        prefill worker). With `prefill_locally` the worker computes the prompt itself and streams
-        from the first token. The last message carries finish_reason. RESOURCE_EXHAUSTED when the
-        blocks are not free; DEADLINE_EXCEEDED if the KV does not arrive in time; UNAVAILABLE if the
+        """Open a request: reserves KV blocks for the prompt and confirms with a first message holding
+        no tokens (only then may a prefill worker push), waits for the KV (PushKV), then streams
+        generated tokens as deltas, from the second token on (the first comes from the prefill
+        worker). With `prefill_locally` the worker computes the prompt itself and streams from the
+        first token. The last message carries finish_reason. When the cache is full the reservation
+        waits for free blocks, first come first served, up to --kv-wait-seconds: RESOURCE_EXHAUSTED
+        when they are not free by then or --kv-wait-max-requests already wait, finish_reason "abort"
+        if aborted while waiting, INVALID_ARGUMENT at once if even the empty cache could not hold
+        the request. DEADLINE_EXCEEDED if the KV does not arrive in time; UNAVAILABLE if the
         transfer failed. Cancelling the call aborts the request and frees its blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

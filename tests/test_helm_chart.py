@@ -14,7 +14,7 @@ import functools
 import importlib
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from pdserve.cluster.flags import env_name
+from pdserve.cluster.tls import tls_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "k8s"
@@ -290,6 +291,46 @@ def test_gateway_hands_its_drain_timeout_to_uvicorn(monkeypatch):
     assert seen == [42.0]
 
 
+TLS_FILES = {"tls_cert": "tls.crt", "tls_key": "tls.key", "tls_ca": "ca.crt"}  # flag dest: key
+
+
+@pytest.mark.parametrize("mount", ["/etc/pdserve/tls", "/certs/"])
+def test_tls_mounts_the_secret_in_every_pod_and_points_the_flags_at_its_files(mount, monkeypatch):
+    rendered = render({"tls": {"enabled": True, "secretName": "pdserve-tls", "mountPath": mount}})
+    for obj in rendered.objects:
+        if not obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            kubernetes_validate.validate(obj, KUBE_VERSIONS[0], strict=True)
+    folder = PurePosixPath(mount)
+    for role in ROLES:
+        pod = rendered.get("Deployment", role)["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        assert volume["secret"]["secretName"] == "pdserve-tls"
+        assert volume["secret"]["defaultMode"] == 0o444  # the image's user reads root's files
+        files = {item["path"] for item in volume["secret"]["items"]}
+        assert files == set(TLS_FILES.values())
+        assert all(item["key"] == item["path"] for item in volume["secret"]["items"])
+        container = rendered.container(role)
+        (mounted,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+        assert PurePosixPath(mounted["mountPath"]) == folder and mounted["readOnly"] is True
+        args = parse_as_service(role, rendered.env(role), monkeypatch)
+        for dest, key in TLS_FILES.items():  # each flag names a file the mount holds
+            path = PurePosixPath(getattr(args, dest))
+            assert path.parent == folder and path.name == key, (role, dest, path)
+        assert tls_from_args(args).enabled
+        if role != "gateway":  # the kubelet's gRPC probe has no TLS: a TCP connect instead
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                assert container[probe]["tcpSocket"] == {"port": "grpc"}, (role, probe)
+                assert "grpc" not in container[probe]
+    assert "tls" not in str(rendered.get("StatefulSet", "redis"))  # Redis speaks no gRPC
+
+
+def test_without_tls_nothing_tls_appears(default, monkeypatch):
+    assert not re.search("tls", yaml.safe_dump_all(default.objects), re.IGNORECASE)
+    for role in ROLES:
+        args = parse_as_service(role, default.env(role), monkeypatch)
+        assert not tls_from_args(args).enabled and args.tls_ca == ""
+
+
 def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     for expr in selector.get("matchExpressions", []):
         present = labels.get(expr["key"]) in expr.get("values", [])
@@ -407,6 +448,10 @@ def test_redis_keeps_its_data_and_every_service_its_password(default):
      "metrics-port is 0"),
     ({"redis": {"enabled": False}}, "set redis.external.url"),
     ({"redis": {"auth": {"password": "p@ss:word"}}}, "redis:// URL"),
+    ({"tls": {"enabled": True}}, "set tls.secretName"),
+    ({"tls": {"enabled": True, "secretName": "t", "mountPath": "certs"}}, "absolute path"),
+    ({"tls": {"enabled": True, "secretName": "t"}, "decode": {"flags": {"tls-ca": "/ca.pem"}}},
+     "--tls-ca of decode is set from tls.secretName"),
 ], ids=lambda v: "" if isinstance(v, dict) else v)
 def test_inconsistent_values_fail_the_render_with_a_reason(values, reason):
     with pytest.raises(helm.HelmRenderError, match=reason):

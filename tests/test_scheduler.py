@@ -1,5 +1,7 @@
 """Scheduler: exactly what runs each step under budgets, seats and blocks."""
 
+import pytest
+
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.request import Request, RequestStatus
@@ -152,3 +154,52 @@ def test_abort_waiting_and_running():
     assert [r.request_id for r in s.running] == ["b"]
     assert not s.waiting
     assert s.block_manager.num_free_blocks == 8 - len(b.block_ids)
+
+
+# ---- decode role: reservations wait for free blocks, first come first served -----------------
+def test_reservations_wait_for_blocks_first_come_first_served():
+    s = make(num_blocks=8)
+    holder, big, small = req("holder", 5 * BS), req("big", 4 * BS), req("small", BS)
+    assert s.reserve(holder, queue=True) and holder.block_ids == [0, 1, 2, 3, 4]
+    assert not s.reserve(big, queue=True)  # 3 blocks free, 4 needed
+    assert not s.reserve(small, queue=True)  # 1 would fit, but big came first
+    assert [r.status for r in (big, small)] == [RequestStatus.WAITING_FOR_BLOCKS] * 2
+    assert big.block_ids == small.block_ids == []
+    assert s.grant_reservations() == []
+    st = s.stats()
+    assert (st.num_waiting, st.num_waiting_for_blocks, st.num_free_blocks) == (3, 2, 3)
+    s.finish(holder, RequestStatus.FINISHED_ABORTED)
+    assert s.grant_reservations() == [big, small]
+    assert big.block_ids == [0, 1, 2, 3] and small.block_ids == [4]
+    assert [r.status for r in (big, small)] == [RequestStatus.WAITING_FOR_KV] * 2
+    st = s.stats()
+    assert (st.num_waiting, st.num_waiting_for_blocks, st.num_free_blocks) == (2, 0, 3)
+
+
+def test_a_reservation_that_may_not_queue_changes_nothing():
+    s = make(num_blocks=4)
+    assert s.reserve(req("holder", 3 * BS))
+    late = req("late", 2 * BS)
+    assert not s.reserve(late)
+    assert late.status == RequestStatus.WAITING and not s.awaiting_blocks
+    assert s.stats().num_waiting == 1
+
+
+def test_aborting_a_waiting_reservation_takes_it_out_of_line():
+    s = make(num_blocks=4)
+    holder, first, second = req("holder", 4 * BS), req("first", 2 * BS), req("second", BS)
+    assert s.reserve(holder)
+    assert not s.reserve(first, queue=True) and not s.reserve(second, queue=True)
+    s.finish(first, RequestStatus.FINISHED_ABORTED)
+    assert list(s.awaiting_blocks) == [second] and s.block_manager.num_free_blocks == 0
+    s.finish(holder, RequestStatus.FINISHED_ABORTED)
+    assert s.grant_reservations() == [second] and s.block_manager.num_free_blocks == 3
+
+
+def test_a_reservation_bigger_than_the_whole_cache_is_refused_not_queued():
+    s = make(num_blocks=4)
+    huge = req("huge", 4 * BS + 1)
+    with pytest.raises(ValueError, match="needs 5 KV blocks .* whole cache holds \\(4\\)"):
+        s.reserve(huge, queue=True)
+    assert huge.status == RequestStatus.WAITING and not s.awaiting_blocks
+    assert s.block_manager.num_free_blocks == 4

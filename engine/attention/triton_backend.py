@@ -28,6 +28,7 @@ from kernels.prefill_attention import prefill_attention
 class TritonAttentionState:
     num_splits: int  # context splits of the decode kernel
     max_prefill_query_len: int  # longest prefill chunk: the prefill kernel's grid
+    decode_seq_lens: torch.Tensor  # the decodes' lengths, 16-byte aligned
 
 
 class TritonAttentionBackend:
@@ -49,7 +50,12 @@ class TritonAttentionBackend:
         longest = max((starts[i + 1] - starts[i] for i in range(meta.num_prefills)), default=0)
         splits = default_num_splits(max(meta.num_decodes, 1), num_kv_heads, meta.max_seq_len,
                                     self.num_sms)
-        return TritonAttentionState(num_splits=splits, max_prefill_query_len=longest)
+        # Triton specialises on pointer alignment: a view starting at an odd row would compile
+        # another variant of the decode kernel for some mixes of prefills and decodes.
+        lens = meta.seq_lens[meta.num_prefills:]
+        if meta.num_prefills % 4:
+            lens = lens.clone()
+        return TritonAttentionState(splits, longest, lens)
 
     def forward(
         self,
@@ -77,7 +83,7 @@ class TritonAttentionBackend:
         if meta.num_decodes:
             paged_decode_attention(
                 q[split:], k_cache, v_cache, meta.block_tables[num_prefills:],
-                meta.seq_lens[num_prefills:], scale, num_splits=state.num_splits,
+                state.decode_seq_lens, scale, num_splits=state.num_splits,
                 out=out[split:],
             )
         return out

@@ -129,7 +129,8 @@ class _StatsCollector(Collector):
         if s is not None:
             for name, value in (
                 ("num_requests_running", s.num_running),
-                ("num_requests_waiting", s.num_waiting),
+                ("num_requests_waiting", s.num_waiting),  # those waiting for KV blocks too
+                ("num_requests_waiting_for_kv_blocks", s.num_waiting_for_blocks),
                 ("kv_cache_usage_perc", s.kv_cache_usage),
                 ("kv_cache_free_blocks", s.num_free_blocks),
                 ("kv_cache_total_blocks", s.num_total_blocks),

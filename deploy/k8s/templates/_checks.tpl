@@ -7,6 +7,7 @@ pods that crash-loop or silently ignore a setting. Included once, by deployments
 {{- include "pdserve.checkModel" . }}
 {{- include "pdserve.checkScaling" . }}
 {{- include "pdserve.checkRedis" . }}
+{{- include "pdserve.checkTLS" . }}
 {{- end }}
 
 {{/* Every flag in values is one the role's service takes, and none is chart-managed. */}}

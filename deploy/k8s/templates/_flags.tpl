@@ -6,7 +6,7 @@ parsers, so a new flag fails CI until it is added here. */}}
 {{- define "pdserve.knownFlags" -}}
 gateway: [port, log-level, drain-timeout, served-model-name, local-prefill-max-tokens,
   max-concurrent-requests, max-body-bytes, trust-request-chat-template, redis-namespace,
-  max-migrations, tls-cert, tls-key, tls-ca]
+  max-migrations, resume-ttl-seconds, tls-cert, tls-key, tls-ca]
 tokenizer: [port, log-level, drain-timeout, model, served-model-name, max-model-len,
   redis-namespace, tls-cert, tls-key, tls-ca]
 prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
@@ -16,7 +16,8 @@ prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tl
 decode: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
   metrics-port, model, served-model-name, max-model-len,
   dtype, device, block-size, kv-cache-memory, num-kv-blocks, gpu-memory-utilization,
-  max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, kv-timeout]
+  max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, kv-timeout, kv-wait-seconds,
+  kv-wait-max-requests]
 {{- end }}
 
 {{/* Flags that depend on where a pod runs: the chart sets them (pdserve.env), values may not. */}}
@@ -74,6 +75,7 @@ alike), which would print 536870912 as 5.36870912e+08: whole numbers print as in
   value: "$(POD_IP):{{ include "pdserve.flagValue" $flags.port }}"
 {{- end }}
 {{- include "pdserve.redisEnv" .root }}
+{{- include "pdserve.tlsEnv" .root }}
 {{- if eq .role "gateway" }}
 - name: PDSERVE_TOKENIZER_ADDRESS
   {{- $tokenizer := dict "root" .root "role" "tokenizer" }}

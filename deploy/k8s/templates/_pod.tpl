@@ -32,13 +32,17 @@
 {{/* A probe's handler. kind: live (process answers) or ready (it can serve). The gateway's
 /ready also needs a tokenizer and registered workers; a worker's gRPC server only starts once
 its model is loaded, and reports SERVING for its service once it is registered. gRPC probes
-take a port number, not a name. */}}
+take a port number, not a name. The kubelet's gRPC probe speaks plaintext only: with
+tls.enabled the gRPC services are probed by TCP connect (listening = model loaded). */}}
 {{- define "pdserve.probeHandler" -}}
 {{- $flags := include "pdserve.roleFlags" . | fromYaml }}
 {{- if eq .role "gateway" }}
 httpGet:
   path: {{ if eq .kind "ready" }}/ready{{ else }}/health{{ end }}
   port: http
+{{- else if .root.Values.tls.enabled }}
+tcpSocket:
+  port: {{ include "pdserve.portName" . }}
 {{- else }}
 grpc:
   port: {{ include "pdserve.flagValue" $flags.port }}
@@ -89,6 +93,7 @@ readinessProbe:
 - name: shm
   mountPath: /dev/shm
 {{- end }}
+{{- include "pdserve.tlsVolumeMount" .root }}
 {{- end }}
 
 {{- define "pdserve.volumes" -}}
@@ -116,4 +121,5 @@ readinessProbe:
     medium: Memory
     sizeLimit: {{ . }}
 {{- end }}
+{{- include "pdserve.tlsVolume" .root }}
 {{- end }}
