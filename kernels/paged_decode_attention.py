@@ -30,7 +30,9 @@ from kernels._common import INTERPRET, check_paged_layout, dot_precision
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Integers that change from step to step are not specialised on (Triton compiles a variant per
+# "divisible by 16" / "equal to 1" pattern of its int arguments: a new one mid-serving costs ~1 s).
+@triton.jit(do_not_specialize=["num_splits", "stride_tb"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
@@ -99,7 +101,7 @@ def _decode_kernel(
         tl.store(lse_ptr + row, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
     part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,

@@ -59,7 +59,7 @@ def _attend_tile(
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])  # the block-table width changes between steps
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, qstart_ptr, lens_ptr, out_ptr,
     qk_scale,

@@ -37,7 +37,9 @@ def _timed(totals: dict[str, float], key: str, fn: Callable, sync: bool) -> Call
 def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="pdserve-phases-"))
     save_random_model(ModelShape(), folder, seed=0, device=torch.device("cuda"))
-    llm = LLM(str(folder), dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=16384)
+    # Steps run one after another here: the timers synchronise, which overlapping would hide.
+    llm = LLM(str(folder), dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=16384,
+              async_scheduling=False)
     engine, runner = llm.llm_engine, llm.llm_engine.runner
     totals: dict[str, float] = {}
     for obj, name, key, sync in (
@@ -46,7 +48,7 @@ def main() -> None:
         (runner.graphs, "run", "graph_replay", True),
         (runner.model, "forward", "eager_forward", True),
         (runner.model, "compute_logits", "logits", True),
-        (runner, "sampler", "sampler", False),
+        (runner.sampler, "sample", "sampler", False),
     ):
         setattr(obj, name, _timed(totals, key, getattr(obj, name), sync))
     model_runner.build_model_input = _timed(totals, "build_input",
