@@ -101,8 +101,11 @@ class RequestGroup:
         logprobs = None
         cumulative = None
         if req.sampling_params.logprobs is not None:
-            steps = range(tok_from, len(req.output_logprobs))
-            logprobs = [self._logprob_dict(req, i) for i in steps]
+            # Prior output tokens (generated elsewhere, before a migration or a resumed stream)
+            # have no logprobs here: entry j of output_logprobs is output token `prior + j`.
+            prior = len(req.output_token_ids) - len(req.output_logprobs)
+            steps = range(max(tok_from, prior), len(req.output_token_ids))
+            logprobs = [self._logprob_dict(req, i, prior) for i in steps]
             cumulative = sum(lp for lp, _ in req.output_logprobs)
         return CompletionOutput(
             index=req.index,
@@ -114,8 +117,8 @@ class RequestGroup:
             cumulative_logprob=cumulative,
         )
 
-    def _logprob_dict(self, req: Request, i: int) -> dict[int, Logprob]:
-        chosen_lp, top = req.output_logprobs[i]
+    def _logprob_dict(self, req: Request, i: int, prior: int) -> dict[int, Logprob]:
+        chosen_lp, top = req.output_logprobs[i - prior]
         chosen = req.output_token_ids[i]
         ranked = sorted(top.items(), key=lambda kv: -kv[1])
         result = {chosen: Logprob(chosen_lp, rank=None, decoded_token=self._decode(chosen))}

@@ -20,11 +20,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.errors import OpenAIError
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+RESUME_PREFIX = "/v1/streams/"  # GET: a resumed stream may generate too
 RETRY_AFTER_S = 1  # a slot frees as soon as any request in flight ends: retry soon
 
 
 class AdmissionLimit:
-    """ASGI middleware bounding the POSTs to `GENERATION_PATHS` in flight to `limit`."""
+    """ASGI middleware bounding the POSTs to `GENERATION_PATHS` and the resumes in flight to
+    `limit`."""
 
     def __init__(self, app: ASGIApp, limit: int, on_reject: Callable[[], None]) -> None:
         if limit < 1:
@@ -35,8 +37,9 @@ class AdmissionLimit:
         self.in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        counted = scope["type"] == "http" and scope["method"] == "POST" and (
-            scope["path"] in GENERATION_PATHS)
+        counted = scope["type"] == "http" and (
+            (scope["method"] == "POST" and scope["path"] in GENERATION_PATHS)
+            or (scope["method"] == "GET" and scope["path"].startswith(RESUME_PREFIX)))
         if not counted:
             await self.app(scope, receive, send)
             return

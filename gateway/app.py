@@ -9,9 +9,9 @@ The app does not own the backend: whoever built it closes it (`await backend.clo
 from __future__ import annotations
 
 import secrets
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
@@ -32,7 +32,9 @@ from gateway.protocol import (
     ModelCard,
     ModelList,
 )
+from gateway.resume import StreamResumer
 from gateway.serving import ServingContext, StateStore, run_until_disconnect
+from pdserve.cluster.event_log import EventLog
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -46,6 +48,7 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     trust_request_chat_template: bool = False,
     metrics: GatewayMetrics | None = None,
+    events: EventLog | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `backend`'s model as `served_model_name` (default:
     the backend's model name). With `store`, every admitted request gets a state record. With
@@ -53,9 +56,10 @@ def build_app(
     `max_concurrent_requests`, generation requests past that many in flight get 429. Bodies
     over `max_body_bytes` get 413. A chat request's own `chat_template` (Jinja run on the
     server: a loop can hold a thread for hours) gets 400 unless `trust_request_chat_template`.
-    `metrics`: the registry /metrics renders, when the backend counts into it too."""
+    `metrics`: the registry /metrics renders, when the backend counts into it too. With
+    `events`, streams are recorded there and can be resumed (GET /v1/streams/{request_id})."""
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None)
-    ctx = ServingContext(backend, metrics or GatewayMetrics(), store, served_model_name)
+    ctx = ServingContext(backend, metrics or GatewayMetrics(), store, served_model_name, events)
     app.state.serving = ctx
     install_error_handlers(app)
     _add_openai_routes(app, ctx, api_key, max_body_bytes, trust_request_chat_template)
@@ -103,6 +107,8 @@ def _add_openai_routes(
             )
         return await run_until_disconnect(raw, chat.create(req))
 
+    _add_resume_route(app, ctx, auth)
+
     @app.get("/workers", dependencies=auth, responses=error_responses(401, 503))
     async def workers() -> Response:
         """The workers behind this gateway and their load (`pdserve status --gateway`)."""
@@ -115,6 +121,40 @@ def _add_openai_routes(
         name = await ctx.model_name()
         card = ModelCard(id=name, root=facts.model_name, max_model_len=facts.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
+
+
+def _add_resume_route(app: FastAPI, ctx: ServingContext, auth: list[Any]) -> None:
+    resumer = StreamResumer(ctx)
+    errors = error_responses(400, 401, 404, 503, described={
+        404: "No such stream: unknown, not streamed, expired, or this gateway records none "
+             "(no Redis)"})
+    event = {"type": "object", "properties": {"id": {"type": "string"},
+                                              "data": {"type": "string"}}}
+    ok = {200: {"description": "The stream's events after the last one received",
+                "content": {"text/event-stream": {"schema": event}}}}
+
+    @app.get("/v1/streams/{request_id}", dependencies=auth, responses={**ok, **errors})
+    async def resume_stream(
+        raw: Request, request_id: str,
+        header_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+        query_id: Annotated[str | None, Query(alias="last_event_id")] = None,
+    ) -> Response:
+        """Resume a streamed completion (or chat completion) through any gateway of the
+        cluster: the SSE events after the `Last-Event-ID` header's (or `last_event_id`'s)
+        event id, or all of them; the stream goes on to [DONE] as it would have."""
+        after = _last_event_id(header_id if header_id is not None else query_id)
+        return await run_until_disconnect(raw, resumer.resume(request_id, after))
+
+
+def _last_event_id(value: str | None) -> int:
+    """The client's last event id; -1 (none yet) when absent. 400 unless a number >= 0."""
+    text = (value or "").strip()
+    if not text:
+        return -1
+    if not (text.isascii() and text.isdecimal()) or len(text) > 18:
+        raise OpenAIError(f"Last-Event-ID must be an event id (an integer >= 0), got "
+                          f"{text[:40]!r}.", param="Last-Event-ID")
+    return int(text)
 
 
 def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:

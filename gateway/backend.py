@@ -4,6 +4,11 @@ the engine, whether it runs in-process (colocated) or across gRPC workers (disag
 The gateway owns the text: it turns token deltas into text incrementally, applies stop strings,
 fans out `n` > 1 into `n` single-sequence generations and formats OpenAI responses. A backend
 only moves token ids.
+
+Backend request ids: a request's own id for a single sequence, `{id}-{i}` for sequence i of a
+fan-out; a sequence generated again after its stream broke (a resumed stream) has `.{tag}`
+appended, so that it never meets its earlier self (its cancellation flag, a worker still
+aborting it). `state_request_id` maps them back.
 """
 
 from __future__ import annotations
@@ -69,9 +74,14 @@ class Backend(Protocol):
         ...
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        prior_output_token_ids: list[int] | None = None,
     ) -> AsyncGenerator[TokenDelta, None]:
         """Generate one sequence (`params.n` is 1; stop strings are the gateway's job).
+
+        `prior_output_token_ids`: tokens this sequence generated before (a resumed stream); it
+        continues after them, and they count as output (max_tokens, min_tokens, penalties,
+        seeded draws) but are not yielded again.
 
         Yields deltas until one carries a finish_reason. Closing the iterator early (client
         gone, stop string matched) aborts the request everywhere and frees its KV blocks.
@@ -90,3 +100,19 @@ class Backend(Protocol):
 
     async def close(self) -> None:
         ...
+
+
+def state_request_id(backend_id: str) -> str | None:
+    """The request whose state a backend request id speaks for: the id itself, or `{id}` for
+    sequence 0 of a fan-out (with or without a resume tag); None for the other sequences, so
+    that one request's state moves once."""
+    base = backend_id.partition(".")[0]
+    head, _, tail = base.rpartition("-")
+    if not tail.isdigit():
+        return base
+    return head if tail == "0" else None
+
+
+def resumed_request_id(backend_id: str, tag: str) -> str:
+    """The backend id of a sequence generated again after its stream broke."""
+    return f"{backend_id}.{tag}"

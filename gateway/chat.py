@@ -28,6 +28,7 @@ from gateway.protocol import (
     UsageInfo,
     random_id,
 )
+from gateway.recorder import StreamRecord, recorded_stream
 from gateway.sequence import SequenceOutput, SequenceResult
 from gateway.serving import (
     ServingContext,
@@ -44,6 +45,8 @@ from gateway.serving import (
     token_text,
 )
 
+KIND = "chat"  # of its StreamRecords
+
 
 class ChatServing:
     def __init__(self, ctx: ServingContext) -> None:
@@ -58,12 +61,17 @@ class ChatServing:
         facts = await self.ctx.backend.model_info()
         prompt = await self._render(req)
         check_prompt_ids(prompt, facts, "messages")
-        specs = fan_out(request_id, [prompt], [_sampling_params(req, len(prompt), facts)])
+        params = _sampling_params(req, len(prompt), facts)
+        specs = fan_out(request_id, [prompt], [params])
         tracker = self.ctx.tracker(request_id, model, arrival, len(prompt), len(specs), req.stream)
         view = _ChatView(request_id, model, req, len(prompt), self.ctx.backend.get_tokenizer())
         events = generate_outputs(self.ctx, tracker, specs)
         if req.stream:
-            return stream_response(request_id, view.chunks(await start_stream(events)))
+            record = StreamRecord.of(KIND, request_id, model, view.created,
+                                     req.model_dump(mode="json"), [prompt], [None], [params])
+            outputs = await start_stream(events)
+            return stream_response(request_id,
+                                   recorded_stream(self.ctx.events, record, view, outputs))
         return await view.response(events)
 
     async def _render(self, req: ChatCompletionRequest) -> list[int]:
@@ -74,6 +82,14 @@ class ChatServing:
             )
         except ValueError as exc:
             raise OpenAIError(f"Cannot apply the chat template: {exc}", param="messages") from exc
+
+
+def restore_view(record: StreamRecord, tokenizer: Any) -> _ChatView:
+    """The view of a recorded stream, as it was when the stream began (gateway/resume.py)."""
+    req = ChatCompletionRequest.model_validate(record.body)
+    view = _ChatView(record.request_id, record.model, req, len(record.prompts[0]), tokenizer)
+    view.created = record.created
+    return view
 
 
 def _message_dict(role: str, content: str, name: str | None) -> dict[str, str]:

@@ -24,6 +24,7 @@ from gateway.protocol import (
     UsageInfo,
     random_id,
 )
+from gateway.recorder import StreamRecord, recorded_stream
 from gateway.sequence import SequenceOutput, SequenceResult
 from gateway.serving import (
     ServingContext,
@@ -39,6 +40,8 @@ from gateway.serving import (
     stream_response,
     token_text,
 )
+
+KIND = "completions"  # of its StreamRecords
 
 
 @dataclass
@@ -67,7 +70,13 @@ class CompletionServing:
         view = _CompletionView(request_id, model, req, prompts, self.ctx.backend.get_tokenizer())
         events = generate_outputs(self.ctx, tracker, specs)
         if req.stream:
-            return stream_response(request_id, view.chunks(await start_stream(events)))
+            record = StreamRecord.of(
+                KIND, request_id, model, view.created, req.model_dump(mode="json"),
+                [p.token_ids for p in prompts], [p.text for p in prompts], params,
+            )
+            outputs = await start_stream(events)
+            return stream_response(request_id,
+                                   recorded_stream(self.ctx.events, record, view, outputs))
         return await view.response(events)
 
     async def _prompts(self, req: CompletionRequest, facts: ModelFacts) -> list[Prompt]:
@@ -92,6 +101,15 @@ class CompletionServing:
             return await self.ctx.backend.tokenize(text)
         except ValueError as exc:
             raise OpenAIError(f"Cannot tokenize the prompt: {exc}", param="prompt") from exc
+
+
+def restore_view(record: StreamRecord, tokenizer: Any) -> _CompletionView:
+    """The view of a recorded stream, as it was when the stream began (gateway/resume.py)."""
+    req = CompletionRequest.model_validate(record.body)
+    prompts = [Prompt(ids, text) for ids, text in zip(record.prompts, record.prompt_texts)]
+    view = _CompletionView(record.request_id, record.model, req, prompts, tokenizer)
+    view.created = record.created
+    return view
 
 
 def _is_token_ids(raw: object) -> bool:

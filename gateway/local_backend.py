@@ -63,15 +63,18 @@ class LocalBackend:
         return list(ids)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        prior_output_token_ids: list[int] | None = None,
     ) -> AsyncGenerator[TokenDelta, None]:
-        """Token deltas of one sequence from the engine. Closing this generator closes the
-        engine's stream, which aborts the request and frees its KV blocks."""
+        """Token deltas of one sequence from the engine, after `prior_output_token_ids` when
+        given. Closing this generator closes the engine's stream, which aborts the request and
+        frees its KV blocks."""
         engine_params = params.clone(
             n=1, output_kind=RequestOutputKind.DELTA, detokenize=False, stop=None,
             include_stop_str_in_output=False,
         )
-        stream = self.engine.generate(list(prompt_token_ids), engine_params, request_id)
+        stream = self.engine.generate(list(prompt_token_ids), engine_params, request_id,
+                                      prior_output_token_ids=prior_output_token_ids)
         try:
             async for out in stream:
                 yield _to_delta(out.outputs[0])

@@ -65,6 +65,14 @@ class GatewayMetrics:
             "pdserve:prefill_retries", "Prefills retried on another prefill worker after "
             "theirs failed.", registry=r,
         )
+        self.stream_reconnects = Counter(
+            "pdserve:stream_reconnects", "Resume requests (GET /v1/streams/{id}) answered.",
+            registry=r,
+        )
+        self.stream_resumes = Counter(
+            "pdserve:stream_resumes", "Broken streams whose generation this gateway took over "
+            "(their sequences re-prefilled with the tokens already sent).", registry=r,
+        )
 
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format."""

@@ -27,9 +27,13 @@ _ERRORS = {
 }
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """`responses=` entries for these statuses, each with OpenAI's error body."""
-    return {s: {"model": ErrorResponse, "description": _ERRORS[s]} for s in statuses}
+def error_responses(
+    *statuses: int, described: dict[int, str] | None = None
+) -> dict[int | str, dict[str, Any]]:
+    """`responses=` entries for these statuses, each with OpenAI's error body; `described`
+    overrides the usual description of some."""
+    text = {**_ERRORS, **(described or {})}
+    return {s: {"model": ErrorResponse, "description": text[s]} for s in statuses}
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:

@@ -12,11 +12,13 @@ Closing the generator early cancels the decode stream and aborts the prefill, so
 blocks for a request nobody reads. A worker that dies (UNAVAILABLE) is routed around: a prefill
 is retried on another prefill worker, a decode stream moves to another decode worker that
 re-prefills the prompt plus the tokens already streamed (`prior_output_token_ids`).
+
+The tokenizer service is `remote_tokenizer.py`'s; the worker list, routing and channels are
+`worker_pool.py`'s.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -26,22 +28,15 @@ from typing import Any
 import grpc
 
 from engine.sampling_params import SamplingParams
-from gateway.backend import BackendError, ModelFacts, TokenDelta
+from gateway.backend import BackendError, ModelFacts, TokenDelta, state_request_id
 from gateway.metrics import GatewayMetrics
+from gateway.remote_tokenizer import RemoteTokenizer
+from gateway.worker_pool import WorkerPool
 from pdserve.cluster.convert import logprobs_from_pb, sampling_params_to_pb
-from pdserve.cluster.grpc_server import check_health, open_channel
 from pdserve.cluster.registry import WorkerInfo, WorkerRegistry
-from pdserve.cluster.routing import pick_decode, pick_prefill
+from pdserve.cluster.routing import pick_prefill
 from pdserve.cluster.tls import PLAINTEXT, TLSConfig
-from protos import (
-    common_pb2,
-    decode_pb2,
-    decode_pb2_grpc,
-    prefill_pb2,
-    prefill_pb2_grpc,
-    tokenizer_pb2,
-    tokenizer_pb2_grpc,
-)
+from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -67,84 +62,63 @@ class RemoteBackend:
         max_migrations: int = 2,
         metrics: GatewayMetrics | None = None,
     ):
-        self.tokenizer_address = tokenizer_address
-        self.registry = registry
+        self.tokenizer = RemoteTokenizer(tokenizer_address, tls)
+        self.pool = WorkerPool(registry, tls)  # the prefill and decode workers, their channels
         self.store = store
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.timeout_s = timeout_s
-        self.tls = tls  # of every channel: tokenizer, prefill and decode workers
         self.max_migrations = max_migrations  # worker failures one request may survive
         self.metrics = metrics  # counts those moves
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._facts: ModelFacts | None = None
-        self._tokenizer: Any = None
 
     # ---- model facts and text ------------------------------------------------------------
     async def start(self) -> None:
         """Fetch the model's facts and tokenizer from the tokenizer service (once)."""
-        info = await self._tok_stub().GetModelInfo(tokenizer_pb2.ModelInfoRequest(), timeout=30)
-        self._facts = ModelFacts(
-            model_name=info.model_name, eos_token_ids=frozenset(info.eos_token_ids),
-            max_model_len=info.max_model_len, has_chat_template=info.has_chat_template,
-            vocab_size=info.vocab_size,
-        )
-        self._tokenizer = _tokenizer_from_info(info)
+        await self.tokenizer.start()
 
     async def model_info(self) -> ModelFacts:
-        if self._facts is None:
-            await self.start()
-        assert self._facts is not None
-        return self._facts
+        return await self.tokenizer.start()
 
     def get_tokenizer(self) -> Any:
-        return self._tokenizer
+        return self.tokenizer.tokenizer
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        request = tokenizer_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        reply = await self._call(self._tok_stub().Tokenize, request)
-        return list(reply.token_ids)
+        return await self.tokenizer.tokenize(text, add_special_tokens)
 
     async def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
         chat_template: str | None = None,
     ) -> list[int]:
-        request = tokenizer_pb2.ChatTemplateRequest(
-            messages=[tokenizer_pb2.ChatMessage(role=m["role"], content=m["content"])
-                      for m in messages],
-            add_generation_prompt=add_generation_prompt,
-        )
-        if chat_template is not None:
-            request.chat_template = chat_template
-        reply = await self._call(self._tok_stub().ApplyChatTemplate, request)
-        return list(reply.token_ids)
+        return await self.tokenizer.apply_chat_template(messages, add_generation_prompt,
+                                                        chat_template)
 
     async def ready(self) -> bool:
-        if self._facts is None or not await check_health(self.tokenizer_address, tls=self.tls):
+        if self.tokenizer.facts is None or not await self.tokenizer.healthy():
             return False
         try:
-            decode = await self.registry.list_workers("decode")
-            prefill = await self.registry.list_workers("prefill")
-        except Exception:  # noqa: BLE001 - Redis down: not ready
+            workers = await self.pool.list()
+        except BackendError:  # Redis down: not ready
             return False
-        return bool(decode) and (bool(prefill) or self.local_prefill_max_tokens > 0)
+        roles = {w.role for w in workers}
+        return "decode" in roles and ("prefill" in roles or self.local_prefill_max_tokens > 0)
 
     async def workers(self) -> list[dict[str, Any]]:
-        return [asdict(w) for w in await self._workers(None)]
+        return [asdict(w) for w in await self.pool.list()]
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self.pool.close()
+        await self.tokenizer.close()
 
     # ---- generation ----------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        prior_output_token_ids: list[int] | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        """Stream one sequence. A decode worker lost mid-stream (UNAVAILABLE: killed, cut off)
-        hands the request to another one, which re-prefills the prompt plus the tokens already
-        streamed and continues where it stopped: the client sees no gap, no repeat, no error.
-        At most `max_migrations` moves (prefill retries included) per request."""
-        generated: list[int] = []
+        """Stream one sequence, after `prior_output_token_ids` when given (a resumed stream).
+        A decode worker lost mid-stream (UNAVAILABLE: killed, cut off) hands the request to
+        another one, which re-prefills the prompt plus the tokens already generated and
+        continues where it stopped: the client sees no gap, no repeat, no error. At most
+        `max_migrations` moves (prefill retries included) per request."""
+        generated: list[int] = list(prior_output_token_ids or [])
         lost: set[str] = set()  # addresses of workers that failed this request
         finished = False
         try:
@@ -170,35 +144,36 @@ class RemoteBackend:
         """One try on one decode worker, continuing after `prior` (tokens already streamed).
         A prefill worker that dies is replaced here; a dead decode worker raises WorkerLost."""
         local = len(prompt) + len(prior) <= self.local_prefill_max_tokens
-        decode, prefill = await self._route(local, lost)
+        decode, prefill = await self.pool.route(local, lost)
         pb_params = sampling_params_to_pb(params, params.max_tokens or 1)
-        call = decode_pb2_grpc.DecodeStub(self._channel(decode.address)).Generate(
-            decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
-                                       params=pb_params, prefill_locally=local,
-                                       prior_output_token_ids=prior),
-            timeout=self.timeout_s,
-        )
-        prefill_done = local
-        finished = False
-        try:
-            if not local:
-                await self._read(call, decode)  # blocks reserved on the decode worker
-                first = await self._prefill_retrying(request_id, prompt, pb_params, prior,
-                                                     decode, prefill, lost)
-                prefill_done = True
-                finished = bool(first.finish_reason)
-                yield first
-                if finished:
-                    return
-                await self._transition(request_id, "transferring")
-            async for delta in self._decode_stream(call, decode, request_id, local):
-                finished = delta.finish_reason is not None
-                yield delta
-        finally:
-            if not finished:
-                call.cancel()
-                if not prefill_done and prefill is not None:
-                    await self._abort(prefill, request_id)
+        async with self.pool.channel(decode.address) as channel:
+            call = decode_pb2_grpc.DecodeStub(channel).Generate(
+                decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
+                                           params=pb_params, prefill_locally=local,
+                                           prior_output_token_ids=prior),
+                timeout=self.timeout_s,
+            )
+            prefill_done = local
+            finished = False
+            try:
+                if not local:
+                    await self._read(call, decode)  # blocks reserved on the decode worker
+                    first = await self._prefill_retrying(request_id, prompt, pb_params, prior,
+                                                         decode, prefill, lost)
+                    prefill_done = True
+                    finished = bool(first.finish_reason)
+                    yield first
+                    if finished:
+                        return
+                    await self._transition(request_id, "transferring")
+                async for delta in self._decode_stream(call, decode, request_id, local):
+                    finished = delta.finish_reason is not None
+                    yield delta
+            finally:
+                if not finished:
+                    call.cancel()
+                    if not prefill_done and prefill is not None:
+                        await self._abort(prefill, request_id)
 
     async def _prefill_retrying(
         self, request_id: str, prompt: list[int], pb_params: Any, prior: list[int],
@@ -215,7 +190,7 @@ class RemoteBackend:
                                            decode.address)
             except WorkerLost as exc:
                 self._count_move(request_id, exc, lost)
-            prefill = pick_prefill(_alive(await self._workers("prefill"), lost))
+            prefill = pick_prefill(await self.pool.list("prefill", lost))
             if prefill is None:
                 raise BackendError("no prefill worker is available", retryable=True)
 
@@ -233,37 +208,19 @@ class RemoteBackend:
                        else self.metrics.prefill_retries)
             counter.inc()
 
-    async def _route(
-        self, local: bool, lost: set[str] = frozenset()  # type: ignore[assignment]
-    ) -> tuple[WorkerInfo, WorkerInfo | None]:
-        decode = pick_decode(_alive(await self._workers("decode"), lost))
-        if decode is None:
-            raise BackendError("no decode worker is available", retryable=True)
-        if local:
-            return decode, None
-        prefill = pick_prefill(_alive(await self._workers("prefill"), lost))
-        if prefill is None:
-            raise BackendError("no prefill worker is available", retryable=True)
-        return decode, prefill
-
-    async def _workers(self, role: str | None) -> list[WorkerInfo]:
-        try:
-            return await self.registry.list_workers(role)
-        except Exception as exc:  # noqa: BLE001
-            raise BackendError(f"worker registry unreachable: {exc}", retryable=True) from exc
-
     async def _prefill(
         self, prefill: WorkerInfo, request_id: str, prompt: list[int],
         params: Any, prior: list[int], decode_address: str,
     ) -> TokenDelta:
-        stub = prefill_pb2_grpc.PrefillStub(self._channel(prefill.address))
         request = prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt,
                                              params=params, decode_address=decode_address,
                                              prior_output_token_ids=prior)
-        try:
-            r = await stub.Prefill(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc, prefill) from exc
+        async with self.pool.channel(prefill.address) as channel:
+            try:
+                r = await prefill_pb2_grpc.PrefillStub(channel).Prefill(request,
+                                                                        timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                raise await self._error(exc, prefill) from exc
         logprobs = [logprobs_from_pb(r.first_logprobs)] if r.HasField("first_logprobs") else None
         reason = r.finish_reason or None
         stop = r.first_token_id if reason == "stop" else None
@@ -292,15 +249,17 @@ class RemoteBackend:
         try:
             msg = await call.read()
         except grpc.aio.AioRpcError as exc:
-            raise self._error(exc, worker) from exc
+            raise await self._error(exc, worker) from exc
         return None if msg is grpc.aio.EOF else msg
 
     async def _abort(self, worker: WorkerInfo, request_id: str) -> None:
-        stub = prefill_pb2_grpc.PrefillStub(self._channel(worker.address))
-        try:
-            await stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=5)
-        except grpc.aio.AioRpcError as exc:
-            logger.warning("[%s] abort on %s failed: %s", request_id, worker.address, exc.details())
+        async with self.pool.channel(worker.address) as channel:
+            try:
+                await prefill_pb2_grpc.PrefillStub(channel).Abort(
+                    common_pb2.AbortRequest(request_id=request_id), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                logger.warning("[%s] abort on %s failed: %s", request_id, worker.address,
+                               exc.details())
 
     async def _cancel(self, request_id: str) -> None:
         """Record the cancellation in Redis too: its flag and message reach every worker, also
@@ -312,58 +271,20 @@ class RemoteBackend:
         except Exception as exc:  # noqa: BLE001 - best effort, the gRPC cancel already went
             logger.warning("[%s] cancellation not recorded: %s", request_id, exc)
 
-    def _error(self, exc: grpc.aio.AioRpcError, worker: WorkerInfo) -> BackendError:
+    async def _error(self, exc: grpc.aio.AioRpcError, worker: WorkerInfo) -> BackendError:
         message = f"{worker.role} worker {worker.address}: {exc.details()}"
         if exc.code() == grpc.StatusCode.UNAVAILABLE:  # dead or unreachable: a fresh channel
-            self._channels.pop(worker.address, None)   # next time, and the request moves
+            await self.pool.retire(worker.address)     # next time, and the request moves
             return WorkerLost(message, worker)
         return BackendError(message, retryable=exc.code() in RETRYABLE)
 
     async def _transition(self, request_id: str, status: str, **fields: Any) -> None:
-        """Record a phase in the request's state. A fan-out's sequences are `{id}-{i}` (gateway
-        convention); the first one speaks for the request, the others stay silent."""
-        state_id = _state_id(request_id)
+        """Record a phase in the request's state; only the sequence that speaks for the request
+        does (`state_request_id`), the other sequences of a fan-out stay silent."""
+        state_id = state_request_id(request_id)
         if self.store is None or state_id is None:
             return
         try:
             await self.store.transition(state_id, status, **fields)
         except Exception as exc:  # noqa: BLE001 - state tracking must not fail a generation
             logger.warning("[%s] state %s not recorded: %s", request_id, status, exc)
-
-    async def _call(self, method: Any, request: Any) -> Any:
-        try:
-            return await method(request, timeout=30)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ValueError(exc.details()) from exc
-            raise BackendError(f"tokenizer service: {exc.details()}",
-                               retryable=exc.code() in RETRYABLE) from exc
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = open_channel(address, self.tls)
-        return self._channels[address]
-
-    def _tok_stub(self) -> tokenizer_pb2_grpc.TokenizerStub:
-        return tokenizer_pb2_grpc.TokenizerStub(self._channel(self.tokenizer_address))
-
-
-def _alive(workers: list[WorkerInfo], lost: set[str]) -> list[WorkerInfo]:
-    return [w for w in workers if w.address not in lost]
-
-
-def _state_id(request_id: str) -> str | None:
-    head, _, tail = request_id.rpartition("-")
-    if not tail.isdigit():
-        return request_id
-    return head if tail == "0" else None
-
-
-def _tokenizer_from_info(info: tokenizer_pb2.ModelInfo) -> Any:
-    """A local fast tokenizer rebuilt from the tokenizer service's serialized one."""
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    config = {k: v for k, v in json.loads(info.tokenizer_config_json).items() if v is not None}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(info.tokenizer_json),
-                                   **config)

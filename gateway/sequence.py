@@ -35,6 +35,7 @@ class SequenceSpec:
     request_id: str  # the backend's request id
     prompt_token_ids: list[int]
     params: SamplingParams  # n == 1
+    prior_token_ids: list[int] = field(default_factory=list)  # output before (stream resumed)
 
 
 @dataclass
@@ -73,7 +74,12 @@ class SequenceResult:
 
 
 class SequenceDecoder:
-    """Token deltas of one sequence in, text deltas out (detokenizer + stop strings)."""
+    """Token deltas of one sequence in, text deltas out (detokenizer + stop strings).
+
+    A resumed sequence's decoder first takes its prior tokens as the first stream did (one at a
+    time: what `decode` does with any delta) and drops their text, which that stream sent:
+    text held back then (a partial character, a possible stop string) comes out as it would
+    have."""
 
     def __init__(self, tokenizer: Any, spec: SequenceSpec) -> None:
         params = spec.params
@@ -85,6 +91,8 @@ class SequenceDecoder:
         self.matcher = None
         if params.stop_list:
             self.matcher = StopStringMatcher(params.stop_list, params.include_stop_str_in_output)
+        for token_id in spec.prior_token_ids:
+            self.decode(TokenDelta([token_id]))
 
     def decode(self, delta: TokenDelta) -> SequenceOutput:
         """Text of `delta`'s tokens, fed one token at a time so that a stop string ends the
@@ -129,7 +137,8 @@ async def generate_sequence(
     """
     decoder = SequenceDecoder(tokenizer, spec)
     params = spec.params.clone(stop=None, include_stop_str_in_output=False)  # ours to apply
-    stream = backend.generate(spec.request_id, spec.prompt_token_ids, params)
+    prior = (spec.prior_token_ids,) if spec.prior_token_ids else ()  # only when resumed
+    stream = backend.generate(spec.request_id, spec.prompt_token_ids, params, *prior)
     try:
         async for delta in stream:
             out = decoder.decode(delta)

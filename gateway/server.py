@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -44,25 +45,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--max-migrations", 2, type=int,
              help="worker failures one request survives: its stream moves to another decode "
                   "worker, its prefill to another prefill worker (0: fail it)")
+    add_flag(p, "--resume-ttl-seconds", 300, type=int,
+             help="how long a streamed response's events stay in Redis after its last one, "
+                  "for a client to resume it (GET /v1/streams/{id}, Last-Event-ID)")
     add_tls_flags(p)
 
 
 async def _serve_app(app: object, args: argparse.Namespace) -> None:
+    """Serve until SIGTERM/SIGINT, then let in-flight requests (streams too) finish for up to
+    --drain-timeout. A SIGTERM'd gateway returns from here once drained: the process exits 0."""
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout)
-    await uvicorn.Server(config).serve()
+    server = uvicorn.Server(config)
+    # uvicorn handles SIGTERM while it serves (a graceful shutdown); once done, it puts back the
+    # handler it found and raises the signal again, which with the default handler would kill
+    # the drained process (exit -15). Found here instead: a stop request, nothing more.
+    previous = signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+    try:
+        await server.serve()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 async def serve_disaggregated(args: argparse.Namespace) -> None:
     from gateway.app import build_app
     from gateway.metrics import GatewayMetrics
     from gateway.remote_backend import RemoteBackend
+    from pdserve.cluster.event_log import EventLog
     from pdserve.cluster.registry import WorkerRegistry
     from pdserve.cluster.state import RequestStore, connect
     from pdserve.cluster.tls import tls_from_args
 
     client = connect(args.redis_url)
     store = RequestStore(client, prefix=args.redis_namespace)
+    events = EventLog(client, prefix=args.redis_namespace, ttl_s=args.resume_ttl_seconds)
     registry = WorkerRegistry(client, prefix=args.redis_namespace)
     address = args.tokenizer_address or await _until(
         lambda: _registered_tokenizer(registry), "a tokenizer in the registry")
@@ -76,7 +92,7 @@ async def serve_disaggregated(args: argparse.Namespace) -> None:
                     max_concurrent_requests=args.max_concurrent_requests,
                     max_body_bytes=args.max_body_bytes,
                     trust_request_chat_template=args.trust_request_chat_template,
-                    metrics=metrics)
+                    metrics=metrics, events=events)
     await _serve_app(app, args)
     await backend.close()
 

@@ -25,6 +25,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol import ErrorResponse, OpenAIRequest
 from gateway.sequence import SequenceOutput, SequenceSpec, generate_sequence, merge_sequences
 from gateway.tracker import RequestTracker, StateStore
+from pdserve.cluster.event_log import EventLog
 
 logger = logging.getLogger("pdserve.gateway")
 
@@ -39,6 +40,7 @@ class ServingContext:
     metrics: GatewayMetrics
     store: StateStore | None = None
     served_model_name: str | None = None
+    events: EventLog | None = None  # where streams are recorded, to be resumed (Redis)
 
     async def model_name(self) -> str:
         if self.served_model_name is not None:
@@ -251,9 +253,8 @@ class ClosingStreamingResponse(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
-def stream_response(request_id: str, chunks: AsyncGenerator[str, None]) -> Response:
+def stream_response(request_id: str, events: AsyncGenerator[str, None]) -> Response:
+    """The response streaming `events`, each the whole text of one SSE event."""
     return ClosingStreamingResponse(
-        sse_stream(request_id, chunks),
-        media_type="text/event-stream",
-        headers={"X-Request-Id": request_id},
+        events, media_type="text/event-stream", headers={"X-Request-Id": request_id},
     )

@@ -1,6 +1,7 @@
 """One request's accounting at the gateway: its metrics, and its record in the state store
 (Redis in the cluster) from admission (`queued`) to its end (finished, failed or cancelled).
-The states in between (prefilling, transferring, decoding) are the backend's to record.
+The states in between (prefilling, transferring, decoding) are the backend's to record. A
+resumed stream's request goes back to `queued` (`RequestStore.resume`) and on to its end.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class StateStore(Protocol):
 
     async def transition(self, request_id: str, status: str, **fields: Any) -> Any: ...
 
+    async def resume(self, request_id: str) -> Any: ...
+
 
 class RequestTracker:
     """One request's accounting from admission to its end: the gateway's metrics and, when a
@@ -46,16 +49,31 @@ class RequestTracker:
         self.finish_reasons: dict[int, str] = {}
         self._first_token: float | None = None
         self._last_token: dict[int, float] = {}
+        self.resumed = False
+
+    def resume_after(self, outputs: list[SequenceOutput]) -> None:
+        """Make this the tracker of a resumed stream, whose `outputs` were generated before (by
+        another gateway, maybe): they count as this request's, not again in the metrics, and
+        its record is resumed rather than created. Call before entering."""
+        self.resumed = True
+        self._first_token = self.arrival  # the first token came long ago: no TTFT
+        for out in outputs:
+            self.output_tokens += len(out.token_ids)
+            if out.finish_reason is not None:
+                self.finish_reasons[out.index] = out.finish_reason
 
     async def __aenter__(self) -> RequestTracker:
         m = self.metrics
         m.num_requests_running.labels(self.model).inc()
-        m.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
         try:
-            await self._record(
-                "create", self.request_id, model=self.model, prompt_tokens=self.prompt_tokens,
-                stream=self.stream, n=self.num_choices,
-            )
+            if self.resumed:
+                await self._record("resume", self.request_id)
+            else:
+                m.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
+                await self._record(
+                    "create", self.request_id, model=self.model,
+                    prompt_tokens=self.prompt_tokens, stream=self.stream, n=self.num_choices,
+                )
         except BaseException as exc:  # cancelled meanwhile (client gone): `async with` will
             await self.__aexit__(type(exc), exc, exc.__traceback__)  # not call __aexit__
             raise
@@ -91,7 +109,8 @@ class RequestTracker:
         if exc is None and len(self.finish_reasons) == self.num_choices:
             status = "finished"
             fields["finish_reason"] = self.finish_reasons[min(self.finish_reasons)]
-            m.e2e_request_latency.labels(self.model).observe(elapsed)
+            if not self.resumed:  # its arrival was before the resume
+                m.e2e_request_latency.labels(self.model).observe(elapsed)
         elif exc is None or isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
             status = "cancelled"
             for _ in range(self.num_choices - len(self.finish_reasons)):

@@ -19,7 +19,7 @@ import grpc
 import httpx
 import pytest
 from cluster import run_cluster
-from worker_procs import REPO, Proc, spawn, stop_all, wait_serving
+from worker_procs import REPO, Proc, spawn, spawn_worker, stop_all, wait_serving
 
 from pdserve.cluster.drain import DrainGate, drain, pause_for
 from pdserve.cluster.grpc_server import make_server
@@ -225,6 +225,39 @@ def test_sigterm_on_a_decode_worker_finishes_its_stream_then_exits(cluster, spaw
     print(f"stream finished {streamed_s:.2f} s after SIGTERM")
 
 
+def test_sigterm_on_workers_drains_then_exits_zero(tiny_llama_dir):
+    """A prefill and a decode worker on their own (no Redis): SIGTERM both while the decode
+    worker streams; the stream ends normally and both processes exit 0, not by the signal."""
+    from pdserve import SamplingParams
+    from pdserve.cluster.convert import sampling_params_to_pb
+    from protos import decode_pb2, decode_pb2_grpc
+
+    ports = {role: free_port() for role in ("prefill", "decode")}
+    flags = ["--dtype", "float32", "--num-kv-blocks", "64", "--drain-timeout", "4"]
+    procs = {role: spawn_worker(role, tiny_llama_dir, port, *flags)
+             for role, port in ports.items()}
+    try:
+        for role, proc in procs.items():
+            wait_serving(proc, f"127.0.0.1:{ports[role]}")
+        params = sampling_params_to_pb(SamplingParams(temperature=0, ignore_eos=True), 200)
+        with grpc.insecure_channel(f"127.0.0.1:{ports['decode']}") as ch:
+            stream = decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
+                request_id="r", prompt_token_ids=list(range(10, 30)), params=params,
+                prefill_locally=True), timeout=30)
+            tokens = len(next(stream).token_ids)
+            for proc in procs.values():
+                proc.popen.send_signal(signal.SIGTERM)
+            reasons = []
+            for msg in stream:
+                tokens += len(msg.token_ids)
+                reasons.append(msg.finish_reason)
+        assert reasons[-1] == "length" and tokens == 200
+        for role, proc in procs.items():
+            assert proc.popen.wait(timeout=20) == 0, f"{role}:\n{proc.tail()}"
+    finally:
+        stop_all(list(procs.values()))
+
+
 # ---- the gateway -----------------------------------------------------------------------------
 _SLOW_GATEWAY = """
 import asyncio, argparse, sys
@@ -264,9 +297,9 @@ def test_sigterm_on_the_gateway_drains_an_in_flight_stream():
             proc.send_signal(signal.SIGTERM)
             tokens, reason, done = _read_stream(lines)
         assert done and reason == "length" and tokens >= 30
-        # uvicorn re-raises the SIGTERM it caught once it has shut down
-        assert proc.wait(timeout=20) in (0, -signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0  # drained, then a clean exit: not killed by SIGTERM
         assert not _ready(url)  # no longer listening
+        assert proc.stdout is not None and proc.stdout.read().splitlines()[-1] == "exited"
     finally:
         if proc.poll() is None:
             proc.kill()

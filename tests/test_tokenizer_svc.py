@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from gateway.remote_backend import _tokenizer_from_info
+from gateway.remote_tokenizer import tokenizer_from_info
 from pdserve.cluster.grpc_server import check_health, make_server, open_channel, set_serving
 from protos import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.service import TokenizerModel, TokenizerServicer
@@ -58,7 +58,7 @@ async def _check_rpcs(stub: tokenizer_pb2_grpc.TokenizerStub, tok) -> None:
     info = await stub.GetModelInfo(tokenizer_pb2.ModelInfoRequest())
     assert (info.model_name, info.max_model_len, info.has_chat_template) == ("smol", 1024, True)
     assert 2 in info.eos_token_ids and info.vocab_size == 49152
-    local = _tokenizer_from_info(info)  # what the gateway rebuilds for detokenization
+    local = tokenizer_from_info(info)  # what the gateway rebuilds for detokenization
     ids = list(chat.token_ids) + list(r.token_ids)
     assert local.decode(ids, skip_special_tokens=True) == tok.decode(ids, skip_special_tokens=True)
     assert local.decode(ids) == tok.decode(ids)

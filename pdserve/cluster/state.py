@@ -9,12 +9,20 @@ Key schema (``{p}`` is the cluster prefix, default ``pdserve``; two clusters may
     {p}:cancel:{request_id}          string  "1" once cancelled, same TTL (the durable signal)
     {p}:cancel                       channel request ids published on cancel (best effort)
     {p}:worker:{role}:{worker_id}    string  JSON ``WorkerInfo``, TTL ``WorkerRegistry.ttl_s``
+    {p}:stream:{request_id}          hash    a resumable stream's spec and ``done``, TTL
+                                             ``EventLog.ttl_s`` (pdserve.cluster.event_log)
+    {p}:events:{request_id}          stream  its SSE events (entry ``0-{n+1}`` is event n), same TTL
+    {p}:owner:{request_id}           string  the gateway generating it, a lease of
+                                             ``EventLog.lease_ms``
 
 Request status machine (forward along the chain, skipping allowed; any non-terminal status may
 also go to ``failed`` or ``cancelled``; terminal statuses are final):
 
     queued -> prefilling -> transferring -> decoding -> finished
        \\____________\\_____________\\_____________\\____> failed | cancelled
+
+One way back: ``RequestStore.resume`` (a gateway continues a broken stream) moves any status but
+``finished`` to ``queued`` and counts it in the ``resumes`` field.
 """
 
 from __future__ import annotations
@@ -135,6 +143,15 @@ class Keys:
     def worker_pattern(self, role: str | None = None) -> str:
         return f"{self.prefix}:worker:{role}:*" if role else f"{self.prefix}:worker:*"
 
+    def stream(self, request_id: str) -> str:
+        return f"{self.prefix}:stream:{request_id}"
+
+    def events(self, request_id: str) -> str:
+        return f"{self.prefix}:events:{request_id}"
+
+    def owner(self, request_id: str) -> str:
+        return f"{self.prefix}:owner:{request_id}"
+
 
 def allowed_transition(src: str, dst: str) -> bool:
     """Whether the state machine allows ``src -> dst`` (a repeat of a terminal status is not
@@ -167,6 +184,17 @@ redis.call('EXPIRE', KEYS[1], ARGV[2])
 return {'ok', cur}
 """
 
+# KEYS[1]: request hash. ARGV[1]: ttl seconds; ARGV[2]: now.
+_RESUME_LUA = """
+local cur = redis.call('HGET', KEYS[1], 'status')
+if not cur then return {'missing', ''} end
+if cur == 'finished' then return {'invalid', cur} end
+redis.call('HSET', KEYS[1], 'status', 'queued', 'ts_resumed', ARGV[2])
+local n = redis.call('HINCRBY', KEYS[1], 'resumes', 1)
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return {'ok', tostring(n)}
+"""
+
 # KEYS[1]: request hash. ARGV[1]: ttl seconds; ARGV[2..]: field, value pairs.
 _CREATE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -189,6 +217,7 @@ class RequestStore:
         self.ttl_s = int(ttl_s)
         self._create = client.register_script(_CREATE_LUA)
         self._transition = client.register_script(_TRANSITION_LUA)
+        self._resume = client.register_script(_RESUME_LUA)
 
     @wrap_redis_errors
     async def create(
@@ -226,6 +255,20 @@ class RequestStore:
             raise RequestNotFound(request_id)
         if outcome == "invalid":
             raise InvalidTransition(f"request {request_id}: {current} -> {status} not allowed")
+
+    @wrap_redis_errors
+    async def resume(self, request_id: str) -> int:
+        """Move a request whose stream broke back to ``queued`` (a gateway generates the rest),
+        recording ``ts_resumed`` and counting ``resumes``; returns that count. Raises
+        ``InvalidTransition`` for a ``finished`` request and ``RequestNotFound`` (nothing
+        written either way)."""
+        args = [self.ttl_s, _to_str(time.time())]
+        outcome, value = await self._resume(keys=[self.keys.request(request_id)], args=args)
+        if outcome == "missing":
+            raise RequestNotFound(request_id)
+        if outcome == "invalid":
+            raise InvalidTransition(f"request {request_id}: {value} cannot be resumed")
+        return int(value)
 
     @wrap_redis_errors
     async def get(self, request_id: str) -> dict[str, str] | None:

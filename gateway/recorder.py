@@ -1,0 +1,206 @@
+"""Streams recorded as they go out, so that they can be resumed (gateway/resume.py).
+
+NOTE: what is recorded, and when.
+
+    outputs ──tap──▶ view.chunks ──▶ sse_stream ──record──▶ client  ("id: n" + event n)
+               │                                    │
+               └─ outputs consumed since the        └─ event n, with those outputs ──▶ writer
+                  previous event                       task ──▶ Redis (EventLog)
+
+Every SSE event gets an id (0, 1, 2, ...) and goes into the log with the sequence outputs the
+view consumed to render it (their token ids, text and finish), so that a resume can render the
+same events again and knows each choice's tokens. One writer task per stream appends what
+accumulated since its last round trip (one decode step's events together) and renews the
+stream's lease while it is quiet; the stream never waits for it. [DONE] marks the log done; a
+stream cut short (client gone, error) just gives its lease up, for a resume to take over. A
+gateway that is killed loses the events of its last round trip at most: a resume generates them
+again (the same events for greedy or seeded sampling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import secrets
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.sampling_params import SamplingParams
+from gateway.sequence import SequenceOutput
+from gateway.serving import sse_stream
+from pdserve.cluster.event_log import EventLog, LogEvent
+from pdserve.cluster.state import StateStoreError
+
+logger = logging.getLogger("pdserve.gateway")
+END_WAIT_S = 1.0  # how long a stream's end waits for its last events to be written
+_WRITERS: set[asyncio.Task[None]] = set()  # writer tasks finishing after their stream ended
+
+
+class StreamView(Protocol):
+    """What renders a request's outputs as SSE chunks (completions.py, chat.py)."""
+
+    created: int
+
+    def chunks(self, events: AsyncGenerator[SequenceOutput, None]) -> AsyncGenerator[str, None]:
+        ...
+
+
+@dataclass(frozen=True)
+class StreamRecord:
+    """How to render a stream again and generate its sequences: what its view was built from
+    and its sequences' input. Stored once, when the stream opens."""
+
+    kind: str  # "completions" | "chat": which view
+    request_id: str
+    model: str
+    created: int  # the chunks' timestamp
+    body: dict[str, Any]  # the request as validated (JSON types)
+    prompts: list[list[int]]  # token ids of each prompt
+    prompt_texts: list[str | None]  # for echo (None: token-id prompts)
+    params: list[dict[str, Any]]  # each prompt's SamplingParams fields (n included)
+
+    @classmethod
+    def of(cls, kind: str, request_id: str, model: str, created: int, body: dict[str, Any],
+           prompts: list[list[int]], texts: list[str | None],
+           params: list[SamplingParams]) -> StreamRecord:
+        fields = [{f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.init}
+                  for p in params]
+        for f in fields:
+            f["output_kind"] = f["output_kind"].value
+        return cls(kind, request_id, model, created, body, prompts, texts, fields)
+
+    def sampling_params(self) -> list[SamplingParams]:
+        return [SamplingParams(**p) for p in self.params]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> StreamRecord:
+        return cls(**json.loads(text))
+
+
+def encode_outputs(outputs: list[SequenceOutput]) -> str:
+    return json.dumps([[o.index, o.token_ids, o.text, o.finish_reason, o.stop_reason]
+                       for o in outputs], separators=(",", ":"))
+
+
+def decode_outputs(text: str) -> list[SequenceOutput]:
+    """Recorded outputs, to render again. Their logprobs are placeholders: the view renders
+    them only to reach the state it was in (a logprob's text offset counts tokens), and those
+    chunks are dropped."""
+    return [SequenceOutput(index, text, ids, [(0.0, {})] * len(ids), reason, stop)
+            for index, ids, text, reason, stop in json.loads(text or "[]")]
+
+
+def sse_event(event_id: int, text: str) -> str:
+    return f"id: {event_id}\n{text}"
+
+
+def new_owner() -> str:
+    """A token naming one gateway's hold on one stream."""
+    return secrets.token_hex(8)
+
+
+async def numbered(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+    """`events` with ids, not recorded (a gateway without an event log)."""
+    async with contextlib.aclosing(events):
+        n = 0
+        async for text in events:
+            yield sse_event(n, text)
+            n += 1
+
+
+def recorded_stream(
+    log: EventLog | None, record: StreamRecord, view: StreamView,
+    outputs: AsyncGenerator[SequenceOutput, None],
+) -> AsyncGenerator[str, None]:
+    """The SSE events of a new stream (chunks, then [DONE]), numbered, and recorded in `log`."""
+    if log is None:
+        return numbered(sse_stream(record.request_id, view.chunks(outputs)))
+    recorder = StreamRecorder(log, record.request_id, spec=record.to_json())
+    return recorder.record(sse_stream(record.request_id, view.chunks(recorder.tap(outputs))))
+
+
+class StreamRecorder:
+    """One stream's recording: new (`spec` given: the log opens with it and this gateway's
+    lease) or taken over (`owner` already holds the lease; events go on from `next_id`)."""
+
+    def __init__(self, log: EventLog, request_id: str, spec: str | None = None,
+                 owner: str | None = None, next_id: int = 0) -> None:
+        self.log, self.request_id, self.spec = log, request_id, spec
+        self.owner = owner or new_owner()
+        self.next_id = next_id
+        self.started = False  # record() has begun: the log's end is its to write
+        self._outputs: list[SequenceOutput] = []  # consumed since the last event
+        self._batch: list[LogEvent] = []  # not yet written
+        self._end = ""  # "done" | "release" once the stream is over
+        self._wake = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+
+    async def tap(
+        self, outputs: AsyncGenerator[SequenceOutput, None]
+    ) -> AsyncGenerator[SequenceOutput, None]:
+        """`outputs`, each noted as it goes to the view: the next event carries them."""
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                self._outputs.append(out)
+                yield out
+
+    async def record(
+        self, events: AsyncGenerator[str, None], after: int = -1
+    ) -> AsyncGenerator[str, None]:
+        """`events` with ids from `next_id`, each recorded; ids up to `after` are recorded but
+        not yielded (the client has them). Ends the log: done after the last event, or, when
+        left early, the lease given up (after `events` is closed: generation is aborted first)."""
+        self.started = True
+        self._writer = asyncio.create_task(self._write())
+        _WRITERS.add(self._writer)
+        self._writer.add_done_callback(_WRITERS.discard)
+        finished = False
+        try:
+            async with contextlib.aclosing(events):
+                async for text in events:
+                    event_id = self._add(text)
+                    if event_id > after:
+                        yield sse_event(event_id, text)
+            finished = True
+        finally:
+            self._end = "done" if finished else "release"
+            self._wake.set()
+            await asyncio.wait({self._writer}, timeout=END_WAIT_S)  # it goes on if cancelled
+
+    def _add(self, text: str) -> int:
+        event = LogEvent(self.next_id, text, encode_outputs(self._outputs))
+        self._outputs = []
+        self.next_id += 1
+        if self._writer is not None and not self._writer.done():
+            self._batch.append(event)
+            self._wake.set()
+        return event.id
+
+    async def _write(self) -> None:
+        """Append what accumulated, one round trip at a time; renew the lease while quiet.
+        Stops at the end, or for good when Redis fails or the lease was lost (the stream
+        goes on unrecorded: it can no longer be resumed)."""
+        renew_s = self.log.lease_ms / 3000
+        try:
+            if self.spec is not None:
+                await self.log.open(self.request_id, self.owner, self.spec)
+            while True:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), renew_s)
+                self._wake.clear()
+                end, batch, self._batch = self._end, self._batch, []
+                if not await self.log.append(self.request_id, self.owner, batch, end):
+                    logger.warning("%s: stream lease lost, no longer recorded", self.request_id)
+                    return
+                if end:
+                    return
+        except StateStoreError as exc:
+            logger.warning("%s: stream no longer recorded (not resumable): %s",
+                           self.request_id, exc)

@@ -1,0 +1,88 @@
+"""The tokenizer service seen from the gateway: the model's facts, a local copy of its tokenizer
+(the gateway detokenizes incrementally), and tokenization and chat templates over gRPC."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+
+from gateway.backend import BackendError, ModelFacts
+from pdserve.cluster.grpc_server import check_health, open_channel
+from pdserve.cluster.tls import PLAINTEXT, TLSConfig
+from protos import tokenizer_pb2, tokenizer_pb2_grpc
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class RemoteTokenizer:
+    """One channel to the tokenizer service at `address`; `start()` before anything else."""
+
+    def __init__(self, address: str, tls: TLSConfig = PLAINTEXT) -> None:
+        self.address, self.tls = address, tls
+        self.facts: ModelFacts | None = None
+        self.tokenizer: Any = None  # a local HF tokenizer, once started
+        self._channel: grpc.aio.Channel | None = None
+
+    async def start(self) -> ModelFacts:
+        """Fetch the model's facts and tokenizer (once; later calls return them)."""
+        if self.facts is None:
+            info = await self._stub().GetModelInfo(tokenizer_pb2.ModelInfoRequest(), timeout=30)
+            self.tokenizer = tokenizer_from_info(info)
+            self.facts = ModelFacts(
+                model_name=info.model_name, eos_token_ids=frozenset(info.eos_token_ids),
+                max_model_len=info.max_model_len, has_chat_template=info.has_chat_template,
+                vocab_size=info.vocab_size,
+            )
+        return self.facts
+
+    async def healthy(self) -> bool:
+        return await check_health(self.address, tls=self.tls)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        request = tokenizer_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list((await self._call(self._stub().Tokenize, request)).token_ids)
+
+    async def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[int]:
+        request = tokenizer_pb2.ChatTemplateRequest(
+            messages=[tokenizer_pb2.ChatMessage(role=m["role"], content=m["content"])
+                      for m in messages],
+            add_generation_prompt=add_generation_prompt,
+        )
+        if chat_template is not None:
+            request.chat_template = chat_template
+        return list((await self._call(self._stub().ApplyChatTemplate, request)).token_ids)
+
+    async def close(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
+
+    async def _call(self, method: Any, request: Any) -> Any:
+        """`method(request)`: INVALID_ARGUMENT raises ValueError, other failures BackendError."""
+        try:
+            return await method(request, timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(exc.details()) from exc
+            raise BackendError(f"tokenizer service: {exc.details()}",
+                               retryable=exc.code() in RETRYABLE) from exc
+
+    def _stub(self) -> tokenizer_pb2_grpc.TokenizerStub:
+        if self._channel is None:
+            self._channel = open_channel(self.address, self.tls)
+        return tokenizer_pb2_grpc.TokenizerStub(self._channel)
+
+
+def tokenizer_from_info(info: tokenizer_pb2.ModelInfo) -> Any:
+    """A local fast tokenizer rebuilt from the tokenizer service's serialized one."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    config = {k: v for k, v in json.loads(info.tokenizer_config_json).items() if v is not None}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(info.tokenizer_json),
+                                   **config)

@@ -1,0 +1,136 @@
+"""The event log of resumable streams in Redis: what a gateway sent, so that another one (or the
+same, later) can replay it and go on where it broke. Keys come from ``state.Keys``.
+
+NOTE: one stream's keys, and who may write them.
+
+    {p}:stream:{id}   hash     spec (opaque JSON: how to go on), done ("1" once [DONE] is in)
+    {p}:events:{id}   stream   entry 0-{n+1} is SSE event n: data (the event's text), out (opaque)
+    {p}:owner:{id}    string   the token of the gateway generating it, a lease of lease_ms
+
+Only the lease holder appends (a Lua script checks the token, so a gateway that lost its lease
+writes nothing), and event n always has entry id ``0-{n+1}``: a log never holds an event twice.
+Every write refreshes the TTL of the hash and the stream; the final one marks the log done (or
+just gives the lease up, for another gateway to take) in the same script.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from pdserve.cluster.state import DEFAULT_PREFIX, Keys, wrap_redis_errors
+
+# KEYS: owner, events, stream hash. ARGV[1]: owner token; ARGV[2]: ttl s; ARGV[3]: lease ms;
+# ARGV[4]: "" (go on: renew the lease) | "done" (mark done, drop the lease) | "release" (drop
+# the lease); ARGV[5..]: entry id, data, out triples. Returns 0 (and writes nothing) unless the
+# caller holds the lease.
+_APPEND_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+for i = 5, #ARGV, 3 do
+  redis.call('XADD', KEYS[2], ARGV[i], 'data', ARGV[i + 1], 'out', ARGV[i + 2])
+end
+if ARGV[4] == 'done' then redis.call('HSET', KEYS[3], 'done', '1') end
+if ARGV[4] == '' then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+else
+  redis.call('DEL', KEYS[1])
+end
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('EXPIRE', KEYS[3], ARGV[2])
+return 1
+"""
+
+# KEYS[1]: owner. ARGV[1]: owner token.
+_RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class LogEvent:
+    """SSE event `id` of a stream: its text as sent (without the `id:` line) and what the
+    gateway needs to go on after it (`out`, opaque here)."""
+
+    id: int
+    data: str
+    out: str = ""
+
+
+@dataclass(frozen=True)
+class StreamMeta:
+    spec: str  # opaque JSON, written when the stream opened
+    done: bool  # the last event is in
+
+
+class EventLog:
+    """Resumable streams' events, specs and owner leases. Safe to share between coroutines.
+    Raises ``StateStoreError`` when Redis fails."""
+
+    def __init__(self, client: Redis, prefix: str = DEFAULT_PREFIX, ttl_s: int = 300,
+                 lease_ms: int = 3000) -> None:
+        if ttl_s <= 0 or lease_ms <= 0:
+            raise ValueError(f"ttl_s and lease_ms must be > 0, got {ttl_s}, {lease_ms}")
+        self.client = client
+        self.keys = Keys(prefix)
+        self.ttl_s = int(ttl_s)  # how long a log outlives its last write
+        self.lease_ms = int(lease_ms)  # how long an owner that stops renewing keeps a stream
+        self._append = client.register_script(_APPEND_LUA)
+        self._release = client.register_script(_RELEASE_LUA)
+
+    @wrap_redis_errors
+    async def open(self, request_id: str, owner: str, spec: str) -> None:
+        """Start a log: store `spec`, make `owner` the lease holder (replacing any)."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.stream(request_id), "spec", spec)
+            pipe.expire(self.keys.stream(request_id), self.ttl_s)
+            pipe.set(self.keys.owner(request_id), owner, px=self.lease_ms)
+            await pipe.execute()
+
+    @wrap_redis_errors
+    async def append(self, request_id: str, owner: str, events: list[LogEvent],
+                     end: str = "") -> bool:
+        """Add `events` (ids following the log's last) and refresh the TTLs, in one script; `end`
+        "" renews the lease, "done" marks the log done and drops it, "release" only drops it.
+        False (nothing written) when `owner` does not hold the lease."""
+        if end not in ("", "done", "release"):
+            raise ValueError(f"end must be '', 'done' or 'release', got {end!r}")
+        args: list[str | int] = [owner, self.ttl_s, self.lease_ms, end]
+        for e in events:
+            args += [f"0-{e.id + 1}", e.data, e.out]
+        keys = [self.keys.owner(request_id), self.keys.events(request_id),
+                self.keys.stream(request_id)]
+        return bool(await self._append(keys=keys, args=args))
+
+    @wrap_redis_errors
+    async def acquire(self, request_id: str, owner: str) -> bool:
+        """Take the lease if nobody holds it (SET NX); whether `owner` got it."""
+        key = self.keys.owner(request_id)
+        return bool(await self.client.set(key, owner, nx=True, px=self.lease_ms))
+
+    @wrap_redis_errors
+    async def release(self, request_id: str, owner: str) -> None:
+        """Drop the lease if `owner` holds it."""
+        await self._release(keys=[self.keys.owner(request_id)], args=[owner])
+
+    @wrap_redis_errors
+    async def meta(self, request_id: str) -> StreamMeta | None:
+        """The stream's spec and whether it is done; None when unknown or expired. Read only."""
+        fields = await self.client.hgetall(self.keys.stream(request_id))
+        if "spec" not in fields:
+            return None
+        return StreamMeta(fields["spec"], fields.get("done") == "1")
+
+    @wrap_redis_errors
+    async def read(self, request_id: str, after: int = -1,
+                   block_ms: int | None = None) -> list[LogEvent]:
+        """Events after event `after` (-1: all), in order. With `block_ms`, waits that long for
+        one when there is none yet (keep it under the client's socket timeout). Read only."""
+        key = self.keys.events(request_id)
+        reply = await self.client.xread({key: f"0-{after + 1}"}, block=block_ms)
+        if not reply:
+            return []
+        entries = reply[0][1] if isinstance(reply, list) else reply[key][0]
+        return [LogEvent(int(entry_id.split("-")[1]) - 1, f["data"], f.get("out", ""))
+                for entry_id, f in entries]

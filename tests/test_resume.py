@@ -1,0 +1,514 @@
+"""Resumable streams: the event log in a real redis-server, a decoder primed with a sequence's
+prior tokens, a colocated gateway whose logs are cut short by hand (and one tailed live), and a
+live cluster with two gateways: one killed mid-stream, a client that hangs up.
+
+A resumed stream must be the uninterrupted one: the same events after the client's last id (no
+gap, no repeat), the same text and tokens, the usage chunk and [DONE]; its request state ends
+`finished` with `resumes` counted, and no worker keeps anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from cluster import Cluster, http_get, run_cluster
+from fake_backend import FakeBackend
+from fastapi.testclient import TestClient
+from live_checks import metric, wait_idle
+
+from engine.async_engine import AsyncLLMEngine
+from engine.sampling_params import SamplingParams
+from gateway.app import build_app
+from gateway.backend import TokenDelta, resumed_request_id, state_request_id
+from gateway.local_backend import LocalBackend
+from gateway.sequence import SequenceDecoder, SequenceSpec
+from pdserve.cluster.event_log import EventLog, LogEvent, StreamMeta
+from pdserve.cluster.state import InvalidTransition, Keys, RequestNotFound, RequestStore, connect
+from pdserve.launcher import free_port
+
+PREFIX = "resume-test"  # the in-process gateway's keys, apart from other tests' on one Redis
+PROMPT = "Resume me: a prompt long enough to span more than one block of sixteen tokens each"
+CHAT = [{"role": "user", "content": "Tell me a story about a dragon."}]
+Events = list[tuple[int, str]]  # (id, data) of each SSE event
+
+
+# ---- the event log and the request state in Redis ------------------------------------------
+async def test_event_log_round_trip(redis_url: str) -> None:
+    client = connect(redis_url)
+    log, keys = EventLog(client, PREFIX, ttl_s=60, lease_ms=2000), Keys(PREFIX)
+    try:
+        await log.open("r1", "me", '{"kind": "x"}')
+        assert await log.meta("r1") == StreamMeta('{"kind": "x"}', False)
+        events = [LogEvent(i, f"data: {i}\n\n", f"[{i}]") for i in range(3)]
+        assert await log.append("r1", "me", events[:2])
+        assert await log.append("r1", "me", events[2:])
+        assert await log.read("r1") == events
+        assert await log.read("r1", 0) == events[1:]
+        assert await log.read("r1", 2) == []
+        # a blocked read wakes on the next append
+        waiting = asyncio.create_task(log.read("r1", 2, block_ms=3000))
+        await asyncio.sleep(0.1)
+        assert await log.append("r1", "me", [LogEvent(3, "data: 3\n\n")])
+        assert await asyncio.wait_for(waiting, 1) == [LogEvent(3, "data: 3\n\n")]
+        # only the lease holder writes
+        assert not await log.acquire("r1", "other")
+        assert not await log.append("r1", "other", [LogEvent(4, "data: x\n\n")])
+        assert await log.read("r1", 3) == []
+        # the end: done, the lease dropped, the keys kept for the TTL
+        assert await log.append("r1", "me", [LogEvent(4, "data: [DONE]\n\n")], end="done")
+        assert await log.meta("r1") == StreamMeta('{"kind": "x"}', True)
+        assert not await client.exists(keys.owner("r1"))
+        for key in (keys.stream("r1"), keys.events("r1")):
+            assert 55 <= await client.ttl(key) <= 60
+        assert await log.meta("unknown") is None
+    finally:
+        await client.aclose()
+
+
+async def test_event_log_lease(redis_url: str) -> None:
+    client = connect(redis_url)
+    log = EventLog(client, PREFIX, ttl_s=60, lease_ms=300)
+    try:
+        await log.open("r2", "a", "{}")
+        await log.release("r2", "b")  # not b's to give up
+        assert not await log.acquire("r2", "c")
+        assert await log.append("r2", "a", [], end="release")
+        assert await log.acquire("r2", "c")
+        await asyncio.sleep(0.4)  # c stopped renewing: its lease ran out
+        assert await log.acquire("r2", "d")
+        assert not await log.append("r2", "c", [])
+    finally:
+        await client.aclose()
+
+
+async def test_request_state_resume(redis_url: str) -> None:
+    client = connect(redis_url)
+    store = RequestStore(client, PREFIX, ttl_s=60)
+    try:
+        await store.create("q", model="m", prompt_tokens=3, stream=True)
+        await store.transition("q", "decoding")
+        await store.transition("q", "cancelled")  # its client left
+        assert await store.resume("q") == 1
+        state = await store.get("q")
+        assert state is not None and state["status"] == "queued" and state["resumes"] == "1"
+        assert "ts_resumed" in state
+        for status in ("prefilling", "decoding", "finished"):
+            await store.transition("q", status)
+        with pytest.raises(InvalidTransition):
+            await store.resume("q")
+        with pytest.raises(RequestNotFound):
+            await store.resume("nothing")
+    finally:
+        await client.aclose()
+
+
+# ---- the pieces: backend ids, a primed decoder -----------------------------------------------
+def test_a_resumed_sequence_speaks_for_its_request_as_before() -> None:
+    """Sequence 0 of a request moves its state, resumed or not; the other sequences do not."""
+    for backend_id, state_id in [("cmpl-ab", "cmpl-ab"), ("cmpl-ab-0", "cmpl-ab"),
+                                 ("cmpl-ab-3", None)]:
+        assert state_request_id(backend_id) == state_id
+        assert state_request_id(resumed_request_id(backend_id, "9f0c")) == state_id
+
+
+TEXT = "Café ☕ naïve — 日本語のテキスト, then a STOP and more words after it"
+
+
+@pytest.mark.parametrize("stop", [None, ["STOP"], ["テキ"]])
+def test_a_decoder_primed_with_prior_tokens_continues_the_text(bundled_tokenizer, stop) -> None:
+    """Cut anywhere (inside a character's bytes, inside a stop string), a decoder primed with
+    the tokens before the cut gives the text the uninterrupted one gave after it."""
+    ids = bundled_tokenizer.encode(TEXT, add_special_tokens=False)
+    prompt = bundled_tokenizer.encode("Say:")
+    params = SamplingParams(max_tokens=len(ids), stop=stop)
+
+    def deltas(tokens: list[int], size: int) -> list[TokenDelta]:
+        out = [TokenDelta(tokens[i:i + size]) for i in range(0, len(tokens), size)]
+        out[-1].finish_reason = "length"
+        return out
+
+    whole = SequenceDecoder(bundled_tokenizer, SequenceSpec(0, "r", prompt, params))
+    outs = [whole.decode(d) for d in deltas(ids, 1)]
+    end = next(i for i, o in enumerate(outs) if o.finished)
+    full = "".join(o.text for o in outs[: end + 1])
+    assert full == (TEXT if stop is None else TEXT[: TEXT.index(stop[0])])
+    for k in range(1, end + 1):
+        spec = SequenceSpec(0, "r.x", prompt, params, prior_token_ids=ids[:k])
+        primed = SequenceDecoder(bundled_tokenizer, spec)
+        rest = []
+        for d in deltas(ids[k:], 3):
+            rest.append(primed.decode(d))
+            if rest[-1].finished:
+                break
+        assert "".join(o.text for o in outs[:k]) + "".join(o.text for o in rest) == full, k
+        assert (rest[-1].finish_reason, rest[-1].stop_reason) == (outs[end].finish_reason,
+                                                                  outs[end].stop_reason)
+
+
+# ---- a colocated gateway on Redis: logs cut short by hand ----------------------------------
+@contextmanager
+def serve(app: Any) -> Iterator[str]:
+    """uvicorn serving `app` on a free loopback port, in a thread."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def local_url(tiny_llama_dir: str, redis_url: str) -> Iterator[str]:
+    engine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32")
+    client = connect(redis_url)  # first used in the server's event loop
+    app = build_app(LocalBackend(engine, "tiny"), store=RequestStore(client, PREFIX),
+                    events=EventLog(client, PREFIX, ttl_s=120))
+    with serve(app) as url:
+        yield url
+    engine.shutdown()
+
+
+def parse_sse(text: str) -> Events:
+    events = []
+    for block in filter(None, text.split("\n\n")):
+        fields = dict(line.split(": ", 1) for line in block.split("\n"))
+        events.append((int(fields["id"]), fields["data"]))
+    return events
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal, but for float drift (logprobs of re-prefilled tokens)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, abs_tol=1e-3)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def assert_same_events(got: Events, want: Events) -> None:
+    assert [i for i, _ in got] == [i for i, _ in want]
+    for (i, a), (_, b) in zip(got, want):
+        assert a == b or same(json.loads(a), json.loads(b)), (i, a, b)
+
+
+def choices_content(events: Events) -> tuple[dict[int, list[Any]], Any]:
+    """Each choice's text (completions) or role and content (chat) and finish, and the usage:
+    what a stream says, whatever the order its choices' chunks came in."""
+    chunks = [json.loads(d) for _, d in events if d != "[DONE]"]
+    content: dict[int, list[Any]] = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            entry = content.setdefault(c["index"], ["", None, None, None])
+            entry[0] += c["text"] if "text" in c else c["delta"].get("content") or ""
+            entry[1] = entry[1] or c.get("delta", {}).get("role")
+            if c["finish_reason"]:
+                entry[2:] = [c["finish_reason"], c["stop_reason"]]
+    return content, chunks[-1].get("usage")
+
+
+def redis_run(redis_url: str, fn: Any) -> Any:
+    async def go() -> Any:
+        client = connect(redis_url)
+        try:
+            return await fn(client, Keys(PREFIX))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+def cut_log(redis_url: str, request_id: str, keep: int) -> None:
+    """As if the gateway died after logging `keep` events of a stream it was generating."""
+    async def cut(client: Any, keys: Keys) -> None:
+        entries = (await client.xrange(keys.events(request_id)))[:keep]
+        await client.delete(keys.events(request_id), keys.owner(request_id))
+        for entry_id, fields in entries:
+            await client.xadd(keys.events(request_id), fields, id=entry_id)
+        await client.hdel(keys.stream(request_id), "done")
+        await client.hset(keys.request(request_id), "status", "decoding")
+
+    redis_run(redis_url, cut)
+
+
+CASES = {
+    "completion": ("/v1/completions", {
+        "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+        "stream_options": {"include_usage": True}}),
+    "completions-batch-n2-echo-seeded": ("/v1/completions", {
+        "prompt": [PROMPT, "Another one"], "n": 2, "max_tokens": 12, "temperature": 0.8,
+        "seed": 3, "ignore_eos": True, "echo": True, "stream_options": {"include_usage": True}}),
+    "chat-n2": ("/v1/chat/completions", {
+        "messages": CHAT, "n": 2, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "stream_options": {"include_usage": True}}),
+    "chat-logprobs": ("/v1/chat/completions", {
+        "messages": CHAT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "logprobs": True, "top_logprobs": 2}),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES)
+def test_a_log_cut_short_resumes_as_the_stream_went(local_url: str, redis_url: str,
+                                                     case: tuple[str, dict]) -> None:
+    path, body = case
+    r = httpx.post(local_url + path, json={**body, "stream": True}, timeout=60)
+    assert r.status_code == 200
+    request_id, full = r.headers["x-request-id"], parse_sse(r.text)
+    assert [i for i, _ in full] == list(range(len(full))) and full[-1][1] == "[DONE]"
+    single = len(choices_content(full)[0]) == 1
+    cuts = [0, 1, len(full) // 2, len(full) - 2]
+    for n, keep in enumerate(cuts, 1):
+        cut_log(redis_url, request_id, keep)
+        headers = {"Last-Event-ID": str(keep - 1)} if keep else {}
+        resumed = httpx.get(f"{local_url}/v1/streams/{request_id}", headers=headers, timeout=60)
+        assert resumed.status_code == 200
+        got = parse_sse(resumed.text)
+        if single:
+            assert_same_events(got, full[keep:])
+        else:  # the choices' chunks interleave as they come: compare what each choice says
+            assert [i for i, _ in got] == list(range(keep, keep + len(got)))
+            assert got[-1][1] == "[DONE]"
+            assert choices_content(full[:keep] + got) == choices_content(full)
+        state = redis_run(redis_url, lambda c, k: c.hgetall(k.request(request_id)))
+        assert (state["status"], state["resumes"]) == ("finished", str(n))
+    # the client got more than the dead gateway logged: those events are generated, not sent
+    cut_log(redis_url, request_id, 2)
+    resumed = httpx.get(f"{local_url}/v1/streams/{request_id}?last_event_id=4", timeout=60)
+    got = parse_sse(resumed.text)
+    assert got[0][0] == 5 and got[-1][1] == "[DONE]"
+    if single:
+        assert_same_events(got, full[5:])
+
+
+def test_a_live_stream_is_tailed(local_url: str) -> None:
+    """Resumed while its gateway still generates it: the rest of the same events, no second
+    generation."""
+    body = {"prompt": PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    before = metric(local_url + "/metrics", "pdserve:stream_resumes_total")
+
+    async def go() -> tuple[Events, Events]:
+        tail: asyncio.Task | None = None
+        original: Events = []
+        async with httpx.AsyncClient(timeout=60) as http, \
+                http.stream("POST", local_url + "/v1/completions", json=body) as r:
+            request_id = r.headers["x-request-id"]
+            async for event in sse_lines(r.aiter_lines()):
+                original.append(event)
+                if len(original) == 3:
+                    tail = asyncio.create_task(stream_events(
+                        local_url, f"/v1/streams/{request_id}", headers={"Last-Event-ID": "1"}))
+        assert tail is not None
+        return original, (await tail)[1]
+
+    original, tailed = asyncio.run(go())
+    assert original[-1][1] == "[DONE]" and tailed == original[2:]
+    assert metric(local_url + "/metrics", "pdserve:stream_resumes_total") == before
+
+
+def test_resume_errors(local_url: str, bundled_tokenizer: Any) -> None:
+    missing = httpx.get(f"{local_url}/v1/streams/cmpl-nothing", headers={"Last-Event-ID": "3"})
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "stream_not_found"
+    bad = httpx.get(f"{local_url}/v1/streams/cmpl-nothing", headers={"Last-Event-ID": "x1"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "Last-Event-ID"
+    no_redis = TestClient(build_app(FakeBackend(bundled_tokenizer)))
+    unsupported = no_redis.get("/v1/streams/cmpl-anything")
+    assert unsupported.status_code == 404
+    assert unsupported.json()["error"]["code"] == "resume_not_supported"
+    streamed = no_redis.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2,
+                                                      "stream": True})
+    assert [i for i, _ in parse_sse(streamed.text)] == [0, 1, 2]  # ids without a log too
+
+
+# ---- a live cluster, two gateways on one Redis ---------------------------------------------
+GREEDY = {"prompt": PROMPT, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+          "stream": True, "stream_options": {"include_usage": True}}
+CHAT_N2 = {"messages": CHAT, "n": 2, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+           "stream": True, "stream_options": {"include_usage": True}}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_llama_dir: str) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("resume")
+    with run_cluster(tmp, "--model", tiny_llama_dir, "--dtype", "float32", "--kv-cache-memory",
+                     str(4 << 20), "--log-level", "warning") as c:
+        yield c
+
+
+@contextmanager
+def second_gateway(cluster: Cluster) -> Iterator[tuple[str, subprocess.Popen]]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "gateway", "--port", str(port), "--redis-url",
+         cluster.redis_url, "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while http_get(url + "/ready")[0] != 200:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.3)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+
+
+async def sse_lines(lines: Any) -> Any:
+    """(id, data) of each SSE event in a response's lines."""
+    event_id = -1
+    async for line in lines:
+        if line.startswith("id: "):
+            event_id = int(line[4:])
+        elif line.startswith("data: "):
+            yield event_id, line[6:]
+
+
+async def stream_events(url: str, path: str, body: dict | None = None,
+                        headers: dict | None = None, stop_after: int = 0,
+                        on_stop: Any = None) -> tuple[str, Events]:
+    """A stream's request id and events: all, or the first `stop_after` (then `on_stop()` runs
+    while the connection is still open, and the client hangs up)."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        method = "GET" if body is None else "POST"
+        async with http.stream(method, url + path, json=body, headers=headers) as r:
+            assert r.status_code == 200, await r.aread()
+            events: Events = []
+            async for event in sse_lines(r.aiter_lines()):
+                events.append(event)
+                if len(events) == stop_after:
+                    on_stop()
+                    break
+            return r.headers["x-request-id"], events
+
+
+def completion_content(events: Events) -> tuple[str, list[str | None], Any]:
+    """Text and finish reasons of choice 0, and the usage, of a completions stream."""
+    chunks = [json.loads(d) for _, d in events if d != "[DONE]"]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    return ("".join(c["text"] for c in choices),
+            [c["finish_reason"] for c in choices if c["finish_reason"]],
+            chunks[-1].get("usage"))
+
+
+def chat_content(events: Events) -> tuple[dict[int, str], dict[int, str], Any]:
+    chunks = [json.loads(d) for _, d in events if d != "[DONE]"]
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for c in chunks:
+        for choice in c["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + (
+                choice["delta"].get("content") or "")
+            if choice["finish_reason"]:
+                reasons[choice["index"]] = choice["finish_reason"]
+    return texts, reasons, chunks[-1].get("usage")
+
+
+def assert_resumed(seen: Events, resumed: Events) -> None:
+    """No gap, no repeat: the resumed ids go on from the last one seen, to [DONE]."""
+    ids = [i for i, _ in seen + resumed]
+    assert ids == list(range(len(ids))), ids
+    assert resumed[-1][1] == "[DONE]"
+
+
+def request_state(cluster: Cluster, request_id: str) -> dict[str, str]:
+    async def go() -> dict[str, str]:
+        client = connect(cluster.redis_url)
+        try:
+            return await RequestStore(client).get(request_id) or {}
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def expected(cluster: Cluster) -> tuple[str, Events]:
+    """An uninterrupted greedy stream through the cluster's gateway."""
+    return asyncio.run(stream_events(cluster.url, "/v1/completions", GREEDY))
+
+
+def test_gateway_killed_mid_stream_resumes_through_another(cluster, expected) -> None:
+    decode_pid = cluster.pids()["decode-0"]
+    before = metric(cluster.url + "/metrics", "pdserve:stream_resumes_total")
+    with second_gateway(cluster) as (url_a, proc_a):
+        def kill_gateway_a() -> None:
+            os.kill(decode_pid, signal.SIGSTOP)  # the generation cannot finish meanwhile
+            proc_a.kill()
+            proc_a.wait()
+
+        try:
+            request_id, seen = asyncio.run(stream_events(
+                url_a, "/v1/completions", GREEDY, stop_after=10, on_stop=kill_gateway_a))
+        finally:
+            os.kill(decode_pid, signal.SIGCONT)
+    _, resumed = asyncio.run(stream_events(cluster.url, f"/v1/streams/{request_id}",
+                                           headers={"Last-Event-ID": str(seen[-1][0])}))
+    assert_resumed(seen, resumed)
+    text, reasons, usage = completion_content(seen + resumed)
+    assert (text, reasons, usage) == completion_content(expected[1])
+    assert reasons == ["length"] and usage["completion_tokens"] == 48
+    state = request_state(cluster, request_id)
+    assert (state["status"], state["resumes"], state["output_tokens"]) == ("finished", "1", "48")
+    assert metric(cluster.url + "/metrics", "pdserve:stream_resumes_total") == before + 1
+    assert not any(any(x) for x in wait_idle(cluster, 20).values())
+
+
+def test_client_gone_then_back_through_the_same_gateway(cluster) -> None:
+    _, full = asyncio.run(stream_events(cluster.url, "/v1/chat/completions", CHAT_N2))
+    decode_pid = cluster.pids()["decode-0"]
+    try:
+        request_id, seen = asyncio.run(stream_events(
+            cluster.url, "/v1/chat/completions", CHAT_N2, stop_after=8,
+            on_stop=lambda: os.kill(decode_pid, signal.SIGSTOP)))
+        deadline = time.monotonic() + 10
+        while request_state(cluster, request_id).get("status") != "cancelled":
+            assert time.monotonic() < deadline, request_state(cluster, request_id)
+            time.sleep(0.1)
+    finally:
+        os.kill(decode_pid, signal.SIGCONT)
+    _, resumed = asyncio.run(stream_events(cluster.url, f"/v1/streams/{request_id}",
+                                           headers={"Last-Event-ID": str(seen[-1][0])}))
+    assert_resumed(seen, resumed)
+    texts, reasons, usage = chat_content(seen + resumed)
+    assert (texts, reasons, usage) == chat_content(full)
+    assert reasons == {0: "length", 1: "length"} and usage["completion_tokens"] == 80
+    state = request_state(cluster, request_id)
+    assert (state["status"], state["resumes"]) == ("finished", "1")
+    assert not any(any(x) for x in wait_idle(cluster, 20).values())
+
+
+def test_a_finished_stream_replays_the_rest(cluster, expected) -> None:
+    request_id, full = expected
+    path = f"/v1/streams/{request_id}"
+    _, rest = asyncio.run(stream_events(cluster.url, path, headers={"Last-Event-ID": "5"}))
+    assert rest == full[6:]
+    assert asyncio.run(stream_events(cluster.url, path + "?last_event_id=5"))[1] == full[6:]
+    assert asyncio.run(stream_events(cluster.url, path))[1] == full
+    status, body = http_get(cluster.url + "/v1/streams/cmpl-bogus")
+    assert status == 404 and json.loads(body)["error"]["code"] == "stream_not_found"
