@@ -42,5 +42,5 @@ def slab_to_pb(slab: KVSlab) -> decode_pb2.KVChunk:
     ))
 
 
-def first_logprobs(header: decode_pb2.KVHeader) -> tuple[float, dict[int, float]] | None:
-    return logprobs_from_pb(header.first_logprobs) if header.HasField("first_logprobs") else None
+def first_logprobs(commit: decode_pb2.KVCommit) -> tuple[float, dict[int, float]] | None:
+    return logprobs_from_pb(commit.first_logprobs) if commit.HasField("first_logprobs") else None

@@ -4,9 +4,12 @@ NOTE: a request's life on the receiving side:
 
     Generate opens ─▶ expect(): Pending registered, blocks reserved (WAITING_FOR_KV) — after
                      waiting for them, first come first served, while the cache is full
-    PushKV header  ─▶ layout and request checked before any byte is accepted
-    PushKV slabs   ─▶ written straight into the reserved blocks (KVSlabWriter checks each)
-    PushKV end     ─▶ every layer x block present? commit: the request joins the decode batch
+    PushKV header  ─▶ layout and request checked before any byte is accepted (the prefill
+                     worker sends it when it admits the request, before computing anything)
+    PushKV slabs   ─▶ in any order, while the prefill worker computes: written straight into
+                     the reserved blocks as they arrive (KVSlabWriter checks each)
+    PushKV commit  ─▶ every layer x block present exactly once, and the stream ends there?
+                     commit: the request joins the decode batch behind its first token
     any failure    ─▶ the request is aborted: its reserved blocks are freed, Generate fails
 
 Blocks are reserved before a single byte arrives, so a transfer never waits for memory, and a
@@ -123,17 +126,19 @@ class KVReceiver:
         pending.receiving = True
         started = time.perf_counter()
         try:
-            received = await self._write_all(header, pending, chunks)
-            await self.engine.commit_remote(request_id, header.first_token_id,
-                                            first_logprobs(header))
+            received, commit, first_slab_at = await self._write_all(header, pending, chunks)
+            await self.engine.commit_remote(request_id, commit.first_token_id,
+                                            first_logprobs(commit))
         except BaseException as exc:
             self.stats.failed += 1
-            pending.error = f"KV transfer failed: {exc}"
+            pending.error = f"KV transfer failed: {_reason(exc)}"
             pending.done.set()
             await self.engine.abort(request_id)
             raise
-        seconds = time.perf_counter() - started
+        now = time.perf_counter()
+        seconds = now - started
         self.stats.record(received, seconds)
+        self.stats.first_slab_to_commit_seconds += now - first_slab_at
         logger.info("[%s] KV received: %d bytes in %.1f ms", request_id, received, seconds * 1e3)
         pending.done.set()
         return received
@@ -141,7 +146,9 @@ class KVReceiver:
     async def _write_all(
         self, header: decode_pb2.KVHeader, pending: Pending,
         chunks: AsyncIterator[decode_pb2.KVChunk],
-    ) -> int:
+    ) -> tuple[int, decode_pb2.KVCommit, float]:
+        """Write the slabs up to the commit chunk, which must come last, once every layer x block
+        has arrived: (bytes written, the commit, when the first slab came)."""
         self.layout.check_compatible(layout_from_pb(header.layout))
         assert pending.block_ids is not None  # `receive` checked it
         if header.num_blocks != len(pending.block_ids):
@@ -149,15 +156,30 @@ class KVReceiver:
                 f"header announces {header.num_blocks} blocks, {len(pending.block_ids)} reserved"
             )
         writer = KVSlabWriter(self.engine.engine.runner.kv_caches, pending.block_ids)
+        first_slab_at = None
         async for chunk in chunks:
-            if not chunk.HasField("data"):
-                raise ValueError("a KV stream carries one header, then only data chunks")
+            kind = chunk.WhichOneof("chunk")
+            if kind == "commit":
+                if not writer.complete:
+                    raise ValueError("KV commit before every layer and block arrived")
+                async for _ in chunks:
+                    raise ValueError("a KV stream ends with its commit")
+                _check_not_dropped(header.request_id, pending)
+                return writer.bytes_received, chunk.commit, first_slab_at or time.perf_counter()
+            if kind != "data":
+                raise ValueError("a KV stream carries one header, then data chunks and a commit")
             _check_not_dropped(header.request_id, pending)
             writer.write(slab_from_pb(chunk.data))
+            first_slab_at = first_slab_at or time.perf_counter()
         if not writer.complete:
             raise ValueError("KV stream ended before every layer and block arrived")
-        _check_not_dropped(header.request_id, pending)
-        return writer.bytes_received
+        raise ValueError("KV stream ended without its commit")
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.CancelledError):  # the sender cancelled (or was cut off)
+        return "the push was cancelled"
+    return str(exc) or type(exc).__name__
 
 
 def _check_not_dropped(request_id: str, pending: Pending) -> None:

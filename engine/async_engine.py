@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from engine.config import NO_KV_WAIT, KVWaitConfig
+from engine.kv_progress import KVProgress, KVWatch
 from engine.llm import build_engine_config
 from engine.llm_engine import KVCacheFullError, LLMEngine, PromptInput
 from engine.outputs import RequestOutput
@@ -59,7 +60,7 @@ class AsyncLLMEngine:
     # ---- requests ------------------------------------------------------------------------
     async def generate(
         self, prompt: PromptInput, sampling_params: SamplingParams | None, request_id: str,
-        prior_output_token_ids: list[int] | None = None,
+        prior_output_token_ids: list[int] | None = None, kv_watch: KVWatch | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs for one prompt until it finishes.
 
@@ -67,12 +68,12 @@ class AsyncLLMEngine:
         `SamplingParams(output_kind="delta")`, or comes once at the end with "final_only".
         Leaving the loop early (break, cancellation, a dropped client) aborts the request and
         frees its blocks. Bad input raises ValueError before anything is queued.
-        `prior_output_token_ids`: see `LLMEngine.add_request` (a request resumed from another
-        worker).
+        `prior_output_token_ids`, `kv_watch`: see `LLMEngine.add_request` (a request resumed
+        from another worker; the prefill role's KV progress, from `watch_kv`).
         """
         self._open(request_id)
         add = functools.partial(self.engine.add_request,
-                                prior_output_token_ids=prior_output_token_ids)
+                                prior_output_token_ids=prior_output_token_ids, kv_watch=kv_watch)
         try:
             await self.call(add, request_id, prompt, sampling_params)
         except asyncio.CancelledError:
@@ -84,6 +85,15 @@ class AsyncLLMEngine:
             raise
         async for out in self._consume(request_id):
             yield out
+
+    def watch_kv(
+        self, on_progress: Callable[[KVProgress], None], layers_per_group: int = 1
+    ) -> KVWatch:
+        """Prefill role: a watch for `generate(..., kv_watch=)` that hands each of the request's
+        KV progress notes to `on_progress` on the calling event loop, in order."""
+        loop = asyncio.get_running_loop()
+        return KVWatch(lambda note: loop.call_soon_threadsafe(on_progress, note),
+                       layers_per_group)
 
     async def reserve_remote(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,

@@ -71,7 +71,9 @@ SlabRange = tuple[int, int, int, int]  # layer_start, layer_end, block_start, bl
 
 def plan_slabs(layout: KVLayout, num_blocks: int, max_bytes: int) -> list[SlabRange]:
     """(l0, l1, b0, b1) ranges covering layers x blocks in slabs of at most `max_bytes` (or one
-    cell when a cell is larger). Whole layers first, so the first layers can leave early."""
+    cell when a cell is larger), whole layers first, for KV computed already. (A prefill worker
+    cuts its slabs as the KV is computed, prefill_svc/frontier.py: the same ranges when all of
+    it is final at once.)"""
     cell = layout.cell_bytes()
     per_layer = cell * num_blocks
     if per_layer <= max_bytes:

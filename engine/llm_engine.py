@@ -27,18 +27,26 @@ from collections.abc import Iterable
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_progress import KVWatch, StepNotes
 from engine.model_loader import load_tokenizer
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.output_processor import RequestGroup, SequenceState, mark_progress
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
+from engine.request_checks import (
+    PromptInput,
+    check_prior,
+    eos_token_ids,
+    reads_history,
+    resolve_max_tokens,
+    tokenize_prompt,
+)
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from engine.stop_checker import StopStringMatcher
 
 logger = logging.getLogger(__name__)
 
-PromptInput = str | list[int]
 
 
 class KVCacheFullError(RuntimeError):
@@ -70,6 +78,7 @@ class LLMEngine:
         self._overlap = config.async_scheduling and config.role != "prefill"
         self._history_bound: set[str] = set()  # requests whose sampling reads every token
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self._kv_watches: dict[str, KVWatch] = {}  # prefill role: requests whose KV is shipped
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -80,6 +89,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         queue: bool = True,
         prior_output_token_ids: list[int] | None = None,
+        kv_watch: KVWatch | None = None,
     ) -> None:
         """Validate and queue one prompt (`params.n` sequences). Raises ValueError on bad input,
         queueing nothing. In the prefill role a request stops after its next token and keeps
@@ -87,14 +97,19 @@ class LLMEngine:
 
         `prior_output_token_ids`: tokens this request generated before, elsewhere (a decode
         worker that died). They are recomputed after the prompt and count as output (max_tokens,
-        min_tokens, penalties, seeded draws) but are never output again."""
+        min_tokens, penalties, seeded draws) but are never output again.
+
+        `kv_watch` (prefill role, n = 1): report the progress of the request's KV to it while
+        its prompt is computed (see `engine.kv_progress`)."""
         params = params or SamplingParams()
         prior = list(prior_output_token_ids or [])
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
-        max_tokens = self._max_tokens(len(token_ids), params)
-        self._check_prior(prior, max_tokens, params.n)
+        if kv_watch is not None and (self.config.role != "prefill" or params.n != 1):
+            raise ValueError("only a prefill-role request with n = 1 can have its KV watched")
+        text, token_ids = tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
+        max_tokens = resolve_max_tokens(self.max_model_len, len(token_ids), params)
+        check_prior(prior, max_tokens, params.n, self.vocab_size)
         if self.config.role == "prefill":
             max_tokens = len(prior) + 1
         group = RequestGroup(
@@ -121,7 +136,9 @@ class LLMEngine:
             seq.sent_tokens = seq.seen_tokens = len(prior)  # the caller has them already
             group.seqs.append(seq)
         self._groups[request_id] = group
-        if _reads_history(params):
+        if kv_watch is not None:
+            self._kv_watches[request_id] = kv_watch
+        if reads_history(params):
             self._history_bound.add(request_id)
         if queue:
             for s in group.seqs:
@@ -227,7 +244,13 @@ class LLMEngine:
         if self._inflight is not None and not overlap:
             return self._complete(*self._take_inflight())
         out = self.scheduler.schedule()
-        launched = None if out.is_empty else self.runner.launch(out)
+        notes = self._kv_notes(out) if self._kv_watches else None
+        if notes is None:
+            launched = None if out.is_empty else self.runner.launch(out)
+        else:
+            notes.begin()
+            launched = self.runner.launch(out, notes.on_layer)
+            notes.end()
         outputs = self._complete(*self._take_inflight()) if self._inflight is not None else []
         if launched is not None:
             if overlap:
@@ -235,6 +258,18 @@ class LLMEngine:
             else:
                 outputs = self._complete(out, launched)
         return outputs
+
+    def _kv_notes(self, out: SchedulerOutput) -> StepNotes | None:
+        """The KV notes of this step's watched requests; first, the preempted ones' earlier
+        notes made stale (their blocks are written by other requests from this step on)."""
+        for req in out.preempted:
+            if (watch := self._kv_watches.get(req.request_id)) is not None:
+                watch.invalidate()
+        chunks = [(w, s) for s in out.scheduled
+                  if (w := self._kv_watches.get(s.request.request_id)) is not None]
+        if not chunks:
+            return None
+        return StepNotes(chunks, len(self.runner.kv_caches), self.runner.mark_ready)
 
     def _take_inflight(self) -> tuple[SchedulerOutput, LaunchedStep]:
         inflight, self._inflight = self._inflight, None
@@ -276,39 +311,9 @@ class LLMEngine:
 
     def _forget(self, req: Request) -> None:
         self.runner.release(req.request_id)
-
-    # ---- validation ----------------------------------------------------------------------
-    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
-        if not isinstance(prompt, list) or not prompt:
-            raise ValueError("prompt must be a non-empty string or list of token ids")
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt token id {t!r} is outside the vocabulary")
-        return None, list(prompt)
-
-    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise ValueError(
-                f"prompt is {prompt_len} tokens, longer than the model's context: max_model_len "
-                f"is {self.max_model_len} and at least one token must be generated"
-            )
-        return room if params.max_tokens is None else min(params.max_tokens, room)
-
-    def _check_prior(self, prior: list[int], max_tokens: int, n: int) -> None:
-        if not prior:
-            return
-        if n != 1:
-            raise ValueError("n must be 1 for a request resumed with prior output tokens")
-        if len(prior) >= max_tokens:
-            raise ValueError(f"{len(prior)} prior output tokens leave none of max_tokens "
-                             f"({max_tokens}) to generate")
-        if any(not 0 <= t < self.vocab_size for t in prior):
-            raise ValueError("a prior output token id is outside the vocabulary")
+        watch = self._kv_watches.pop(req.request_id, None)
+        if watch is not None and req.request_id not in self.scheduler.held:
+            watch.invalidate()  # its blocks are free: nothing of it may be read any more
 
     def _sequence_state(self, req: Request, params: SamplingParams) -> SequenceState:
         detok = matcher = None
@@ -320,24 +325,3 @@ class LLMEngine:
                 matcher = StopStringMatcher(params.stop_list, params.include_stop_str_in_output)
         lazy = matcher is None and params.output_kind == RequestOutputKind.FINAL_ONLY
         return SequenceState(req, detok, matcher, lazy=lazy)
-
-
-def eos_token_ids(hf_config: object, tokenizer: object) -> frozenset[int]:
-    """The model's end-of-sequence ids: config's eos_token_id (int or list) and the tokenizer's."""
-    ids: set[int] = set()
-    cfg_eos = getattr(hf_config, "eos_token_id", None)
-    if isinstance(cfg_eos, int):
-        ids.add(cfg_eos)
-    elif isinstance(cfg_eos, (list, tuple)):
-        ids.update(cfg_eos)
-    tok_eos = getattr(tokenizer, "eos_token_id", None)
-    if tok_eos is not None:
-        ids.add(tok_eos)
-    return frozenset(ids)
-
-
-def _reads_history(params: SamplingParams) -> bool:
-    """Whether sampling a token needs every earlier one on the host (penalties, min_tokens)."""
-    return params.min_tokens > 0 or (
-        params.repetition_penalty, params.frequency_penalty, params.presence_penalty
-    ) != (1.0, 0.0, 0.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -190,16 +191,19 @@ class ModelRunner:
         return self.launch(out).result()
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+    def launch(
+        self, out: SchedulerOutput, on_layer: Callable[[int], None] | None = None
+    ) -> LaunchedStep:
         """Queue `out`'s forward pass and sampling on the device without waiting for them.
         Input tokens still pending (sampled by the previous launch, not appended yet) are read
-        from that launch's results on the device."""
+        from that launch's results on the device. `on_layer`: see `LlamaForCausalLM.forward`
+        (not called for a step replayed from a CUDA graph)."""
         inp = build_model_input(out, self.block_size, self.device, self._pending)
         if self.graphs is not None and self.graphs.can_run(inp.meta):
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
         else:
             self.backend.prepare(inp.meta)
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, on_layer)
         if not inp.sampling:
             self._pending = None
             return LaunchedStep([], None)
@@ -229,6 +233,15 @@ class ModelRunner:
             skip_draws(gen, req.num_output_tokens)  # tokens sampled before: on another worker
             self._generators[req.request_id] = gen
         return gen
+
+    def mark_ready(self) -> torch.cuda.Event | None:
+        """An event recorded on the compute stream now (CUDA): work queued so far is done once
+        it completes. None on the CPU, where a step's ops have finished when they return."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (its seeded generator) once the request is finished."""

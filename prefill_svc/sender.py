@@ -1,9 +1,18 @@
-"""Shipping a prefilled request's KV blocks to a decode worker.
+"""Shipping a request's KV blocks to a decode worker while the prefill worker computes them.
 
 The transfer sits behind `KVSender`, so another transport (CUDA IPC handles on one host, RDMA)
-can replace gRPC without touching the engine or the servicer. `GrpcKVSender` streams PushKV:
-one header, then slabs of a few MiB, each serialized off the event loop while the previous one
-is on the wire.
+can replace gRPC without touching the engine or the servicer. `GrpcKVSender` streams PushKV
+from the moment the request is admitted:
+
+    header (layout, request, tokens, blocks)         at once
+    slab, slab, ...                                  as `KVPush.next_slab` hands them out: layer
+                                                     groups and blocks the engine noted final
+    commit (first token, its logprobs)               once the first token is sampled and every
+                                                     layer x block has gone
+
+Each slab is gathered off the event loop (a sender thread: torch releases the GIL inside its
+ops, so the gather runs while the engine computes later layers) while the previous one is on
+the wire.
 
 NOTE: a slab costs one copy on this side before grpc's own. Its blocks are gathered
 (`index_select`, GIL released) into a staging buffer reused for every slab of the push, then
@@ -14,6 +23,11 @@ given to a constructor), and SerializeToString; that halved the transfer's throu
 
     cache[l][:, block_ids[b0:b1]] --index_select--> staging [l1-l0, 2, b1-b0, bs, Hkv, D]
     KVChunk framing (field 2, KVData fields 1-5) + staging bytes --join--> message bytes
+
+On CUDA the gather runs on a stream of its own, after the event the engine recorded behind the
+layers that wrote those blocks (`KVProgress.ready`), then copies to pinned host memory and
+synchronizes, all inside `SlabTicket.reading()` so that a preemption cannot hand the blocks to
+another request mid-read. (This path is not exercised by the CPU test suite.)
 """
 
 from __future__ import annotations
@@ -21,41 +35,30 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
 import torch
 
 from decode_svc.convert import layout_to_pb
-from engine.kv_transfer import SlabRange, layout_of, plan_slabs
-from pdserve.cluster.convert import LogprobsTuple, logprobs_to_pb
+from engine.kv_transfer import SlabRange, layout_of
+from pdserve.cluster.convert import logprobs_to_pb
 from pdserve.cluster.grpc_server import open_channel
 from pdserve.cluster.tls import PLAINTEXT, TLSConfig
 from pdserve.cluster.worker import TransferStats
+from prefill_svc.push import KVPush, SlabTicket
 from protos import decode_pb2
 
 _PUSH_KV = decode_pb2.DESCRIPTOR.services_by_name["Decode"].methods_by_name["PushKV"]
 PUSH_KV = f"/{_PUSH_KV.containing_service.full_name}/{_PUSH_KV.name}"  # the rpc's path
 
 
-@dataclass
-class KVTransfer:
-    """One request's KV to ship: its blocks on this worker and what the header announces."""
-
-    request_id: str
-    num_tokens: int
-    block_ids: list[int]
-    first_token_id: int
-    first_logprobs: LogprobsTuple | None = None
-
-
 class KVSender(Protocol):
     stats: TransferStats
 
-    async def send(self, decode_address: str, transfer: KVTransfer) -> int:
-        """Ship every block of `transfer` to the decode worker; returns bytes sent. Raises on
-        failure (the caller frees the blocks either way)."""
+    async def send(self, decode_address: str, push: KVPush) -> int:
+        """Ship `push` to the decode worker as its KV becomes final; returns bytes accepted.
+        Raises on failure (the caller frees the blocks either way)."""
         ...
 
     async def close(self) -> None:
@@ -75,34 +78,46 @@ class GrpcKVSender:
         self.stats = TransferStats()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    async def send(self, decode_address: str, transfer: KVTransfer) -> int:
-        push = self._channel(decode_address).stream_unary(
+    def new_push(self, request_id: str, num_tokens: int) -> KVPush:
+        """An empty push of this worker's layout and slab size, for the engine to fill."""
+        return KVPush(request_id, num_tokens, self.layout, self.slab_bytes)
+
+    async def send(self, decode_address: str, push: KVPush) -> int:
+        call = self._channel(decode_address).stream_unary(
             PUSH_KV, response_deserializer=decode_pb2.PushKVResponse.FromString
         )  # no request serializer: `messages` yields wire bytes
         started = time.perf_counter()
         try:
-            reply = await push(self.messages(transfer), timeout=self.timeout_s)
+            reply = await call(self.messages(push), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             self.stats.failed += 1
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 await self._drop_channel(decode_address)
             raise ConnectionError(f"KV push to {decode_address} failed: {exc.details()}") from exc
         self.stats.record(reply.bytes_received, time.perf_counter() - started)
+        self.stats.record_overlap(push.bytes_before_first_token,
+                                  (push.commit_sent_at or 0.0) - (push.first_token_at or 0.0))
         return reply.bytes_received
 
-    async def messages(self, t: KVTransfer) -> AsyncIterator[bytes]:
-        """The push's KVChunk messages as wire bytes: the header, then every slab (each
-        gathered off the event loop). Reads the cache."""
-        header = decode_pb2.KVHeader(
-            request_id=t.request_id, layout=layout_to_pb(self.layout), num_tokens=t.num_tokens,
-            num_blocks=len(t.block_ids), first_token_id=t.first_token_id,
-        )
-        if t.first_logprobs is not None:
-            header.first_logprobs.CopyFrom(logprobs_to_pb(t.first_logprobs))
-        yield decode_pb2.KVChunk(header=header).SerializeToString()
-        stager = SlabStager(self.kv_caches, t.block_ids, self.slab_bytes)
-        for slab in stager.ranges:
-            yield await asyncio.to_thread(stager.encode, slab)
+    async def messages(self, push: KVPush) -> AsyncIterator[bytes]:
+        """The push's KVChunk messages as wire bytes: the header, every slab as it becomes
+        final (each gathered off the event loop), the commit. Reads the cache."""
+        yield decode_pb2.KVChunk(header=decode_pb2.KVHeader(
+            request_id=push.request_id, layout=layout_to_pb(self.layout),
+            num_tokens=push.num_tokens, num_blocks=push.num_blocks,
+        )).SerializeToString()
+        stager = SlabStager(self.kv_caches)
+        while (ticket := await push.next_slab()) is not None:
+            message = await asyncio.to_thread(stager.encode, ticket)
+            if message is not None:  # None: stale, a preemption; those cells come again
+                push.sent(ticket, _cells(ticket.slab) * self.layout.cell_bytes())
+                yield message
+        assert push.first is not None
+        commit = decode_pb2.KVCommit(first_token_id=push.first[0])
+        if push.first[1] is not None:
+            commit.first_logprobs.CopyFrom(logprobs_to_pb(push.first[1]))
+        push.commit_sent_at = time.perf_counter()
+        yield decode_pb2.KVChunk(commit=commit).SerializeToString()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -120,36 +135,57 @@ class GrpcKVSender:
 
 
 class SlabStager:
-    """One push's slabs as KVChunk wire bytes, gathered through one reusable staging buffer
-    (plus a host copy when the cache is not on the CPU). Not thread-safe: one slab at a time."""
+    """A push's slabs as KVChunk wire bytes, gathered through one reusable staging buffer (plus
+    a pinned host copy and a stream of its own when the cache is on a GPU). Not thread-safe:
+    one slab at a time."""
 
-    def __init__(
-        self, kv_caches: list[torch.Tensor], block_ids: list[int], max_bytes: int
-    ) -> None:
+    def __init__(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
         self.layout = layout_of(kv_caches)
-        device = kv_caches[0].device
-        self.block_ids = torch.tensor(block_ids, dtype=torch.long, device=device)
-        self.ranges = plan_slabs(self.layout, len(block_ids), max_bytes)
-        size = max((_cells(r) for r in self.ranges), default=0) * self.layout.cell_bytes()
-        self.staging = torch.empty(size, dtype=torch.uint8, device=device)
-        self.host = self.staging
-        if device.type != "cpu":
-            self.host = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.device = kv_caches[0].device
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.staging = self.host = torch.empty(0, dtype=torch.uint8, device=self.device)
 
-    def encode(self, slab: SlabRange) -> bytes:
-        """KVChunk{data: KVData{range, bytes}} of layers [l0, l1) x blocks [b0, b1)."""
-        l0, l1, b0, b1 = slab
-        lay, nbytes = self.layout, _cells(slab) * self.layout.cell_bytes()
+    def encode(self, ticket: SlabTicket) -> bytes | None:
+        """KVChunk{data: KVData{range, bytes}} of the ticket's layers [l0, l1) x blocks
+        [b0, b1); None if a preemption made the ticket stale (its blocks may be another
+        request's by now)."""
+        nbytes = _cells(ticket.slab) * self.layout.cell_bytes()
+        self._reserve(nbytes)
+        with ticket.reading() as current:
+            if not current:
+                return None
+            if self.stream is None:
+                self._gather(ticket, nbytes)
+            else:
+                with torch.cuda.stream(self.stream):
+                    if ticket.ready is not None:
+                        self.stream.wait_event(ticket.ready)  # the layers that wrote them
+                    self._gather(ticket, nbytes)
+                    self.host[:nbytes].copy_(self.staging[:nbytes], non_blocking=True)
+                self.stream.synchronize()
+        return b"".join((slab_framing(ticket.slab, nbytes), self.host[:nbytes].numpy()))
+
+    def _gather(self, ticket: SlabTicket, nbytes: int) -> None:
+        l0, l1, b0, b1 = ticket.slab
+        lay = self.layout
+        ids = torch.tensor(ticket.block_ids, dtype=torch.long, device=self.device)
         out = self.staging[:nbytes].view(lay.torch_dtype).view(
             l1 - l0, 2, b1 - b0, lay.block_size, lay.num_kv_heads, lay.head_dim
         )
         for i, layer in enumerate(range(l0, l1)):
-            torch.index_select(self.kv_caches[layer], 1, self.block_ids[b0:b1], out=out[i])
-        host = self.host[:nbytes]
-        if self.host is not self.staging:
-            host.copy_(self.staging[:nbytes])
-        return b"".join((slab_framing(slab, nbytes), host.numpy()))
+            torch.index_select(self.kv_caches[layer], 1, ids, out=out[i])
+
+    def _reserve(self, nbytes: int) -> None:
+        """Grow the staging buffer (and its host copy) to hold `nbytes`."""
+        if self.staging.numel() >= nbytes:
+            return
+        if self.stream is None:
+            self.staging = self.host = torch.empty(nbytes, dtype=torch.uint8)
+            return
+        with torch.cuda.stream(self.stream):
+            self.staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 def slab_framing(slab: SlabRange, nbytes: int) -> bytes:

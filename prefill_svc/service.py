@@ -1,5 +1,13 @@
-"""The Prefill gRPC servicer: compute the prompt, answer with the first token at once, ship the
-KV to the named decode worker in the background, free the blocks when it acknowledges."""
+"""The Prefill gRPC servicer: compute the prompt while its KV streams to the named decode
+worker, answer with the first token at once, free the blocks when the decode worker
+acknowledges the push (or when anything goes wrong).
+
+    Prefill ─▶ push opened (header) ─▶ engine computes, notes final layer groups ─▶ slabs go
+            ─▶ first token: answered, and the push's commit follows the last slabs
+            ─▶ PushKV reply (or failure, abort, lease expiry): blocks released
+    a request that ends at its first token (eos, stop, max_tokens 1) aborts its push: the
+    decode worker frees its reservation
+"""
 
 from __future__ import annotations
 
@@ -15,10 +23,12 @@ from engine.outputs import RequestOutput
 from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
 from pdserve.cluster.convert import load_to_pb, sampling_params_from_pb
 from prefill_svc.convert import first_logprobs, response_to_pb
-from prefill_svc.sender import KVSender, KVTransfer
+from prefill_svc.push import KVPush
+from prefill_svc.sender import KVSender
 from protos import common_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
+NOTES_PER_STEP = 8  # KV progress notes per step and request: layer groups of L / 8 layers
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -29,13 +39,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.sender = sender
         self.cancels = cancels
         self.pushes: dict[str, asyncio.Task] = {}
+        num_layers = len(engine.engine.runner.kv_caches)
+        self.layers_per_group = max(1, -(-num_layers // NOTES_PER_STEP))
 
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         params = sampling_params_from_pb(request.params)
         request_id, prompt = request.request_id, list(request.prompt_token_ids)
         prior = list(request.prior_output_token_ids)  # a migrated request's earlier outputs
         await self.cancels.check(request_id)
-        out = await self._first_token(request_id, prompt, params, prior)
+        push = None
+        if request.decode_address and params.max_tokens != len(prior) + 1:  # else: no KV to ship
+            push = self._start_push(request_id, len(prompt) + len(prior), request.decode_address)
+        try:
+            out = await self._first_token(request_id, prompt, params, prior, push)
+        except BaseException:
+            self._stop_push(request_id)  # the engine freed the blocks
+            raise
         c = out.outputs[0]
         finish = c.finish_reason if c.finish_reason == "stop" else ""
         if not finish and params.max_tokens == len(prior) + 1:
@@ -43,38 +62,56 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         logger.info("[%s] prefilled %d tokens (%d cached), first token %d%s", request_id,
                     len(prompt), out.num_cached_tokens, c.token_ids[0],
                     f", finished: {finish}" if finish else f", KV to {request.decode_address}")
-        if finish or not request.decode_address:
+        if push is not None and not finish and not push.ended:
+            push.commit(c.token_ids[0], first_logprobs(c))
+        else:  # nothing (more) to ship: end the push, free the blocks
+            self._stop_push(request_id)
             await self.engine.call(self.engine.engine.release, request_id)
-        else:
-            transfer = KVTransfer(request_id, len(prompt) + len(prior), [], c.token_ids[0],
-                                  first_logprobs(c))
-            task = asyncio.create_task(self._push(request.decode_address, transfer))
-            self.pushes[request_id] = task
         return response_to_pb(c, out.num_cached_tokens, finish)
 
+    def _start_push(self, request_id: str, num_tokens: int, decode_address: str) -> KVPush:
+        """Open the request's push before the engine sees it, so no note is missed."""
+        if request_id in self.pushes:  # its push would free the other's blocks
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        push = self.sender.new_push(request_id, num_tokens)
+        push.watch = self.engine.watch_kv(push.on_progress, self.layers_per_group)
+        self.pushes[request_id] = asyncio.create_task(self._push(decode_address, push))
+        return push
+
+    def _stop_push(self, request_id: str) -> None:
+        task = self.pushes.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+
     async def _first_token(
-        self, request_id: str, prompt: list[int], params: Any, prior: list[int]
+        self, request_id: str, prompt: list[int], params: Any, prior: list[int],
+        push: KVPush | None,
     ) -> RequestOutput:
         final = None
-        async with aclosing(self.engine.generate(prompt, params, request_id, prior)) as outs:
+        watch = None if push is None else push.watch
+        async with aclosing(self.engine.generate(prompt, params, request_id, prior,
+                                                 kv_watch=watch)) as outs:
             async for out in outs:
                 final = out
         assert final is not None and final.finished
         return final
 
-    async def _push(self, decode_address: str, transfer: KVTransfer) -> None:
-        """Ship the held blocks, then free them whatever happened."""
-        rid = transfer.request_id
+    async def _push(self, decode_address: str, push: KVPush) -> None:
+        """Ship the KV as it is computed, then free the held blocks whatever happened (the
+        servicer frees them instead when the push ends before the request is held)."""
+        rid = push.request_id
         try:
-            transfer.block_ids = await self.engine.call(self.engine.engine.held_block_ids, rid)
-            sent = await self.sender.send(decode_address, transfer)
-            logger.info("[%s] KV pushed: %d blocks, %d bytes", rid, len(transfer.block_ids), sent)
+            sent = await self.sender.send(decode_address, push)
+            logger.info("[%s] KV pushed: %d blocks, %d bytes, %d before the first token", rid,
+                        push.num_blocks, sent, push.bytes_before_first_token)
         except asyncio.CancelledError:
             logger.info("[%s] KV push aborted", rid)
         except Exception as exc:  # noqa: BLE001 - the decode side fails the request
             logger.warning("[%s] KV push to %s failed: %s", rid, decode_address, exc)
         finally:
-            self.pushes.pop(rid, None)
+            push.ended = True
+            if self.pushes.get(rid) is asyncio.current_task():
+                del self.pushes[rid]
             await self.engine.call(self.engine.engine.release, rid)
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

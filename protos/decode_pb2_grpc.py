@@ -77,10 +77,14 @@ class DecodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushKV(self, request_iterator, context):
-        """Receive one request's KV: a KVHeader, then KVData chunks of a few MiB each. The header's
-        layout must equal this worker's and its request must have an open Generate; otherwise the
-        stream is rejected (INVALID_ARGUMENT naming the difference / NOT_FOUND) and nothing stays
-        reserved.
+        """Receive one request's KV while the prefill worker computes it: a KVHeader, then KVData
+        slabs of a few MiB in any order (each written into the reserved blocks as it arrives), then
+        one KVCommit carrying the first token, last. The header's layout must equal this worker's
+        and its request must have an open Generate; otherwise the stream is rejected
+        (INVALID_ARGUMENT naming the difference / NOT_FOUND). A slab out of range, of the wrong
+        size or overlapping another, a commit before every layer x block arrived, or a stream that
+        ends without a commit fail the transfer (INVALID_ARGUMENT): the request's Generate fails
+        and nothing stays reserved. The request joins the decode batch on the commit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

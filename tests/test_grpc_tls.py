@@ -19,7 +19,7 @@ from tls_certs import Certs, make_certs
 from pdserve.cluster.flags import add_common_flags
 from pdserve.cluster.grpc_server import check_health, make_server, open_channel, set_serving
 from pdserve.cluster.tls import PLAINTEXT, TLSConfig, listen, tls_from_args
-from prefill_svc.sender import GrpcKVSender, KVTransfer
+from prefill_svc.sender import GrpcKVSender
 from protos import decode_pb2, decode_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.service import TokenizerModel, TokenizerServicer
 
@@ -86,16 +86,17 @@ async def test_mutual_tls_kv_push(certs: Certs) -> None:
     server_tls = TLSConfig(certs.server_cert, certs.server_key, certs.ca)
     add = lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(CountingDecode(), s)
     caches = [torch.randn(2, 4, 4, 2, 8) for _ in range(3)]  # 3 layers, 4 blocks of 4 tokens
-    transfer = KVTransfer("r1", num_tokens=10, block_ids=[2, 0, 3], first_token_id=7)
     expected = 3 * 3 * 2 * 4 * 2 * 8 * 4  # layers x blocks x (K, V) x tokens x heads x dim x 4 B
     async with serving("pdserve.v1.Decode", add, server_tls) as address:
         prefill = TLSConfig(certs.client_cert, certs.client_key, certs.ca)
         sender = GrpcKVSender(caches, slab_bytes=1024, tls=prefill)
-        assert await sender.send(address, transfer) == expected
+        push = sender.new_push("r1", num_tokens=10).computed([2, 0, 3], first_token_id=7)
+        assert await sender.send(address, push) == expected
         await sender.close()
         anonymous = GrpcKVSender(caches, tls=TLSConfig(ca=certs.ca))
+        push = anonymous.new_push("r1", num_tokens=10).computed([2, 0, 3], first_token_id=7)
         with pytest.raises(ConnectionError):
-            await anonymous.send(address, transfer)
+            await anonymous.send(address, push)
         await anonymous.close()
         assert not await check_health(address, tls=TLSConfig(ca=certs.ca))
         assert await check_health(address, tls=prefill)

@@ -118,10 +118,11 @@ def _reference(model: str) -> tuple[KVLayout, Reference, Reference]:
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-def _params() -> common_pb2.SamplingParams:
+def _params(max_tokens: int = MAX_TOKENS, **kw: object) -> common_pb2.SamplingParams:
     from pdserve import SamplingParams
 
-    return sampling_params_to_pb(SamplingParams(temperature=0, max_tokens=MAX_TOKENS), MAX_TOKENS)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+    return sampling_params_to_pb(params, max_tokens)
 
 
 def _load(stub: prefill_pb2_grpc.PrefillStub | decode_pb2_grpc.DecodeStub) -> tuple[int, ...]:
@@ -146,11 +147,13 @@ def _wait_idle(stub: prefill_pb2_grpc.PrefillStub | decode_pb2_grpc.DecodeStub,
         time.sleep(0.05)
 
 
-def _open(w: Workers, request_id: str, ref: Reference) -> grpc.Call:
+def _open(w: Workers, request_id: str, ref: Reference,
+          params: common_pb2.SamplingParams | None = None) -> grpc.Call:
     """Generate on the decode worker, up to its first (empty) message: blocks reserved."""
     assert _load(w.decode) == IDLE
     call = w.decode.Generate(decode_pb2.GenerateRequest(
-        request_id=request_id, prompt_token_ids=ref.prompt, params=_params()), timeout=30)
+        request_id=request_id, prompt_token_ids=ref.prompt, params=params or _params()),
+        timeout=30)
     assert next(call) == decode_pb2.GenerateResponse()
     assert _load(w.decode) == _reserved(ref.num_blocks)
     return call
@@ -165,7 +168,11 @@ def _rpc_error(fn: Callable[[], object]) -> grpc.RpcError:
 def _header(request_id: str, layout: KVLayout, ref: Reference) -> decode_pb2.KVChunk:
     return decode_pb2.KVChunk(header=decode_pb2.KVHeader(
         request_id=request_id, layout=layout_to_pb(layout), num_tokens=len(ref.prompt),
-        num_blocks=ref.num_blocks, first_token_id=ref.tokens[0]))
+        num_blocks=ref.num_blocks))
+
+
+def _commit(ref: Reference) -> decode_pb2.KVChunk:
+    return decode_pb2.KVChunk(commit=decode_pb2.KVCommit(first_token_id=ref.tokens[0]))
 
 
 def _slabs(layout: KVLayout, num_blocks: int) -> list[decode_pb2.KVChunk]:
@@ -201,8 +208,7 @@ def test_transfer_cut_off_midway_frees_the_prefill_blocks(workers: Workers, then
         assert (reply.first_token_id, reply.finish_reason) == (ref.tokens[0], "")
         assert fake.next_event() == {
             "event": "header", "request_id": rid, "num_tokens": len(ref.prompt),
-            "num_blocks": 3, "first_token_id": ref.tokens[0],
-            "layout": [2, 2, 16, "float32", BLOCK_SIZE],
+            "num_blocks": 3, "layout": [2, 2, 16, "float32", BLOCK_SIZE],
         }
         full = len(plan_slabs(w.layout, ref.num_blocks, SLAB_BYTES))
         assert full == 6
@@ -243,6 +249,7 @@ def test_a_push_that_outlives_its_generate_is_refused(workers: Workers) -> None:
         yield slabs[0]
         assert resume.wait(timeout=20)
         yield from slabs[1:]
+        yield _commit(ref)
 
     push = w.decode.PushKV.future(chunks(), timeout=30)
     err = _rpc_error(lambda: next(call))
@@ -271,16 +278,24 @@ def _wrong_block_count(rid: str, lay: KVLayout, ref: Reference) -> list[decode_p
 def _short_slab(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
     slabs = _slabs(lay, ref.num_blocks)
     slabs[2].data.data = slabs[2].data.data[:-1]
-    return [_header(rid, lay, ref), *slabs]
+    return [_header(rid, lay, ref), *slabs, _commit(ref)]
 
 
 def _truncated(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
     return [_header(rid, lay, ref), *_slabs(lay, ref.num_blocks)[:-1]]
 
 
+def _early_commit(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
+    return [_header(rid, lay, ref), *_slabs(lay, ref.num_blocks)[:-1], _commit(ref)]
+
+
+def _no_commit(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
+    return [_header(rid, lay, ref), *_slabs(lay, ref.num_blocks)]
+
+
 def _overlap(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
     slabs = _slabs(lay, ref.num_blocks)
-    return [_header(rid, lay, ref), slabs[0], *slabs]
+    return [_header(rid, lay, ref), slabs[0], *slabs, _commit(ref)]
 
 
 def _out_of_range(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
@@ -301,11 +316,14 @@ BAD_PUSHES = {
     "slab one byte short": (_short_slab, "KV slab holds 4095 bytes, expected 4096"),
     "stream ends early": (
         _truncated, "KV stream ended before every layer and block arrived"),
+    "commit before the last slab": (
+        _early_commit, "KV commit before every layer and block arrived"),
+    "no commit": (_no_commit, "KV stream ended without its commit"),
     "slab sent twice": (_overlap, "KV slab layers [0, 1) x blocks [0, 1) overlaps another"),
     "block out of range": (
         _out_of_range, "KV slab range layers [0, 1) x blocks [3, 4) is invalid"),
     "second header": (
-        _two_headers, "a KV stream carries one header, then only data chunks"),
+        _two_headers, "a KV stream carries one header, then data chunks and a commit"),
 }
 
 
@@ -389,12 +407,44 @@ def test_disaggregated_tokens_equal_colocated(workers: Workers, which: str) -> N
     _wait_idle(w.decode)
 
 
+@pytest.mark.parametrize("how", ["max_tokens 1", "stop token"])
+def test_a_request_that_ends_at_its_first_token_leaves_no_blocks(
+    workers: Workers, how: str
+) -> None:
+    """max_tokens 1: the prefill worker knows it at once and pushes nothing. A stop token (or
+    eos): the push already under way is aborted, and the decode worker's Generate fails with
+    that reason (the gateway no longer reads it). Either way both workers end with every block
+    free once the gateway drops its Generate."""
+    w, ref, rid = workers, workers.long, f"ends-{how.replace(' ', '-')}"
+    params = _params(1) if how == "max_tokens 1" else _params(stop_token_ids=[ref.tokens[0]])
+    call = _open(w, rid, ref, params)
+    reply = w.prefill.Prefill(prefill_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=ref.prompt, params=params,
+        decode_address=w.decode_address), timeout=30)
+    assert (reply.first_token_id, reply.finish_reason) == (
+        ref.tokens[0], "length" if how == "max_tokens 1" else "stop")
+    _wait_idle(w.prefill)
+    if how == "stop token":
+        err = _rpc_error(lambda: next(call))  # a cancelled push: cut off, or cut short
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert err.details() in (
+            "KV transfer failed: the push was cancelled",
+            "KV transfer failed: KV stream ended before every layer and block arrived",
+            "KV transfer failed: KV stream ended without its commit",
+        )
+    else:
+        assert _load(w.decode) == _reserved(ref.num_blocks)  # nothing came: still waiting
+    call.cancel()
+    _wait_idle(w.decode)
+
+
 def test_a_zero_filled_push_decodes_other_tokens(workers: Workers) -> None:
     """The control that gives the equality above its meaning: the same first token over an
     all-zero KV continues differently, so the decode worker's tokens depend on the pushed KV."""
     w, ref, rid = workers, workers.long, "zeros"
     call = _open(w, rid, ref)
-    reply = _push(w, [_header(rid, w.layout, ref), *_slabs(w.layout, ref.num_blocks)])
+    reply = _push(w, [_header(rid, w.layout, ref), *_slabs(w.layout, ref.num_blocks),
+                      _commit(ref)])
     assert reply.bytes_received == 6 * w.layout.cell_bytes()
     tokens = [ref.tokens[0], *(t for msg in call for t in msg.token_ids)]
     assert len(tokens) == len(ref.tokens) and tokens != ref.tokens

@@ -131,9 +131,8 @@ def _fake_servicer(chunks: int, then: str) -> Any:
             header = next(request_iterator).header
             lay = header.layout
             _emit(event="header", request_id=header.request_id, num_tokens=header.num_tokens,
-                  num_blocks=header.num_blocks, first_token_id=header.first_token_id,
-                  layout=[lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype,
-                          lay.block_size])
+                  num_blocks=header.num_blocks, layout=[lay.num_layers, lay.num_kv_heads,
+                                                        lay.head_dim, lay.dtype, lay.block_size])
             for _ in range(chunks):
                 d = next(request_iterator).data
                 _emit(event="data", range=[d.layer_start, d.layer_end, d.block_start,

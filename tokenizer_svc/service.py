@@ -15,8 +15,8 @@ class TokenizerModel:
     """The served model's tokenizer and facts, loaded once."""
 
     def __init__(self, model_path: str, model_name: str, max_model_len: int | None = None):
-        from engine.llm_engine import eos_token_ids
         from engine.model_loader import load_hf_config, load_tokenizer
+        from engine.request_checks import eos_token_ids
 
         self.tokenizer = load_tokenizer(model_path)
         config = load_hf_config(model_path)

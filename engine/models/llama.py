@@ -8,7 +8,7 @@ their slices. Numerics follow transformers' Llama (same op order) so fp32 logits
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -154,12 +154,15 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
         h = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary_emb.inputs(positions, h.dtype)  # shared by every layer
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             h, residual = layer(h, residual, rope, kv_cache, meta)
+            if on_layer is not None:
+                on_layer(i + 1)  # layers [0, i + 1) hold this step's K/V (queued, on CUDA)
         return self.norm(h, residual)[0]
 
 
@@ -185,9 +188,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, head_dim]
         meta: AttentionMetadata,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
-        """Hidden states of the new tokens. Side effect: writes their K/V into `kv_caches`."""
-        return self.model(input_ids, positions, kv_caches, meta)
+        """Hidden states of the new tokens. Side effect: writes their K/V into `kv_caches`.
+        `on_layer(n)`, if given, is called once layers [0, n) are done (prefill role: the KV
+        sender ships their blocks while later layers compute)."""
+        return self.model(input_ids, positions, kv_caches, meta, on_layer)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -14,8 +14,11 @@ NOTE: two measurements, over a real `pdserve up` cluster (gateway, tokenizer, 1 
              to the second token off the decode worker: transfer, commit, one decode step).
              Worker counters (Prometheus, addresses from the registry), read before and after:
              kv_transfer_seconds and kv_transfer_bytes of the prefill (sender: push to reply) and
-             decode (receiver: header to commit) workers. The first token must not wait for
-             the transfer: TTFT ~ queueing + prefill, and the transfer shows up in the second.
+             decode (receiver: header to commit) workers; the push streams while the prompt is
+             computed, so both span the prefill too. What overlapped: the prefill worker's
+             kv_transfer_bytes_before_first_token, and what did not, its
+             kv_transfer_first_token_to_commit_seconds (first token to the commit sent). The
+             first token must not wait for the transfer: TTFT ~ queueing + prefill.
   ttft       TTFT through the whole pipeline (gateway -> tokenizer-free token-id prompt ->
              decode reservation -> prefill -> SSE) against the in-process engine
              (`AsyncLLMEngine`, same model and flags, in this process) on the same prompt, per
@@ -53,7 +56,8 @@ from pdserve.bench.throughput import make_workload
 from pdserve.bench.transfer import parse_sizes
 from pdserve.launcher import free_port
 
-COUNTERS = ("kv_transfer_seconds", "kv_transfer_bytes", "kv_transfers")
+COUNTERS = ("kv_transfer_seconds", "kv_transfer_bytes", "kv_transfers",
+            "kv_transfer_bytes_before_first_token", "kv_transfer_first_token_to_commit_seconds")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -251,6 +255,8 @@ async def handover_once(ctx: Context, prompt: list[int]) -> dict[str, float]:
         "transfer_bytes": deltas["decode"]["kv_transfer_bytes"],
         "transfer_s": transfer_s,
         "sender_transfer_s": deltas["prefill"]["kv_transfer_seconds"],
+        "bytes_before_first_token": deltas["prefill"]["kv_transfer_bytes_before_first_token"],
+        "first_token_to_commit_s": deltas["prefill"]["kv_transfer_first_token_to_commit_seconds"],
         "transfer_share_of_ttft": transfer_s / ttft,
         "transfer_share_of_second_token": transfer_s / second,
     }
@@ -342,7 +348,9 @@ def format_table(report: dict[str, Any]) -> str:
         f"handover, {report['handover']['prompt_tokens']}-token prompt, medians of "
         f"{report['config']['repeats']} | load average {load:.1f}",
         f"  KV moved {h['transfer_bytes'] / (1 << 20):.1f} MiB in {1e3 * h['transfer_s']:.1f} ms"
-        f" (decode, header to commit; prefill sender {1e3 * h['sender_transfer_s']:.1f} ms)",
+        f" (decode, header to commit; prefill sender {1e3 * h['sender_transfer_s']:.1f} ms), "
+        f"{h['bytes_before_first_token'] / (1 << 20):.1f} MiB before the first token, commit "
+        f"{1e3 * h['first_token_to_commit_s']:.1f} ms after it",
         f"  TTFT {1e3 * h['ttft_s']:.1f} ms = reserve {1e3 * h['reserved_at_s']:.1f} + prefill "
         f"{1e3 * h['prefill_s']:.1f} + {1e3 * h['ttft_after_prefill_s']:.1f}; second token "
         f"{1e3 * h['second_token_s']:.1f} ms (prefill end -> 2nd token "

@@ -48,7 +48,8 @@ from pdserve.bench.report import bench_main, config_of, write_report
 from pdserve.cluster.convert import sampling_params_to_pb
 from pdserve.cluster.grpc_server import GRPC_OPTIONS, check_health, open_channel
 from pdserve.launcher import free_port
-from prefill_svc.sender import GrpcKVSender, KVTransfer
+from prefill_svc.push import KVPush
+from prefill_svc.sender import GrpcKVSender
 from protos import decode_pb2, decode_pb2_grpc
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -221,14 +222,16 @@ class PushDriver:
         self.senders: list[GrpcKVSender] = []
         self.count = 0
 
-    def transfer(self) -> KVTransfer:
+    def transfer(self, sender: GrpcKVSender) -> KVPush:
+        """A push of KV computed already: every slab final, the first token known."""
         self.count += 1
-        return KVTransfer(f"bench-{self.count}", self.plan.num_tokens, self.blocks, 100)
+        push = sender.new_push(f"bench-{self.count}", self.plan.num_tokens)
+        return push.computed(self.blocks, 100)
 
     async def push(self, sender: GrpcKVSender) -> float:
         """Generate (blocks reserved) -> timed send -> Generate read to its end (blocks freed).
         Returns the seconds of the send alone."""
-        t = self.transfer()
+        t = self.transfer(sender)
         prompt = [100 + (i * 7919 + self.count) % 20000 for i in range(t.num_tokens)]
         params = sampling_params_to_pb(SamplingParams(temperature=0, max_tokens=2), 2)
         call = self.stub.Generate(decode_pb2.GenerateRequest(
@@ -251,7 +254,7 @@ class PushDriver:
         self.senders.append(sender)
 
         async def serialize() -> float:
-            transfer, total = self.transfer(), 0
+            transfer, total = self.transfer(sender), 0
             start = time.perf_counter()
             async for message in sender.messages(transfer):
                 total += len(message)

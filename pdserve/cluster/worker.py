@@ -73,18 +73,32 @@ def advertise_address(args: argparse.Namespace) -> str:
 
 @dataclass
 class TransferStats:
-    """A worker's KV transfer counters: pushes sent (prefill) or received (decode)."""
+    """A worker's KV transfer counters: pushes sent (prefill) or received (decode). A push
+    streams while the prefill worker computes (prefill_svc/sender.py): `seconds` run from the
+    stream's start, so they hold compute time too; the overlap counters say how much of it
+    moved early."""
 
     bytes: int = 0
     completed: int = 0
     failed: int = 0
     seconds: float = 0.0  # summed over completed transfers
     lease_expired: int = 0  # prefill: held KV freed unclaimed when its lease ran out
+    # prefill: KV bytes sent before the first token was sampled, and the seconds from the first
+    # token to the commit sent (what the second token waits for); completed pushes
+    bytes_before_first_token: int = 0
+    first_token_to_commit_seconds: float = 0.0
+    # decode: seconds from a push's first slab to its commit (spans the prefill's compute when
+    # the push overlapped it); completed pushes
+    first_slab_to_commit_seconds: float = 0.0
 
     def record(self, num_bytes: int, seconds: float) -> None:
         self.bytes += num_bytes
         self.completed += 1
         self.seconds += seconds
+
+    def record_overlap(self, bytes_early: int, first_token_to_commit_s: float) -> None:
+        self.bytes_before_first_token += bytes_early
+        self.first_token_to_commit_seconds += first_token_to_commit_s
 
     def counters(self) -> dict[str, float]:
         """The Prometheus counters (vLLM-style names under `pdserve:`)."""
@@ -94,6 +108,9 @@ class TransferStats:
             "kv_transfer_failures": self.failed,
             "kv_transfer_seconds": self.seconds,
             "kv_lease_expired": self.lease_expired,
+            "kv_transfer_bytes_before_first_token": self.bytes_before_first_token,
+            "kv_transfer_first_token_to_commit_seconds": self.first_token_to_commit_seconds,
+            "kv_transfer_first_slab_to_commit_seconds": self.first_slab_to_commit_seconds,
         }
 
 
