@@ -40,6 +40,8 @@ def model(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _engine(model, role: str, budget: int = BUDGET, **kw) -> LLMEngine:
+    if "num_kv_blocks" not in kw:
+        kw["kv_cache_memory"] = 64 << 20  # on a GPU: room for the other engines of the module
     return LLMEngine(build_engine_config(model[0], dtype="float32", role=role, block_size=BS,
                                          max_num_batched_tokens=budget, **kw))
 
@@ -90,7 +92,7 @@ def _decode(model, prompt: list[int], sender: EagerSender, first_token: int) -> 
     blocks = decode.reserve_request("d", prompt, GREEDY)
     writer = KVSlabWriter(decode.runner.kv_caches, blocks)
     for (layer, block), cell in sender.cells.items():
-        writer.write(KVSlab(layer, layer + 1, block, block + 1, cell.numpy().tobytes()))
+        writer.write(KVSlab(layer, layer + 1, block, block + 1, cell.cpu().numpy().tobytes()))
     assert writer.complete
     decode.commit_request("d", first_token, None)
     tokens = [first_token]

@@ -131,3 +131,20 @@ def test_a_slab_is_the_kvchunk_protobuf_would_make() -> None:
     data = torch.stack([c[:, [17, 4]] for c in caches[1:3]]).numpy().tobytes()
     assert message == decode_pb2.KVChunk(data=decode_pb2.KVData(
         layer_start=1, layer_end=3, block_start=0, block_end=2, data=data)).SerializeToString()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA staging path needs a GPU")
+def test_cuda_slab_waits_for_the_layers_that_wrote_it() -> None:
+    """The stager gathers on its own stream after the note's event: bytes written by a long
+    queue of work on the compute stream just before must be in the slab."""
+    caches = [c.cuda() for c in _caches()]
+    torch.cuda._sleep(50_000_000)  # keep the compute stream busy, then write the blocks
+    for c in caches:
+        c[:, 17].fill_(3.0)
+    ready = torch.cuda.Event()
+    ready.record()
+    ticket = SlabTicket((0, 4, 0, 2), (17, 4), epoch=0, ready=ready)
+    message = SlabStager(caches).encode(ticket)
+    data = torch.stack([c[:, [17, 4]] for c in caches]).cpu().numpy().tobytes()
+    assert message == decode_pb2.KVChunk(data=decode_pb2.KVData(
+        layer_start=0, layer_end=4, block_start=0, block_end=2, data=data)).SerializeToString()
