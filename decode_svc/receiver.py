@@ -21,6 +21,7 @@ nothing reserved; one that waits longer than `KVWaitConfig.seconds` fails (RESOU
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -49,6 +50,9 @@ class Pending:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     error: str | None = None
     receiving: bool = False
+    # When KV last made progress (reserved, header, a slab): the push streams while the prompt
+    # is computed, so the wait for the KV is bounded by idle time, not by the prefill's length.
+    progress_at: float = field(default_factory=time.monotonic)
 
 
 class KVReceiver:
@@ -80,20 +84,22 @@ class KVReceiver:
             await self.engine.abort(request_id)  # frees blocks granted just before the drop
             return False
         pending.block_ids = blocks
+        pending.progress_at = time.monotonic()
         return True
 
     async def wait(self, request_id: str, timeout_s: float) -> bool:
         """Until the request's KV is committed (True) or the request is aborted here (False).
-        On timeout or a failed transfer the request is aborted (blocks freed) and TimeoutError /
-        TransferFailed raised."""
+        After `timeout_s` without progress (no header or slab), or on a failed transfer, the
+        request is aborted (blocks freed) and TimeoutError / TransferFailed raised."""
         pending = self.pending[request_id]
         try:
-            await asyncio.wait_for(pending.done.wait(), timeout_s)
-        except asyncio.TimeoutError:  # its str() is empty: the status would carry no reason
-            await self.drop(request_id)
-            raise TimeoutError(
-                f"KV of request {request_id!r} did not arrive within {timeout_s:g} s"
-            ) from None
+            while not pending.done.is_set():
+                idle = time.monotonic() - pending.progress_at
+                if idle >= timeout_s:
+                    raise TimeoutError(f"KV of request {request_id!r} did not arrive: nothing "
+                                       f"came for {timeout_s:g} s")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(pending.done.wait(), timeout_s - idle)
         except BaseException:
             await self.drop(request_id)
             raise
@@ -156,6 +162,7 @@ class KVReceiver:
                 f"header announces {header.num_blocks} blocks, {len(pending.block_ids)} reserved"
             )
         writer = KVSlabWriter(self.engine.engine.runner.kv_caches, pending.block_ids)
+        pending.progress_at = time.monotonic()
         first_slab_at = None
         async for chunk in chunks:
             kind = chunk.WhichOneof("chunk")
@@ -170,6 +177,7 @@ class KVReceiver:
                 raise ValueError("a KV stream carries one header, then data chunks and a commit")
             _check_not_dropped(header.request_id, pending)
             writer.write(slab_from_pb(chunk.data))
+            pending.progress_at = time.monotonic()
             first_slab_at = first_slab_at or time.perf_counter()
         if not writer.complete:
             raise ValueError("KV stream ended before every layer and block arrived")

@@ -18,7 +18,8 @@ DEFAULT_PORT = 50061
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_flags(parser, DEFAULT_PORT)
     add_flag(parser, "--kv-timeout", 30.0, type=float,
-             help="seconds a Generate waits for its KV before failing")
+             help="seconds a Generate waits with no KV arriving (no header, no slab: the push "
+                  "streams during the prefill) before failing")
     add_flag(parser, "--kv-wait-seconds", 30.0, type=float,
              help="seconds a Generate waits for free KV blocks when the cache is full, behind "
                   "those that came first, before failing with RESOURCE_EXHAUSTED (0: fail at "

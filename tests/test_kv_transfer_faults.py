@@ -231,7 +231,7 @@ def test_kv_that_never_arrives_times_out_and_frees_the_blocks(workers: Workers) 
     err = _rpc_error(lambda: next(call))
     assert time.monotonic() - started >= KV_TIMEOUT_S
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert err.details() == "KV of request 'never' did not arrive within 3 s"
+    assert err.details() == "KV of request 'never' did not arrive: nothing came for 3 s"
     assert _load(workers.decode) == IDLE
 
 
@@ -254,13 +254,37 @@ def test_a_push_that_outlives_its_generate_is_refused(workers: Workers) -> None:
     push = w.decode.PushKV.future(chunks(), timeout=30)
     err = _rpc_error(lambda: next(call))
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert err.details() == "KV of request 'stalled' did not arrive within 3 s"
+    assert err.details() == "KV of request 'stalled' did not arrive: nothing came for 3 s"
     assert _load(w.decode) == IDLE
     resume.set()
     err = _rpc_error(push.result)
     assert err.code() == grpc.StatusCode.NOT_FOUND
     assert err.details() == "request 'stalled' was dropped while its KV arrived: request aborted"
     assert _load(w.decode) == IDLE
+
+
+def test_a_push_slower_than_the_timeout_but_never_idle_that_long_completes(
+    workers: Workers,
+) -> None:
+    """--kv-timeout bounds the time without progress, not the push: the push streams while the
+    prompt is computed, which can take longer than the timeout."""
+    w, ref, rid = workers, workers.long, "slow"
+    call = _open(w, rid, ref)
+    slabs = _slabs(w.layout, ref.num_blocks)
+    gap = KV_TIMEOUT_S * 0.6
+    assert gap * len(slabs) > KV_TIMEOUT_S
+
+    def chunks() -> Iterator[decode_pb2.KVChunk]:
+        yield _header(rid, w.layout, ref)
+        for slab in slabs:
+            time.sleep(gap)
+            yield slab
+        yield _commit(ref)
+
+    reply = w.decode.PushKV(chunks(), timeout=30)
+    assert reply.bytes_received == ref.num_blocks * w.layout.num_layers * w.layout.cell_bytes()
+    assert len([t for msg in call for t in msg.token_ids]) == len(ref.tokens) - 1
+    _wait_idle(w.decode)
 
 
 # ---- 3. bad pushes to a real decode worker ---------------------------------------------------
