@@ -112,7 +112,9 @@ def test_the_push_overlaps_the_prefill_and_decodes_the_same_tokens(pair, referen
     assert _counter(pair.decode_metrics, "kv_transfer_bytes") == kv_bytes
     assert _counter(pair.prefill_metrics, "kv_transfer_bytes") == kv_bytes
     early = _counter(pair.prefill_metrics, "kv_transfer_bytes_before_first_token")
-    assert kv_bytes / 2 <= early < kv_bytes  # 5 of 6 chunks computed before the last step
+    # 5 of 6 chunks are computed before the last step; the last step's layer groups may all go
+    # out before the first token is sampled too
+    assert kv_bytes / 2 <= early <= kv_bytes
     tail_s = _counter(pair.prefill_metrics, "kv_transfer_first_token_to_commit_seconds")
     span_s = _counter(pair.decode_metrics, "kv_transfer_first_slab_to_commit_seconds")
     assert span_s > tail_s + prefill_s / 2, (span_s, tail_s, prefill_s)
