@@ -62,7 +62,8 @@ def parse_rates(text: str) -> tuple[float, ...]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The load test's options (shared by `pdserve bench serve`)."""
     s = p.add_argument_group("server")
-    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server; several, comma-separated, take requests in turn")
     s.add_argument("--endpoint", default="completions", choices=sorted(ENDPOINTS))
     s.add_argument("--model", default="", help="default: the server's first model")
     s.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""))

@@ -25,7 +25,9 @@ ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 @dataclass(frozen=True)
 class ClientConfig:
-    base_url: str  # http://host:port (a trailing /v1 is dropped)
+    # http://host:port (a trailing /v1 is dropped); several, comma-separated, are sent requests
+    # in turn (replicas without a load balancer in front)
+    base_url: str
     endpoint: str = "completions"
     model: str = ""  # "" asks the server (/v1/models, the first)
     prompt_format: str = "ids"  # completions: token ids where the workload has them, or text
@@ -43,8 +45,9 @@ class ClientConfig:
             raise ValueError(f"prompt format must be ids or text, got {self.prompt_format!r}")
 
     @property
-    def root(self) -> str:
-        return self.base_url.rstrip("/").removesuffix("/v1")
+    def roots(self) -> list[str]:
+        return [u.strip().rstrip("/").removesuffix("/v1") for u in self.base_url.split(",")
+                if u.strip()]
 
 
 class StreamClient:
@@ -57,12 +60,15 @@ class StreamClient:
                               max_keepalive_connections=max_connections)
         timeout = httpx.Timeout(cfg.timeout_s, pool=None)
         self.cfg, self.model = cfg, cfg.model
-        self.http = httpx.AsyncClient(base_url=cfg.root, headers=headers, limits=limits,
-                                      timeout=timeout, transport=transport)
+        self.roots, self._sent = cfg.roots, 0
+        if not self.roots:
+            raise ValueError("base_url names no server")
+        self.http = httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout,
+                                      transport=transport)
 
     async def __aenter__(self) -> StreamClient:
         if not self.model:
-            r = await self.http.get("/v1/models")
+            r = await self.http.get(f"{self.roots[0]}/v1/models")
             r.raise_for_status()
             self.model = r.json()["data"][0]["id"]
         return self
@@ -95,8 +101,10 @@ class StreamClient:
         """Stream `spec`, filling `record` (times from `clock`). Never raises for a failed
         request: it is recorded in `record.error`. A cancelled one is recorded, then re-raised."""
         record.sent_at = clock()
+        root = self.roots[self._sent % len(self.roots)]
+        self._sent += 1
         try:
-            async with self.http.stream("POST", ENDPOINTS[self.cfg.endpoint],
+            async with self.http.stream("POST", root + ENDPOINTS[self.cfg.endpoint],
                                         json=self.payload(spec)) as response:
                 if response.status_code != 200:
                     body = (await response.aread()).decode(errors="replace")

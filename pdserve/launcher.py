@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--port", 8000, type=int, help="gateway port")
     add_flag(p, "--prefill", 1, type=int, help="prefill workers")
     add_flag(p, "--decode", 1, type=int, help="decode workers")
+    add_flag(p, "--prefill-gpus", "", help="GPUs of the prefill workers, e.g. 0 or 0,1: worker i "
+             "gets the (i mod n)-th as its only visible device (default: what the shell sees)")
+    add_flag(p, "--decode-gpus", "", help="GPUs of the decode workers, as --prefill-gpus")
     add_flag(p, "--colocated", False, action="store_true",
              help="one in-process engine behind the gateway, no workers")
     add_flag(p, "--redis-url", "", help="use this Redis instead of starting one")
@@ -95,16 +98,26 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
                                           str(tok_port), "--redis-url", redis_url],
                             f"grpc:127.0.0.1:{tok_port}"))
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+        gpus = _gpu_list(getattr(args, f"{role}_gpus"), f"--{role}-gpus")
         for i in range(count):
             port = free_port()
             argv = [*py, role, *common, *engine, *cluster, *internal, "--port", str(port),
                     "--redis-url", redis_url, "--metrics-port", str(free_port())]
-            services.append(Service(f"{role}-{i}", argv, f"grpc:127.0.0.1:{port}"))
+            env = {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if gpus else {}
+            services.append(Service(f"{role}-{i}", argv, f"grpc:127.0.0.1:{port}", env=env))
     argv = [*py, "gateway", *cluster, "--host", args.host, "--port", str(args.port),
             "--redis-url", redis_url, "--tokenizer-address", f"127.0.0.1:{tok_port}", "--log-level",
             args.log_level, "--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
     services.append(Service("gateway", argv, f"http:{gateway_url}/ready"))
     return services
+
+
+def _gpu_list(value: str, flag: str) -> list[str]:
+    """`0,1` -> ["0", "1"]; "" -> [] (inherit the environment)."""
+    gpus = [g.strip() for g in value.split(",") if g.strip()]
+    if any(not g.isdigit() for g in gpus):
+        raise SystemExit(f"pdserve up: {flag} takes GPU indices such as 0 or 0,1, got {value!r}")
+    return gpus
 
 
 def _cluster_flags(args: argparse.Namespace) -> list[str]:

@@ -113,6 +113,27 @@ async def test_a_streamed_request_fills_its_timeline(endpoint):
     assert r.sent_at < r.chunk_at[0] <= r.chunk_at[-1] <= r.done_at
 
 
+async def test_several_servers_take_requests_in_turn():
+    hosts: list[str] = []
+    inner = fake_server()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        hosts.append(f"{request.url.host}:{request.url.port}{request.url.path}")
+        return await inner.handle_async_request(request)
+
+    cfg = ClientConfig("http://a:1/v1, http://b:2", endpoint="chat")
+    assert cfg.roots == ["http://a:1", "http://b:2"]
+    async with StreamClient(cfg, transport=httpx.MockTransport(handler)) as c:
+        for i in range(3):
+            r = RequestRecord(i, 2, 2)
+            await c.send(spec(2), r, lambda: 1.0)
+            assert r.ok
+    assert hosts == ["a:1/v1/models", "a:1/v1/chat/completions", "b:2/v1/chat/completions",
+                     "a:1/v1/chat/completions"]
+    with pytest.raises(ValueError, match="names no server"):
+        StreamClient(ClientConfig(" , "))
+
+
 async def test_failures_are_recorded_not_raised():
     clock = lambda: 1.0
     async with client(fake_server(status=400)) as c:

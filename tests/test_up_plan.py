@@ -12,7 +12,8 @@ from pdserve.launcher import add_arguments, plan
 
 
 def _up(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
-    for name in ("HOST", "REDIS_NAMESPACE", "TLS_CERT", "TLS_KEY", "TLS_CA"):
+    for name in ("HOST", "REDIS_NAMESPACE", "TLS_CERT", "TLS_KEY", "TLS_CA", "PREFILL_GPUS",
+                 "DECODE_GPUS"):
         monkeypatch.delenv(f"PDSERVE_{name}", raising=False)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -37,3 +38,17 @@ def test_defaults_are_plaintext_in_the_default_namespace(monkeypatch: pytest.Mon
         parsed = build_parser().parse_args(s.argv[3:])
         assert parsed.host == "127.0.0.1" and parsed.redis_namespace == "pdserve"
         assert (parsed.tls_cert, parsed.tls_key, parsed.tls_ca) == ("", "", "")
+
+
+def test_gpus_are_dealt_to_the_workers_of_each_role(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill on GPU 0, decode on GPUs 1 and 2 (three decode workers: the third shares GPU 1);
+    the tokenizer and gateway see what the shell sees."""
+    args = _up(["--prefill", "1", "--decode", "3", "--prefill-gpus", "0",
+                "--decode-gpus", "1, 2"], monkeypatch)
+    env = {s.name: s.env.get("CUDA_VISIBLE_DEVICES") for s in plan(args, "redis://x:1/0", None)}
+    assert env == {"tokenizer": None, "prefill-0": "0", "decode-0": "1", "decode-1": "2",
+                   "decode-2": "1", "gateway": None}
+    default = plan(_up([], monkeypatch), "redis://x:1/0", None)
+    assert all("CUDA_VISIBLE_DEVICES" not in s.env for s in default)
+    with pytest.raises(SystemExit, match="--decode-gpus takes GPU indices"):
+        plan(_up(["--decode-gpus", "cuda:1"], monkeypatch), "redis://x:1/0", None)
