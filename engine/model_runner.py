@@ -185,16 +185,12 @@ class ModelRunner:
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
 
     # ---- one step ------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput) -> dict[str, Sample]:
-        """Run the forward pass for `out` (writes the new tokens' K/V into the cache) and sample
-        the sequences whose chunk reaches their end. Returns request id -> sample."""
-        return self.launch(out).result()
-
     @torch.inference_mode()
     def launch(
         self, out: SchedulerOutput, on_layer: Callable[[int], None] | None = None
     ) -> LaunchedStep:
-        """Queue `out`'s forward pass and sampling on the device without waiting for them.
+        """Queue `out`'s forward pass (it writes the new tokens' K/V into the cache) and the
+        sampling of the sequences whose chunk reaches their end, without waiting for either.
         Input tokens still pending (sampled by the previous launch, not appended yet) are read
         from that launch's results on the device. `on_layer`: see `LlamaForCausalLM.forward`
         (not called for a step replayed from a CUDA graph)."""

@@ -112,3 +112,26 @@ def http_get(url: str) -> tuple[int, str]:
         return e.code, e.read().decode()
     except OSError as e:  # not listening (yet)
         return 0, str(e)
+
+
+@contextmanager
+def extra_gateway(cluster: Cluster, *flags: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Another gateway on the cluster's Redis (gateways keep no state of their own): its URL
+    once ready, and its process; SIGTERMed at the end if still running."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "gateway", "--port", str(port), "--redis-url",
+         cluster.redis_url, "--log-level", "warning", *flags],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while http_get(url + "/ready")[0] != 200:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.3)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)

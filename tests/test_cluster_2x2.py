@@ -6,13 +6,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import openai
 import pytest
-from cluster import free_port, http_get, run_cluster
+from cluster import extra_gateway, run_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -59,23 +57,9 @@ def test_two_by_two_equals_colocated(cluster, expected):
 def test_a_second_gateway_on_the_same_redis_serves_the_same_workers(cluster, expected):
     """Gateways keep no state of their own. This one also prefills prompts of up to 8 tokens on
     the decode worker (the short-prompt shortcut), longer ones on a prefill worker."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "gateway", "--port", str(port),
-         "--redis-url", cluster.redis_url, "--local-prefill-max-tokens", "8"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while http_get(url + "/ready")[0] != 200:
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.5)
+    with extra_gateway(cluster, "--local-prefill-max-tokens", "8") as (url, _):
         got = asyncio.run(_complete_all(url, TEXTS, max_tokens=20, temperature=0))
-        assert got == expected
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+    assert got == expected
 
 
 def test_decode_worker_killed_mid_stream(cluster, expected):

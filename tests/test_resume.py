@@ -14,8 +14,6 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from cluster import Cluster, http_get, run_cluster
+from cluster import Cluster, extra_gateway, http_get, run_cluster
 from fake_backend import FakeBackend
 from fastapi.testclient import TestClient
 from live_checks import metric, wait_idle
@@ -358,27 +356,6 @@ def cluster(tmp_path_factory, tiny_llama_dir: str) -> Iterator[Cluster]:
         yield c
 
 
-@contextmanager
-def second_gateway(cluster: Cluster) -> Iterator[tuple[str, subprocess.Popen]]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "gateway", "--port", str(port), "--redis-url",
-         cluster.redis_url, "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while http_get(url + "/ready")[0] != 200:
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.3)
-        yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
-
-
 async def sse_lines(lines: Any) -> Any:
     """(id, data) of each SSE event in a response's lines."""
     event_id = -1
@@ -456,7 +433,7 @@ def expected(cluster: Cluster) -> tuple[str, Events]:
 def test_gateway_killed_mid_stream_resumes_through_another(cluster, expected) -> None:
     decode_pid = cluster.pids()["decode-0"]
     before = metric(cluster.url + "/metrics", "pdserve:stream_resumes_total")
-    with second_gateway(cluster) as (url_a, proc_a):
+    with extra_gateway(cluster) as (url_a, proc_a):
         def kill_gateway_a() -> None:
             os.kill(decode_pid, signal.SIGSTOP)  # the generation cannot finish meanwhile
             proc_a.kill()
