@@ -28,6 +28,10 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--log-level", "info", help="debug, info, warning, error")
     add_flag(p, "--drain-timeout", 30.0, type=float,
              help="seconds in-flight requests (streams too) get to finish after SIGTERM")
+    add_flag(p, "--keep-alive-seconds", 15.0, type=float,
+             help="how long an idle client connection stays open; longer than the 5 s after "
+                  "which httpx/openai clients stop reusing one, so the gateway never closes a "
+                  "connection just as a client sends on it")
     add_flag(p, "--max-concurrent-requests", 0, type=int,
              help="generation requests in flight past which new ones get 429 at once (0: no "
                   "limit)")
@@ -55,7 +59,8 @@ async def _serve_app(app: object, args: argparse.Namespace) -> None:
     """Serve until SIGTERM/SIGINT, then let in-flight requests (streams too) finish for up to
     --drain-timeout. A SIGTERM'd gateway returns from here once drained: the process exits 0."""
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.drain_timeout)
+                            timeout_graceful_shutdown=args.drain_timeout,
+                            timeout_keep_alive=args.keep_alive_seconds)
     server = uvicorn.Server(config)
     # uvicorn handles SIGTERM while it serves (a graceful shutdown); once done, it puts back the
     # handler it found and raises the signal again, which with the default handler would kill

@@ -21,6 +21,11 @@ from loadtest.record import RequestRecord
 from loadtest.workloads import RequestSpec
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+# An idle pooled connection is reused only this long. A server closes an idle connection after
+# its own keep-alive (uvicorn, vLLM's server among them: 5 s); a request sent on a connection
+# the server is closing at that moment fails with a reset (httpx.ReadError) although the server
+# was never at fault. Staying well under the common 5 s keeps the load test clear of that race.
+KEEPALIVE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,8 @@ class StreamClient:
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         limits = httpx.Limits(max_connections=max_connections,
-                              max_keepalive_connections=max_connections)
+                              max_keepalive_connections=max_connections,
+                              keepalive_expiry=KEEPALIVE_S)
         timeout = httpx.Timeout(cfg.timeout_s, pool=None)
         self.cfg, self.model = cfg, cfg.model
         self.roots, self._sent = cfg.roots, 0
