@@ -10,10 +10,16 @@ NOTE: a request's life on the receiving side:
                      the reserved blocks as they arrive (KVSlabWriter checks each)
     PushKV commit  ─▶ every layer x block present exactly once, and the stream ends there?
                      commit: the request joins the decode batch behind its first token
-    any failure    ─▶ the request is aborted: its reserved blocks are freed, Generate fails
+    push cut off   ─▶ the sender went away before its commit (cancelled, or its stream ended):
+                     the blocks stay reserved for another push (the gateway retries a lost
+                     prefill on another worker, which pushes into the same reservation)
+    bad bytes      ─▶ the request is aborted: its reserved blocks are freed, Generate fails
+    no progress    ─▶ after the KV timeout without a header or slab (also after a cut push
+                     nobody replaces): likewise
 
-Blocks are reserved before a single byte arrives, so a transfer never waits for memory, and a
-transfer that is cut off (sender died, stream cancelled) frees everything it reserved. A request
+Blocks are reserved before a single byte arrives, so a transfer never waits for memory. Only
+wrong bytes fail a request here; a silent or vanished sender is bounded by the KV timeout, and a
+request that ends at its first token is dropped by its Generate being cancelled. A request
 dropped while it waits for blocks (Abort, cancellation, Generate cancelled) leaves the queue with
 nothing reserved; one that waits longer than `KVWaitConfig.seconds` fails (RESOURCE_EXHAUSTED).
 """
@@ -41,7 +47,11 @@ ABORTED = "request aborted"
 
 
 class TransferFailed(ConnectionError):
-    """The request's KV transfer broke off or was rejected."""
+    """The request's KV transfer was rejected (its bytes were wrong)."""
+
+
+class PushCut(ConnectionError):
+    """A push ended before its commit: its sender stopped or went away."""
 
 
 @dataclass
@@ -135,6 +145,14 @@ class KVReceiver:
             received, commit, first_slab_at = await self._write_all(header, pending, chunks)
             await self.engine.commit_remote(request_id, commit.first_token_id,
                                             first_logprobs(commit))
+        except (asyncio.CancelledError, PushCut) as exc:
+            self.stats.cut += 1
+            if not pending.done.is_set():  # still wanted: another push may fill the blocks
+                pending.receiving = False
+                pending.progress_at = time.monotonic()
+            logger.info("[%s] KV push cut off: %s; the blocks stay reserved", request_id,
+                        _reason(exc))
+            raise
         except BaseException as exc:
             self.stats.failed += 1
             pending.error = f"KV transfer failed: {_reason(exc)}"
@@ -180,8 +198,8 @@ class KVReceiver:
             pending.progress_at = time.monotonic()
             first_slab_at = first_slab_at or time.perf_counter()
         if not writer.complete:
-            raise ValueError("KV stream ended before every layer and block arrived")
-        raise ValueError("KV stream ended without its commit")
+            raise PushCut("KV stream ended before every layer and block arrived")
+        raise PushCut("KV stream ended without its commit")
 
 
 def _reason(exc: BaseException) -> str:

@@ -170,17 +170,19 @@ class RemoteBackend:
                     finished = delta.finish_reason is not None
                     yield delta
             finally:
-                if not finished:
-                    call.cancel()
-                    if not prefill_done and prefill is not None:
-                        await self._abort(prefill, request_id)
+                # A no-op once the decode worker ended the stream; otherwise (a failure, the
+                # client gone, or the first token ended the request) it frees its reservation.
+                call.cancel()
+                if not finished and not prefill_done and prefill is not None:
+                    await self._abort(prefill, request_id)
 
     async def _prefill_retrying(
         self, request_id: str, prompt: list[int], pb_params: Any, prior: list[int],
         decode: WorkerInfo, prefill: WorkerInfo | None, lost: set[str],
     ) -> TokenDelta:
-        """Prefill on `prefill`; if it dies, on another one (the decode worker's reservation
-        stays), while the request's move budget lasts."""
+        """Prefill on `prefill`; if it dies, on another one, while the request's move budget
+        lasts. The decode worker's reservation stays: a push cut off by the dead worker leaves
+        the blocks reserved, and the new prefill worker pushes into them."""
         while True:
             assert prefill is not None
             await self._transition(request_id, "prefilling", prefill_worker=prefill.address,

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 from cluster import http_get, run_cluster
+from live_checks import metric, wait_idle, worker_metrics_url
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +42,16 @@ def client(cluster) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def colocated_texts():
+def colocated():
     from pdserve import LLM, SamplingParams
 
     llm = LLM(dtype="float32", kv_cache_memory=128 << 20, max_model_len=2048)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
-    return [o.outputs[0].text for o in outs]
+    return llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def colocated_texts(colocated):
+    return [o.outputs[0].text for o in colocated]
 
 
 def test_disaggregated_greedy_equals_colocated(client, colocated_texts):
@@ -170,6 +175,23 @@ def test_closed_streams_leave_no_blocks_reserved(cluster):
             break
         time.sleep(0.5)
     assert all(v == (0, 0, 0) for v in busy.values()), busy
+
+
+def test_a_request_ending_at_its_first_token_frees_the_decode_reservation(cluster, client,
+                                                                         colocated):
+    """The prefill worker samples a stop token first and cuts off the push under way; the
+    gateway cancels the decode worker's Generate, which frees the blocks reserved for the KV at
+    once (not after the 30 s KV timeout) and counts no failed transfer."""
+    first = colocated[0].outputs[0].token_ids[0]
+    decode_metrics = worker_metrics_url(cluster, "decode")
+    failures = metric(decode_metrics, "pdserve:kv_transfer_failures_total")
+    for _ in range(3):
+        r = client.completions.create(model=None, prompt=PROMPTS[0], max_tokens=24,
+                                      temperature=0, extra_body={"stop_token_ids": [first]})
+        assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 1)
+    left = wait_idle(cluster, timeout_s=5)
+    assert not any(any(x) for x in left.values()), f"(running, waiting, blocks) left: {left}"
+    assert metric(decode_metrics, "pdserve:kv_transfer_failures_total") == failures
 
 
 def test_32_concurrent_streams_complete(cluster, colocated_texts):

@@ -1,6 +1,7 @@
 """The decode side of a progressive push (decode_svc/receiver.py): a header, slabs in any order
 written as they come, then a commit carrying the first token, last. Anything else fails the
-transfer, frees the reserved blocks and fails the waiting Generate with the same reason.
+transfer, frees the reserved blocks and fails the waiting Generate with the same reason; a push
+that stops short leaves the blocks reserved for the next one.
 
 One decode-role `AsyncLLMEngine` (tiny random Llama: 2 layers, float32, 16 blocks of 16 tokens)
 serves the module; a request of 40 tokens reserves 3 blocks, so a push covers 2 x 3 cells of
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from decode_svc.convert import layout_to_pb
-from decode_svc.receiver import KVReceiver, TransferFailed
+from decode_svc.receiver import KVReceiver, PushCut, TransferFailed
 from engine.async_engine import AsyncLLMEngine
 from engine.kv_transfer import KVLayout
 from pdserve import SamplingParams
@@ -125,9 +126,6 @@ BAD = {
         [header(), slab(0, 2, 0, 3, 6 * CELL - 1)], f"KV slab holds {6 * CELL - 1} bytes, "
                                                     f"expected {6 * CELL}"),
     "slab before the header": ([slab(0, 1, 0, 1)], "a KV stream must start with a KVHeader"),
-    "no commit": ([header(), *cells(CELLS)], "KV stream ended without its commit"),
-    "cut off": ([header(), *cells(CELLS[:2])],
-                "KV stream ended before every layer and block arrived"),
     "a chunk after the commit": (
         [header(), *cells(CELLS), COMMIT, slab(0, 1, 0, 1)], "a KV stream ends with its commit"),
     "a second header": (
@@ -153,20 +151,50 @@ async def test_a_bad_push_fails_and_frees_the_blocks(engine, receiver, case: str
     assert receiver.stats.failed == 1
 
 
-async def test_a_push_cancelled_by_its_sender_frees_the_blocks(engine, receiver) -> None:
-    """What a prefill worker does when its request ends at the first token (eos, stop)."""
-    gate = asyncio.Event()
+CUT = {
+    "cancelled": None,
+    "no commit": ([header(), *cells(CELLS)], "KV stream ended without its commit"),
+    "cut off": ([header(), *cells(CELLS[:2])],
+                "KV stream ended before every layer and block arrived"),
+}
 
-    async def chunks() -> AsyncIterator[decode_pb2.KVChunk]:
-        yield header()
-        yield slab(0, 1, 0, 3)
-        await gate.wait()
 
-    task = asyncio.create_task(receiver.receive(chunks()))
-    await asyncio.sleep(0.1)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+@pytest.mark.parametrize("case", list(CUT))
+async def test_a_push_cut_off_keeps_the_blocks_for_the_next_push(engine, receiver,
+                                                                 case: str) -> None:
+    """A sender that stops before its commit (cancelled: its request ended at the first token,
+    or it died; or its stream just ended) fails nothing here: the blocks stay reserved and a
+    second push (the prefill the gateway retried elsewhere) fills and commits them."""
+    if CUT[case] is None:
+        gate = asyncio.Event()
+
+        async def chunks() -> AsyncIterator[decode_pb2.KVChunk]:
+            yield header()
+            yield slab(0, 1, 0, 3)
+            await gate.wait()
+
+        task = asyncio.create_task(receiver.receive(chunks()))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:
+        chunks, message = CUT[case]
+        with pytest.raises(PushCut, match=f"^{message}$"):
+            await receiver.receive(stream(*chunks))
+    assert (await engine.stats()).num_free_blocks == NUM_BLOCKS - 3
+    assert (receiver.stats.cut, receiver.stats.failed) == (1, 0)
+    order = list(CELLS)
+    random.Random(5).shuffle(order)
+    assert await receiver.receive(stream(header(), *cells(order), COMMIT)) == 6 * CELL
+    assert await receiver.wait("r", 5)
+    await engine.abort("r")
+
+
+async def test_a_cut_push_nobody_replaces_times_out_and_frees_the_blocks(engine,
+                                                                         receiver) -> None:
+    with pytest.raises(PushCut):
+        await receiver.receive(stream(header(), *cells(CELLS[:2])))
+    with pytest.raises(TimeoutError, match="nothing came for 0.3 s"):
+        await receiver.wait("r", 0.3)
     assert (await engine.stats()).num_free_blocks == NUM_BLOCKS
-    with pytest.raises(TransferFailed, match="^KV transfer failed: the push was cancelled$"):
-        await receiver.wait("r", 5)

@@ -80,7 +80,8 @@ class TransferStats:
 
     bytes: int = 0
     completed: int = 0
-    failed: int = 0
+    failed: int = 0  # rejected (wrong bytes) or, on the sender, not accepted
+    cut: int = 0  # decode: pushes that ended before their commit (the sender stopped or died)
     seconds: float = 0.0  # summed over completed transfers
     lease_expired: int = 0  # prefill: held KV freed unclaimed when its lease ran out
     # prefill: KV bytes sent before the first token was sampled, and the seconds from the first
@@ -106,6 +107,7 @@ class TransferStats:
             "kv_transfer_bytes": self.bytes,
             "kv_transfers": self.completed,
             "kv_transfer_failures": self.failed,
+            "kv_transfers_cut": self.cut,
             "kv_transfer_seconds": self.seconds,
             "kv_lease_expired": self.lease_expired,
             "kv_transfer_bytes_before_first_token": self.bytes_before_first_token,
