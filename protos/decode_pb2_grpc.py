@@ -69,8 +69,8 @@ class DecodeServicer:
         waits for free blocks, first come first served, up to --kv-wait-seconds: RESOURCE_EXHAUSTED
         when they are not free by then or --kv-wait-max-requests already wait, finish_reason "abort"
         if aborted while waiting, INVALID_ARGUMENT at once if even the empty cache could not hold
-        the request. DEADLINE_EXCEEDED if the KV does not arrive in time; UNAVAILABLE if the
-        transfer failed. Cancelling the call aborts the request and frees its blocks.
+        the request. DEADLINE_EXCEEDED if no KV arrives for --kv-timeout seconds; UNAVAILABLE if
+        the transfer was rejected. Cancelling the call aborts the request and frees its blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,9 +82,11 @@ class DecodeServicer:
         one KVCommit carrying the first token, last. The header's layout must equal this worker's
         and its request must have an open Generate; otherwise the stream is rejected
         (INVALID_ARGUMENT naming the difference / NOT_FOUND). A slab out of range, of the wrong
-        size or overlapping another, a commit before every layer x block arrived, or a stream that
-        ends without a commit fail the transfer (INVALID_ARGUMENT): the request's Generate fails
-        and nothing stays reserved. The request joins the decode batch on the commit.
+        size or overlapping another, or a commit before every layer x block arrived fail the
+        transfer (INVALID_ARGUMENT): the request's Generate fails and nothing stays reserved. A
+        stream that ends or is cancelled before its commit (its sender stopped or died) is cut off
+        (UNAVAILABLE): the blocks stay reserved for another push of the same request, e.g. from the
+        prefill worker the gateway retried. The request joins the decode batch on the commit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
