@@ -23,12 +23,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from engine.config import NO_KV_WAIT, KVWaitConfig
+from engine.kv_handoff import KVCacheFullError
 from engine.kv_progress import KVProgress, KVWatch
 from engine.llm import build_engine_config
-from engine.llm_engine import KVCacheFullError, LLMEngine, PromptInput
+from engine.llm_engine import LLMEngine, PromptInput
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerStats
+from engine.scheduler_output import SchedulerStats
 
 T = TypeVar("T")
 _ABORTED = object()  # ends a stream whose request was aborted through `abort()`

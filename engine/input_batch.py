@@ -18,7 +18,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.host_copy import to_device
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 @dataclass

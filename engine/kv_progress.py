@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.scheduler import ScheduledRequest
+    from engine.scheduler_output import ScheduledRequest
 
 
 @dataclass(frozen=True)

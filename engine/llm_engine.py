@@ -1,7 +1,8 @@
 """The synchronous engine: add requests, call `step()` until none is left.
 
 One step = schedule → forward + sample → advance requests → text and stop strings → outputs.
-Used directly by the offline `LLM` and driven by a background task in `AsyncLLMEngine`.
+Used directly by the offline `LLM` and driven by a background task in `AsyncLLMEngine`. The
+disaggregated roles' export and import of KV blocks are in `engine.kv_handoff`.
 
 NOTE: asynchronous scheduling (vLLM's name). On a GPU the host's share of a step (scheduling,
 building inputs, appending tokens, detokenizing) is as long as the forward pass itself for a
@@ -27,6 +28,7 @@ from collections.abc import Iterable
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_handoff import KVHandoffMixin
 from engine.kv_progress import KVWatch, StepNotes
 from engine.model_loader import load_tokenizer
 from engine.model_runner import LaunchedStep, ModelRunner
@@ -42,19 +44,14 @@ from engine.request_checks import (
     tokenize_prompt,
 )
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput, SchedulerStats
 from engine.stop_checker import StopStringMatcher
 
 logger = logging.getLogger(__name__)
 
 
-
-class KVCacheFullError(RuntimeError):
-    """Not enough free KV blocks to reserve for an incoming transfer (now, or within the wait
-    a decode worker allows, or too many requests wait for blocks already)."""
-
-
-class LLMEngine:
+class LLMEngine(KVHandoffMixin):
     def __init__(self, config: EngineConfig, tokenizer: object | None = None):
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
@@ -160,68 +157,6 @@ class LLMEngine:
                 self.scheduler.finish(s.req, RequestStatus.FINISHED_ABORTED)
                 self._forget(s.req)
         return found
-
-    # ---- disaggregation: prefill role exports, decode role imports -----------------------
-    def held_block_ids(self, request_id: str) -> list[int]:
-        """Prefill role: the blocks holding a finished request's prompt KV, in order."""
-        return list(self.scheduler.held[request_id].block_ids)
-
-    def release(self, request_id: str) -> bool:
-        """Prefill role: free a finished request's held blocks (after export or on failure)."""
-        req = self.scheduler.held.get(request_id)
-        if req is None:
-            return False
-        self.scheduler.release(req)
-        return True
-
-    def reserve_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        prior_output_token_ids: list[int] | None = None, max_waiting: int = 0,
-    ) -> list[int] | None:
-        """Decode role: register a request whose prompt KV (and that of its prior outputs, see
-        `add_request`) another worker computes, and reserve its blocks (returned in order).
-
-        When they are not free, or earlier reservations still wait for theirs, the request
-        queues (None returned) if fewer than `max_waiting` do: `grant_reservations` reserves
-        them in arrival order as blocks free up; `abort_request` takes one out of the queue.
-        Raises KVCacheFullError when it may not queue and ValueError on bad input or a request
-        the whole cache could not hold; registers nothing then."""
-        if params.n != 1:
-            raise ValueError("n must be 1 for a request prefilled elsewhere")
-        self.add_request(request_id, prompt_token_ids, params, queue=False,
-                         prior_output_token_ids=prior_output_token_ids)
-        req = self._groups[request_id].seqs[0].req
-        num_queued = len(self.scheduler.awaiting_blocks)
-        try:
-            if self.scheduler.reserve(req, queue=num_queued < max_waiting):
-                return list(req.block_ids)
-            if req.status == RequestStatus.WAITING_FOR_BLOCKS:
-                return None
-            raise KVCacheFullError(
-                f"no room for {req.num_tokens} prompt tokens: "
-                f"{self.block_manager.num_free_blocks} KV blocks free"
-                + (f", {num_queued} requests already waiting for blocks" if num_queued else "")
-            )
-        except BaseException:
-            self._groups.pop(request_id)
-            self._forget(req)
-            raise
-
-    def grant_reservations(self) -> list[tuple[str, list[int]]]:
-        """Decode role: reserve blocks for the requests `reserve_request` queued, first come
-        first served, as far as the free blocks go: (request id, its blocks) of each granted."""
-        return [(r.request_id, list(r.block_ids)) for r in self.scheduler.grant_reservations()]
-
-    def commit_request(
-        self, request_id: str, first_token_id: int, logprobs: tuple[float, dict[int, float]] | None
-    ) -> None:
-        """Decode role: the prompt KV of a reserved request has been written into its blocks;
-        append the token the prefill worker sampled and queue the request for decoding."""
-        seq = self._groups[request_id].seqs[0]
-        seq.req.append_token(first_token_id, logprobs)
-        seq.sent_tokens = seq.req.num_output_tokens  # the caller has these: deltas start after
-        mark_progress(seq.req)
-        self.scheduler.commit(seq.req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from engine.kv_handoff import KVCacheFullError
 from engine.kv_transfer import KVLayout, KVSlab, KVSlabWriter, plan_slabs, read_slabs
 from engine.llm import build_engine_config
-from engine.llm_engine import KVCacheFullError, LLMEngine
+from engine.llm_engine import LLMEngine
 from pdserve import SamplingParams
 
 

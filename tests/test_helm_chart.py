@@ -372,7 +372,7 @@ def test_network_policy_exposes_only_the_gateway(which, request):
 
 def _exported_metric_names() -> set[str]:
     """The workers' and the gateway's Prometheus series, as prometheus-adapter names them."""
-    from engine.scheduler import SchedulerStats
+    from engine.scheduler_output import SchedulerStats
     from gateway.metrics import GatewayMetrics
     from pdserve.cluster.worker import _StatsCollector
 

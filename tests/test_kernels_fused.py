@@ -84,3 +84,39 @@ def test_rotary_matches_the_models_torch_rotary():
     rotary_embedding(positions, q, k, cos_sin_cache(rope.inv_freq, 128, torch.device(DEVICE)))
     torch.testing.assert_close(q, expected_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k, expected_k, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)], ids=str)
+def test_rope_and_store_equals_rotary_then_store(dtype, heads):
+    """On views of a fused qkv row, as the model hands them over: q rotated in place, rotated k
+    and v at their slots (-1: a graph's padding row, no write), k itself and every other slot
+    untouched."""
+    from kernels.rope_store import rope_and_store, rope_and_store_ref
+
+    num_heads, kv_heads = heads
+    head_dim, tokens, block_size, num_blocks = 16, 7, 4, 10
+    qkv = randn(tokens, (num_heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=8)
+    q = qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + kv_heads) * head_dim].view(
+        tokens, kv_heads, head_dim)
+    v = qkv[:, (num_heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos_sin = cos_sin_cache(inv_freq, 128, torch.device(DEVICE))
+    positions = torch.tensor([0, 5, 127, 2, 2, 9, 64], device=DEVICE)
+    slots = torch.tensor([3, -1, 39, 0, 17, -1, 22], device=DEVICE)  # shuffled, 2 padding rows
+    cache = randn(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, seed=9)
+    expected_cache, expected_q, k_before = cache.clone(), q.clone(), k.clone()
+    rope_and_store_ref(positions, expected_q, k.clone(), v, expected_cache[0],
+                       expected_cache[1], slots, cos_sin)
+    rope_and_store(positions, q, k, v, cache[0], cache[1], slots, cos_sin)
+    ulp_close(q, expected_q)
+    ulp_close(cache, expected_cache)
+    written = slots[slots >= 0]
+    flat, expected_flat = cache.view(2, -1, kv_heads, head_dim), expected_cache.view(
+        2, -1, kv_heads, head_dim)
+    assert torch.equal(flat[1, written], expected_flat[1, written])  # v copied exactly
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=DEVICE)
+    untouched[written] = False
+    assert torch.equal(flat[:, untouched], expected_flat[:, untouched])
+    assert torch.equal(k, k_before)

@@ -16,7 +16,7 @@ import pytest
 from decode_svc.receiver import KVReceiver
 from engine.async_engine import AsyncLLMEngine
 from engine.config import KVWaitConfig
-from engine.llm_engine import KVCacheFullError
+from engine.kv_handoff import KVCacheFullError
 from pdserve import SamplingParams
 from pdserve.cluster.grpc_server import NotFoundError
 from protos import decode_pb2

@@ -31,8 +31,9 @@ def test_engine_imports_no_network_code_and_no_service(path):
 
 
 @pytest.mark.parametrize(
-    "module", ["engine.scheduler", "engine.block_manager", "engine.request", "engine.config",
-               "engine.sampling_params", "engine.detokenizer", "engine.stop_checker"],
+    "module", ["engine.scheduler", "engine.scheduler_output", "engine.block_manager",
+               "engine.request", "engine.config", "engine.sampling_params", "engine.detokenizer",
+               "engine.stop_checker"],
 )
 def test_policy_modules_do_not_load_torch(module):
     code = f"import sys, {module}; sys.exit('torch' in sys.modules)"

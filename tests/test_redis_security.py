@@ -12,7 +12,7 @@ import pytest
 from redis_server import RedisTLS, run_redis_server
 from tls_certs import make_certs
 
-from engine.scheduler import SchedulerStats
+from engine.scheduler_output import SchedulerStats
 from pdserve.cluster.cancel import CancelWatch, RequestCancelled
 from pdserve.cluster.registry import WorkerInfo, WorkerRegistry
 from pdserve.cluster.state import RequestStore, StateStoreError, connect, redis_ok

@@ -24,8 +24,14 @@ def hf_tiny(tiny_llama_dir):
 
 
 def test_triton_backend_matches_hf_with_chunked_prefill_and_prefix_hits(
-    tiny_llama_dir, hf_tiny, hf_oracle
+    tiny_llama_dir, hf_tiny, hf_oracle, monkeypatch
 ):
+    import engine.attention.triton_backend as backend_module
+
+    fused: list[int] = []  # rotary and KV store as one kernel, on CPU too (the interpreter)
+    real = backend_module.rope_and_store
+    monkeypatch.setattr(backend_module, "rope_and_store",
+                        lambda *args: fused.append(1) or real(*args))
     llm = LLM(tiny_llama_dir, dtype="float32", device=DEVICE, attention_backend="triton",
               max_num_batched_tokens=24, max_num_seqs=4, num_kv_blocks=64, seed=0)
     assert llm.llm_engine.runner.backend.name == "triton"
@@ -36,5 +42,6 @@ def test_triton_backend_matches_hf_with_chunked_prefill_and_prefix_hits(
                         SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     expected = hf_oracle(hf_tiny, prompts, max_tokens, llm.llm_engine.eos_token_ids)
     assert [o.outputs[0].token_ids for o in outs] == expected
+    assert fused
     stats = llm.llm_engine.scheduler.block_manager
     assert stats.prefix_cache_hits > 0  # the third prompt reused the first one's blocks

@@ -9,11 +9,14 @@ ones). Cache layout per layer: `kv_cache[0]` is K, `kv_cache[1]` is V, each
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine.models.rotary import RopeInputs
 
 
 class AttentionBackend(Protocol):
@@ -30,6 +33,9 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        rope: RopeInputs | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write k/v into `kv_cache` at `meta.slot_mapping`, then attend. Mutates `kv_cache`."""
+        """Rotate q and k by `rope` (None: they already are), write k/v into `kv_cache` at
+        `meta.slot_mapping`, then attend. Mutates `kv_cache`, and q and k when it rotates them
+        in place. The rotation is the backend's so that it can fuse it with the store."""
         ...

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
+from engine.models.rotary import RopeInputs, rotate_qk
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,12 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        rope: RopeInputs | None = None,
     ) -> torch.Tensor:  # [T, H, D]
-        """Write k/v into `kv_cache` at `meta.slot_mapping` (mutates it), then attend.
-        Calls `prepare` first if the runner has not."""
+        """Rotate q and k by `rope` when given, write k/v into `kv_cache` at `meta.slot_mapping`
+        (mutates it), then attend. Calls `prepare` first if the runner has not."""
+        if rope is not None:
+            q, k = rotate_qk(rope, q, k)
         if not isinstance(meta.backend_state, TorchAttentionState):
             self.prepare(meta)
         state: TorchAttentionState = meta.backend_state

@@ -1,6 +1,7 @@
 """Paged attention on the GPU through pdserve's Triton kernels (kernels/).
 
-NOTE: per layer, one KV-store launch, then at most two attention launches over the packed batch:
+NOTE: per layer, one launch that rotates q/k and stores K/V (kernels.rope_store), then at most
+two attention launches over the packed batch:
 
     new tokens  | prefill chunks (any length, any earlier context) | decodes (one token each) |
                   kernels.prefill_attention                          kernels.paged_decode_attention
@@ -19,9 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.models.rotary import RopeInputs, rotate_qk
 from kernels.kv_store import store_kv
 from kernels.paged_decode_attention import default_num_splits, paged_decode_attention
 from kernels.prefill_attention import prefill_attention
+from kernels.rope_store import rope_and_store
 
 
 @dataclass(frozen=True)
@@ -65,13 +68,22 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        rope: RopeInputs | None = None,
     ) -> torch.Tensor:  # [T, H, D]
-        """Write k/v into `kv_cache` at `meta.slot_mapping` (mutates it), then attend."""
+        """Rotate q and k by `rope` when given, write k/v into `kv_cache` at `meta.slot_mapping`
+        (mutates it), then attend. With the fused rotary's inputs (`rope.cache`), rotation and
+        store are one kernel, which rotates q in place and k only into the cache."""
         if meta.backend_state is None:
             meta.backend_state = self._state(meta, kv_cache.shape[-2])
         state: TritonAttentionState = meta.backend_state
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if rope is not None and rope.cache is not None:
+            rope_and_store(rope.positions, q, k, v, k_cache, v_cache, meta.slot_mapping,
+                           rope.cache)
+        else:
+            if rope is not None:
+                q, k = rotate_qk(rope, q, k)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_prefills, split = meta.num_prefills, meta.num_prefill_tokens
         if num_prefills:

@@ -17,7 +17,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.models.layers import RMSNorm, silu_and_mul
-from engine.models.rotary import RopeInputs, RotaryEmbedding, rope_parameters, rotate_qk
+from engine.models.rotary import RopeInputs, RotaryEmbedding, rope_parameters
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -77,13 +77,11 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = rotate_qk(
-            rope,
-            q.view(num_tokens, self.num_heads, self.head_dim),
-            k.view(num_tokens, self.num_kv_heads, self.head_dim),
-        )
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+        # the backend rotates q/k (fused with the KV store where it can), stores, attends
+        out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, rope)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -146,6 +144,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             head_dim_of(config), rope_parameters(config),
             max_positions=getattr(config, "max_position_embeddings", 0),
+            kernel_inputs=attn_backend.name == "triton",
         )
 
     def forward(

@@ -71,7 +71,11 @@ class RopeInputs:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, params: dict[str, Any], max_positions: int = 0) -> None:
+    def __init__(self, head_dim: int, params: dict[str, Any], max_positions: int = 0,
+                 kernel_inputs: bool = False) -> None:
+        """`kernel_inputs`: hand out the fused kernels' inputs on every device, not only on
+        CUDA (the Triton attention backend fuses the rotation with its KV store; on CPU its
+        kernels run in Triton's interpreter)."""
         super().__init__()
         rope_type = params["rope_type"]
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -81,11 +85,14 @@ class RotaryEmbedding(nn.Module):
             inv_freq = llama3_inv_freq(inv_freq, params)
         self.inv_freq = inv_freq  # [head_dim // 2] fp32, plain attribute (see module doc)
         self.max_positions = max_positions
+        self.kernel_inputs = kernel_inputs
         self._cache: torch.Tensor | None = None  # fused path: built once, on first CUDA use
 
     def inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
-        """The step's rotary inputs: the fused kernel's on CUDA, cos/sin tables elsewhere."""
-        if positions.is_cuda and rotary_embedding is not None and self.max_positions:
+        """The step's rotary inputs: the fused kernels' on CUDA (or with `kernel_inputs`),
+        cos/sin tables elsewhere."""
+        fused = positions.is_cuda or self.kernel_inputs
+        if fused and rotary_embedding is not None and self.max_positions:
             if self._cache is None:  # before any CUDA-graph capture: the first (eager) step
                 self._cache = cos_sin_cache(self.inv_freq, self.max_positions, positions.device)
             return RopeInputs(positions=positions, cache=self._cache)

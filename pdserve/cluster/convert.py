@@ -7,7 +7,7 @@ share (sampling parameters, logprobs, load) convert here, once.
 from __future__ import annotations
 
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.scheduler import SchedulerStats
+from engine.scheduler_output import SchedulerStats
 from protos import common_pb2
 
 LogprobsTuple = tuple[float, dict[int, float]]

@@ -41,7 +41,7 @@ class NotFoundError(KeyError):
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status a servicer exception maps to."""
-    from engine.llm_engine import KVCacheFullError
+    from engine.kv_handoff import KVCacheFullError
     from pdserve.cluster.cancel import RequestCancelled
 
     if isinstance(exc, NotFoundError):

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.scheduler import SchedulerStats
+from engine.scheduler_output import SchedulerStats
 from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
 from pdserve.cluster.drain import DrainGate, drain
 from pdserve.cluster.flags import add_common_flags, add_flag, add_model_flags

@@ -1,0 +1,88 @@
+"""Rotary embedding and the KV store in one pass: what kernels/rotary.py and kernels/kv_store.py
+do one after the other, in one launch per layer.
+
+NOTE: one program per new token:
+
+    cos|sin of its position ──▶ q heads rotated in place (HF rotate_half, fp32 math, one rounding)
+                            ──▶ k heads rotated in registers ─▶ K cache at its slot
+    v heads ───────────────────────────────────────────────────▶ V cache at its slot
+
+The rotated k is not written back: attention reads every key from the paged cache. A negative
+slot (the padding rows of a CUDA-graph batch) writes no K/V. Against the two kernels it saves a
+launch per layer and k's write and re-read, which at batch 1 are most of their time.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kv_store import store_kv_ref
+from kernels.rotary import _rotate, rotary_embedding_ref
+
+
+@triton.jit
+def _rope_store_kernel(
+    pos_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, cos_sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cache_t, stride_cache_h, num_heads,
+    NUM_KV_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token)
+    offs_d = tl.arange(0, HALF)
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs_d)
+    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + offs_d)
+    _rotate(q_ptr + token * stride_qt, cos, sin, num_heads, stride_qh, Q_HEADS_PAD, HALF)
+    slot = tl.load(slots_ptr + token)
+    if slot >= 0:
+        offs_h = tl.arange(0, K_HEADS_PAD)
+        mask = (offs_h < NUM_KV_HEADS)[:, None]
+        rows = offs_h[:, None] * stride_kh + offs_d[None, :]
+        k1 = tl.load(k_ptr + token * stride_kt + rows, mask=mask, other=0.0).to(tl.float32)
+        k2 = tl.load(k_ptr + token * stride_kt + rows + HALF, mask=mask, other=0.0).to(tl.float32)
+        dst = slot * stride_cache_t + offs_h[:, None] * stride_cache_h + offs_d[None, :]
+        out_ty = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + dst, (k1 * cos[None, :] - k2 * sin[None, :]).to(out_ty), mask=mask)
+        tl.store(k_cache_ptr + dst + HALF, (k2 * cos[None, :] + k1 * sin[None, :]).to(out_ty),
+                 mask=mask)
+        v_rows = v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+        tl.store(v_cache_ptr + dst, tl.load(v_rows, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + dst + HALF, tl.load(v_rows + HALF, mask=mask), mask=mask)
+
+
+def rope_and_store(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, H, D], rotated in place
+    k: torch.Tensor,  # [T, Hkv, D], read only (its rotation goes to the cache)
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], contiguous blocks
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64; < 0: no K/V write
+    cos_sin: torch.Tensor,  # [max_positions, D] fp32 from kernels.rotary.cos_sin_cache
+) -> None:
+    """Mutates q, k_cache and v_cache."""
+    num_tokens, num_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    block_size = k_cache.shape[1]
+    if (k_cache.stride(0) != block_size * k_cache.stride(1) or k_cache.stride() != v_cache.stride()
+            or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1):
+        raise ValueError("rope_and_store needs contiguous cache blocks and head_dim rows")
+    num_kv_heads = k.shape[1]
+    _rope_store_kernel[(num_tokens,)](
+        positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(1), k_cache.stride(2), num_heads,
+        NUM_KV_HEADS=num_kv_heads, Q_HEADS_PAD=triton.next_power_of_2(num_heads),
+        K_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2, num_warps=4,
+    )
+
+
+def rope_and_store_ref(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin) -> None:
+    """Reference: the two kernels' references in turn (q rotated in place, k left as it was)."""
+    q_rot, k_rot = rotary_embedding_ref(positions, q, k, cos_sin)
+    q.copy_(q_rot)
+    store_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping)
