@@ -15,7 +15,7 @@ from engine.input_batch import PendingTokens, build_model_input
 from engine.model_loader import iter_weights, load_hf_config
 from engine.models import get_model_class
 from engine.request import Request
-from engine.sampler import SampledTokens, Sampler, SamplingRow
+from engine.sampler import SampledTokens, Sampler, SamplingRow, argmax_suffices
 from engine.scheduler import Sample, SchedulerOutput
 from engine.token_choice import skip_draws
 
@@ -203,8 +203,9 @@ class ModelRunner:
         if not inp.sampling:
             self._pending = None
             return LaunchedStep([], None)
-        logits = self.model.compute_logits(hidden[inp.sample_rows])
         rows = [self._sampling_row(s.request) for s in inp.sampling]
+        logits = self.model.compute_logits(hidden[inp.sample_rows],
+                                           upcast=not argmax_suffices(rows))
         sampled = self.sampler.sample(logits, rows, self.default_generator)
         ids = [s.request.request_id for s in inp.sampling]
         self._pending = PendingTokens(sampled.token_ids, {rid: i for i, rid in enumerate(ids)})

@@ -49,6 +49,20 @@ class SamplerOutput:
     logprobs: list[Logprobs | None]
 
 
+def argmax_suffices(rows: list[SamplingRow]) -> bool:
+    """Whether the step's tokens are just the logits' argmax: every row greedy, with no
+    logprobs, penalty or min_tokens still to enforce. Then logits in the model's dtype give the
+    same tokens as their fp32 upcast (exact: it keeps their order and ties), and the sampler
+    takes them as they are."""
+    return all(
+        r.params.greedy and r.params.logprobs is None
+        and len(r.output_token_ids) >= r.params.min_tokens
+        and (r.params.repetition_penalty, r.params.frequency_penalty,
+             r.params.presence_penalty) == (1.0, 0.0, 0.0)
+        for r in rows
+    )
+
+
 class Sampler:
     def __call__(
         self,
@@ -56,7 +70,8 @@ class Sampler:
         rows: list[SamplingRow],
         default_generator: torch.Generator | None = None,
     ) -> SamplerOutput:
-        """Pick one token per row; `logits` [N, V] float32, row i belongs to `rows[i]`.
+        """Pick one token per row; `logits` [N, V] float32 (any float dtype where
+        `argmax_suffices(rows)`), row i belongs to `rows[i]`.
 
         `logits` is not modified. Each sampled seeded row advances its own generator by one
         uniform; unseeded rows share one draw from `default_generator` (torch's default generator

@@ -15,6 +15,11 @@ import torch
 from engine.host_copy import to_device
 from engine.sampling_params import SamplingParams
 
+try:
+    from kernels.argmax import argmax_rows
+except ImportError:  # no triton
+    argmax_rows = None
+
 if TYPE_CHECKING:
     from engine.sampler import SamplingRow
 
@@ -27,18 +32,26 @@ TOP_P_CANDIDATES = 1024
 CDF_BLOCK = 256
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[N] ids of each row's largest logit, the lowest on a tie: two short Triton passes on
+    CUDA (torch gives a whole 128k-token row to one block), torch elsewhere."""
+    if logits.is_cuda and argmax_rows is not None:
+        return argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def pick_tokens(
     logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None
 ) -> torch.Tensor:
     """[N] token ids: argmax for greedy rows, a sample for the others."""
     sample_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not sample_idx:
-        return logits.argmax(dim=-1)
+        return argmax(logits)
     sample_rows = [rows[i] for i in sample_idx]
     sampled = _sample(select_rows(logits, sample_idx), sample_rows, default_generator)
     if len(sample_idx) == len(rows):
         return sampled
-    token_ids = logits.argmax(dim=-1)  # [N]; the sampled rows' are overwritten
+    token_ids = argmax(logits)  # [N]; the sampled rows' are overwritten
     token_ids[index_tensor(sample_idx, logits.device)] = sampled
     return token_ids
 

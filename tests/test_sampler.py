@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingRow, apply_penalties
+from engine.sampler import Sampler, SamplingRow, apply_penalties, argmax_suffices
 from engine.sampling_params import SamplingParams
 from engine.token_choice import apply_top_k_top_p
 
@@ -46,6 +46,32 @@ def test_greedy_is_argmax_and_logits_untouched() -> None:
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 6
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize(("params", "output", "suffices"), [
+    ({"temperature": 0.0}, [], True),
+    ({"temperature": 1.0, "top_k": 1}, [], True),
+    ({"temperature": 0.7}, [], False),  # sampled: softmax in fp32
+    ({"temperature": 0.0, "logprobs": 0}, [], False),  # logprobs in fp32
+    ({"temperature": 0.0, "repetition_penalty": 1.2}, [], False),
+    ({"temperature": 0.0, "presence_penalty": 0.5}, [], False),
+    ({"temperature": 0.0, "min_tokens": 2}, [5], False),  # eos still banned
+    ({"temperature": 0.0, "min_tokens": 2}, [5, 6], True),  # min_tokens reached
+])
+def test_bf16_logits_give_the_fp32_tokens_where_argmax_suffices(
+    params: dict, output: list[int], suffices: bool
+) -> None:
+    """The runner skips the fp32 upcast of the logits when `argmax_suffices`: the tokens must
+    be those of the upcast logits (ties included: bf16 has many)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(4, 300, generator=gen) * 3).to(torch.bfloat16)
+    logits[0, 17] = logits[0, 250] = logits[0].max() + 1  # a tie: the lower id wins
+    rows = [row(SamplingParams(**params), output=list(output)) for _ in range(4)]
+    assert argmax_suffices(rows) == suffices
+    if suffices:
+        assert Sampler()(logits, rows).token_ids == Sampler()(logits.float(), rows).token_ids
+        assert Sampler()(logits, rows).token_ids[0] == 17
+    assert not argmax_suffices([*rows, row(SamplingParams(temperature=0.5))])
 
 
 def test_top_k_one_is_greedy_at_temperature_one() -> None:

@@ -194,9 +194,11 @@ class LlamaForCausalLM(nn.Module):
         sender ships their blocks while later layers compute)."""
         return self.model(input_ids, positions, kv_caches, meta, on_layer)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """[N, hidden] -> [N, V] logits, in fp32 (`upcast`) or the model's dtype."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        logits = torch.nn.functional.linear(hidden, weight)
+        return logits.float() if upcast else logits
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
