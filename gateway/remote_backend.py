@@ -154,7 +154,8 @@ class RemoteBackend:
                 timeout=self.timeout_s,
             )
             prefill_done = local
-            finished = False
+            finished = False  # the request ended: at its first token or on the decode worker
+            decode_ended = False  # the decode worker ended its stream itself
             try:
                 if not local:
                     await self._read(call, decode)  # blocks reserved on the decode worker
@@ -167,12 +168,11 @@ class RemoteBackend:
                         return
                     await self._transition(request_id, "transferring")
                 async for delta in self._decode_stream(call, decode, request_id, local):
-                    finished = delta.finish_reason is not None
+                    finished = decode_ended = delta.finish_reason is not None
                     yield delta
             finally:
-                # A no-op once the decode worker ended the stream; otherwise (a failure, the
-                # client gone, or the first token ended the request) it frees its reservation.
-                call.cancel()
+                if not decode_ended:  # a failure, the client gone, or the first token ended
+                    call.cancel()     # the request: the decode worker frees its reservation
                 if not finished and not prefill_done and prefill is not None:
                     await self._abort(prefill, request_id)
 
