@@ -16,7 +16,7 @@ from engine.model_loader import iter_weights, load_hf_config
 from engine.models import get_model_class
 from engine.request import Request
 from engine.sampler import SampledTokens, Sampler, SamplingRow, argmax_suffices
-from engine.scheduler import Sample, SchedulerOutput
+from engine.scheduler_output import Sample, SchedulerOutput
 from engine.token_choice import skip_draws
 
 logger = logging.getLogger(__name__)

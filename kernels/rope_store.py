@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.kv_store import store_kv_ref
-from kernels.rotary import _rotate, rotary_embedding_ref
+from kernels.rotary import _cos_sin, _rotate, rotary_embedding_ref
 
 
 @triton.jit
@@ -31,26 +31,20 @@ def _rope_store_kernel(
     HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + token)
-    offs_d = tl.arange(0, HALF)
-    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs_d)
-    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + offs_d)
-    _rotate(q_ptr + token * stride_qt, cos, sin, num_heads, stride_qh, Q_HEADS_PAD, HALF)
+    cos, sin = _cos_sin(cos_sin_ptr, pos_ptr, token, HALF)
+    q = q_ptr + token * stride_qt
+    _rotate(q, q, cos, sin, num_heads, stride_qh, stride_qh, Q_HEADS_PAD, HALF)
     slot = tl.load(slots_ptr + token)
     if slot >= 0:
+        _rotate(k_ptr + token * stride_kt, k_cache_ptr + slot * stride_cache_t, cos, sin,
+                NUM_KV_HEADS, stride_kh, stride_cache_h, K_HEADS_PAD, HALF)
         offs_h = tl.arange(0, K_HEADS_PAD)
+        offs_d = tl.arange(0, 2 * HALF)
         mask = (offs_h < NUM_KV_HEADS)[:, None]
-        rows = offs_h[:, None] * stride_kh + offs_d[None, :]
-        k1 = tl.load(k_ptr + token * stride_kt + rows, mask=mask, other=0.0).to(tl.float32)
-        k2 = tl.load(k_ptr + token * stride_kt + rows + HALF, mask=mask, other=0.0).to(tl.float32)
-        dst = slot * stride_cache_t + offs_h[:, None] * stride_cache_h + offs_d[None, :]
-        out_ty = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + dst, (k1 * cos[None, :] - k2 * sin[None, :]).to(out_ty), mask=mask)
-        tl.store(k_cache_ptr + dst + HALF, (k2 * cos[None, :] + k1 * sin[None, :]).to(out_ty),
-                 mask=mask)
-        v_rows = v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-        tl.store(v_cache_ptr + dst, tl.load(v_rows, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + dst + HALF, tl.load(v_rows + HALF, mask=mask), mask=mask)
+        v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
+                    mask=mask)
+        tl.store(v_cache_ptr + slot * stride_cache_t + offs_h[:, None] * stride_cache_h
+                 + offs_d[None, :], v, mask=mask)
 
 
 def rope_and_store(

@@ -18,16 +18,28 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate(ptr, cos, sin, num_heads, stride_h, HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
+def _rotate(src, dst, cos, sin, num_heads, stride_src_h, stride_dst_h, HEADS_PAD: tl.constexpr,
+            HALF: tl.constexpr):
+    """Rotate the heads at `src` into `dst` (the same place: in place)."""
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HALF)
     mask = (offs_h < num_heads)[:, None]
-    first = ptr + offs_h[:, None] * stride_h + offs_d[None, :]
+    first = src + offs_h[:, None] * stride_src_h + offs_d[None, :]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(first, (x1 * cos[None, :] - x2 * sin[None, :]).to(ptr.dtype.element_ty), mask=mask)
-    tl.store(first + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(ptr.dtype.element_ty),
+    out = dst + offs_h[:, None] * stride_dst_h + offs_d[None, :]
+    tl.store(out, (x1 * cos[None, :] - x2 * sin[None, :]).to(dst.dtype.element_ty), mask=mask)
+    tl.store(out + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(dst.dtype.element_ty),
              mask=mask)
+
+
+@triton.jit
+def _cos_sin(cache_ptr, pos_ptr, token, HALF: tl.constexpr):
+    """cos and sin [HALF] fp32 of `token`'s position."""
+    pos = tl.load(pos_ptr + token)
+    offs_d = tl.arange(0, HALF)
+    return (tl.load(cache_ptr + pos * 2 * HALF + offs_d),
+            tl.load(cache_ptr + pos * 2 * HALF + HALF + offs_d))
 
 
 @triton.jit
@@ -37,12 +49,11 @@ def _rotary_kernel(
     Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + token)
-    offs_d = tl.arange(0, HALF)
-    cos = tl.load(cache_ptr + pos * 2 * HALF + offs_d)
-    sin = tl.load(cache_ptr + pos * 2 * HALF + HALF + offs_d)
-    _rotate(q_ptr + token * stride_qt, cos, sin, num_heads, stride_qh, Q_HEADS_PAD, HALF)
-    _rotate(k_ptr + token * stride_kt, cos, sin, num_kv_heads, stride_kh, K_HEADS_PAD, HALF)
+    cos, sin = _cos_sin(cache_ptr, pos_ptr, token, HALF)
+    q = q_ptr + token * stride_qt
+    k = k_ptr + token * stride_kt
+    _rotate(q, q, cos, sin, num_heads, stride_qh, stride_qh, Q_HEADS_PAD, HALF)
+    _rotate(k, k, cos, sin, num_kv_heads, stride_kh, stride_kh, K_HEADS_PAD, HALF)
 
 
 def cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, device: torch.device) -> torch.Tensor:
