@@ -131,8 +131,9 @@ class KVReceiver:
         return await self.engine.abort(request_id)
 
     async def receive(self, chunks: AsyncIterator[decode_pb2.KVChunk]) -> int:
-        """Consume one PushKV stream; returns the bytes accepted. Any error fails the request
-        (its blocks freed, its Generate told) and propagates to the sender."""
+        """Consume one PushKV stream; returns the bytes accepted. A push cut off before its
+        commit leaves the request waiting for another; any other error fails the request (its
+        blocks freed, its Generate told). Errors propagate to the sender."""
         header = await _first_header(chunks)
         request_id = header.request_id
         pending = self.pending.get(request_id)
@@ -141,11 +142,16 @@ class KVReceiver:
             raise NotFoundError(f"no open Generate waiting for KV of request {request_id!r}")
         pending.receiving = True
         started = time.perf_counter()
+        committing = False
         try:
             received, commit, first_slab_at = await self._write_all(header, pending, chunks)
+            committing = True  # from here the engine may hold the request: no second push
             await self.engine.commit_remote(request_id, commit.first_token_id,
                                             first_logprobs(commit))
         except (asyncio.CancelledError, PushCut) as exc:
+            if committing:
+                await self._fail(request_id, pending, exc)
+                raise
             self.stats.cut += 1
             if not pending.done.is_set():  # still wanted: another push may fill the blocks
                 pending.receiving = False
@@ -154,10 +160,7 @@ class KVReceiver:
                         _reason(exc))
             raise
         except BaseException as exc:
-            self.stats.failed += 1
-            pending.error = f"KV transfer failed: {_reason(exc)}"
-            pending.done.set()
-            await self.engine.abort(request_id)
+            await self._fail(request_id, pending, exc)
             raise
         now = time.perf_counter()
         seconds = now - started
@@ -166,6 +169,13 @@ class KVReceiver:
         logger.info("[%s] KV received: %d bytes in %.1f ms", request_id, received, seconds * 1e3)
         pending.done.set()
         return received
+
+    async def _fail(self, request_id: str, pending: Pending, exc: BaseException) -> None:
+        """The transfer failed: free the blocks; the request's Generate raises TransferFailed."""
+        self.stats.failed += 1
+        pending.error = f"KV transfer failed: {_reason(exc)}"
+        pending.done.set()
+        await self.engine.abort(request_id)
 
     async def _write_all(
         self, header: decode_pb2.KVHeader, pending: Pending,
