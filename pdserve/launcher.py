@@ -28,6 +28,7 @@ from typing import IO
 
 from pdserve.cluster.flags import add_flag, add_redis_namespace_flag, add_tls_flags
 from pdserve.cluster.tls import PLAINTEXT, TLSConfig, tls_from_args
+from pdserve.ports import free_port
 
 
 def cluster_file() -> Path:
@@ -36,12 +37,6 @@ def cluster_file() -> Path:
         return Path(os.environ["PDSERVE_CLUSTER_FILE"])
     root = os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve"
     return Path(root) / "cluster.json"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.cluster.registry import WorkerInfo
-from pdserve.launcher import free_port
+from pdserve.ports import free_port
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from pdserve.launcher import free_port
+from pdserve.ports import free_port
 
 
 @dataclass(frozen=True)

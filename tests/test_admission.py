@@ -20,7 +20,7 @@ from engine.sampling_params import SamplingParams
 from gateway.app import build_app
 from gateway.backend import TokenDelta
 from gateway.local_backend import LocalBackend
-from pdserve.launcher import free_port
+from pdserve.ports import free_port
 
 LIMIT = 2
 STREAM = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "stream": True}

@@ -23,7 +23,7 @@ from gateway.app import build_app
 from gateway.backend import BackendError
 from gateway.local_backend import LocalBackend
 from pdserve import LLM, SamplingParams
-from pdserve.launcher import free_port
+from pdserve.ports import free_port
 
 PROMPT = "The quick brown fox jumps over"
 CHAT = [{"role": "user", "content": "Tell me a story about a dragon."}]

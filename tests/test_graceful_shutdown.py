@@ -23,7 +23,7 @@ from worker_procs import REPO, Proc, spawn, spawn_worker, stop_all, wait_serving
 
 from pdserve.cluster.drain import DrainGate, drain, pause_for
 from pdserve.cluster.grpc_server import make_server
-from pdserve.launcher import free_port
+from pdserve.ports import free_port
 
 GENERATE = "/pdserve.v1.Decode/Generate"
 PUSH_KV = "/pdserve.v1.Decode/PushKV"

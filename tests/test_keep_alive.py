@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from loadtest.client import KEEPALIVE_S, ClientConfig, StreamClient
-from pdserve.launcher import free_port
+from pdserve.ports import free_port
 
 HTTPX_DEFAULT_EXPIRY_S = httpx.Limits().keepalive_expiry  # what the openai client uses too
 

@@ -15,7 +15,7 @@ from cluster import http_get, run_cluster
 from redis_server import start_redis_on
 
 from pdserve.cluster.registry import Heartbeat, WorkerInfo
-from pdserve.launcher import free_port
+from pdserve.ports import free_port
 
 
 # ---- a heartbeat is never starved by a slow engine -------------------------------------------

@@ -36,7 +36,7 @@ from gateway.local_backend import LocalBackend
 from gateway.sequence import SequenceDecoder, SequenceSpec
 from pdserve.cluster.event_log import EventLog, LogEvent, StreamMeta
 from pdserve.cluster.state import InvalidTransition, Keys, RequestNotFound, RequestStore, connect
-from pdserve.launcher import free_port
+from pdserve.ports import free_port
 
 PREFIX = "resume-test"  # the in-process gateway's keys, apart from other tests' on one Redis
 PROMPT = "Resume me: a prompt long enough to span more than one block of sixteen tokens each"

@@ -22,7 +22,7 @@ from pdserve.cluster.state import (
     connect,
     redis_ok,
 )
-from pdserve.launcher import free_port
+from pdserve.ports import free_port
 
 STATUSES = ["queued", "prefilling", "transferring", "decoding", "finished", "failed", "cancelled"]
 # Written out by hand, not derived from the implementation.

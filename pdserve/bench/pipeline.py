@@ -54,7 +54,7 @@ from typing import Any
 from pdserve.bench.report import bench_main, config_of, write_report
 from pdserve.bench.throughput import make_workload
 from pdserve.bench.transfer import parse_sizes
-from pdserve.launcher import free_port
+from pdserve.ports import free_port
 
 COUNTERS = ("kv_transfer_seconds", "kv_transfer_bytes", "kv_transfers",
             "kv_transfer_bytes_before_first_token", "kv_transfer_first_token_to_commit_seconds")

@@ -47,7 +47,7 @@ from engine.sampling_params import SamplingParams
 from pdserve.bench.report import bench_main, config_of, write_report
 from pdserve.cluster.convert import sampling_params_to_pb
 from pdserve.cluster.grpc_server import GRPC_OPTIONS, check_health, open_channel
-from pdserve.launcher import free_port
+from pdserve.ports import free_port
 from prefill_svc.push import KVPush
 from prefill_svc.sender import GrpcKVSender
 from protos import decode_pb2, decode_pb2_grpc
