@@ -13,6 +13,10 @@ NOTE: a request's life on the receiving side:
     push cut off   ─▶ the sender went away before its commit (cancelled, or its stream ended):
                      the blocks stay reserved for another push (the gateway retries a lost
                      prefill on another worker, which pushes into the same reservation)
+    a newer push   ─▶ takes over at once, even while the older one still looks alive (its
+                     sender died but the connection has not said so yet): the older push
+                     writes nothing more and ends cut off at its next chunk. Only a push
+                     already committing refuses a newer one.
     bad bytes      ─▶ the request is aborted: its reserved blocks are freed, Generate fails
     no progress    ─▶ after the KV timeout without a header or slab (also after a cut push
                      nobody replaces): likewise
@@ -59,7 +63,8 @@ class Pending:
     block_ids: list[int] | None = None  # None until the blocks are reserved
     done: asyncio.Event = field(default_factory=asyncio.Event)
     error: str | None = None
-    receiving: bool = False
+    pushes: int = 0  # PushKV streams begun for the request; the latest one owns the blocks
+    committing: bool = False
     # When KV last made progress (reserved, header, a slab): the push streams while the prompt
     # is computed, so the wait for the KV is bounded by idle time, not by the prefill's length.
     progress_at: float = field(default_factory=time.monotonic)
@@ -132,35 +137,35 @@ class KVReceiver:
 
     async def receive(self, chunks: AsyncIterator[decode_pb2.KVChunk]) -> int:
         """Consume one PushKV stream; returns the bytes accepted. A push cut off before its
-        commit leaves the request waiting for another; any other error fails the request (its
-        blocks freed, its Generate told). Errors propagate to the sender."""
+        commit, or superseded by a newer push of the request, leaves the request to the next
+        push; any other error fails the request (its blocks freed, its Generate told). Errors
+        propagate to the sender."""
         header = await _first_header(chunks)
         request_id = header.request_id
         pending = self.pending.get(request_id)
-        if (pending is None or pending.block_ids is None or pending.receiving
-                or pending.done.is_set()):
+        if pending is None or pending.block_ids is None or pending.done.is_set():
             raise NotFoundError(f"no open Generate waiting for KV of request {request_id!r}")
-        pending.receiving = True
+        if pending.committing:
+            raise NotFoundError(f"the KV of request {request_id!r} is being committed")
+        pending.pushes += 1
+        push = pending.pushes
         started = time.perf_counter()
-        committing = False
         try:
-            received, commit, first_slab_at = await self._write_all(header, pending, chunks)
-            committing = True  # from here the engine may hold the request: no second push
+            received, commit, first_slab_at = await self._write_all(header, pending, push, chunks)
+            pending.committing = True  # from here the engine may hold the request
             await self.engine.commit_remote(request_id, commit.first_token_id,
                                             first_logprobs(commit))
-        except (asyncio.CancelledError, PushCut) as exc:
-            if committing:
+        except BaseException as exc:
+            superseded = pending.pushes != push  # whatever it did wrong, it owns nothing now
+            cut = isinstance(exc, (asyncio.CancelledError, PushCut)) and not pending.committing
+            if not (superseded or cut):
                 await self._fail(request_id, pending, exc)
                 raise
             self.stats.cut += 1
-            if not pending.done.is_set():  # still wanted: another push may fill the blocks
-                pending.receiving = False
-                pending.progress_at = time.monotonic()
+            if not superseded and not pending.done.is_set():
+                pending.progress_at = time.monotonic()  # still wanted: wait for another push
             logger.info("[%s] KV push cut off: %s; the blocks stay reserved", request_id,
                         _reason(exc))
-            raise
-        except BaseException as exc:
-            await self._fail(request_id, pending, exc)
             raise
         now = time.perf_counter()
         seconds = now - started
@@ -178,11 +183,13 @@ class KVReceiver:
         await self.engine.abort(request_id)
 
     async def _write_all(
-        self, header: decode_pb2.KVHeader, pending: Pending,
+        self, header: decode_pb2.KVHeader, pending: Pending, push: int,
         chunks: AsyncIterator[decode_pb2.KVChunk],
     ) -> tuple[int, decode_pb2.KVCommit, float]:
         """Write the slabs up to the commit chunk, which must come last, once every layer x block
-        has arrived: (bytes written, the commit, when the first slab came)."""
+        has arrived: (bytes written, the commit, when the first slab came). Each chunk is checked
+        against the request's state before it is written: a push superseded by a newer one, or a
+        request dropped meanwhile, writes nothing more."""
         self.layout.check_compatible(layout_from_pb(header.layout))
         assert pending.block_ids is not None  # `receive` checked it
         if header.num_blocks != len(pending.block_ids):
@@ -199,11 +206,11 @@ class KVReceiver:
                     raise ValueError("KV commit before every layer and block arrived")
                 async for _ in chunks:
                     raise ValueError("a KV stream ends with its commit")
-                _check_not_dropped(header.request_id, pending)
+                _check_current(header.request_id, pending, push)
                 return writer.bytes_received, chunk.commit, first_slab_at or time.perf_counter()
             if kind != "data":
                 raise ValueError("a KV stream carries one header, then data chunks and a commit")
-            _check_not_dropped(header.request_id, pending)
+            _check_current(header.request_id, pending, push)
             writer.write(slab_from_pb(chunk.data))
             pending.progress_at = time.monotonic()
             first_slab_at = first_slab_at or time.perf_counter()
@@ -218,9 +225,12 @@ def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _check_not_dropped(request_id: str, pending: Pending) -> None:
-    """NotFoundError once `drop` ended the request mid-transfer (timeout, cancelled Generate,
-    Abort): its blocks are freed, maybe another request's already, so write nothing more."""
+def _check_current(request_id: str, pending: Pending, push: int) -> None:
+    """PushCut once a newer push of the request took over its blocks; NotFoundError once `drop`
+    ended the request mid-transfer (timeout, cancelled Generate, Abort): its blocks are freed,
+    maybe another request's already."""
+    if pending.pushes != push:
+        raise PushCut("a newer push of the request took over its blocks")
     if pending.done.is_set():
         raise NotFoundError(
             f"request {request_id!r} was dropped while its KV arrived: {pending.error}"

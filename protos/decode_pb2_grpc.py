@@ -86,7 +86,10 @@ class DecodeServicer:
         transfer (INVALID_ARGUMENT): the request's Generate fails and nothing stays reserved. A
         stream that ends or is cancelled before its commit (its sender stopped or died) is cut off
         (UNAVAILABLE): the blocks stay reserved for another push of the same request, e.g. from the
-        prefill worker the gateway retried. The request joins the decode batch on the commit.
+        prefill worker the gateway retried. Such a newer push takes over at once, even from a push
+        still open (its sender died unnoticed), which then writes nothing more and ends cut off at
+        its next chunk; a push arriving while the KV is committed is refused (NOT_FOUND). The
+        request joins the decode batch on the commit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -56,10 +56,13 @@ def header(num_blocks: int = 3) -> decode_pb2.KVChunk:
         num_blocks=num_blocks))
 
 
-def slab(l0: int, l1: int, b0: int, b1: int, nbytes: int | None = None) -> decode_pb2.KVChunk:
+def slab(l0: int, l1: int, b0: int, b1: int, nbytes: int | None = None,
+         fill: int | None = None) -> decode_pb2.KVChunk:
+    """Slab of layers [l0, l1) x blocks [b0, b1), every byte `fill` (default: l0 + 1)."""
     size = (l1 - l0) * (b1 - b0) * CELL if nbytes is None else nbytes
+    data = bytes([l0 + 1 if fill is None else fill]) * size
     return decode_pb2.KVChunk(data=decode_pb2.KVData(
-        layer_start=l0, layer_end=l1, block_start=b0, block_end=b1, data=bytes([l0 + 1]) * size))
+        layer_start=l0, layer_end=l1, block_start=b0, block_end=b1, data=data))
 
 
 def cells(order: list[tuple[int, int]]) -> list[decode_pb2.KVChunk]:
@@ -198,3 +201,32 @@ async def test_a_cut_push_nobody_replaces_times_out_and_frees_the_blocks(engine,
     with pytest.raises(TimeoutError, match="nothing came for 0.3 s"):
         await receiver.wait("r", 0.3)
     assert (await engine.stats()).num_free_blocks == NUM_BLOCKS
+
+
+async def test_a_newer_push_takes_over_from_one_still_open(engine, receiver) -> None:
+    """The retried prefill's push may arrive while the lost worker's push still looks open (its
+    connection has not failed yet): the newer push fills and commits the blocks, and the older
+    one writes nothing more and ends cut off, failing nothing."""
+    blocks = receiver.pending["r"].block_ids
+    gate = asyncio.Event()
+
+    async def stale() -> AsyncIterator[decode_pb2.KVChunk]:
+        yield header()
+        yield slab(0, 1, 0, 3, fill=0xEE)
+        await gate.wait()
+        yield slab(1, 2, 0, 3, fill=0xEE)
+        yield COMMIT
+
+    old = asyncio.create_task(receiver.receive(stale()))
+    await asyncio.sleep(0.1)
+    assert await receiver.receive(stream(header(), *cells(CELLS), COMMIT)) == 6 * CELL
+    gate.set()
+    with pytest.raises(PushCut, match="a newer push of the request took over its blocks"):
+        await old
+    kv = engine.engine.runner.kv_caches
+    for layer in range(2):
+        assert set(kv[layer][:, blocks[:2]].reshape(-1).view(torch.uint8).tolist()) == {layer + 1}
+    assert (receiver.stats.cut, receiver.stats.failed, receiver.stats.completed) == (1, 0, 1)
+    assert await receiver.wait("r", 5)
+    outs = [out async for out in engine.stream("r")]
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids[0] == 7
