@@ -6,6 +6,7 @@ fallbacks."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -102,9 +103,33 @@ async def test_mutual_tls_kv_push(certs: Certs) -> None:
         assert await check_health(address, tls=prefill)
 
 
+async def test_one_shared_certificate_verified_by_name_not_address(tmp_path: Path) -> None:
+    """Workers are dialled at addresses known only once they run (pod IPs): with
+    --tls-server-name every client checks each server's certificate against that fixed name, so
+    one certificate shared by every service verifies every hop. Without it, or with another
+    name, the connection is refused: the check is not switched off."""
+    shared = make_certs(tmp_path, server_dns_names=["pdserve-internal"])
+    server_tls = TLSConfig(shared.server_cert, shared.server_key, shared.ca)
+    add = lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(CountingDecode(), s)
+    caches = [torch.randn(2, 4, 4, 2, 8)]
+    client = TLSConfig(shared.client_cert, shared.client_key, shared.ca)
+    async with serving("pdserve.v1.Decode", add, server_tls) as address:  # 127.0.0.1:port
+        named = dataclasses.replace(client, server_name="pdserve-internal")
+        assert await check_health(address, tls=named)
+        sender = GrpcKVSender(caches, tls=named)
+        push = sender.new_push("r1", num_tokens=4).computed([1], first_token_id=7)
+        assert await sender.send(address, push) == 2 * 4 * 2 * 8 * 4
+        await sender.close()
+        assert not await check_health(address, tls=client)  # 127.0.0.1 is not in it
+        wrong = dataclasses.replace(client, server_name="pdserve-elsewhere")
+        assert not await check_health(address, tls=wrong)
+
+
 async def test_tls_config_rules(certs: Certs) -> None:
     with pytest.raises(ValueError, match="together"):
         TLSConfig(cert=certs.server_cert)
+    with pytest.raises(ValueError, match="--tls-server-name needs TLS"):
+        TLSConfig(server_name="pdserve-internal")
     server = grpc.aio.server()
     with pytest.raises(ValueError, match="needs --tls-cert"):  # never a silent plaintext server
         listen(server, "127.0.0.1:0", TLSConfig(ca=certs.ca))
@@ -117,9 +142,10 @@ def test_tls_flags_read_their_environment(
     monkeypatch.setenv("PDSERVE_TLS_CERT", certs.server_cert)
     monkeypatch.setenv("PDSERVE_TLS_KEY", certs.server_key)
     monkeypatch.setenv("PDSERVE_TLS_CA", certs.ca)
+    monkeypatch.setenv("PDSERVE_TLS_SERVER_NAME", "pdserve-internal")
     parser = argparse.ArgumentParser()
     add_common_flags(parser, 1234)
     assert tls_from_args(parser.parse_args([])) == TLSConfig(
-        certs.server_cert, certs.server_key, certs.ca)
+        certs.server_cert, certs.server_key, certs.ca, "pdserve-internal")
     overridden = parser.parse_args(["--tls-ca", str(tmp_path / "other.pem")])
     assert tls_from_args(overridden).ca == str(tmp_path / "other.pem")

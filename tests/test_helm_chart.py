@@ -296,7 +296,8 @@ TLS_FILES = {"tls_cert": "tls.crt", "tls_key": "tls.key", "tls_ca": "ca.crt"}  #
 
 @pytest.mark.parametrize("mount", ["/etc/pdserve/tls", "/certs/"])
 def test_tls_mounts_the_secret_in_every_pod_and_points_the_flags_at_its_files(mount, monkeypatch):
-    rendered = render({"tls": {"enabled": True, "secretName": "pdserve-tls", "mountPath": mount}})
+    rendered = render({"tls": {"enabled": True, "secretName": "pdserve-tls", "mountPath": mount},
+                       "flags": {"tls-server-name": "pdserve-internal"}})
     for obj in rendered.objects:
         if not obj["apiVersion"].startswith("monitoring.coreos.com/"):
             kubernetes_validate.validate(obj, KUBE_VERSIONS[0], strict=True)
@@ -316,7 +317,8 @@ def test_tls_mounts_the_secret_in_every_pod_and_points_the_flags_at_its_files(mo
         for dest, key in TLS_FILES.items():  # each flag names a file the mount holds
             path = PurePosixPath(getattr(args, dest))
             assert path.parent == folder and path.name == key, (role, dest, path)
-        assert tls_from_args(args).enabled
+        tls = tls_from_args(args)  # one shared certificate: every hop checks its fixed name
+        assert tls.enabled and tls.server_name == "pdserve-internal"
         if role != "gateway":  # the kubelet's gRPC probe has no TLS: a TCP connect instead
             for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
                 assert container[probe]["tcpSocket"] == {"port": "grpc"}, (role, probe)

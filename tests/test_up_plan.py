@@ -22,14 +22,16 @@ def _up(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
 
 def test_workers_on_loopback_with_the_cluster_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     args = _up(["--host", "0.0.0.0", "--redis-namespace", "blue", "--tls-cert", "c.pem",
-                "--tls-key", "k.pem", "--tls-ca", "ca.pem"], monkeypatch)
+                "--tls-key", "k.pem", "--tls-ca", "ca.pem", "--tls-server-name", "pd.internal"],
+               monkeypatch)
     services = plan(args, "redis://127.0.0.1:6379/0", None)
     assert [s.name for s in services] == ["tokenizer", "prefill-0", "decode-0", "gateway"]
     for s in services:
         parsed = build_parser().parse_args(s.argv[3:])  # after `python -m pdserve.cli`
         assert parsed.host == ("0.0.0.0" if s.name == "gateway" else "127.0.0.1"), s.name
         assert parsed.redis_namespace == "blue"
-        assert (parsed.tls_cert, parsed.tls_key, parsed.tls_ca) == ("c.pem", "k.pem", "ca.pem")
+        assert (parsed.tls_cert, parsed.tls_key, parsed.tls_ca, parsed.tls_server_name) == (
+            "c.pem", "k.pem", "ca.pem", "pd.internal")
 
 
 def test_defaults_are_plaintext_in_the_default_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,7 +39,8 @@ def test_defaults_are_plaintext_in_the_default_namespace(monkeypatch: pytest.Mon
     for s in services:
         parsed = build_parser().parse_args(s.argv[3:])
         assert parsed.host == "127.0.0.1" and parsed.redis_namespace == "pdserve"
-        assert (parsed.tls_cert, parsed.tls_key, parsed.tls_ca) == ("", "", "")
+        assert (parsed.tls_cert, parsed.tls_key, parsed.tls_ca, parsed.tls_server_name) == (
+            "", "", "", "")
 
 
 def test_gpus_are_dealt_to_the_workers_of_each_role(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,6 @@
-"""Throw-away PEM files for TLS tests: a CA, a server certificate for localhost/127.0.0.1 and a
-client certificate, both signed by the CA (the `cryptography` package; EC keys: fast)."""
+"""Throw-away PEM files for TLS tests: a CA, a server certificate (for localhost/127.0.0.1
+unless given other DNS names) and a client certificate, both signed by the CA (the
+`cryptography` package; EC keys: fast)."""
 
 from __future__ import annotations
 
@@ -23,13 +24,19 @@ class Certs:
     client_key: str
 
 
-def make_certs(folder: Path) -> Certs:
+LOOPBACK = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+
+
+def make_certs(folder: Path, server_dns_names: list[str] | None = None) -> Certs:
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = _certificate("pdserve test CA", ca_key, ca_key, None, is_ca=True)
+    ca = _certificate("pdserve test CA", ca_key, ca_key, None, [], is_ca=True)
     paths = {"ca": _write(folder / "ca.pem", ca)}
     for role in ("server", "client"):
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = _certificate(f"pdserve test {role}", key, ca_key, ca, is_ca=False)
+        names = LOOPBACK
+        if role == "server" and server_dns_names is not None:
+            names = [x509.DNSName(name) for name in server_dns_names]
+        cert = _certificate(f"pdserve test {role}", key, ca_key, ca, names, is_ca=False)
         paths[f"{role}_cert"] = _write(folder / f"{role}.pem", cert)
         paths[f"{role}_key"] = _write_key(folder / f"{role}.key", key)
     return Certs(**paths)
@@ -37,7 +44,7 @@ def make_certs(folder: Path) -> Certs:
 
 def _certificate(
     name: str, key: ec.EllipticCurvePrivateKey, signer: ec.EllipticCurvePrivateKey,
-    issuer: x509.Certificate | None, is_ca: bool,
+    issuer: x509.Certificate | None, names: list[x509.GeneralName], is_ca: bool,
 ) -> x509.Certificate:
     now = datetime.datetime.now(datetime.timezone.utc)
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
@@ -51,8 +58,7 @@ def _certificate(
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True)
     )
-    if not is_ca:  # the name gRPC checks against the address it dials
-        names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    if not is_ca:  # the names gRPC checks the dialled address (or --tls-server-name) against
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     return builder.sign(signer, hashes.SHA256())
 

@@ -50,11 +50,14 @@ def add_redis_namespace_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def add_tls_flags(parser: argparse.ArgumentParser) -> None:
-    """gRPC TLS (pdserve.cluster.tls): this process's certificate and key, the peers' CA."""
+    """gRPC TLS (pdserve.cluster.tls): this process's certificate and key, the peers' CA, the
+    name servers' certificates carry."""
     add_flag(parser, "--tls-cert", "", help="PEM certificate chain: serve and dial gRPC over TLS")
     add_flag(parser, "--tls-key", "", help="PEM private key of --tls-cert")
     add_flag(parser, "--tls-ca", "",
              help="PEM CA of the peers: verify servers; a server requires client certificates")
+    add_flag(parser, "--tls-server-name", "",
+             help="name every server's certificate must carry (default: the address dialled)")
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:

@@ -7,6 +7,11 @@ them, prefill to decode for the KV push, health probes) is secured alike.
     --tls-ca                the CA that signed the peers' certificates (PEM): a client checks
                             servers against it (default: the system's roots); a server given it
                             requires every client to present a certificate it signed
+    --tls-server-name       the name a client expects in every server's certificate, instead
+                            of the address it dials: workers are dialled at addresses known only
+                            once they start (pod IPs), so one certificate shared by every service
+                            names a fixed DNS name and each client checks that name (gRPC's
+                            ssl_target_name_override; also the TLS SNI sent)
 
 No flag set: plaintext, as before (a loopback cluster, or a mesh that encrypts for us). A server
 given only --tls-ca refuses to start rather than fall back to plaintext.
@@ -26,10 +31,13 @@ class TLSConfig:
     cert: str = ""  # PEM path; empty: none
     key: str = ""
     ca: str = ""
+    server_name: str = ""  # empty: check each server against the address dialled
 
     def __post_init__(self) -> None:
         if bool(self.cert) != bool(self.key):
             raise ValueError("--tls-cert and --tls-key must be given together")
+        if self.server_name and not self.enabled:
+            raise ValueError("--tls-server-name needs TLS: give --tls-ca or --tls-cert")
 
     @property
     def enabled(self) -> bool:
@@ -60,7 +68,7 @@ PLAINTEXT = TLSConfig()
 
 def tls_from_args(args: argparse.Namespace) -> TLSConfig:
     """The TLS flags (pdserve.cluster.flags.add_tls_flags) as a config."""
-    return TLSConfig(args.tls_cert, args.tls_key, args.tls_ca)
+    return TLSConfig(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
 
 
 def listen(server: grpc.aio.Server, address: str, tls: TLSConfig) -> int:
@@ -71,10 +79,12 @@ def listen(server: grpc.aio.Server, address: str, tls: TLSConfig) -> int:
 
 
 def channel(
-    address: str, tls: TLSConfig, options: list[tuple[str, int]]
+    address: str, tls: TLSConfig, options: list[tuple[str, int | str]]
 ) -> grpc.aio.Channel:
     """A channel to `address`, over TLS when configured."""
     if tls.enabled:
+        if tls.server_name:
+            options = [*options, ("grpc.ssl_target_name_override", tls.server_name)]
         return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
     return grpc.aio.insecure_channel(address, options=options)
 

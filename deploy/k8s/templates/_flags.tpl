@@ -6,15 +6,16 @@ parsers, so a new flag fails CI until it is added here. */}}
 {{- define "pdserve.knownFlags" -}}
 gateway: [port, log-level, drain-timeout, served-model-name, local-prefill-max-tokens,
   max-concurrent-requests, max-body-bytes, trust-request-chat-template, redis-namespace,
-  max-migrations, resume-ttl-seconds, keep-alive-seconds, tls-cert, tls-key, tls-ca]
+  max-migrations, resume-ttl-seconds, keep-alive-seconds, tls-cert, tls-key, tls-ca,
+  tls-server-name]
 tokenizer: [port, log-level, drain-timeout, model, served-model-name, max-model-len,
-  redis-namespace, tls-cert, tls-key, tls-ca]
+  redis-namespace, tls-cert, tls-key, tls-ca, tls-server-name]
 prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
-  metrics-port, model, served-model-name, max-model-len,
+  tls-server-name, metrics-port, model, served-model-name, max-model-len,
   dtype, device, block-size, kv-cache-memory, num-kv-blocks, gpu-memory-utilization,
   max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, kv-slab-bytes, kv-lease-seconds]
 decode: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
-  metrics-port, model, served-model-name, max-model-len,
+  tls-server-name, metrics-port, model, served-model-name, max-model-len,
   dtype, device, block-size, kv-cache-memory, num-kv-blocks, gpu-memory-utilization,
   max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, kv-timeout, kv-wait-seconds,
   kv-wait-max-requests]
