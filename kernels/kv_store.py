@@ -14,6 +14,28 @@ import triton.language as tl
 
 
 @triton.jit
+def _copy_heads(src, dst, num_heads, stride_src_h, stride_dst_h, HEADS_PAD: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    """Copy one token's rows of `num_heads` heads ([HEAD_DIM] contiguous each) from `src` to
+    `dst` (a cache slot)."""
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_h < num_heads)[:, None]
+    rows = tl.load(src + offs_h[:, None] * stride_src_h + offs_d[None, :], mask=mask)
+    tl.store(dst + offs_h[:, None] * stride_dst_h + offs_d[None, :], rows, mask=mask)
+
+
+def check_layout(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 *rows: torch.Tensor) -> None:
+    """What the store kernels address: cache blocks [block_size, Hkv, D] contiguous and laid
+    out alike in K and V (one slot stride for both), each input's head_dim rows contiguous."""
+    block_size = k_cache.shape[1]
+    if (k_cache.stride(0) != block_size * k_cache.stride(1) or k_cache.stride() != v_cache.stride()
+            or any(t.stride(-1) != 1 for t in rows)):
+        raise ValueError(f"{op} needs contiguous cache blocks and contiguous head_dim rows")
+
+
+@triton.jit
 def _store_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cache_t, stride_cache_h,
@@ -23,16 +45,10 @@ def _store_kernel(
     slot = tl.load(slots_ptr + token)
     if slot < 0:
         return
-    offs_h = tl.arange(0, HEADS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask = (offs_h < NUM_KV_HEADS)[:, None]
-    src = offs_h[:, None] * stride_kh + offs_d[None, :]
-    dst = slot * stride_cache_t + offs_h[:, None] * stride_cache_h + offs_d[None, :]
-    k = tl.load(k_ptr + token * stride_kt + src, mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
-                mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    _copy_heads(k_ptr + token * stride_kt, k_cache_ptr + slot * stride_cache_t, NUM_KV_HEADS,
+                stride_kh, stride_cache_h, HEADS_PAD, HEAD_DIM)
+    _copy_heads(v_ptr + token * stride_vt, v_cache_ptr + slot * stride_cache_t, NUM_KV_HEADS,
+                stride_vh, stride_cache_h, HEADS_PAD, HEAD_DIM)
 
 
 def store_kv(
@@ -46,10 +62,7 @@ def store_kv(
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    block_size = k_cache.shape[1]
-    if (k_cache.stride(0) != block_size * k_cache.stride(1) or k_cache.stride() != v_cache.stride()
-            or k.stride(-1) != 1 or v.stride(-1) != 1):
-        raise ValueError("store_kv needs contiguous cache blocks and contiguous head_dim rows")
+    check_layout("store_kv", k_cache, v_cache, k, v)
     _store_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2),

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_store import store_kv_ref
+from kernels.kv_store import _copy_heads, check_layout, store_kv_ref
 from kernels.rotary import _cos_sin, _rotate, rotary_embedding_ref
 
 
@@ -38,13 +38,8 @@ def _rope_store_kernel(
     if slot >= 0:
         _rotate(k_ptr + token * stride_kt, k_cache_ptr + slot * stride_cache_t, cos, sin,
                 NUM_KV_HEADS, stride_kh, stride_cache_h, K_HEADS_PAD, HALF)
-        offs_h = tl.arange(0, K_HEADS_PAD)
-        offs_d = tl.arange(0, 2 * HALF)
-        mask = (offs_h < NUM_KV_HEADS)[:, None]
-        v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
-                    mask=mask)
-        tl.store(v_cache_ptr + slot * stride_cache_t + offs_h[:, None] * stride_cache_h
-                 + offs_d[None, :], v, mask=mask)
+        _copy_heads(v_ptr + token * stride_vt, v_cache_ptr + slot * stride_cache_t,
+                    NUM_KV_HEADS, stride_vh, stride_cache_h, K_HEADS_PAD, 2 * HALF)
 
 
 def rope_and_store(
@@ -61,10 +56,7 @@ def rope_and_store(
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
         return
-    block_size = k_cache.shape[1]
-    if (k_cache.stride(0) != block_size * k_cache.stride(1) or k_cache.stride() != v_cache.stride()
-            or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1):
-        raise ValueError("rope_and_store needs contiguous cache blocks and head_dim rows")
+    check_layout("rope_and_store", k_cache, v_cache, q, k, v)
     num_kv_heads = k.shape[1]
     _rope_store_kernel[(num_tokens,)](
         positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin,

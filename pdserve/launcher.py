@@ -116,7 +116,7 @@ def _gpu_list(value: str, flag: str) -> list[str]:
 
 
 def _cluster_flags(args: argparse.Namespace) -> list[str]:
-    """The Redis namespace and the gRPC TLS files, handed to every service alike."""
+    """The Redis namespace and the gRPC TLS flags, handed to every service alike."""
     flags = ["--redis-namespace", args.redis_namespace]
     for flag in ("--tls-cert", "--tls-key", "--tls-ca", "--tls-server-name"):
         value = getattr(args, flag[2:].replace("-", "_"))
