@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from engine.kv_transfer import KVLayout, KVSlab
+from engine.kv_transfer import KVLayout, KVSlab, SlabRange
 from engine.outputs import RequestOutput
 from pdserve.cluster.convert import logprobs_from_pb, logprobs_to_pb
+from pdserve.transport.base import PoolInfo
 from protos import decode_pb2
 
 
@@ -44,3 +45,27 @@ def slab_to_pb(slab: KVSlab) -> decode_pb2.KVChunk:
 
 def first_logprobs(commit: decode_pb2.KVCommit) -> tuple[float, dict[int, float]] | None:
     return logprobs_from_pb(commit.first_logprobs) if commit.HasField("first_logprobs") else None
+
+
+def pool_info_to_pb(info: PoolInfo) -> decode_pb2.KVPoolInfo:
+    return decode_pb2.KVPoolInfo(
+        pool_id=info.pool_id, host_id=info.host_id, layout=layout_to_pb(info.layout),
+        num_blocks=info.num_blocks, device_type=info.device_type,
+        device_uuid=info.device_uuid, transports=info.transports,
+        cuda_ipc_handle=info.cuda_ipc_handle, nixl_metadata=info.nixl_metadata,
+        nixl_pool_address=info.nixl_pool_address, nixl_device_id=info.nixl_device_id,
+    )
+
+
+def pool_info_from_pb(msg: decode_pb2.KVPoolInfo) -> PoolInfo:
+    return PoolInfo(
+        pool_id=msg.pool_id, host_id=msg.host_id, layout=layout_from_pb(msg.layout),
+        num_blocks=msg.num_blocks, device_type=msg.device_type,
+        transports=tuple(msg.transports), device_uuid=msg.device_uuid,
+        cuda_ipc_handle=msg.cuda_ipc_handle, nixl_metadata=msg.nixl_metadata,
+        nixl_pool_address=msg.nixl_pool_address, nixl_device_id=msg.nixl_device_id,
+    )
+
+
+def written_range(msg: decode_pb2.KVWritten) -> SlabRange:
+    return msg.layer_start, msg.layer_end, msg.block_start, msg.block_end

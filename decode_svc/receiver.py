@@ -21,6 +21,17 @@ NOTE: a request's life on the receiving side:
     no progress    ─▶ after the KV timeout without a header or slab (also after a cut push
                      nobody replaces): likewise
 
+A data-plane push (cuda_ipc, nixl; pdserve/transport/) asks KVTarget for the reserved blocks'
+physical ids first (becoming the current push, as a newer PushKV does), writes into them
+one-sided, and announces each slab written with KVWritten on its PushKV stream. This side
+cannot stop such writes, so it fences them in time instead:
+
+    KVTarget while an older data-plane push is open ─▶ waits for it to end (up to the grace
+                     period) before handing out the blocks again
+    the request dropped or failed ─▶ its blocks are freed once every push stream that may
+                     write them has ended (bounded by the KV timeout), plus the grace period
+                     for a cancelled sender's last write in flight
+
 Blocks are reserved before a single byte arrives, so a transfer never waits for memory. Only
 wrong bytes fail a request here; a silent or vanished sender is bounded by the KV timeout, and a
 request that ends at its first token is dropped by its Generate being cancelled. A request
@@ -37,13 +48,15 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from decode_svc.convert import first_logprobs, layout_from_pb, slab_from_pb
+from decode_svc.convert import first_logprobs, layout_from_pb, slab_from_pb, written_range
+from decode_svc.pool import PoolExporter
 from engine.async_engine import AsyncLLMEngine
 from engine.config import NO_KV_WAIT, KVWaitConfig
 from engine.kv_transfer import KVLayout, KVSlabWriter, layout_of
 from engine.sampling_params import SamplingParams
-from pdserve.cluster.grpc_server import NotFoundError
+from pdserve.cluster.grpc_server import NotFoundError, PreconditionError
 from pdserve.cluster.worker import TransferStats
+from pdserve.transport.base import GRPC, PoolInfo
 from protos import decode_pb2
 
 logger = logging.getLogger(__name__)
@@ -65,18 +78,29 @@ class Pending:
     error: str | None = None
     pushes: int = 0  # PushKV streams begun for the request; the latest one owns the blocks
     committing: bool = False
+    one_sided: bool = False  # KVTarget handed the block ids to a data-plane writer
+    writers: int = 0  # open data-plane push streams of the request
+    writers_idle: asyncio.Event = field(default_factory=lambda: _set(asyncio.Event()))
     # When KV last made progress (reserved, header, a slab): the push streams while the prompt
     # is computed, so the wait for the KV is bounded by idle time, not by the prefill's length.
     progress_at: float = field(default_factory=time.monotonic)
 
 
 class KVReceiver:
-    def __init__(self, engine: AsyncLLMEngine, kv_wait: KVWaitConfig = NO_KV_WAIT):
+    def __init__(
+        self, engine: AsyncLLMEngine, kv_wait: KVWaitConfig = NO_KV_WAIT,
+        exporter: PoolExporter | None = None, write_grace_s: float = 1.0,
+        fence_timeout_s: float = 30.0,
+    ):
         self.engine = engine
         self.kv_wait = kv_wait
         self.layout: KVLayout = layout_of(engine.engine.runner.kv_caches)
+        self.exporter = exporter or PoolExporter(engine.engine.runner.kv_pool, GRPC)
+        self.write_grace_s = write_grace_s
+        self.fence_timeout_s = fence_timeout_s
         self.pending: dict[str, Pending] = {}
         self.stats = TransferStats()
+        self._fences: set[asyncio.Task] = set()  # frees waiting for data-plane writers
 
     async def expect(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -133,7 +157,58 @@ class KVReceiver:
         if pending is not None and not pending.done.is_set():
             pending.error = ABORTED
             pending.done.set()
-        return await self.engine.abort(request_id)
+        return await self._free(request_id, pending)
+
+    def describe(self, wanted: list[str]) -> PoolInfo:
+        """This worker's pool for a prefill worker that could use `wanted` data planes."""
+        return self.exporter.describe(wanted)
+
+    async def target(self, request_id: str, pool_id: str, transport: str) -> tuple[list[int], int]:
+        """Hand a data-plane push the request's reserved blocks: (physical block ids, push id).
+        The caller becomes the request's current push. PreconditionError for a pool of an
+        earlier process, ValueError for a transport not offered, NotFoundError as `receive`."""
+        if pool_id != self.exporter.pool_id:
+            raise PreconditionError(f"KV pool {pool_id!r} is stale: this worker's pool is "
+                                    f"{self.exporter.pool_id!r} (it restarted)")
+        if not self.exporter.accepts(transport):
+            raise ValueError(f"KV transport {transport!r} is not offered here "
+                             f"(offered: {', '.join(self.exporter.offered)})")
+        pending = self._waiting_for_kv(request_id)
+        if pending.writers:  # an older writer may still be writing: let it finish first
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(pending.writers_idle.wait(), self.write_grace_s)
+            pending = self._waiting_for_kv(request_id)
+        assert pending.block_ids is not None
+        pending.pushes += 1
+        pending.one_sided = True
+        pending.progress_at = time.monotonic()
+        return list(pending.block_ids), pending.pushes
+
+    def _waiting_for_kv(self, request_id: str) -> Pending:
+        """The request's Pending if a push may still write its KV; NotFoundError if not."""
+        pending = self.pending.get(request_id)
+        if pending is None or pending.block_ids is None or pending.done.is_set():
+            raise NotFoundError(f"no open Generate waiting for KV of request {request_id!r}")
+        if pending.committing:
+            raise NotFoundError(f"the KV of request {request_id!r} is being committed")
+        return pending
+
+    async def _free(self, request_id: str, pending: Pending | None) -> bool:
+        """Abort the request in the engine (freeing its blocks): at once, or, when a data
+        plane may still write into them, once its pushes ended plus the grace period."""
+        if pending is None or not pending.one_sided:
+            return await self.engine.abort(request_id)
+        task = asyncio.create_task(self._free_after_writers(request_id, pending))
+        self._fences.add(task)
+        task.add_done_callback(self._fences.discard)
+        return True
+
+    async def _free_after_writers(self, request_id: str, pending: Pending) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(pending.writers_idle.wait(), self.fence_timeout_s)
+        await asyncio.sleep(self.write_grace_s)
+        await self.engine.abort(request_id)
+        logger.info("[%s] blocks freed after the data-plane writers stopped", request_id)
 
     async def receive(self, chunks: AsyncIterator[decode_pb2.KVChunk]) -> int:
         """Consume one PushKV stream; returns the bytes accepted. A push cut off before its
@@ -142,16 +217,23 @@ class KVReceiver:
         propagate to the sender."""
         header = await _first_header(chunks)
         request_id = header.request_id
-        pending = self.pending.get(request_id)
-        if pending is None or pending.block_ids is None or pending.done.is_set():
-            raise NotFoundError(f"no open Generate waiting for KV of request {request_id!r}")
-        if pending.committing:
-            raise NotFoundError(f"the KV of request {request_id!r} is being committed")
-        pending.pushes += 1
-        push = pending.pushes
+        pending = self._waiting_for_kv(request_id)
+        transport = header.transport or GRPC
+        if transport == GRPC:
+            pending.pushes += 1
+            push = pending.pushes
+        else:  # the push KVTarget named
+            if not self.exporter.accepts(transport):
+                raise ValueError(f"KV transport {transport!r} is not offered here")
+            if header.push_id != pending.pushes:
+                raise PushCut("a newer push of the request took over its blocks")
+            push = header.push_id
+            pending.writers += 1
+            pending.writers_idle.clear()
         started = time.perf_counter()
         try:
-            received, commit, first_slab_at = await self._write_all(header, pending, push, chunks)
+            received, commit, first_slab_at = await self._write_all(
+                header, pending, push, chunks, transport)
             pending.committing = True  # from here the engine may hold the request
             await self.engine.commit_remote(request_id, commit.first_token_id,
                                             first_logprobs(commit))
@@ -167,9 +249,14 @@ class KVReceiver:
             logger.info("[%s] KV push cut off: %s; the blocks stay reserved", request_id,
                         _reason(exc))
             raise
+        finally:
+            if transport != GRPC:
+                pending.writers -= 1
+                if not pending.writers:
+                    pending.writers_idle.set()
         now = time.perf_counter()
         seconds = now - started
-        self.stats.record(received, seconds)
+        self.stats.record(received, seconds, transport)
         self.stats.first_slab_to_commit_seconds += now - first_slab_at
         logger.info("[%s] KV received: %d bytes in %.1f ms", request_id, received, seconds * 1e3)
         pending.done.set()
@@ -180,11 +267,11 @@ class KVReceiver:
         self.stats.failed += 1
         pending.error = f"KV transfer failed: {_reason(exc)}"
         pending.done.set()
-        await self.engine.abort(request_id)
+        await self._free(request_id, pending)
 
     async def _write_all(
         self, header: decode_pb2.KVHeader, pending: Pending, push: int,
-        chunks: AsyncIterator[decode_pb2.KVChunk],
+        chunks: AsyncIterator[decode_pb2.KVChunk], transport: str,
     ) -> tuple[int, decode_pb2.KVCommit, float]:
         """Write the slabs up to the commit chunk, which must come last, once every layer x block
         has arrived: (bytes written, the commit, when the first slab came). Each chunk is checked
@@ -208,15 +295,25 @@ class KVReceiver:
                     raise ValueError("a KV stream ends with its commit")
                 _check_current(header.request_id, pending, push)
                 return writer.bytes_received, chunk.commit, first_slab_at or time.perf_counter()
-            if kind != "data":
-                raise ValueError("a KV stream carries one header, then data chunks and a commit")
+            if kind != ("data" if transport == GRPC else "written"):
+                what = "data" if transport == GRPC else f"{transport} written"
+                raise ValueError(f"a KV stream carries one header, then {what} chunks and a "
+                                 "commit")
             _check_current(header.request_id, pending, push)
-            writer.write(slab_from_pb(chunk.data))
+            if kind == "data":
+                writer.write(slab_from_pb(chunk.data))
+            else:
+                writer.mark_written(written_range(chunk.written))
             pending.progress_at = time.monotonic()
             first_slab_at = first_slab_at or time.perf_counter()
         if not writer.complete:
             raise PushCut("KV stream ended before every layer and block arrived")
         raise PushCut("KV stream ended without its commit")
+
+
+def _set(event: asyncio.Event) -> asyncio.Event:
+    event.set()
+    return event
 
 
 def _reason(exc: BaseException) -> str:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from decode_svc.pool import PoolExporter
 from decode_svc.receiver import KVReceiver
 from decode_svc.service import DecodeServicer
 from engine.config import KVWaitConfig
-from pdserve.cluster.flags import add_flag
+from pdserve.cluster.flags import add_flag, add_kv_transport_flag
 from pdserve.cluster.worker import add_worker_flags, build_engine, run_worker, watch_cancellations
 from protos import decode_pb2_grpc
 
@@ -24,6 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="seconds a Generate waits for free KV blocks when the cache is full, behind "
                   "those that came first, before failing with RESOURCE_EXHAUSTED (0: fail at "
                   "once)")
+    add_kv_transport_flag(parser)
+    add_flag(parser, "--kv-write-grace-seconds", 1.0, type=float,
+             help="after a request whose KV a data plane (cuda_ipc, nixl) writes is dropped, "
+                  "seconds its blocks stay reserved once the writing pushes ended (a cancelled "
+                  "sender's last write may still land)")
     add_flag(parser, "--kv-wait-max-requests", 64, type=int,
              help="Generates that may wait for free KV blocks at a time; more get "
                   "RESOURCE_EXHAUSTED at once")
@@ -31,12 +37,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     engine = await asyncio.to_thread(build_engine, args, "decode")
-    receiver = KVReceiver(engine, KVWaitConfig(args.kv_wait_seconds, args.kv_wait_max_requests))
+    exporter = PoolExporter(engine.engine.runner.kv_pool, args.kv_transport)
+    receiver = KVReceiver(engine, KVWaitConfig(args.kv_wait_seconds, args.kv_wait_max_requests),
+                          exporter, args.kv_write_grace_seconds, args.kv_timeout)
     cancels = watch_cancellations(args, receiver.drop)
     servicer = DecodeServicer(engine, receiver, args.kv_timeout, cancels)
+
+    async def on_stop() -> None:
+        await cancels.stop()
+        exporter.close()
+
     await run_worker(
         args, "decode", engine, lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s),
-        receiver.stats, cancels.stop,
+        receiver.stats, on_stop,
     )
 
 

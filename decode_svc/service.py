@@ -3,6 +3,7 @@ receiver, encode. Errors are mapped to status codes by the shared interceptor.""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -10,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from decode_svc.convert import delta_to_pb
+from decode_svc.convert import delta_to_pb, pool_info_to_pb
 from decode_svc.receiver import KVReceiver
 from engine.async_engine import AsyncLLMEngine
 from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
@@ -67,6 +68,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def PushKV(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         received = await self.receiver.receive(request_iterator)
         return decode_pb2.PushKVResponse(bytes_received=received)
+
+    async def DescribeKV(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        info = await asyncio.to_thread(self.receiver.describe, list(request.transports))
+        return pool_info_to_pb(info)
+
+    async def KVTarget(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        block_ids, push_id = await self.receiver.target(request.request_id, request.pool_id,
+                                                        request.transport)
+        return decode_pb2.KVTargetReply(block_ids=block_ids, push_id=push_id)
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         found = await self.receiver.drop(request.request_id)

@@ -130,13 +130,10 @@ class KVSlabWriter:
         """Check `slab` (range, size, no overlap) and copy it into the cache (mutates it).
         ValueError, writing nothing, if any check fails."""
         l0, l1, b0, b1 = slab.layer_start, slab.layer_end, slab.block_start, slab.block_end
-        if not (0 <= l0 < l1 <= self.layout.num_layers and 0 <= b0 < b1 <= self.num_blocks):
-            raise ValueError(f"KV slab range layers [{l0}, {l1}) x blocks [{b0}, {b1}) is invalid")
+        self._check_range(l0, l1, b0, b1)
         expected = (l1 - l0) * (b1 - b0) * self.layout.cell_bytes()
         if len(slab.data) != expected:
             raise ValueError(f"KV slab holds {len(slab.data)} bytes, expected {expected}")
-        if self._seen[l0:l1, b0:b1].any():
-            raise ValueError(f"KV slab layers [{l0}, {l1}) x blocks [{b0}, {b1}) overlaps another")
         lay = self.layout
         with warnings.catch_warnings():  # the bytes are only read
             warnings.simplefilter("ignore", UserWarning)
@@ -147,6 +144,21 @@ class KVSlabWriter:
         ids = self.block_ids[b0:b1]
         for i, layer in enumerate(range(l0, l1)):
             self.kv_caches[layer].index_copy_(1, ids, slab_t[i])
+        self._mark(l0, l1, b0, b1)
+
+    def mark_written(self, slab: SlabRange) -> None:
+        """The sender wrote these cells into the reserved blocks itself (a data plane): check
+        the range (no overlap) and count them. ValueError if a check fails."""
+        self._check_range(*slab)
+        self._mark(*slab)
+
+    def _check_range(self, l0: int, l1: int, b0: int, b1: int) -> None:
+        if not (0 <= l0 < l1 <= self.layout.num_layers and 0 <= b0 < b1 <= self.num_blocks):
+            raise ValueError(f"KV slab range layers [{l0}, {l1}) x blocks [{b0}, {b1}) is invalid")
+        if self._seen[l0:l1, b0:b1].any():
+            raise ValueError(f"KV slab layers [{l0}, {l1}) x blocks [{b0}, {b1}) overlaps another")
+
+    def _mark(self, l0: int, l1: int, b0: int, b1: int) -> None:
         self._seen[l0:l1, b0:b1] = True
         self._missing -= (l1 - l0) * (b1 - b0)
-        self.bytes_received += len(slab.data)
+        self.bytes_received += (l1 - l0) * (b1 - b0) * self.layout.cell_bytes()

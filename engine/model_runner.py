@@ -75,7 +75,11 @@ class ModelRunner:
         self.model = self._load_model()
         self.block_size = config.cache.block_size
         self.num_blocks = self._decide_num_blocks()
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        # One allocation for all layers [L, 2, num_blocks, block_size, Hkv, D], so that one CUDA
+        # IPC handle or one NIXL registration covers the whole cache (pdserve/transport/);
+        # each layer's cache is a view of it.
+        self.kv_pool = self._allocate_kv_pool(self.num_blocks)
+        self.kv_caches = list(self.kv_pool.unbind(0))
         self.graphs = self._capture_graphs()
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -147,7 +151,7 @@ class ModelRunner:
             query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens),
             block_size=self.block_size,
         )
-        cache = self._allocate_kv_cache(1, log=False)
+        cache = list(self._allocate_kv_pool(1, log=False).unbind(0))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -173,7 +177,7 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
-    def _allocate_kv_cache(self, num_blocks: int, log: bool = True) -> list[torch.Tensor]:
+    def _allocate_kv_pool(self, num_blocks: int, log: bool = True) -> torch.Tensor:
         kv_heads, head_dim = self.kv_shape_per_layer
         shape = (2, num_blocks, self.block_size, kv_heads, head_dim)
         layers = self.hf_config.num_hidden_layers
@@ -182,7 +186,7 @@ class ModelRunner:
                 "KV cache: %d blocks of %d tokens, %.1f MiB",
                 num_blocks, self.block_size, num_blocks * self.block_bytes() / 2**20,
             )
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
+        return torch.zeros((layers, *shape), dtype=self.dtype, device=self.device)
 
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()

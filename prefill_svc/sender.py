@@ -1,14 +1,19 @@
 """Shipping a request's KV blocks to a decode worker while the prefill worker computes them.
 
-The transfer sits behind `KVSender`, so another transport (CUDA IPC handles on one host, RDMA)
-can replace gRPC without touching the engine or the servicer. `GrpcKVSender` streams PushKV
-from the moment the request is admitted:
+`PushKVSender` streams PushKV from the moment the request is admitted:
 
     header (layout, request, tokens, blocks)         at once
     slab, slab, ...                                  as `KVPush.next_slab` hands them out: layer
                                                      groups and blocks the engine noted final
     commit (first token, its logprobs)               once the first token is sampled and every
                                                      layer x block has gone
+
+The slabs' bytes travel in the stream (grpc) or over the data plane chosen for the decode
+worker (`prefill_svc/planes.py`: cuda_ipc, nixl): then KVTarget first gives the reserved
+blocks' physical ids, each slab is written straight into them (off the event loop, inside
+`SlabTicket.reading()`), and only its range goes in the stream (KVWritten). A pool refused as
+stale (the decode worker restarted) sends that push over grpc and the peer is described again
+next time.
 
 Each slab is gathered off the event loop (a sender thread: torch releases the GIL inside its
 ops, so the gather runs while the engine computes later layers) while the previous one is on
@@ -33,9 +38,10 @@ another request mid-read. (This path is not exercised by the CPU test suite.)
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 import torch
@@ -46,8 +52,12 @@ from pdserve.cluster.convert import logprobs_to_pb
 from pdserve.cluster.grpc_server import open_channel
 from pdserve.cluster.tls import PLAINTEXT, TLSConfig
 from pdserve.cluster.worker import TransferStats
+from pdserve.transport.base import GRPC, DataPlane, Peer
+from prefill_svc.planes import PeerPlanes
 from prefill_svc.push import KVPush, SlabTicket
-from protos import decode_pb2
+from protos import decode_pb2, decode_pb2_grpc
+
+logger = logging.getLogger(__name__)
 
 _PUSH_KV = decode_pb2.DESCRIPTOR.services_by_name["Decode"].methods_by_name["PushKV"]
 PUSH_KV = f"/{_PUSH_KV.containing_service.full_name}/{_PUSH_KV.name}"  # the rpc's path
@@ -65,16 +75,17 @@ class KVSender(Protocol):
         ...
 
 
-class GrpcKVSender:
+class PushKVSender:
     def __init__(
         self, kv_caches: list[torch.Tensor], slab_bytes: int = 2 << 20, timeout_s: float = 60.0,
-        tls: TLSConfig = PLAINTEXT,
+        tls: TLSConfig = PLAINTEXT, planes: PeerPlanes | None = None,
     ):
         self.kv_caches = kv_caches
         self.tls = tls
         self.layout = layout_of(kv_caches)
         self.slab_bytes = slab_bytes
         self.timeout_s = timeout_s
+        self.planes = planes  # None: grpc only
         self.stats = TransferStats()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -83,41 +94,104 @@ class GrpcKVSender:
         return KVPush(request_id, num_tokens, self.layout, self.slab_bytes)
 
     async def send(self, decode_address: str, push: KVPush) -> int:
-        call = self._channel(decode_address).stream_unary(
+        channel = self._channel(decode_address)
+        call = channel.stream_unary(
             PUSH_KV, response_deserializer=decode_pb2.PushKVResponse.FromString
         )  # no request serializer: `messages` yields wire bytes
         started = time.perf_counter()
+        peer, target = await self._data_plane(decode_address, channel, push.request_id)
+        transport = GRPC if peer is None else peer.transport
+        messages = self.messages(push) if peer is None else self.written(push, peer, target)
         try:
-            reply = await call(self.messages(push), timeout=self.timeout_s)
+            reply = await call(messages, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             self.stats.failed += 1
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 await self._drop_channel(decode_address)
             raise ConnectionError(f"KV push to {decode_address} failed: {exc.details()}") from exc
-        self.stats.record(reply.bytes_received, time.perf_counter() - started)
+        except ConnectionError:  # the data plane failed: describe the peer again next time
+            self.stats.failed += 1
+            self._forget(decode_address)
+            raise
+        self.stats.record(reply.bytes_received, time.perf_counter() - started, transport)
         self.stats.record_overlap(push.bytes_before_first_token,
                                   (push.commit_sent_at or 0.0) - (push.first_token_at or 0.0))
         return reply.bytes_received
 
+    async def _data_plane(
+        self, address: str, channel: grpc.aio.Channel, request_id: str
+    ) -> tuple[Peer | None, decode_pb2.KVTargetReply | None]:
+        """The data plane towards `address` and the request's target blocks there; (None,
+        None) for grpc (configured, chosen, or the fallback from a stale or failed peer)."""
+        if self.planes is None:
+            return None, None
+        try:
+            peer = await self.planes.peer(address, channel)
+        except ConnectionError as exc:
+            logger.warning("[%s] KV to %s over grpc: %s", request_id, address, exc)
+            return None, None
+        if peer is None:
+            return None, None
+        try:
+            target = await decode_pb2_grpc.DecodeStub(channel).KVTarget(decode_pb2.KVTargetRequest(
+                request_id=request_id, pool_id=peer.info.pool_id, transport=peer.transport,
+            ), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise ConnectionError(f"KV target at {address}: {exc.details()}") from exc
+            self.stats.stale_pools += 1
+            logger.warning("[%s] %s; this push goes over grpc", request_id, exc.details())
+            self._forget(address)
+            return None, None
+        return peer, target
+
+    def _forget(self, address: str) -> None:
+        if self.planes is not None:
+            self.planes.forget(address)
+
     async def messages(self, push: KVPush) -> AsyncIterator[bytes]:
         """The push's KVChunk messages as wire bytes: the header, every slab as it becomes
         final (each gathered off the event loop), the commit. Reads the cache."""
-        yield decode_pb2.KVChunk(header=decode_pb2.KVHeader(
-            request_id=push.request_id, layout=layout_to_pb(self.layout),
-            num_tokens=push.num_tokens, num_blocks=push.num_blocks,
-        )).SerializeToString()
+        yield self._header(push)
         stager = SlabStager(self.kv_caches)
         while (ticket := await push.next_slab()) is not None:
             message = await asyncio.to_thread(stager.encode, ticket)
             if message is not None:  # None: stale, a preemption; those cells come again
                 push.sent(ticket, _cells(ticket.slab) * self.layout.cell_bytes())
                 yield message
+        yield self._commit(push)
+
+    async def written(self, push: KVPush, peer: Peer, target: Any) -> AsyncIterator[bytes]:
+        """The push over a data plane: the header naming it, each slab written into the
+        target blocks (off the event loop) and then announced, the commit. Reads the cache."""
+        assert self.planes is not None
+        plane = self.planes.plane(peer.transport)
+        yield self._header(push, peer.transport, target.push_id)
+        dst_ids = list(target.block_ids)
+        while (ticket := await push.next_slab()) is not None:
+            l0, l1, b0, b1 = ticket.slab
+            nbytes = await asyncio.to_thread(_write, plane, peer, ticket, dst_ids[b0:b1])
+            if nbytes is not None:  # None: stale, a preemption; those cells come again
+                push.sent(ticket, nbytes)
+                yield decode_pb2.KVChunk(written=decode_pb2.KVWritten(
+                    layer_start=l0, layer_end=l1, block_start=b0, block_end=b1,
+                )).SerializeToString()
+        yield self._commit(push)
+
+    def _header(self, push: KVPush, transport: str = GRPC, push_id: int = 0) -> bytes:
+        return decode_pb2.KVChunk(header=decode_pb2.KVHeader(
+            request_id=push.request_id, layout=layout_to_pb(self.layout),
+            num_tokens=push.num_tokens, num_blocks=push.num_blocks, transport=transport,
+            push_id=push_id,
+        )).SerializeToString()
+
+    def _commit(self, push: KVPush) -> bytes:
         assert push.first is not None
         commit = decode_pb2.KVCommit(first_token_id=push.first[0])
         if push.first[1] is not None:
             commit.first_logprobs.CopyFrom(logprobs_to_pb(push.first[1]))
         push.commit_sent_at = time.perf_counter()
-        yield decode_pb2.KVChunk(commit=commit).SerializeToString()
+        return decode_pb2.KVChunk(commit=commit).SerializeToString()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -132,6 +206,18 @@ class GrpcKVSender:
     async def close(self) -> None:
         for address in list(self._channels):
             await self._drop_channel(address)
+        if self.planes is not None:
+            self.planes.close()
+
+
+def _write(plane: DataPlane, peer: Peer, ticket: SlabTicket, dst_ids: list[int]) -> int | None:
+    """Write the ticket's slab into the peer's blocks `dst_ids`; None if the ticket is stale (a
+    preemption may have handed its blocks to another request). Blocks preemption meanwhile."""
+    l0, l1, _, _ = ticket.slab
+    with ticket.reading() as current:
+        if not current:
+            return None
+        return plane.write(peer, (l0, l1), list(ticket.block_ids), dst_ids, ticket.ready)
 
 
 class SlabStager:

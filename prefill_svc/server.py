@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from pdserve.cluster.flags import add_flag
+from pdserve.cluster.flags import add_flag, add_kv_transport_flag
 from pdserve.cluster.tls import tls_from_args
 from pdserve.cluster.worker import add_worker_flags, build_engine, run_worker, watch_cancellations
 from prefill_svc.lease import KVLeases
-from prefill_svc.sender import GrpcKVSender
+from prefill_svc.planes import PeerPlanes
+from prefill_svc.sender import PushKVSender
 from prefill_svc.service import PrefillServicer
 from protos import prefill_pb2_grpc
 
@@ -19,6 +20,7 @@ DEFAULT_PORT = 50071
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_flags(parser, DEFAULT_PORT)
     add_flag(parser, "--kv-slab-bytes", 2 << 20, type=int, help="bytes per KV transfer message")
+    add_kv_transport_flag(parser)
     add_flag(parser, "--kv-lease-seconds", 30.0, type=float,
              help="seconds a prefilled request's KV waits for its decode worker to take it "
                   "before it is freed")
@@ -26,8 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     engine = await asyncio.to_thread(build_engine, args, "prefill")
-    sender = GrpcKVSender(engine.engine.runner.kv_caches, args.kv_slab_bytes,
-                          tls=tls_from_args(args))
+    planes = PeerPlanes(engine.engine.runner.kv_pool, args.kv_transport)
+    sender = PushKVSender(engine.engine.runner.kv_caches, args.kv_slab_bytes,
+                          tls=tls_from_args(args), planes=planes)
     cancels = watch_cancellations(args, lambda request_id: servicer.abort(request_id))
     servicer = PrefillServicer(engine, sender, cancels)
     leases = KVLeases(engine, args.kv_lease_seconds, servicer.expire, sender.stats)

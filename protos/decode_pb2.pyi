@@ -48,16 +48,20 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("request_id", "layout", "num_tokens", "num_blocks")
+    __slots__ = ("request_id", "layout", "num_tokens", "num_blocks", "transport", "push_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layout: KVLayout
     num_tokens: int
     num_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    transport: str
+    push_id: int
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transport: _Optional[str] = ..., push_id: _Optional[int] = ...) -> None: ...
 
 class KVCommit(_message.Message):
     __slots__ = ("first_token_id", "first_logprobs")
@@ -81,15 +85,79 @@ class KVData(_message.Message):
     data: bytes
     def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_start: _Optional[int] = ..., block_end: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class KVWritten(_message.Message):
+    __slots__ = ("layer_start", "layer_end", "block_start", "block_end")
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_START_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_END_FIELD_NUMBER: _ClassVar[int]
+    layer_start: int
+    layer_end: int
+    block_start: int
+    block_end: int
+    def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_start: _Optional[int] = ..., block_end: _Optional[int] = ...) -> None: ...
+
 class KVChunk(_message.Message):
-    __slots__ = ("header", "data", "commit")
+    __slots__ = ("header", "data", "commit", "written")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
     header: KVHeader
     data: KVData
     commit: KVCommit
-    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., data: _Optional[_Union[KVData, _Mapping]] = ..., commit: _Optional[_Union[KVCommit, _Mapping]] = ...) -> None: ...
+    written: KVWritten
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., data: _Optional[_Union[KVData, _Mapping]] = ..., commit: _Optional[_Union[KVCommit, _Mapping]] = ..., written: _Optional[_Union[KVWritten, _Mapping]] = ...) -> None: ...
+
+class DescribeKVRequest(_message.Message):
+    __slots__ = ("transports",)
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, transports: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KVPoolInfo(_message.Message):
+    __slots__ = ("pool_id", "host_id", "layout", "num_blocks", "device_type", "device_uuid", "transports", "cuda_ipc_handle", "nixl_metadata", "nixl_pool_address", "nixl_device_id")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
+    NIXL_POOL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    host_id: str
+    layout: KVLayout
+    num_blocks: int
+    device_type: str
+    device_uuid: str
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    cuda_ipc_handle: bytes
+    nixl_metadata: bytes
+    nixl_pool_address: int
+    nixl_device_id: int
+    def __init__(self, pool_id: _Optional[str] = ..., host_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., device_type: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., cuda_ipc_handle: _Optional[bytes] = ..., nixl_metadata: _Optional[bytes] = ..., nixl_pool_address: _Optional[int] = ..., nixl_device_id: _Optional[int] = ...) -> None: ...
+
+class KVTargetRequest(_message.Message):
+    __slots__ = ("request_id", "pool_id", "transport")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    pool_id: str
+    transport: str
+    def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class KVTargetReply(_message.Message):
+    __slots__ = ("block_ids", "push_id")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    push_id: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., push_id: _Optional[int] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ("bytes_received",)

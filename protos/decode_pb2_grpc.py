@@ -45,6 +45,16 @@ class DecodeStub:
                 request_serializer=protos_dot_decode__pb2.KVChunk.SerializeToString,
                 response_deserializer=protos_dot_decode__pb2.PushKVResponse.FromString,
                 _registered_method=True)
+        self.DescribeKV = channel.unary_unary(
+                '/pdserve.v1.Decode/DescribeKV',
+                request_serializer=protos_dot_decode__pb2.DescribeKVRequest.SerializeToString,
+                response_deserializer=protos_dot_decode__pb2.KVPoolInfo.FromString,
+                _registered_method=True)
+        self.KVTarget = channel.unary_unary(
+                '/pdserve.v1.Decode/KVTarget',
+                request_serializer=protos_dot_decode__pb2.KVTargetRequest.SerializeToString,
+                response_deserializer=protos_dot_decode__pb2.KVTargetReply.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Decode/Abort',
                 request_serializer=protos_dot_common__pb2.AbortRequest.SerializeToString,
@@ -95,6 +105,28 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeKV(self, request, context):
+        """This worker's KV pool as the data planes reach it (cuda_ipc: the pool's IPC handle; nixl:
+        the NIXL agent's metadata and the pool's address), for a prefill worker choosing how to
+        push here. Asked once per peer, and again after a push was refused as stale (the worker
+        restarted: a new pool_id).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KVTarget(self, request, context):
+        """Where a data-plane push (cuda_ipc, nixl) of a request writes: the physical ids of its
+        reserved blocks. The caller becomes the request's current push at once (as a newer PushKV
+        would: an older push writes nothing more). FAILED_PRECONDITION when `pool_id` is not this
+        worker's pool (a stale handle: the sender must describe the worker again, or push over
+        grpc), NOT_FOUND as for PushKV. The blocks of a request whose target was handed out are
+        freed only after the push streams that may write them ended, plus a grace period.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Abort a request, freeing its blocks; its Generate stream ends with finish_reason "abort".
         """
@@ -121,6 +153,16 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.PushKV,
                     request_deserializer=protos_dot_decode__pb2.KVChunk.FromString,
                     response_serializer=protos_dot_decode__pb2.PushKVResponse.SerializeToString,
+            ),
+            'DescribeKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeKV,
+                    request_deserializer=protos_dot_decode__pb2.DescribeKVRequest.FromString,
+                    response_serializer=protos_dot_decode__pb2.KVPoolInfo.SerializeToString,
+            ),
+            'KVTarget': grpc.unary_unary_rpc_method_handler(
+                    servicer.KVTarget,
+                    request_deserializer=protos_dot_decode__pb2.KVTargetRequest.FromString,
+                    response_serializer=protos_dot_decode__pb2.KVTargetReply.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -187,6 +229,60 @@ class Decode:
             '/pdserve.v1.Decode/PushKV',
             protos_dot_decode__pb2.KVChunk.SerializeToString,
             protos_dot_decode__pb2.PushKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/DescribeKV',
+            protos_dot_decode__pb2.DescribeKVRequest.SerializeToString,
+            protos_dot_decode__pb2.KVPoolInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVTarget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/KVTarget',
+            protos_dot_decode__pb2.KVTargetRequest.SerializeToString,
+            protos_dot_decode__pb2.KVTargetReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,7 +20,7 @@ from tls_certs import Certs, make_certs
 from pdserve.cluster.flags import add_common_flags
 from pdserve.cluster.grpc_server import check_health, make_server, open_channel, set_serving
 from pdserve.cluster.tls import PLAINTEXT, TLSConfig, listen, tls_from_args
-from prefill_svc.sender import GrpcKVSender
+from prefill_svc.sender import PushKVSender
 from protos import decode_pb2, decode_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.service import TokenizerModel, TokenizerServicer
 
@@ -90,11 +90,11 @@ async def test_mutual_tls_kv_push(certs: Certs) -> None:
     expected = 3 * 3 * 2 * 4 * 2 * 8 * 4  # layers x blocks x (K, V) x tokens x heads x dim x 4 B
     async with serving("pdserve.v1.Decode", add, server_tls) as address:
         prefill = TLSConfig(certs.client_cert, certs.client_key, certs.ca)
-        sender = GrpcKVSender(caches, slab_bytes=1024, tls=prefill)
+        sender = PushKVSender(caches, slab_bytes=1024, tls=prefill)
         push = sender.new_push("r1", num_tokens=10).computed([2, 0, 3], first_token_id=7)
         assert await sender.send(address, push) == expected
         await sender.close()
-        anonymous = GrpcKVSender(caches, tls=TLSConfig(ca=certs.ca))
+        anonymous = PushKVSender(caches, tls=TLSConfig(ca=certs.ca))
         push = anonymous.new_push("r1", num_tokens=10).computed([2, 0, 3], first_token_id=7)
         with pytest.raises(ConnectionError):
             await anonymous.send(address, push)
@@ -116,7 +116,7 @@ async def test_one_shared_certificate_verified_by_name_not_address(tmp_path: Pat
     async with serving("pdserve.v1.Decode", add, server_tls) as address:  # 127.0.0.1:port
         named = dataclasses.replace(client, server_name="pdserve-internal")
         assert await check_health(address, tls=named)
-        sender = GrpcKVSender(caches, tls=named)
+        sender = PushKVSender(caches, tls=named)
         push = sender.new_push("r1", num_tokens=4).computed([1], first_token_id=7)
         assert await sender.send(address, push) == 2 * 4 * 2 * 8 * 4
         await sender.close()

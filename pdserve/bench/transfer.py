@@ -11,7 +11,7 @@ NOTE: what is measured, one run, the two ends of every stream in separate proces
              and, in this process, a KV cache shaped like the worker's model (default: the
              bundled SmolLM2, 30 layers x 3 kv heads x head dim 64, float32, block 16). Per push:
              open Generate (the worker reserves the blocks, then answers an empty message), time
-             `GrpcKVSender.send` of the request's shuffled blocks up to the worker's reply (every
+             `PushKVSender.send` of the request's shuffled blocks up to the worker's reply (every
              slab written into its cache, the request committed), then read Generate to its end
              (the blocks are freed). Once per `--slab-mib` size.
   serialize  the sender's own share: the same push's messages built to the bytes grpc sends, in
@@ -49,7 +49,7 @@ from pdserve.cluster.convert import sampling_params_to_pb
 from pdserve.cluster.grpc_server import GRPC_OPTIONS, check_health, open_channel
 from pdserve.ports import free_port
 from prefill_svc.push import KVPush
-from prefill_svc.sender import GrpcKVSender
+from prefill_svc.sender import PushKVSender
 from protos import decode_pb2, decode_pb2_grpc
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -189,7 +189,7 @@ def raw_case(channel: grpc.aio.Channel, source: bytes, chunk: int) -> Case:
     return Case(f"raw {chunk // MIB} MiB", total, once)
 
 
-# ---- (b) pdserve's path: GrpcKVSender -> a real decode worker -----------------------------------
+# ---- (b) pdserve's path: PushKVSender -> a real decode worker -----------------------------------
 def decode_worker_argv(args: argparse.Namespace, plan: Plan, port: int) -> list[str]:
     """`pdserve decode` with room for one request of the plan's blocks (and a few spare)."""
     model = ["--model", args.model] if args.model else []
@@ -219,16 +219,16 @@ class PushDriver:
         self.stub = decode_pb2_grpc.DecodeStub(channel)
         self.address, self.plan = address, plan
         self.caches, self.blocks = sender_cache(plan)
-        self.senders: list[GrpcKVSender] = []
+        self.senders: list[PushKVSender] = []
         self.count = 0
 
-    def transfer(self, sender: GrpcKVSender) -> KVPush:
+    def transfer(self, sender: PushKVSender) -> KVPush:
         """A push of KV computed already: every slab final, the first token known."""
         self.count += 1
         push = sender.new_push(f"bench-{self.count}", self.plan.num_tokens)
         return push.computed(self.blocks, 100)
 
-    async def push(self, sender: GrpcKVSender) -> float:
+    async def push(self, sender: PushKVSender) -> float:
         """Generate (blocks reserved) -> timed send -> Generate read to its end (blocks freed).
         Returns the seconds of the send alone."""
         t = self.transfer(sender)
@@ -250,7 +250,7 @@ class PushDriver:
 
     def cases(self, slab_mib: int) -> tuple[Case, Case]:
         """The push and the serialization alone of one slab size."""
-        sender = GrpcKVSender(self.caches, slab_bytes=slab_mib * MIB)
+        sender = PushKVSender(self.caches, slab_bytes=slab_mib * MIB)
         self.senders.append(sender)
 
         async def serialize() -> float:

@@ -64,3 +64,11 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--model", None, help="local HF folder or .gguf (default: bundled SmolLM2)")
     add_flag(parser, "--served-model-name", "", help="model name in the OpenAI API")
     add_flag(parser, "--max-model-len", None, type=int, help="context length served")
+
+
+def add_kv_transport_flag(parser: argparse.ArgumentParser) -> None:
+    """--kv-transport: how KV bytes move between prefill and decode workers
+    (pdserve/transport/)."""
+    add_flag(parser, "--kv-transport", "auto", choices=["auto", "grpc", "cuda_ipc", "nixl"],
+             help="KV data plane: auto (cuda_ipc between CUDA workers of one host, nixl across "
+                  "hosts when installed, else grpc), grpc, cuda_ipc, nixl")

@@ -39,6 +39,10 @@ class NotFoundError(KeyError):
         return str(self.args[0]) if self.args else "not found"
 
 
+class PreconditionError(RuntimeError):
+    """The call names something that no longer holds here (a KV pool of an earlier process)."""
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status a servicer exception maps to."""
     from engine.kv_handoff import KVCacheFullError
@@ -46,6 +50,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
     if isinstance(exc, NotFoundError):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, PreconditionError):
+        return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, RequestCancelled):
         return grpc.StatusCode.CANCELLED
     if isinstance(exc, KVCacheFullError):

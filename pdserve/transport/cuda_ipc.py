@@ -1,0 +1,114 @@
+"""The `cuda_ipc` data plane: on one host, the prefill worker maps the decode worker's KV pool by
+its CUDA IPC handle and copies its blocks straight into the reserved ones, GPU to GPU.
+
+    decode worker: pool [L, 2, N, bs, Hkv, D] (one cudaMalloc) ─_share_cuda_─▶ handle (DescribeKV)
+    prefill worker: handle ─_new_shared_cuda─▶ the same memory as a tensor on its device
+                    (found by the GPU's UUID: CUDA_VISIBLE_DEVICES numbers GPUs per process)
+    per slab: wait for the layers' event, copy_kv_blocks(my pool -> its pool) on a stream of
+              its own, synchronize: the bytes are in the peer's memory before KVWritten goes
+
+A handle is opened once per peer pool (the driver allows one mapping per process); a restarted
+decode worker has a new pool_id, and KVTarget refuses the old one before anything is written.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import torch
+
+from engine.kv_transfer import layout_of
+from kernels.kv_block_copy import copy_kv_blocks
+from pdserve.transport.base import CUDA_IPC, Peer, PeerUnreachable, PoolInfo, device_uuid
+
+
+class CudaIpcPlane:
+    name = CUDA_IPC
+
+    def __init__(self, pool: torch.Tensor):
+        if pool.device.type != "cuda" or not pool.is_contiguous():
+            raise ValueError("the cuda_ipc KV transport needs one contiguous CUDA pool")
+        self.pool = pool  # [L, 2, N, block_size, Hkv, D]
+        self.layout = layout_of(list(pool.unbind(0)))
+        self.stream: torch.cuda.Stream | None = None  # the sender's, made on first write
+
+    def export(self) -> dict[str, Any]:
+        storage = self.pool.untyped_storage()
+        (device, handle, size, offset, rc_handle, rc_offset, event, event_sync) = (
+            storage._share_cuda_())
+        fields = {
+            "handle": _b64(handle), "size": size, "offset": offset, "rc_handle": _b64(rc_handle),
+            "rc_offset": rc_offset, "event": _b64(event), "event_sync": bool(event_sync),
+            "tensor_offset": self.pool.storage_offset(), "shape": list(self.pool.shape),
+        }
+        return {"cuda_ipc_handle": json.dumps(fields).encode(),
+                "device_uuid": device_uuid(self.pool.device)}
+
+    def open_peer(self, info: PoolInfo) -> Peer:
+        if info.layout != self.layout:
+            raise PeerUnreachable(f"KV pool {info.pool_id} has layout {info.layout}, "
+                                  f"this worker {self.layout}")
+        index = _visible_index(info.device_uuid)
+        if index is None:
+            raise PeerUnreachable(f"the GPU of KV pool {info.pool_id} ({info.device_uuid}) is "
+                                  "not visible to this worker")
+        try:
+            fields = json.loads(info.cuda_ipc_handle)
+            storage = torch.UntypedStorage._new_shared_cuda(
+                index, _unb64(fields["handle"]), fields["size"], fields["offset"],
+                _unb64(fields["rc_handle"]), fields["rc_offset"], _unb64(fields["event"]),
+                fields["event_sync"])
+            shape = tuple(fields["shape"])
+            mapped = torch.empty(0, dtype=self.pool.dtype, device=f"cuda:{index}").set_(
+                storage, fields["tensor_offset"], shape)
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            raise PeerUnreachable(f"cannot open the CUDA IPC handle of KV pool "
+                                  f"{info.pool_id}: {exc}") from exc
+        if shape[2] != info.num_blocks:
+            raise PeerUnreachable(f"KV pool {info.pool_id}: {shape[2]} blocks mapped, "
+                                  f"{info.num_blocks} announced")
+        return Peer(info, CUDA_IPC, mapped)
+
+    def write(self, peer: Peer, layers: tuple[int, int], src_ids: list[int],
+              dst_ids: list[int], ready: Any = None) -> int:
+        dst_pool: torch.Tensor = peer.handle
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.pool.device)
+        with torch.cuda.stream(self.stream):
+            if ready is not None:
+                self.stream.wait_event(ready)  # the layers that wrote these blocks
+            src = torch.tensor(src_ids, dtype=torch.long).to(self.pool.device, non_blocking=True)
+            dst = torch.tensor(dst_ids, dtype=torch.long).to(dst_pool.device, non_blocking=True)
+            if dst_pool.device == self.pool.device:
+                copy_kv_blocks(self.pool, dst_pool, layers[0], layers[1], src, dst)
+            else:  # another GPU of this host: gather here, then one peer copy and a scatter
+                l0, l1 = layers
+                rows = self.pool[l0:l1].index_select(2, src).to(dst_pool.device)
+                dst_pool[l0:l1].index_copy_(2, dst, rows)
+        self.stream.synchronize()
+        return len(src_ids) * (layers[1] - layers[0]) * self.layout.cell_bytes()
+
+    def close_peer(self, peer: Peer) -> None:
+        peer.handle = None  # the mapping closes with the last reference to its storage
+        torch.cuda.ipc_collect()
+
+    def close(self) -> None:
+        pass
+
+
+def _visible_index(uuid: str) -> int | None:
+    """This process's index of the GPU with `uuid`, or None if it cannot see it."""
+    for index in range(torch.cuda.device_count()):
+        if device_uuid(torch.device("cuda", index)) == uuid:
+            return index
+    return None
+
+
+def _b64(raw: bytes | None) -> str | None:
+    return None if raw is None else base64.b64encode(raw).decode()
+
+
+def _unb64(text: str | None) -> bytes | None:
+    return None if text is None else base64.b64decode(text)
