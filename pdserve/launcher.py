@@ -26,7 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from pdserve.cluster.flags import add_flag, add_redis_namespace_flag, add_tls_flags
+from pdserve.cluster.flags import (
+    add_flag,
+    add_kv_transport_flag,
+    add_redis_namespace_flag,
+    add_tls_flags,
+)
 from pdserve.cluster.tls import PLAINTEXT, TLSConfig, tls_from_args
 from pdserve.ports import free_port
 
@@ -67,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--dtype", "auto", help="auto, float32, bfloat16, float16")
     add_flag(p, "--local-prefill-max-tokens", 0, type=int,
              help="prompts up to this many tokens prefill on the decode worker (0: never)")
+    add_kv_transport_flag(p)  # handed to every prefill and decode worker
     add_flag(p, "--startup-timeout", 300.0, type=float, help="seconds to wait for health")
     add_flag(p, "--log-level", "info", help="debug, info, warning, error")
 
@@ -79,6 +85,7 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     if args.max_model_len:
         common += ["--max-model-len", str(args.max_model_len)]
     engine = ["--dtype", args.dtype, "--kv-cache-memory", str(args.kv_cache_memory)]
+    workers = ["--kv-transport", args.kv_transport]  # prefill and decode only
     cluster = _cluster_flags(args)  # what every disaggregated service must agree on
     internal = ["--host", "127.0.0.1"]  # only the gateway listens on --host; workers: loopback
     gateway_url = f"http://{args.host}:{args.port}"
@@ -96,7 +103,7 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
         gpus = _gpu_list(getattr(args, f"{role}_gpus"), f"--{role}-gpus")
         for i in range(count):
             port = free_port()
-            argv = [*py, role, *common, *engine, *cluster, *internal, "--port", str(port),
+            argv = [*py, role, *common, *engine, *workers, *cluster, *internal, "--port", str(port),
                     "--redis-url", redis_url, "--metrics-port", str(free_port())]
             env = {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if gpus else {}
             services.append(Service(f"{role}-{i}", argv, f"grpc:127.0.0.1:{port}", env=env))

@@ -1,4 +1,4 @@
-"""`pdserve status`: every registered worker with its role, address and load."""
+"""`pdserve status`: every registered worker with its role, address, load and KV transport."""
 
 from __future__ import annotations
 
@@ -52,11 +52,14 @@ async def _from_redis(url: str, namespace: str) -> list[dict]:
 
 
 def render(workers: list[dict]) -> str:
-    rows = [("ROLE", "ADDRESS", "RUNNING", "WAITING", "KV BLOCKS USED/TOTAL")]
+    """One row per worker. TRANSPORT is its --kv-transport: "-" for a tokenizer, the colocated
+    engine, or a worker (or gateway, with --gateway) too old to publish it."""
+    rows = [("ROLE", "ADDRESS", "RUNNING", "WAITING", "KV BLOCKS USED/TOTAL", "TRANSPORT")]
     for w in workers:
         total = w["num_total_blocks"]
         used = f"{total - w['num_free_blocks']}/{total}" if total else "-"
-        rows.append((w["role"], w["address"], str(w["num_running"]), str(w["num_waiting"]), used))
+        rows.append((w["role"], w["address"], str(w["num_running"]), str(w["num_waiting"]), used,
+                     w.get("kv_transport") or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 

@@ -124,15 +124,18 @@ def test_status_command_lists_the_workers(cluster):
     env = {**os.environ, "PDSERVE_CLUSTER_FILE": str(cluster.cluster_file)}
     out = subprocess.run([sys.executable, "-m", "pdserve.cli", "status", "--json"], env=env,
                          capture_output=True, text=True, timeout=60, check=True).stdout
-    roles = sorted(w["role"] for w in json.loads(out)["workers"])
+    workers = json.loads(out)["workers"]
+    roles = sorted(w["role"] for w in workers)
     assert roles == ["decode", "prefill", "tokenizer"]
+    assert {w["role"]: w["kv_transport"] for w in workers} == {
+        "decode": "auto", "prefill": "auto", "tokenizer": ""}  # `pdserve up`'s default
     via_gateway = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "status", "--json", "--gateway", cluster.url],
         capture_output=True, text=True, timeout=60, check=True).stdout
     assert sorted(w["role"] for w in json.loads(via_gateway)["workers"]) == roles
     table = subprocess.run([sys.executable, "-m", "pdserve.cli", "status"], env=env,
                            capture_output=True, text=True, timeout=60, check=True).stdout
-    assert "KV BLOCKS USED/TOTAL" in table and "decode" in table
+    assert "KV BLOCKS USED/TOTAL" in table and "TRANSPORT" in table and "decode" in table
 
 
 def test_metrics_health_and_models(cluster):

@@ -195,6 +195,8 @@ def test_services_read_the_rendered_env_as_intended(default, monkeypatch):
 def _sample(flag: str, action: argparse.Action, index: int) -> Any:
     if isinstance(action, argparse._StoreTrueAction):
         return True
+    if action.choices:
+        return list(action.choices)[-1]
     return {int: 1000 + index, float: 0.5}.get(action.type, f"v-{flag}")
 
 
@@ -213,6 +215,25 @@ def test_every_service_flag_is_settable_from_values(monkeypatch):
         args = parse_as_service(role, rendered.env(role), monkeypatch)
         for flag, value in values[role]["flags"].items():
             assert getattr(args, flags[flag].dest) == value, (role, flag)
+
+
+def test_kv_transport_reaches_both_worker_roles(default, monkeypatch):
+    """auto by default on prefill and decode (not the tokenizer or gateway); each role's own
+    value otherwise; every choice the workers take renders."""
+    for role in WORKERS:
+        assert default.env(role)["PDSERVE_KV_TRANSPORT"] == "auto"
+        assert parse_as_service(role, default.env(role), monkeypatch).kv_transport == "auto"
+    for role in ("tokenizer", "gateway"):
+        assert "PDSERVE_KV_TRANSPORT" not in default.env(role)
+    mixed = render({"prefill": {"flags": {"kv-transport": "nixl"}},
+                    "decode": {"flags": {"kv-transport": "grpc"}}})
+    assert [parse_as_service(r, mixed.env(r), monkeypatch).kv_transport for r in WORKERS] == [
+        "nixl", "grpc"]
+    choices = service_parser_actions("prefill")["kv-transport"].choices
+    assert list(choices) == list(service_parser_actions("decode")["kv-transport"].choices)
+    for choice in choices:
+        rendered = render({role: {"flags": {"kv-transport": choice}} for role in WORKERS})
+        assert [rendered.env(r)["PDSERVE_KV_TRANSPORT"] for r in WORKERS] == [choice, choice]
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -379,7 +400,7 @@ def _exported_metric_names() -> set[str]:
     from pdserve.cluster.worker import _StatsCollector
 
     stats = SchedulerStats(1, 2, 3, 4, 0.5, 0, 0, 0)
-    monitor = SimpleNamespace(stats=stats, role="decode", counters=dict)
+    monitor = SimpleNamespace(stats=stats, role="decode", counters=dict, by_transport=dict)
     names = {m.name for m in _StatsCollector(monitor).collect()}
     names |= {m.name for m in GatewayMetrics().registry.collect()}
     return {n.replace(":", "_") for n in names}
@@ -448,6 +469,8 @@ def test_redis_keeps_its_data_and_every_service_its_password(default):
     ({"gateway": {"replicas": 9}}, "maxReplicas .4. is below gateway.replicas"),
     ({"serviceMonitor": {"enabled": True}, "decode": {"flags": {"metrics-port": 0}}},
      "metrics-port is 0"),
+    ({"decode": {"flags": {"kv-transport": "rdma"}}}, "decode's kv-transport must be auto, grpc"),
+    ({"prefill": {"flags": {"kv-transport": "ipc"}}}, "prefill's kv-transport must be"),
     ({"redis": {"enabled": False}}, "set redis.external.url"),
     ({"redis": {"auth": {"password": "p@ss:word"}}}, "redis:// URL"),
     ({"tls": {"enabled": True}}, "set tls.secretName"),

@@ -283,6 +283,21 @@ async def test_list_workers_spans_scan_pages(client) -> None:
     assert [w.worker_id for w in workers] == [f"d{i:03d}" for i in range(500)]
 
 
+async def test_kv_transport_round_trips_and_defaults_to_empty(client) -> None:
+    """A worker's --kv-transport survives to_json/from_json and the registry; JSON from a worker
+    that predates the field, and a tokenizer's entry, read as ""."""
+    info = WorkerInfo("p0", "prefill", "p0:50071", num_free_blocks=11, kv_transport="cuda_ipc")
+    assert WorkerInfo.from_json(info.to_json()) == info
+    old = '{"worker_id":"d0","role":"decode","address":"d0:50061","num_free_blocks":11}'
+    assert WorkerInfo.from_json(old).kv_transport == ""
+    assert WorkerInfo("t0", "tokenizer", "t0:50051").kv_transport == ""
+    reg = WorkerRegistry(client, ttl_s=5)
+    stamped = await reg.register(info)
+    await reg.register(WorkerInfo("d0", "decode", "d0:50061", kv_transport="nixl"))
+    assert await reg.list_workers("prefill") == [stamped]
+    assert [w.kv_transport for w in await reg.list_workers()] == ["nixl", "cuda_ipc"]
+
+
 # ---------------------------------------------------------------- routing (pure)
 
 

@@ -1,5 +1,6 @@
 """What `pdserve up` starts (no process runs): internal services listen on loopback whatever
-the gateway's --host, and every service gets the cluster's Redis namespace and TLS files."""
+the gateway's --host, every service gets the cluster's Redis namespace and TLS files, and the
+prefill and decode workers its --kv-transport."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pdserve.launcher import add_arguments, plan
 
 def _up(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
     for name in ("HOST", "REDIS_NAMESPACE", "TLS_CERT", "TLS_KEY", "TLS_CA", "PREFILL_GPUS",
-                 "DECODE_GPUS"):
+                 "DECODE_GPUS", "KV_TRANSPORT"):
         monkeypatch.delenv(f"PDSERVE_{name}", raising=False)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -55,3 +56,36 @@ def test_gpus_are_dealt_to_the_workers_of_each_role(monkeypatch: pytest.MonkeyPa
     assert all("CUDA_VISIBLE_DEVICES" not in s.env for s in default)
     with pytest.raises(SystemExit, match="--decode-gpus takes GPU indices"):
         plan(_up(["--decode-gpus", "cuda:1"], monkeypatch), "redis://x:1/0", None)
+
+
+@pytest.mark.parametrize("argv, expected", [([], "auto"), (["--kv-transport", "nixl"], "nixl")])
+def test_kv_transport_reaches_every_worker_and_only_them(argv: list[str], expected: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    args = _up(["--prefill", "2", "--decode", "2", *argv], monkeypatch)
+    assert args.kv_transport == expected
+    seen: dict[str, str] = {}
+    for s in plan(args, "redis://x:1/0", None):
+        if s.name in ("tokenizer", "gateway"):
+            assert "--kv-transport" not in s.argv, s.name
+        else:
+            seen[s.name] = build_parser().parse_args(s.argv[3:]).kv_transport
+    assert seen == {"prefill-0": expected, "prefill-1": expected, "decode-0": expected,
+                    "decode-1": expected}
+
+
+def test_kv_transport_from_the_environment_and_its_choices(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("PDSERVE_KV_TRANSPORT", "cuda_ipc")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).kv_transport == "cuda_ipc"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-transport", "rdma"])
+    err = capsys.readouterr().err
+    assert "--kv-transport" in err and "rdma" in err
+
+
+def test_colocated_takes_no_kv_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    [gateway] = plan(_up(["--colocated", "--kv-transport", "grpc"], monkeypatch), "", None)
+    assert "--kv-transport" not in gateway.argv
+    build_parser().parse_args(gateway.argv[3:])  # `pdserve serve` parses what it is given

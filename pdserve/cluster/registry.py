@@ -37,6 +37,7 @@ class WorkerInfo:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     metrics_address: str = ""
+    kv_transport: str = ""  # the worker's --kv-transport; "" for tokenizers, gateways, old workers
     updated_at: float = 0.0  # time.time() of the last registry write
 
     def __post_init__(self) -> None:

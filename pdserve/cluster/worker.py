@@ -91,11 +91,19 @@ class TransferStats:
     # decode: seconds from a push's first slab to its commit (spans the prefill's compute when
     # the push overlapped it); completed pushes
     first_slab_to_commit_seconds: float = 0.0
+    # completed transfers and their bytes per data plane ("grpc", "cuda_ipc", "nixl")
+    bytes_by_transport: dict[str, int] = field(default_factory=dict)
+    completed_by_transport: dict[str, int] = field(default_factory=dict)
+    stale_pools: int = 0  # prefill: data-plane pushes refused as stale (the peer restarted)
 
-    def record(self, num_bytes: int, seconds: float) -> None:
+    def record(self, num_bytes: int, seconds: float, transport: str = "grpc") -> None:
         self.bytes += num_bytes
         self.completed += 1
         self.seconds += seconds
+        by = self.bytes_by_transport
+        by[transport] = by.get(transport, 0) + num_bytes
+        done = self.completed_by_transport
+        done[transport] = done.get(transport, 0) + 1
 
     def record_overlap(self, bytes_early: int, first_token_to_commit_s: float) -> None:
         self.bytes_before_first_token += bytes_early
@@ -104,8 +112,6 @@ class TransferStats:
     def counters(self) -> dict[str, float]:
         """The Prometheus counters (vLLM-style names under `pdserve:`)."""
         return {
-            "kv_transfer_bytes": self.bytes,
-            "kv_transfers": self.completed,
             "kv_transfer_failures": self.failed,
             "kv_transfers_cut": self.cut,
             "kv_transfer_seconds": self.seconds,
@@ -113,6 +119,14 @@ class TransferStats:
             "kv_transfer_bytes_before_first_token": self.bytes_before_first_token,
             "kv_transfer_first_token_to_commit_seconds": self.first_token_to_commit_seconds,
             "kv_transfer_first_slab_to_commit_seconds": self.first_slab_to_commit_seconds,
+            "kv_transfer_stale_pools": self.stale_pools,
+        }
+
+    def by_transport(self) -> dict[str, dict[str, float]]:
+        """Counters labelled by data plane (the totals are their sums); grpc always present."""
+        return {
+            "kv_transfer_bytes": {"grpc": 0, **self.bytes_by_transport},
+            "kv_transfers": {"grpc": 0, **self.completed_by_transport},
         }
 
 
@@ -124,7 +138,9 @@ class WorkerMonitor:
     address: str
     engine: AsyncLLMEngine
     counters: Callable[[], dict[str, float]] = field(default=lambda: {})
+    by_transport: Callable[[], dict[str, dict[str, float]]] = field(default=lambda: {})
     metrics_address: str = ""
+    kv_transport: str = ""  # its --kv-transport, published in the registry
     stats: SchedulerStats | None = None
 
     async def info(self) -> WorkerInfo:
@@ -133,7 +149,7 @@ class WorkerMonitor:
             worker_id=f"{self.role}-{self.address}", role=self.role, address=self.address,
             num_running=s.num_running, num_waiting=s.num_waiting,
             num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
-            metrics_address=self.metrics_address,
+            metrics_address=self.metrics_address, kv_transport=self.kv_transport,
         )
 
 
@@ -163,6 +179,12 @@ class _StatsCollector(Collector):
                 yield _counter(f"pdserve:{name}", value, role)
         for name, value in self.monitor.counters().items():
             yield _counter(f"pdserve:{name}", value, role)
+        for name, values in self.monitor.by_transport().items():
+            c = CounterMetricFamily(f"pdserve:{name}", name.replace("_", " "),
+                                    labels=["role", "transport"])
+            for transport, value in values.items():
+                c.add_metric([role, transport], value)
+            yield c
 
 
 def _gauge(name: str, value: float, role: str) -> GaugeMetricFamily:
@@ -201,7 +223,9 @@ async def run_worker(
     server, health = await make_server(service, add_servicer, [gate])
     listen(server, f"{args.host}:{args.port}", tls_from_args(args))
     await server.start()
-    monitor = WorkerMonitor(role, advertise_address(args), engine, transfer.counters)
+    monitor = WorkerMonitor(role, advertise_address(args), engine, transfer.counters,
+                            transfer.by_transport,
+                            kv_transport=getattr(args, "kv_transport", ""))
     heartbeat = await start_monitoring(args, monitor)
     await set_serving(health, service)
     logger.info("%s worker serving on %s", role, monitor.address)

@@ -3,6 +3,7 @@ pods that crash-loop or silently ignore a setting. Included once, by deployments
 {{- define "pdserve.checks" -}}
 {{- include "pdserve.checkFlags" . }}
 {{- include "pdserve.checkKVLayout" . }}
+{{- include "pdserve.checkKVTransport" . }}
 {{- include "pdserve.checkGPUs" . }}
 {{- include "pdserve.checkModel" . }}
 {{- include "pdserve.checkScaling" . }}
@@ -34,6 +35,17 @@ pods that crash-loop or silently ignore a setting. Included once, by deployments
 {{- range $flag := list "block-size" "dtype" }}
 {{- if ne (toString (index $prefill $flag)) (toString (index $decode $flag)) }}
 {{- fail (printf "prefill and decode must share --%s (KV blocks move between them): prefill has %v, decode %v; set it in engine.flags" $flag (index $prefill $flag) (index $decode $flag)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A worker exits at start on a --kv-transport it does not know: refuse it here instead. */}}
+{{- define "pdserve.checkKVTransport" -}}
+{{- $root := . }}
+{{- range $role := list "prefill" "decode" }}
+{{- $value := index (include "pdserve.roleFlags" (dict "root" $root "role" $role) | fromYaml) "kv-transport" }}
+{{- if and (include "pdserve.isSet" $value) (not (has (toString $value) (list "auto" "grpc" "cuda_ipc" "nixl"))) }}
+{{- fail (printf "%s's kv-transport must be auto, grpc, cuda_ipc or nixl, got %v" $role $value) }}
 {{- end }}
 {{- end }}
 {{- end }}

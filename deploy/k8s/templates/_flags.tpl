@@ -13,12 +13,13 @@ tokenizer: [port, log-level, drain-timeout, model, served-model-name, max-model-
 prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
   tls-server-name, metrics-port, model, served-model-name, max-model-len,
   dtype, device, block-size, kv-cache-memory, num-kv-blocks, gpu-memory-utilization,
-  max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, kv-slab-bytes, kv-lease-seconds]
+  max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, kv-slab-bytes, kv-lease-seconds,
+  kv-transport]
 decode: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
   tls-server-name, metrics-port, model, served-model-name, max-model-len,
   dtype, device, block-size, kv-cache-memory, num-kv-blocks, gpu-memory-utilization,
   max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, kv-timeout, kv-wait-seconds,
-  kv-wait-max-requests]
+  kv-wait-max-requests, kv-transport, kv-write-grace-seconds]
 {{- end }}
 
 {{/* Flags that depend on where a pod runs: the chart sets them (pdserve.env), values may not. */}}
