@@ -100,7 +100,7 @@ class KVReceiver:
         self.fence_timeout_s = fence_timeout_s
         self.pending: dict[str, Pending] = {}
         self.stats = TransferStats()
-        self._fences: set[asyncio.Task] = set()  # frees waiting for data-plane writers
+        self._fenced: dict[str, asyncio.Task] = {}  # frees waiting for data-plane writers
 
     async def expect(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -196,19 +196,23 @@ class KVReceiver:
     async def _free(self, request_id: str, pending: Pending | None) -> bool:
         """Abort the request in the engine (freeing its blocks): at once, or, when a data
         plane may still write into them, once its pushes ended plus the grace period."""
+        if request_id in self._fenced:  # dropped again (Generate's own cleanup): no sooner
+            return True
         if pending is None or not pending.one_sided:
             return await self.engine.abort(request_id)
-        task = asyncio.create_task(self._free_after_writers(request_id, pending))
-        self._fences.add(task)
-        task.add_done_callback(self._fences.discard)
+        self._fenced[request_id] = asyncio.create_task(
+            self._free_after_writers(request_id, pending))
         return True
 
     async def _free_after_writers(self, request_id: str, pending: Pending) -> None:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(pending.writers_idle.wait(), self.fence_timeout_s)
-        await asyncio.sleep(self.write_grace_s)
-        await self.engine.abort(request_id)
-        logger.info("[%s] blocks freed after the data-plane writers stopped", request_id)
+        try:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(pending.writers_idle.wait(), self.fence_timeout_s)
+            await asyncio.sleep(self.write_grace_s)
+            await self.engine.abort(request_id)
+            logger.info("[%s] blocks freed after the data-plane writers stopped", request_id)
+        finally:
+            del self._fenced[request_id]
 
     async def receive(self, chunks: AsyncIterator[decode_pb2.KVChunk]) -> int:
         """Consume one PushKV stream; returns the bytes accepted. A push cut off before its

@@ -1,8 +1,15 @@
 """KV transfer faults between real worker processes over loopback gRPC (no gateway, no Redis).
 
 One `pdserve prefill` and one `pdserve decode` (tiny random Llama, 64 blocks of 16 tokens,
---kv-timeout 3) serve the whole module; a fake decode worker (tests/worker_procs.py) breaks off
-pushes. Every test ends with both workers' blocks all free: a leak fails the next test too.
+--kv-timeout 3) serve the module, once per KV transport: `grpc` (the bytes in PushKV) and
+`nixl` (NIXL agents WRITE them into the reserved blocks over host memory; PushKV carries the
+header, KVWritten ranges and the commit). A fake decode worker (tests/worker_procs.py) breaks
+off pushes. Every test ends with both workers' blocks all free: a leak fails the next test too.
+
+Hand-built pushes speak the transport too: over nixl they ask KVTarget for the blocks and send
+KVWritten chunks (writing nothing: the checks under test are the receiver's). A request a data
+plane may write into keeps its blocks until its push streams ended plus --kv-write-grace-seconds
+(0.5 here), so over nixl a failed request frees its blocks a moment after the error.
 
 The model is `tiny_llama_dir`'s with initializer_range 0.2 instead of 0.02: at 0.02 its greedy
 output repeats the last prompt token whatever the KV holds (an all-zero push decodes the same
@@ -19,7 +26,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 import pytest
@@ -36,6 +43,7 @@ NUM_BLOCKS = 64
 BLOCK_SIZE = 16
 SLAB_BYTES = 2048
 KV_TIMEOUT_S = 3
+WRITE_GRACE_S = 0.5
 MAX_TOKENS = 8
 TEXTS = [
     "The tiny model says",
@@ -66,6 +74,9 @@ class Workers:
     layout: KVLayout
     short: Reference  # one block
     long: Reference  # three blocks
+    transport: str  # "grpc" | "nixl"
+    decode_metrics: str  # the decode worker's /metrics URL
+    pool_id: str = field(default="")  # the decode worker's KV pool (nixl)
 
 
 @pytest.fixture(scope="module")
@@ -83,15 +94,28 @@ def model_dir(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> 
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def workers(model_dir: str) -> Iterator[Workers]:
+def _nixl_installed() -> bool:
+    from pdserve.transport.base import nixl_available
+
+    return nixl_available()
+
+
+@pytest.fixture(scope="module", params=[
+    "grpc",
+    pytest.param("nixl", marks=pytest.mark.skipif(not _nixl_installed(),
+                                                  reason="NIXL not installed (pdserve[nixl])")),
+])
+def workers(request: pytest.FixtureRequest, model_dir: str) -> Iterator[Workers]:
     """Both workers, started together; the reference runs in this process while they load."""
-    pport, dport = free_port(), free_port()
-    common = ["--num-kv-blocks", str(NUM_BLOCKS), "--dtype", "float32"]
+    transport = request.param
+    pport, dport, mport = free_port(), free_port(), free_port()
+    common = ["--num-kv-blocks", str(NUM_BLOCKS), "--dtype", "float32",
+              "--kv-transport", transport]
     prefill = spawn_worker("prefill", model_dir, pport, *common,
                            "--kv-slab-bytes", str(SLAB_BYTES))
     decode = spawn_worker("decode", model_dir, dport, *common,
-                          "--kv-timeout", str(KV_TIMEOUT_S))
+                          "--kv-timeout", str(KV_TIMEOUT_S), "--metrics-port", str(mport),
+                          "--kv-write-grace-seconds", str(WRITE_GRACE_S))
     try:
         layout, short, long = _reference(model_dir)
         paddr, daddr = f"127.0.0.1:{pport}", f"127.0.0.1:{dport}"
@@ -99,8 +123,11 @@ def workers(model_dir: str) -> Iterator[Workers]:
         wait_serving(decode, daddr)
         with grpc.insecure_channel(paddr, options=GRPC_OPTIONS) as pch, \
                 grpc.insecure_channel(daddr, options=GRPC_OPTIONS) as dch:
-            yield Workers(prefill_pb2_grpc.PrefillStub(pch), decode_pb2_grpc.DecodeStub(dch),
-                          daddr, layout, short, long)
+            dstub = decode_pb2_grpc.DecodeStub(dch)
+            pool = dstub.DescribeKV(decode_pb2.DescribeKVRequest(transports=[transport]))
+            assert transport in pool.transports  # its NIXL agent started
+            yield Workers(prefill_pb2_grpc.PrefillStub(pch), dstub, daddr, layout, short, long,
+                          transport, f"http://127.0.0.1:{mport}/metrics", pool.pool_id)
     finally:
         stop_all([prefill, decode])
 
@@ -165,20 +192,41 @@ def _rpc_error(fn: Callable[[], object]) -> grpc.RpcError:
     return info.value
 
 
-def _header(request_id: str, layout: KVLayout, ref: Reference) -> decode_pb2.KVChunk:
-    return decode_pb2.KVChunk(header=decode_pb2.KVHeader(
+def _header(request_id: str, layout: KVLayout, ref: Reference,
+            w: Workers | None = None) -> decode_pb2.KVChunk:
+    """The push's header; over a data plane (`w.transport` nixl) after asking KVTarget, whose
+    push id it carries (a request unknown there gets push id 0)."""
+    header = decode_pb2.KVHeader(
         request_id=request_id, layout=layout_to_pb(layout), num_tokens=len(ref.prompt),
-        num_blocks=ref.num_blocks))
+        num_blocks=ref.num_blocks)
+    if w is not None and w.transport != "grpc":
+        header.transport = w.transport
+        try:
+            header.push_id = _target(w, request_id).push_id
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.NOT_FOUND
+    return decode_pb2.KVChunk(header=header)
+
+
+def _target(w: Workers, request_id: str, pool_id: str | None = None,
+            transport: str | None = None) -> decode_pb2.KVTargetReply:
+    return w.decode.KVTarget(decode_pb2.KVTargetRequest(
+        request_id=request_id, pool_id=w.pool_id if pool_id is None else pool_id,
+        transport=transport or w.transport), timeout=10)
 
 
 def _commit(ref: Reference) -> decode_pb2.KVChunk:
     return decode_pb2.KVChunk(commit=decode_pb2.KVCommit(first_token_id=ref.tokens[0]))
 
 
-def _slabs(layout: KVLayout, num_blocks: int) -> list[decode_pb2.KVChunk]:
-    """Zero-filled slabs covering every layer x block, planned like the prefill worker's."""
+def _slabs(layout: KVLayout, num_blocks: int,
+           w: Workers | None = None) -> list[decode_pb2.KVChunk]:
+    """Slabs covering every layer x block, planned like the prefill worker's: zero-filled
+    KVData, or over a data plane KVWritten ranges (nothing written)."""
+    written = w is not None and w.transport != "grpc"
     return [
-        _data(l0, l1, b0, b1, (l1 - l0) * (b1 - b0) * layout.cell_bytes())
+        _written(l0, l1, b0, b1) if written
+        else _data(l0, l1, b0, b1, (l1 - l0) * (b1 - b0) * layout.cell_bytes())
         for l0, l1, b0, b1 in plan_slabs(layout, num_blocks, SLAB_BYTES)
     ]
 
@@ -188,8 +236,22 @@ def _data(l0: int, l1: int, b0: int, b1: int, nbytes: int) -> decode_pb2.KVChunk
         layer_start=l0, layer_end=l1, block_start=b0, block_end=b1, data=bytes(nbytes)))
 
 
+def _written(l0: int, l1: int, b0: int, b1: int) -> decode_pb2.KVChunk:
+    return decode_pb2.KVChunk(written=decode_pb2.KVWritten(
+        layer_start=l0, layer_end=l1, block_start=b0, block_end=b1))
+
+
 def _push(w: Workers, chunks: Iterable[decode_pb2.KVChunk]) -> decode_pb2.PushKVResponse:
     return w.decode.PushKV(iter(list(chunks)), timeout=10)
+
+
+def _freed(w: Workers) -> None:
+    """The decode worker freed the failed request's blocks: at once over grpc; over a data plane
+    only after its push streams ended plus the write grace (they are still held right after)."""
+    if w.transport == "grpc":
+        assert _load(w.decode) == IDLE
+    else:
+        _wait_idle(w.decode, timeout_s=WRITE_GRACE_S + 5)
 
 
 # ---- 1. the push to the decode side breaks off: the prefill side frees its blocks ------------
@@ -241,11 +303,12 @@ def test_a_push_that_outlives_its_generate_is_refused(workers: Workers) -> None:
     by then) nor committed."""
     w, ref, rid = workers, workers.long, "stalled"
     call = _open(w, rid, ref)
-    slabs = _slabs(w.layout, ref.num_blocks)
+    slabs = _slabs(w.layout, ref.num_blocks, w)
     resume = threading.Event()
+    header = _header(rid, w.layout, ref, w)
 
     def chunks() -> Iterator[decode_pb2.KVChunk]:
-        yield _header(rid, w.layout, ref)
+        yield header
         yield slabs[0]
         assert resume.wait(timeout=20)
         yield from slabs[1:]
@@ -255,12 +318,16 @@ def test_a_push_that_outlives_its_generate_is_refused(workers: Workers) -> None:
     err = _rpc_error(lambda: next(call))
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert err.details() == "KV of request 'stalled' did not arrive: nothing came for 3 s"
-    assert _load(w.decode) == IDLE
+    if w.transport != "grpc":  # the open push may still write: the blocks wait for it
+        time.sleep(2 * WRITE_GRACE_S)
+        assert _load(w.decode) == _reserved(ref.num_blocks)
+    else:
+        assert _load(w.decode) == IDLE
     resume.set()
     err = _rpc_error(push.result)
     assert err.code() == grpc.StatusCode.NOT_FOUND
     assert err.details() == "request 'stalled' was dropped while its KV arrived: request aborted"
-    assert _load(w.decode) == IDLE
+    _freed(w)
 
 
 def test_a_push_slower_than_the_timeout_but_never_idle_that_long_completes(
@@ -270,12 +337,13 @@ def test_a_push_slower_than_the_timeout_but_never_idle_that_long_completes(
     prompt is computed, which can take longer than the timeout."""
     w, ref, rid = workers, workers.long, "slow"
     call = _open(w, rid, ref)
-    slabs = _slabs(w.layout, ref.num_blocks)
+    slabs = _slabs(w.layout, ref.num_blocks, w)
     gap = KV_TIMEOUT_S * 0.6
     assert gap * len(slabs) > KV_TIMEOUT_S
+    header = _header(rid, w.layout, ref, w)
 
     def chunks() -> Iterator[decode_pb2.KVChunk]:
-        yield _header(rid, w.layout, ref)
+        yield header
         for slab in slabs:
             time.sleep(gap)
             yield slab
@@ -288,46 +356,54 @@ def test_a_push_slower_than_the_timeout_but_never_idle_that_long_completes(
 
 
 # ---- 3. bad pushes to a real decode worker ---------------------------------------------------
-def _wrong_layout(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
+Chunks = list[decode_pb2.KVChunk]
+
+
+def _wrong_layout(rid: str, lay: KVLayout, ref: Reference, w: Workers) -> Chunks:
     bad = replace(lay, num_kv_heads=3, block_size=32)
-    return [_header(rid, bad, ref), *_slabs(lay, ref.num_blocks)]
+    return [_header(rid, bad, ref, w), *_slabs(lay, ref.num_blocks, w)]
 
 
-def _wrong_block_count(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
-    head = _header(rid, lay, ref)
+def _wrong_block_count(rid: str, lay: KVLayout, ref: Reference, w: Workers) -> Chunks:
+    head = _header(rid, lay, ref, w)
     head.header.num_blocks = 2
-    return [head, *_slabs(lay, 2)]
+    return [head, *_slabs(lay, 2, w)]
 
 
-def _short_slab(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
+def _short_slab(rid: str, lay: KVLayout, ref: Reference, w: Workers) -> Chunks:
     slabs = _slabs(lay, ref.num_blocks)
     slabs[2].data.data = slabs[2].data.data[:-1]
     return [_header(rid, lay, ref), *slabs, _commit(ref)]
 
 
-def _truncated(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
-    return [_header(rid, lay, ref), *_slabs(lay, ref.num_blocks)[:-1]]
+def _truncated(rid: str, lay: KVLayout, ref: Reference, w: Workers) -> Chunks:
+    return [_header(rid, lay, ref, w), *_slabs(lay, ref.num_blocks, w)[:-1]]
 
 
-def _early_commit(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
-    return [_header(rid, lay, ref), *_slabs(lay, ref.num_blocks)[:-1], _commit(ref)]
+def _early_commit(rid: str, lay: KVLayout, ref: Reference, w: Workers) -> Chunks:
+    return [_header(rid, lay, ref, w), *_slabs(lay, ref.num_blocks, w)[:-1], _commit(ref)]
 
 
-def _no_commit(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
-    return [_header(rid, lay, ref), *_slabs(lay, ref.num_blocks)]
+def _no_commit(rid: str, lay: KVLayout, ref: Reference, w: Workers) -> Chunks:
+    return [_header(rid, lay, ref, w), *_slabs(lay, ref.num_blocks, w)]
 
 
-def _overlap(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
-    slabs = _slabs(lay, ref.num_blocks)
-    return [_header(rid, lay, ref), slabs[0], *slabs, _commit(ref)]
+def _overlap(rid: str, lay: KVLayout, ref: Reference, w: Workers) -> Chunks:
+    slabs = _slabs(lay, ref.num_blocks, w)
+    return [_header(rid, lay, ref, w), slabs[0], *slabs, _commit(ref)]
 
 
-def _out_of_range(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
-    return [_header(rid, lay, ref), _data(0, 1, 3, 4, lay.cell_bytes())]
+def _out_of_range(rid: str, lay: KVLayout, ref: Reference, w: Workers) -> Chunks:
+    slab = _data(0, 1, 3, 4, lay.cell_bytes()) if w.transport == "grpc" else _written(0, 1, 3, 4)
+    return [_header(rid, lay, ref, w), slab]
 
 
-def _two_headers(rid: str, lay: KVLayout, ref: Reference) -> list[decode_pb2.KVChunk]:
-    return [_header(rid, lay, ref), _header(rid, lay, ref)]
+def _two_headers(rid: str, lay: KVLayout, ref: Reference, w: Workers) -> Chunks:
+    return [_header(rid, lay, ref, w), _header(rid, lay, ref)]
+
+
+def _bytes_over_a_data_plane(rid: str, lay: KVLayout, ref: Reference, w: Workers) -> Chunks:
+    return [_header(rid, lay, ref, w), *_slabs(lay, ref.num_blocks), _commit(ref)]
 
 
 BAD_PUSHES = {
@@ -344,8 +420,13 @@ BAD_PUSHES = {
     "block out of range": (
         _out_of_range, "KV slab range layers [0, 1) x blocks [3, 4) is invalid"),
     "second header": (
-        _two_headers, "a KV stream carries one header, then data chunks and a commit"),
+        _two_headers, "a KV stream carries one header, then {chunks} chunks and a commit"),
+    "KVData on a data plane": (
+        _bytes_over_a_data_plane,
+        "a KV stream carries one header, then {chunks} chunks and a commit"),
 }
+GRPC_ONLY = {"slab one byte short"}  # a data-plane push carries no bytes to count
+DATA_PLANE_ONLY = {"KVData on a data plane"}
 
 
 @pytest.mark.parametrize("case", list(BAD_PUSHES))
@@ -357,10 +438,13 @@ def test_a_bad_push_fails_it_and_its_generate_and_frees_the_blocks(
     interceptor maps the receiver's ValueError to INVALID_ARGUMENT.)"""
     build, message = BAD_PUSHES[case]
     w, ref, rid = workers, workers.long, f"bad-{case.replace(' ', '-')}"
+    if case in (GRPC_ONLY if w.transport != "grpc" else DATA_PLANE_ONLY):
+        pytest.skip(f"not a {w.transport} push")
+    message = message.format(chunks="data" if w.transport == "grpc" else "nixl written")
     call = _open(w, rid, ref)
-    err = _rpc_error(lambda: _push(w, build(rid, w.layout, ref)))
+    err = _rpc_error(lambda: _push(w, build(rid, w.layout, ref, w)))
     assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
-    assert _load(w.decode) == IDLE
+    _freed(w)
     err = _rpc_error(lambda: next(call))
     assert (err.code(), err.details()) == (grpc.StatusCode.UNAVAILABLE,
                                            f"KV transfer failed: {message}")
@@ -384,7 +468,7 @@ def test_a_push_cut_short_leaves_the_reservation_to_the_next_push(
     build, message = CUT_PUSHES[case]
     w, ref, rid = workers, workers.long, f"cut-{case.replace(' ', '-')}"
     call = _open(w, rid, ref)
-    err = _rpc_error(lambda: _push(w, build(rid, w.layout, ref)))
+    err = _rpc_error(lambda: _push(w, build(rid, w.layout, ref, w)))
     assert (err.code(), err.details()) == (grpc.StatusCode.UNAVAILABLE, message)
     assert _load(w.decode) == _reserved(ref.num_blocks)
     reply = w.prefill.Prefill(prefill_pb2.PrefillRequest(
@@ -412,7 +496,7 @@ def test_a_push_for_an_unknown_request_is_not_found_and_leaves_others_waiting(
 ) -> None:
     w, ref = workers, workers.long
     call = _open(w, "known", ref)
-    chunks = [_header("ghost", w.layout, ref), *_slabs(w.layout, ref.num_blocks)]
+    chunks = [_header("ghost", w.layout, ref, w), *_slabs(w.layout, ref.num_blocks, w)]
     err = _rpc_error(lambda: _push(w, chunks))
     assert (err.code(), err.details()) == (
         grpc.StatusCode.NOT_FOUND, "no open Generate waiting for KV of request 'ghost'")
@@ -427,7 +511,7 @@ def test_cancelling_generate_frees_the_blocks_and_refuses_a_later_push(workers: 
     call = _open(w, rid, ref)
     assert call.cancel()
     _wait_idle(w.decode)
-    chunks = [_header(rid, w.layout, ref), *_slabs(w.layout, ref.num_blocks)]
+    chunks = [_header(rid, w.layout, ref, w), *_slabs(w.layout, ref.num_blocks, w)]
     err = _rpc_error(lambda: _push(w, chunks))
     assert (err.code(), err.details()) == (
         grpc.StatusCode.NOT_FOUND, "no open Generate waiting for KV of request 'cancelled'")
@@ -441,6 +525,7 @@ def test_disaggregated_tokens_equal_colocated(workers: Workers, which: str) -> N
     equal `LLM.generate` greedy; both workers end with every block free."""
     w, ref, rid = workers, getattr(workers, which), f"happy-{which}"
     assert _load(w.prefill) == IDLE
+    carried = _transport_bytes(w)
     call = _open(w, rid, ref)
     reply = w.prefill.Prefill(prefill_pb2.PrefillRequest(
         request_id=rid, prompt_token_ids=ref.prompt, params=_params(),
@@ -454,6 +539,19 @@ def test_disaggregated_tokens_equal_colocated(workers: Workers, which: str) -> N
     assert finish[-1] == ref.finish_reason and set(finish[:-1]) <= {""}
     _wait_idle(w.prefill)
     _wait_idle(w.decode)
+    kv_bytes = ref.num_blocks * w.layout.num_layers * w.layout.cell_bytes()
+    assert _transport_bytes(w) - carried == kv_bytes  # over the module's transport, no other
+
+
+def _transport_bytes(w: Workers) -> float:
+    """KV bytes the decode worker received over `w.transport` (its labelled counter)."""
+    from cluster import http_get
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, text = http_get(w.decode_metrics)
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == "pdserve:kv_transfer_bytes_total"
+               and s.labels.get("transport") == w.transport)
 
 
 @pytest.mark.parametrize("how", ["max_tokens 1", "stop token"])
@@ -482,10 +580,68 @@ def test_a_zero_filled_push_decodes_other_tokens(workers: Workers) -> None:
     """The control that gives the equality above its meaning: the same first token over an
     all-zero KV continues differently, so the decode worker's tokens depend on the pushed KV."""
     w, ref, rid = workers, workers.long, "zeros"
+    if w.transport != "grpc":
+        pytest.skip("a data-plane push of nothing leaves the blocks' old bytes")
     call = _open(w, rid, ref)
     reply = _push(w, [_header(rid, w.layout, ref), *_slabs(w.layout, ref.num_blocks),
                       _commit(ref)])
     assert reply.bytes_received == 6 * w.layout.cell_bytes()
     tokens = [ref.tokens[0], *(t for msg in call for t in msg.token_ids)]
     assert len(tokens) == len(ref.tokens) and tokens != ref.tokens
+    _wait_idle(w.decode)
+
+
+# ---- 6. data-plane targets: stale pools, transports not offered, a newer push ----------------
+def _data_plane_only(w: Workers) -> None:
+    if w.transport == "grpc":
+        pytest.skip("a data-plane (KVTarget) case")
+
+
+def test_a_stale_pool_is_refused_before_anything_is_written(workers: Workers) -> None:
+    """A sender holding the handle of an earlier decode process (another pool id) learns it
+    from KVTarget, before it writes a byte; the reservation is untouched."""
+    w, ref, rid = workers, workers.long, "stale-pool"
+    _data_plane_only(w)
+    call = _open(w, rid, ref)
+    err = _rpc_error(lambda: _target(w, rid, pool_id="0" * 32))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.details() == (f"KV pool '{'0' * 32}' is stale: this worker's pool is "
+                             f"'{w.pool_id}' (it restarted)")
+    err = _rpc_error(lambda: _target(w, rid, transport="cuda_ipc"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith("KV transport 'cuda_ipc' is not offered here")
+    assert _load(w.decode) == _reserved(ref.num_blocks)
+    call.cancel()
+    _wait_idle(w.decode)  # no target was handed out: freed at once
+
+
+def test_a_newer_target_cuts_the_older_data_plane_push(workers: Workers) -> None:
+    """A second KVTarget (the gateway retried the prefill elsewhere) waits for the first push's
+    stream up to the write grace, then takes the blocks over: the older stream is cut at its
+    next chunk and the newer one commits; the blocks of both end free."""
+    w, ref, rid = workers, workers.long, "newer-target"
+    _data_plane_only(w)
+    call = _open(w, rid, ref)
+    slabs = _slabs(w.layout, ref.num_blocks, w)
+    first = _header(rid, w.layout, ref, w)
+    resume = threading.Event()
+
+    def older() -> Iterator[decode_pb2.KVChunk]:
+        yield first
+        yield slabs[0]
+        assert resume.wait(timeout=20)
+        yield from slabs[1:]
+
+    old_push = w.decode.PushKV.future(older(), timeout=30)
+    started = time.monotonic()
+    second = _header(rid, w.layout, ref, w)  # KVTarget again
+    assert time.monotonic() - started >= WRITE_GRACE_S * 0.9  # waited for the open writer
+    assert second.header.push_id == first.header.push_id + 1
+    resume.set()
+    err = _rpc_error(old_push.result)
+    assert (err.code(), err.details()) == (grpc.StatusCode.UNAVAILABLE,
+                                           "a newer push of the request took over its blocks")
+    reply = _push(w, [second, *slabs, _commit(ref)])
+    assert reply.bytes_received == ref.num_blocks * w.layout.num_layers * w.layout.cell_bytes()
+    assert len([t for msg in call for t in msg.token_ids]) == len(ref.tokens) - 1
     _wait_idle(w.decode)
