@@ -106,8 +106,9 @@ class PushKVSender:
             reply = await call(messages, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             self.stats.failed += 1
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:  # the peer may be gone: forget it
                 await self._drop_channel(decode_address)
+                self._forget(decode_address)
             raise ConnectionError(f"KV push to {decode_address} failed: {exc.details()}") from exc
         except ConnectionError:  # the data plane failed: describe the peer again next time
             self.stats.failed += 1

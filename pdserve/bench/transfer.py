@@ -1,6 +1,8 @@
-"""KV transfer throughput over gRPC on loopback: pdserve's PushKV path against raw grpcio.
+"""KV transfer throughput: pdserve's PushKV over each data plane against raw grpcio and the
+device's own copy bandwidth, measured in the same run.
 
     python -m pdserve.bench.transfer [--kv-mib 256] [--slab-mib 1,4,8] [--repeats 5]
+        [--transport grpc,nixl,cuda_ipc] [--device cpu|cuda] [--kv-tokens 1024,4096,16384]
 
 NOTE: what is measured, one run, the two ends of every stream in separate processes:
 
@@ -13,7 +15,13 @@ NOTE: what is measured, one run, the two ends of every stream in separate proces
              open Generate (the worker reserves the blocks, then answers an empty message), time
              `PushKVSender.send` of the request's shuffled blocks up to the worker's reply (every
              slab written into its cache, the request committed), then read Generate to its end
-             (the blocks are freed). Once per `--slab-mib` size.
+             (the blocks are freed). Once per `--slab-mib` size and `--transport`: grpc
+             carries the bytes in PushKV; nixl and cuda_ipc write them into the worker's
+             reserved blocks (pdserve/transport/) and PushKV carries only ranges, so their slab
+             size only sets how many writes a push makes.
+  copy       with `--device cuda`, the ceiling of a data plane: a device-to-device copy of the
+             request's bytes in this process (`copy_`, contiguous), and the same bytes as a
+             scatter of whole blocks (`index_copy_`), timed with CUDA synchronisation.
   serialize  the sender's own share: the same push's messages built to the bytes grpc sends, in
              this process, no wire. `wire` = push - serialize: what grpc on both sides and the
              receiver (parse, scatter into the cache) add.
@@ -48,6 +56,7 @@ from pdserve.bench.report import bench_main, config_of, write_report
 from pdserve.cluster.convert import sampling_params_to_pb
 from pdserve.cluster.grpc_server import GRPC_OPTIONS, check_health, open_channel
 from pdserve.ports import free_port
+from prefill_svc.planes import PeerPlanes
 from prefill_svc.push import KVPush
 from prefill_svc.sender import PushKVSender
 from protos import decode_pb2, decode_pb2_grpc
@@ -64,12 +73,29 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
+def parse_transports(text: str) -> list[str]:
+    """'grpc,nixl' -> ['grpc', 'nixl']; ValueError naming an unknown transport."""
+    from pdserve.transport.base import TRANSPORTS
+
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in TRANSPORTS]
+    if not names or unknown:
+        raise ValueError(f"transports are some of {', '.join(TRANSPORTS)}, got {text!r}")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to `parser` (shared by `pdserve bench transfer`)."""
     parser.add_argument("--model", default=None,
                         help="the decode worker's model; its KV layout must match the flags "
                              "below (default: bundled SmolLM2)")
     parser.add_argument("--kv-mib", type=int, default=256, help="KV bytes of the request")
+    parser.add_argument("--kv-tokens", type=parse_sizes, default=None, metavar="A,B,..",
+                        help="requests of these many tokens instead of --kv-mib (one each)")
+    parser.add_argument("--transport", type=parse_transports, default=["grpc"],
+                        metavar="grpc,nixl,cuda_ipc", help="data planes to measure")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where both KV caches live")
     parser.add_argument("--slab-mib", type=parse_sizes, default=[1, 4, 8], metavar="A,B,..",
                         help="PushKV slab sizes to measure")
     parser.add_argument("--raw-chunk-mib", type=int, default=4, help="raw stream message size")
@@ -104,10 +130,13 @@ class Plan:
         return self.num_blocks * self.layout.block_size
 
 
-def make_plan(args: argparse.Namespace) -> Plan:
+def make_plans(args: argparse.Namespace) -> list[Plan]:
+    """One request per `--kv-tokens` size, or one of `--kv-mib`."""
     layout = KVLayout(args.num_layers, args.num_kv_heads, args.head_dim, args.dtype,
                       args.block_size)
-    return Plan(layout, max(1, args.kv_mib * MIB // Plan(layout, 1).block_bytes))
+    if args.kv_tokens:
+        return [Plan(layout, -(-n // args.block_size)) for n in args.kv_tokens]
+    return [Plan(layout, max(1, args.kv_mib * MIB // Plan(layout, 1).block_bytes))]
 
 
 # ---- cases, timed in interleaved rounds ---------------------------------------------------------
@@ -191,47 +220,50 @@ def raw_case(channel: grpc.aio.Channel, source: bytes, chunk: int) -> Case:
 
 # ---- (b) pdserve's path: PushKVSender -> a real decode worker -----------------------------------
 def decode_worker_argv(args: argparse.Namespace, plan: Plan, port: int) -> list[str]:
-    """`pdserve decode` with room for one request of the plan's blocks (and a few spare)."""
+    """`pdserve decode` with room for one request of the plan's blocks (and a few spare),
+    accepting every data plane it can."""
     model = ["--model", args.model] if args.model else []
     return [
         sys.executable, "-m", "pdserve.cli", "decode", *model, "--port", str(port),
         "--num-kv-blocks", str(plan.num_blocks + 8), "--max-model-len", str(plan.num_tokens + 16),
-        "--dtype", args.dtype, "--block-size", str(args.block_size), "--device", "cpu",
+        "--dtype", args.dtype, "--block-size", str(args.block_size), "--device", args.device,
         "--no-prefix-caching", "--max-num-seqs", "4", "--log-level", "warning",
+        "--kv-transport", "auto" if set(args.transport) != {"nixl"} else "nixl",
     ]
 
 
-def sender_cache(plan: Plan, spare_blocks: int = 8) -> tuple[list[torch.Tensor], list[int]]:
-    """A random KV cache shaped like the decode worker's, and the request's shuffled blocks."""
+def sender_pool(plan: Plan, device: str, spare_blocks: int = 8) -> tuple[torch.Tensor, list[int]]:
+    """A random KV pool [L, 2, N, bs, Hkv, D] shaped like the decode worker's (one allocation,
+    as the engine's), and the request's shuffled blocks."""
     lay, total = plan.layout, plan.num_blocks + spare_blocks
     gen = torch.Generator().manual_seed(0)
-    shape = (2, total, lay.block_size, lay.num_kv_heads, lay.head_dim)
-    caches = [torch.randn(shape, generator=gen).to(lay.torch_dtype)
-              for _ in range(lay.num_layers)]
+    shape = (lay.num_layers, 2, total, lay.block_size, lay.num_kv_heads, lay.head_dim)
+    pool = torch.randn(shape, generator=gen).to(lay.torch_dtype).to(device)
     blocks = torch.randperm(total, generator=gen)[: plan.num_blocks].tolist()
-    return caches, blocks
+    return pool, blocks
 
 
 class PushDriver:
     """Drives one decode worker the way the gateway and a prefill worker do, one push at a time."""
 
-    def __init__(self, channel: grpc.aio.Channel, address: str, plan: Plan) -> None:
+    def __init__(self, channel: grpc.aio.Channel, address: str, plan: Plan, device: str) -> None:
         self.stub = decode_pb2_grpc.DecodeStub(channel)
         self.address, self.plan = address, plan
-        self.caches, self.blocks = sender_cache(plan)
+        self.pool, self.blocks = sender_pool(plan, device)
+        self.caches = list(self.pool.unbind(0))
         self.senders: list[PushKVSender] = []
         self.count = 0
 
-    def transfer(self, sender: PushKVSender) -> KVPush:
+    def transfer(self, sender: PushKVSender, plan: Plan) -> KVPush:
         """A push of KV computed already: every slab final, the first token known."""
         self.count += 1
-        push = sender.new_push(f"bench-{self.count}", self.plan.num_tokens)
-        return push.computed(self.blocks, 100)
+        push = sender.new_push(f"bench-{self.count}", plan.num_tokens)
+        return push.computed(self.blocks[: plan.num_blocks], 100)
 
-    async def push(self, sender: PushKVSender) -> float:
+    async def push(self, sender: PushKVSender, plan: Plan, transport: str) -> float:
         """Generate (blocks reserved) -> timed send -> Generate read to its end (blocks freed).
         Returns the seconds of the send alone."""
-        t = self.transfer(sender)
+        t = self.transfer(sender, plan)
         prompt = [100 + (i * 7919 + self.count) % 20000 for i in range(t.num_tokens)]
         params = sampling_params_to_pb(SamplingParams(temperature=0, max_tokens=2), 2)
         call = self.stub.Generate(decode_pb2.GenerateRequest(
@@ -244,28 +276,56 @@ class PushDriver:
         seconds = time.perf_counter() - start
         while (msg := await call.read()) is not grpc.aio.EOF and not msg.finish_reason:
             pass
-        if sent != self.plan.kv_bytes:
-            raise RuntimeError(f"the decode worker accepted {sent} of {self.plan.kv_bytes} bytes")
+        if sent != plan.kv_bytes:
+            raise RuntimeError(f"the decode worker accepted {sent} of {plan.kv_bytes} bytes")
+        if sender.stats.bytes_by_transport.get(transport, 0) != sender.stats.bytes:
+            raise RuntimeError(f"a push meant for {transport} went over "
+                               f"{sorted(sender.stats.bytes_by_transport)}")
         return seconds
 
-    def cases(self, slab_mib: int) -> tuple[Case, Case]:
-        """The push and the serialization alone of one slab size."""
-        sender = PushKVSender(self.caches, slab_bytes=slab_mib * MIB)
+    def cases(self, plan: Plan, transport: str, slab_mib: int) -> list[Case]:
+        """The push of one plan, transport and slab size (and for grpc the serialization)."""
+        planes = None if transport == "grpc" else PeerPlanes(self.pool, transport)
+        sender = PushKVSender(self.caches, slab_bytes=slab_mib * MIB, planes=planes)
         self.senders.append(sender)
+        name = f"{transport} {slab_mib} MiB {plan.num_tokens} tok"
+        cases = [Case(f"push {name}", plan.kv_bytes, lambda: self.push(sender, plan, transport))]
+        if transport == "grpc":
+            async def serialize() -> float:
+                transfer, total = self.transfer(sender, plan), 0
+                start = time.perf_counter()
+                async for message in sender.messages(transfer):
+                    total += len(message)
+                return time.perf_counter() - start
 
-        async def serialize() -> float:
-            transfer, total = self.transfer(sender), 0
-            start = time.perf_counter()
-            async for message in sender.messages(transfer):
-                total += len(message)
-            return time.perf_counter() - start
-
-        return (Case(f"push {slab_mib} MiB", self.plan.kv_bytes, lambda: self.push(sender)),
-                Case(f"serialize {slab_mib} MiB", self.plan.kv_bytes, serialize))
+            cases.append(Case(f"serialize {name}", plan.kv_bytes, serialize))
+        return cases
 
     async def close(self) -> None:
         for sender in self.senders:
             await sender.close()
+
+
+# ---- (c) the device's own copy bandwidth (CUDA) -------------------------------------------------
+def copy_cases(plan: Plan, pool: torch.Tensor, blocks: list[int]) -> list[Case]:
+    """A contiguous device copy of the request's bytes, and the same as a block scatter."""
+    src = pool[:, :, blocks[: plan.num_blocks]].contiguous()
+    dst = torch.empty_like(src)
+    ids = torch.tensor(blocks[: plan.num_blocks], device=pool.device)
+    target = torch.empty_like(pool)
+
+    def timed(fn: Callable[[], object]) -> Callable[[], Awaitable[float]]:
+        async def once() -> float:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+        return once
+
+    return [Case(f"copy {plan.num_tokens} tok", plan.kv_bytes, timed(lambda: dst.copy_(src))),
+            Case(f"scatter {plan.num_tokens} tok", plan.kv_bytes,
+                 timed(lambda: target.index_copy_(2, ids, src)))]
 
 
 # ---- processes ----------------------------------------------------------------------------------
@@ -303,76 +363,99 @@ async def wait_serving(channel: grpc.aio.Channel, address: str, proc: subprocess
 
 
 # ---- driver -------------------------------------------------------------------------------------
-async def measure(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
-    """Start the raw sink and the decode worker, time every case in rounds; the two sections."""
+async def measure(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]:
+    """Start the raw sink and the decode worker, time every case in rounds; the sections."""
     logs = Path(args.output_json).parent
     logs.mkdir(parents=True, exist_ok=True)
     raw_addr, dec_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     sink = [sys.executable, "-c", "from pdserve.bench.transfer import serve_raw; "
             f"serve_raw({raw_addr.rsplit(':', 1)[1]})"]
+    largest = max(plans, key=lambda plan: plan.num_blocks)
     with (child(sink, logs / "raw-sink.log") as sink_proc,
-          child(decode_worker_argv(args, plan, int(dec_addr.rsplit(":", 1)[1])),
+          child(decode_worker_argv(args, largest, int(dec_addr.rsplit(":", 1)[1])),
                 logs / "decode-worker.log") as dec_proc):
         async with open_channel(raw_addr) as raw_ch, open_channel(dec_addr) as dec_ch:
             await wait_serving(raw_ch, raw_addr, sink_proc, logs / "raw-sink.log", 60, False)
             await wait_serving(dec_ch, dec_addr, dec_proc, logs / "decode-worker.log",
                                args.startup_timeout)
-            driver = PushDriver(dec_ch, dec_addr, plan)
-            source = os.urandom(plan.kv_bytes)
+            driver = PushDriver(dec_ch, dec_addr, largest, args.device)
+            source = os.urandom(min(largest.kv_bytes, 256 * MIB))
             raws = {mib: raw_case(raw_ch, source, mib * MIB)
                     for mib in sorted({args.raw_chunk_mib, *args.slab_mib})}
-            slabs = [driver.cases(mib) for mib in args.slab_mib]
+            pushes = {(plan.num_tokens, t, mib): driver.cases(plan, t, mib)
+                      for plan in plans for t in args.transport for mib in args.slab_mib}
+            copies = ({plan.num_tokens: copy_cases(plan, driver.pool, driver.blocks)
+                       for plan in plans} if args.device == "cuda" else {})
             try:
-                await run_rounds([*raws.values(), *(c for pair in slabs for c in pair)],
-                                 args.repeats)
+                await run_rounds([*raws.values(), *(c for cs in pushes.values() for c in cs),
+                                  *(c for cs in copies.values() for c in cs)], args.repeats)
             finally:
                 await driver.close()
     ceiling = raws[args.raw_chunk_mib]
     return {"raw": {"chunk_bytes": args.raw_chunk_mib * MIB, **summarize(ceiling)},
             "raw_by_size": [{"chunk_bytes": mib * MIB, **summarize(c)} for mib, c in raws.items()],
-            "pdserve": [slab_report(mib, push, ser, ceiling, raws[mib])
-                        for mib, (push, ser) in zip(args.slab_mib, slabs, strict=True)]}
+            "copy": [{"num_tokens": n, "copy": summarize(c), "scatter": summarize(sc)}
+                     for n, (c, sc) in copies.items()],
+            "pdserve": [push_report(key, cases, ceiling, raws[key[2]], copies.get(key[0]))
+                        for key, cases in pushes.items()]}
 
 
-def slab_report(
-    slab_mib: int, push: Case, serialize: Case, ceiling: Case, same_size: Case
-) -> dict[str, Any]:
-    """One slab size: the push, serialization alone, the rest (`wire`), the ratios to raw."""
-    p, s = summarize(push), summarize(serialize)
-    wire_s = max(p["median_s"] - s["median_s"], 1e-9)
-    return {"slab_bytes": slab_mib * MIB, "push": p, "serialize": s, "wire_s": wire_s,
-            "wire_gib_per_s": push.nbytes / wire_s / GIB,
-            "serialize_share": s["median_s"] / p["median_s"],
-            "ratio_to_raw": paired_ratio(push, ceiling),
-            "ratio_to_raw_same_size": paired_ratio(push, same_size)}
+def push_report(key: tuple[int, str, int], cases: list[Case], ceiling: Case, same_size: Case,
+                copies: list[Case] | None) -> dict[str, Any]:
+    """One (tokens, transport, slab size): the push, its ratios to raw grpcio and to the
+    device copy; for grpc the serialization alone and the rest (`wire`)."""
+    tokens, transport, slab_mib = key
+    push = cases[0]
+    p = summarize(push)
+    out: dict[str, Any] = {
+        "num_tokens": tokens, "transport": transport, "slab_bytes": slab_mib * MIB, "push": p,
+        "ratio_to_raw": paired_ratio(push, ceiling),
+        "ratio_to_raw_same_size": paired_ratio(push, same_size)}
+    if copies is not None:
+        out["ratio_to_copy"] = paired_ratio(push, copies[0])
+        out["ratio_to_scatter"] = paired_ratio(push, copies[1])
+    if len(cases) > 1:
+        ser = summarize(cases[1])
+        wire_s = max(p["median_s"] - ser["median_s"], 1e-9)
+        out.update(serialize=ser, wire_s=wire_s, wire_gib_per_s=push.nbytes / wire_s / GIB,
+                   serialize_share=ser["median_s"] / p["median_s"])
+    return out
 
 
 def environment() -> dict[str, Any]:
-    return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch_version": torch.__version__, "grpcio_version": grpc.__version__,
-            "load_avg_1m_at_start": os.getloadavg()[0]}
+    env = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+           "torch_version": torch.__version__, "grpcio_version": grpc.__version__,
+           "load_avg_1m_at_start": os.getloadavg()[0]}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
 
 
 def format_table(report: dict[str, Any]) -> str:
     """The report as a readable text table."""
-    w, raw = report["workload"], report["raw"]
+    raw = report["raw"]
     load = report["environment"]["load_avg_1m_at_start"]
+    sizes = ", ".join(f"{w['num_tokens']} tokens = {w['kv_bytes'] / MIB:.1f} MiB"
+                      for w in report["workload"])
     lines = [
-        f"KV of {w['num_blocks']} blocks x {w['num_layers']} layers = {w['kv_bytes'] / MIB:.0f} "
-        f"MiB, {report['config']['repeats']} rounds | load average {load:.1f}",
+        f"KV per request: {sizes}; {report['config']['repeats']} rounds | load average "
+        f"{load:.1f}",
         f"raw grpcio ceiling, {raw['chunk_bytes'] // MIB} MiB messages: {raw['gib_per_s']:.2f} "
         f"GiB/s (best {raw['best_gib_per_s']:.2f})",
-        f"{'MiB':>4}{'raw GiB/s':>10}{'push GiB/s':>11}{'best':>6}{'/ceiling':>9}{'/raw':>6}"
-        f"{'push s':>8}{'serial. s':>10}{'serial. GiB/s':>14}{'wire s':>8}{'serial.':>8}",
     ]
-    raw_by_size = {r["chunk_bytes"]: r for r in report["raw_by_size"]}
+    for c in report["copy"]:
+        lines.append(f"device copy, {c['num_tokens']} tokens: {c['copy']['gib_per_s']:.1f} GiB/s "
+                     f"contiguous, {c['scatter']['gib_per_s']:.1f} GiB/s as a block scatter")
+    lines.append(f"{'tokens':>7} {'transport':<9}{'MiB':>4}{'push GiB/s':>11}{'best':>7}"
+                 f"{'push ms':>9}{'/raw':>6}{'/copy':>7}{'serial. GiB/s':>14}")
     for s in report["pdserve"]:
-        p, ser = s["push"], s["serialize"]
+        p = s["push"]
+        ser = f"{s['serialize']['gib_per_s']:>14.2f}" if "serialize" in s else f"{'-':>14}"
+        copy = f"{s['ratio_to_copy']:>7.3f}" if "ratio_to_copy" in s else f"{'-':>7}"
         lines.append(
-            f"{s['slab_bytes'] // MIB:>4}{raw_by_size[s['slab_bytes']]['gib_per_s']:>10.2f}"
-            f"{p['gib_per_s']:>11.2f}{p['best_gib_per_s']:>6.2f}{s['ratio_to_raw']:>9.2f}"
-            f"{s['ratio_to_raw_same_size']:>6.2f}{p['median_s']:>8.3f}{ser['median_s']:>10.3f}"
-            f"{ser['gib_per_s']:>14.2f}{s['wire_s']:>8.3f}{100 * s['serialize_share']:>7.0f}%")
+            f"{s['num_tokens']:>7} {s['transport']:<9}{s['slab_bytes'] // MIB:>4}"
+            f"{p['gib_per_s']:>11.2f}{p['best_gib_per_s']:>7.2f}{1e3 * p['median_s']:>9.2f}"
+            f"{s['ratio_to_raw']:>6.2f}{copy}{ser}")
     return "\n".join(lines)
 
 
@@ -382,13 +465,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    plan, started = make_plan(args), time.perf_counter()
+    plans, started = make_plans(args), time.perf_counter()
     report: dict[str, Any] = {
         "config": config_of(args),
         "environment": environment(),
-        "workload": {"num_blocks": plan.num_blocks, "num_tokens": plan.num_tokens,
-                     "num_layers": plan.layout.num_layers, "kv_bytes": plan.kv_bytes},
-        **asyncio.run(measure(args, plan)),
+        "workload": [{"num_blocks": plan.num_blocks, "num_tokens": plan.num_tokens,
+                      "num_layers": plan.layout.num_layers, "kv_bytes": plan.kv_bytes}
+                     for plan in plans],
+        **asyncio.run(measure(args, plans)),
     }
     report["elapsed_s"] = time.perf_counter() - started
     print(format_table(report))

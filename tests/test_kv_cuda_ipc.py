@@ -1,0 +1,283 @@
+"""The cuda_ipc KV data plane between two real worker processes sharing one GPU (GPU only;
+skipped on CPU). The prefill worker maps the decode worker's KV pool by its CUDA IPC handle and
+copies its blocks straight into the reserved ones; PushKV carries the header, KVWritten ranges
+and the commit.
+
+    tokens      disaggregated over cuda_ipc == colocated `LLM.generate`, greedy (the 4-layer
+                test model in fp32, the 1B-shaped random model in bf16), and the decode
+                worker's bytes counted under transport="cuda_ipc", none under grpc
+    restart     a decode worker restarted on the same port has a new pool: the prefill worker's
+                cached handle is refused (KVTarget FAILED_PRECONDITION) before it writes, that
+                push goes over grpc, and the next one maps the new pool
+    kills       a prefill worker killed while it pushes, a decode worker killed while it
+                receives: the survivor ends with every block free (SIGKILL lands wherever the
+                push is by then; on a GPU the whole push takes a few ms, so "mid-write" is not
+                guaranteed, only that no outcome leaks)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import torch
+from cluster import free_port, http_get
+from worker_procs import Proc, spawn_worker, stop_all, wait_serving
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from pdserve.cluster.convert import sampling_params_to_pb  # noqa: E402
+from pdserve.cluster.grpc_server import GRPC_OPTIONS  # noqa: E402
+from protos import (  # noqa: E402
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+
+NUM_BLOCKS = 256
+MAX_TOKENS = 16
+GRACE_S = 0.5
+
+
+@dataclass
+class Worker:
+    role: str
+    model: str
+    flags: tuple[str, ...]
+    port: int
+    metrics_port: int
+    proc: Proc | None = None
+    channel: grpc.Channel | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> Worker:
+        self.proc = spawn_worker(self.role, self.model, self.port, *self.flags,
+                                 "--metrics-port", str(self.metrics_port))
+        return self
+
+    def ready(self) -> Worker:
+        assert self.proc is not None
+        wait_serving(self.proc, self.address, timeout_s=300)
+        self.channel = grpc.insecure_channel(self.address, options=GRPC_OPTIONS)
+        return self
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.popen.send_signal(signal.SIGKILL)
+        self.proc.popen.wait(timeout=30)
+        if self.channel is not None:
+            self.channel.close()
+
+    def stub(self):
+        stub = prefill_pb2_grpc.PrefillStub if self.role == "prefill" else \
+            decode_pb2_grpc.DecodeStub
+        return stub(self.channel)
+
+    def counter(self, name: str, **labels: str) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        _, text = http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == f"pdserve:{name}_total"
+                   and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    def load(self) -> tuple[int, int, int, int]:
+        w = self.stub().GetLoad(common_pb2.GetLoadRequest(), timeout=10)
+        return w.num_running, w.num_waiting, w.num_free_blocks, w.num_total_blocks
+
+    def wait_idle(self, timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while (load := self.load()) != (0, 0, NUM_BLOCKS, NUM_BLOCKS):
+            assert time.monotonic() < deadline, f"{self.role} not idle: {load}"
+            time.sleep(0.05)
+
+
+def _pair(model: str, dtype: str) -> tuple[Worker, Worker]:
+    common = ("--device", "cuda", "--dtype", dtype, "--num-kv-blocks", str(NUM_BLOCKS),
+              "--kv-transport", "cuda_ipc")
+    prefill = Worker("prefill", model, (*common, "--max-num-batched-tokens", "128"),
+                     free_port(), free_port())
+    decode = Worker("decode", model, (*common, "--kv-write-grace-seconds", str(GRACE_S),
+                                      "--kv-timeout", "10"), free_port(), free_port())
+    return prefill.start(), decode.start()
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(10, vocab - 10, (n,), generator=gen).tolist() for n in (5, 40, 700)]
+
+
+def _reference(model: str, dtype: str, prompts: list[list[int]]) -> list[list[int]]:
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(model, dtype=dtype, device="cuda", num_kv_blocks=NUM_BLOCKS)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                ignore_eos=True), use_tqdm=False)
+    del llm
+    torch.cuda.empty_cache()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _disaggregated(prefill: Worker, decode: Worker, rid: str, prompt: list[int]) -> list[int]:
+    from pdserve import SamplingParams
+
+    params = sampling_params_to_pb(
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), MAX_TOKENS)
+    call = decode.stub().Generate(decode_pb2.GenerateRequest(
+        request_id=rid, prompt_token_ids=prompt, params=params), timeout=120)
+    assert next(call) == decode_pb2.GenerateResponse()  # blocks reserved
+    reply = prefill.stub().Prefill(prefill_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=prompt, params=params,
+        decode_address=decode.address), timeout=120)
+    return [reply.first_token_id, *(t for msg in call for t in msg.token_ids)]
+
+
+def _kv_bytes(prompt: list[int], block_bytes: int) -> int:
+    return -(-len(prompt) // 16) * block_bytes
+
+
+def _block_bytes(model: str, dtype: str) -> int:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elem = 4 if dtype == "float32" else 2
+    return 2 * cfg.num_hidden_layers * 16 * cfg.num_key_value_heads * head_dim * elem
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, bundled_tokenizer) -> str:
+    """The 4-layer random Llama of tests/test_cuda_path.py (9/3 GQA, head_dim 64)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=len(bundled_tokenizer), hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=4, num_attention_heads=9, num_key_value_heads=3,
+        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        rope_theta=100000.0, initializer_range=0.1,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("ipc_llama")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    bundled_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir: str) -> Iterator[tuple[Worker, Worker, list[list[int]], list[list[int]]]]:
+    prefill, decode = _pair(model_dir, "float32")
+    try:
+        prompts = _prompts(49152)
+        ref = _reference(model_dir, "float32", prompts)
+        yield prefill.ready(), decode.ready(), prompts, ref
+    finally:
+        stop_all([w.proc for w in (prefill, decode) if w.proc is not None])
+
+
+def _check_equal_over_ipc(prefill: Worker, decode: Worker, prompts: list[list[int]],
+                          ref: list[list[int]], block_bytes: int, tag: str) -> None:
+    ipc, grpc_bytes = (decode.counter("kv_transfer_bytes", transport=t)
+                       for t in ("cuda_ipc", "grpc"))
+    for i, (prompt, expected) in enumerate(zip(prompts, ref)):
+        assert _disaggregated(prefill, decode, f"{tag}-{i}", prompt) == expected
+    moved = sum(_kv_bytes(p, block_bytes) for p in prompts)
+    assert decode.counter("kv_transfer_bytes", transport="cuda_ipc") - ipc == moved
+    assert decode.counter("kv_transfer_bytes", transport="grpc") == grpc_bytes
+    prefill.wait_idle()
+    decode.wait_idle()
+
+
+def test_tokens_equal_colocated_over_cuda_ipc(pair, model_dir: str) -> None:
+    prefill, decode, prompts, ref = pair
+    _check_equal_over_ipc(prefill, decode, prompts, ref, _block_bytes(model_dir, "float32"),
+                          "ipc")
+
+
+def test_a_restarted_decode_worker_refuses_the_stale_handle_then_maps_anew(pair) -> None:
+    prefill, decode, prompts, ref = pair
+    assert _disaggregated(prefill, decode, "before-restart", prompts[1]) == ref[1]
+    decode.wait_idle()
+    decode.kill()
+    decode.start().ready()
+    stale = prefill.counter("kv_transfer_stale_pools")
+    assert _disaggregated(prefill, decode, "after-restart", prompts[1]) == ref[1]
+    assert prefill.counter("kv_transfer_stale_pools") == stale + 1
+    assert decode.counter("kv_transfers", transport="grpc") == 1  # that push: over grpc
+    assert decode.counter("kv_transfers", transport="cuda_ipc") == 0
+    assert _disaggregated(prefill, decode, "remapped", prompts[1]) == ref[1]
+    assert decode.counter("kv_transfers", transport="cuda_ipc") == 1
+    prefill.wait_idle()
+    decode.wait_idle()
+
+
+def _start_push(prefill: Worker, decode: Worker, rid: str, prompt: list[int]):
+    from pdserve import SamplingParams
+
+    params = sampling_params_to_pb(
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), MAX_TOKENS)
+    call = decode.stub().Generate(decode_pb2.GenerateRequest(
+        request_id=rid, prompt_token_ids=prompt, params=params), timeout=120)
+    assert next(call) == decode_pb2.GenerateResponse()
+    future = prefill.stub().Prefill.future(prefill_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=prompt, params=params,
+        decode_address=decode.address), timeout=120)
+    return call, future
+
+
+def test_a_prefill_worker_killed_while_pushing_leaves_nothing_reserved(pair) -> None:
+    prefill, decode, prompts, _ = pair
+    call, future = _start_push(prefill, decode, "prefill-killed", prompts[2])
+    time.sleep(0.005)
+    prefill.kill()
+    # the decode worker keeps the reservation for a retried prefill until Generate goes
+    call.cancel()
+    decode.wait_idle(timeout_s=20)
+    with pytest.raises(grpc.RpcError):
+        future.result()
+    prefill.start().ready()
+    prefill.wait_idle()
+
+
+def test_a_decode_worker_killed_while_receiving_frees_the_prefill_blocks(pair) -> None:
+    prefill, decode, prompts, ref = pair
+    call, future = _start_push(prefill, decode, "decode-killed", prompts[2])
+    time.sleep(0.005)
+    decode.kill()
+    with contextlib.suppress(grpc.RpcError):
+        future.result()  # the first token may or may not have come back
+    prefill.wait_idle(timeout_s=40)  # the push failed: its blocks are freed
+    decode.start().ready()
+    assert _disaggregated(prefill, decode, "after-decode-death", prompts[1]) == ref[1]
+    prefill.wait_idle()
+    decode.wait_idle()
+
+
+def test_the_1b_shaped_model_over_cuda_ipc_equals_colocated(tmp_path) -> None:
+    """The 1B-shaped random model of `pdserve bench gpu` (16 layers, 32/8 heads, head_dim 64,
+    bf16): tokens equal colocated, bytes over cuda_ipc."""
+    from pdserve.bench.gpu_model import ModelShape, save_random_model, save_stand_in_tokenizer
+
+    shape = ModelShape()
+    save_random_model(shape, tmp_path, seed=0, device=torch.device("cuda"))
+    save_stand_in_tokenizer(shape.vocab, tmp_path)
+    torch.cuda.empty_cache()
+    model = str(tmp_path)
+    prefill, decode = _pair(model, "bfloat16")
+    try:
+        prompts = _prompts(shape.vocab)
+        ref = _reference(model, "bfloat16", prompts)
+        prefill.ready(), decode.ready()
+        _check_equal_over_ipc(prefill, decode, prompts, ref, _block_bytes(model, "bfloat16"),
+                              "1b")
+    finally:
+        stop_all([w.proc for w in (prefill, decode) if w.proc is not None])
