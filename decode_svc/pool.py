@@ -58,7 +58,8 @@ class PoolExporter:
 
     def _export(self, name: str) -> dict[str, Any]:
         if name not in self._exports:
-            self._planes[name] = plane = make_plane(name, self.pool, f"decode-{self.pool_id}")
+            self._planes[name] = plane = make_plane(name, self.pool, f"decode-{self.pool_id}",
+                                                    serve=True)
             self._exports[name] = plane.export()
         return self._exports[name]
 

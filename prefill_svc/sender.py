@@ -101,7 +101,8 @@ class PushKVSender:
         started = time.perf_counter()
         peer, target = await self._data_plane(decode_address, channel, push.request_id)
         transport = GRPC if peer is None else peer.transport
-        messages = self.messages(push) if peer is None else self.written(push, peer, target)
+        messages = (self.messages(push) if peer is None
+                    else self.written(push, peer, target, decode_address))
         try:
             reply = await call(messages, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -110,10 +111,6 @@ class PushKVSender:
                 await self._drop_channel(decode_address)
                 self._forget(decode_address)
             raise ConnectionError(f"KV push to {decode_address} failed: {exc.details()}") from exc
-        except ConnectionError:  # the data plane failed: describe the peer again next time
-            self.stats.failed += 1
-            self._forget(decode_address)
-            raise
         self.stats.record(reply.bytes_received, time.perf_counter() - started, transport)
         self.stats.record_overlap(push.bytes_before_first_token,
                                   (push.commit_sent_at or 0.0) - (push.first_token_at or 0.0))
@@ -162,16 +159,26 @@ class PushKVSender:
                 yield message
         yield self._commit(push)
 
-    async def written(self, push: KVPush, peer: Peer, target: Any) -> AsyncIterator[bytes]:
+    async def written(
+        self, push: KVPush, peer: Peer, target: Any, address: str
+    ) -> AsyncIterator[bytes]:
         """The push over a data plane: the header naming it, each slab written into the
-        target blocks (off the event loop) and then announced, the commit. Reads the cache."""
+        target blocks (off the event loop) and then announced, the commit. Reads the cache. A
+        failed write forgets the peer (described again next time) and ends the push: grpc
+        cancels the call, and the blocks stay reserved there for a retried prefill."""
         assert self.planes is not None
         plane = self.planes.plane(peer.transport)
         yield self._header(push, peer.transport, target.push_id)
         dst_ids = list(target.block_ids)
         while (ticket := await push.next_slab()) is not None:
             l0, l1, b0, b1 = ticket.slab
-            nbytes = await asyncio.to_thread(_write, plane, peer, ticket, dst_ids[b0:b1])
+            try:
+                nbytes = await asyncio.to_thread(_write, plane, peer, ticket, dst_ids[b0:b1])
+            except ConnectionError as exc:
+                self.stats.failed += 1
+                self._forget(address)
+                logger.warning("[%s] KV write to %s failed: %s", push.request_id, address, exc)
+                raise
             if nbytes is not None:  # None: stale, a preemption; those cells come again
                 push.sent(ticket, nbytes)
                 yield decode_pb2.KVChunk(written=decode_pb2.KVWritten(

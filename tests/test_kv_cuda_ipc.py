@@ -118,17 +118,29 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _reference(model: str, dtype: str, prompts: list[list[int]]) -> list[list[int]]:
+    """Colocated greedy tokens, one prompt at a time as the pair serves them here (in bf16 a
+    batch of three decodes through other GEMM tilings than a batch of one, and a random model's
+    near-ties then split)."""
     from pdserve import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype, device="cuda", num_kv_blocks=NUM_BLOCKS)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                                ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    tokens = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     del llm
     torch.cuda.empty_cache()
-    return [o.outputs[0].token_ids for o in outs]
+    return tokens
 
 
 def _disaggregated(prefill: Worker, decode: Worker, rid: str, prompt: list[int]) -> list[int]:
+    try:
+        return _generate(prefill, decode, rid, prompt)
+    except grpc.RpcError as exc:  # say what the workers said
+        tails = "\n".join(f"---- {w.role}\n{w.proc.tail(60)}" for w in (prefill, decode)
+                          if w.proc is not None)
+        raise AssertionError(f"request {rid!r} failed: {exc}\n{tails}") from exc
+
+
+def _generate(prefill: Worker, decode: Worker, rid: str, prompt: list[int]) -> list[int]:
     from pdserve import SamplingParams
 
     params = sampling_params_to_pb(

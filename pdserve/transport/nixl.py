@@ -41,7 +41,7 @@ def nixl_module() -> ModuleType | None:
 class NixlPlane:
     name = NIXL
 
-    def __init__(self, pool: torch.Tensor, agent_name: str):
+    def __init__(self, pool: torch.Tensor, agent_name: str, serve: bool = False):
         mod = nixl_module()
         if mod is None:
             raise RuntimeError("the nixl KV transport needs NIXL: pip install 'pdserve[nixl]'")
@@ -50,7 +50,10 @@ class NixlPlane:
         self.half = self.layout.cell_bytes() // 2  # K (or V) of one block in one layer
         self.mem = "VRAM" if pool.device.type == "cuda" else "DRAM"
         self.device_id = pool.device.index or 0
-        self.agent = mod.nixl_agent(agent_name, mod.nixl_agent_config(backends=["UCX"]))
+        # Only the side written into keeps NIXL's progress thread (peers' writes need it to
+        # complete; it polls, holding a core): a writer progresses while it waits for its own.
+        config = mod.nixl_agent_config(enable_prog_thread=serve, backends=["UCX"])
+        self.agent = mod.nixl_agent(agent_name, config)
         self.agent.register_memory(pool)
         self._lock = threading.Lock()  # the agent is built without thread sync
 
@@ -103,10 +106,14 @@ class NixlPlane:
                 if polls > _POLL_SPIN:
                     time.sleep(50e-6)
                 state = agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise ConnectionError(f"NIXL KV write to pool {peer.info.pool_id} failed")
+        except Exception as exc:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError: peer gone
+            raise ConnectionError(f"NIXL KV write to pool {peer.info.pool_id} failed: "
+                                  f"{exc}") from exc
         finally:
-            agent.release_xfer_handle(handle)
+            with contextlib.suppress(Exception):
+                agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise ConnectionError(f"NIXL KV write to pool {peer.info.pool_id} failed")
 
     def close_peer(self, peer: Peer) -> None:
         with self._lock, contextlib.suppress(Exception):  # a gone peer may fail to go

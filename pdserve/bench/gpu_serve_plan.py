@@ -1,0 +1,151 @@
+"""The plan of `python -m pdserve.bench.gpu_serve`: its flags (defaults: docs/loadtest.md's GPU
+run), the frozen config built from them once, and the command lines it starts, per system. Pure:
+no process starts here (tests/test_gpu_serve_plan.py)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtest.cli import parse_len, parse_rates
+from pdserve.bench.gpu_model import ModelShape
+
+SYSTEMS = ("colocated", "grpc", "cuda_ipc")
+SHAPES = {
+    "full": ModelShape(),  # the 1B shape of the kernels issue
+    # vocab 49152: the SmolLM2 tokenizer's, whose ids the load generator sends
+    "tiny": ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                       vocab=49152),
+}
+SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """The load generator's flags (docs/loadtest.md's GPU run)."""
+
+    request_rates: tuple[float, ...] = (16.0, math.inf)
+    num_prompts: int = 96
+    input_len: tuple[int, int] = (128, 512)
+    output_len: tuple[int, int] = (128, 128)
+    num_warmups: int = 2
+    slo_ttft_ms: float = 500.0
+    slo_tpot_ms: float = 50.0
+    max_duration_s: float = 60.0
+    seed: int = 0
+    tokenizer: str | None = None  # None: pdserve's bundled SmolLM2 tokenizer
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1 or self.num_warmups < 0 or self.max_duration_s <= 0:
+            raise ValueError("--num-prompts >= 1, --num-warmups >= 0, --max-duration > 0")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    systems: tuple[str, ...]
+    shape: ModelShape
+    model_dir: Path
+    kv_cache_memory: int
+    max_model_len: int
+    redis_server: str
+    out_dir: Path
+    startup_timeout_s: float
+    load: LoadConfig
+
+    def __post_init__(self) -> None:
+        if not self.systems or set(self.systems) - set(SYSTEMS):
+            raise ValueError(f"--systems is a comma list of {','.join(SYSTEMS)}")
+        if self.kv_cache_memory < 1 or self.max_model_len < 1:
+            raise ValueError("--kv-cache-memory and --max-model-len must be >= 1")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command's options; the defaults are docs/loadtest.md's GPU run."""
+    load = LoadConfig()
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="in this order")
+    p.add_argument("--out-dir", default=os.environ.get("OUT") or "bench_results/gpu_serve",
+                   help="reports, logs and the summary (default: $OUT, else bench_results/)")
+    p.add_argument("--redis-server", default="redis-server", help="the binary (default: PATH)")
+    p.add_argument("--tokenizer", default=None, help="the load generator's (an HF folder with "
+                   "config.json; default: pdserve's bundled SmolLM2)")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to /ready")
+    m = p.add_argument_group("model and server")
+    m.add_argument("--shape", default="full", choices=sorted(SHAPES), help="tiny: CPU dry runs")
+    for name in SHAPE_FLAGS:
+        m.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                       help="overrides the shape's")
+    m.add_argument("--model-dir", default=None,
+                   help="the random model (default: a folder named by its shape in /tmp)")
+    m.add_argument("--kv-cache-memory", type=int, default=8 << 30, help="bytes per engine")
+    m.add_argument("--max-model-len", type=int, default=2048)
+    g = p.add_argument_group("load (python -m loadtest)")
+    g.add_argument("--request-rate", type=parse_rates, default=load.request_rates)
+    g.add_argument("--num-prompts", type=int, default=load.num_prompts, help="per rate")
+    g.add_argument("--input-len", type=parse_len, default=load.input_len, metavar="N|LO-HI")
+    g.add_argument("--output-len", type=parse_len, default=load.output_len, metavar="N|LO-HI")
+    g.add_argument("--num-warmups", type=int, default=load.num_warmups)
+    g.add_argument("--slo-ttft-ms", type=float, default=load.slo_ttft_ms)
+    g.add_argument("--slo-tpot-ms", type=float, default=load.slo_tpot_ms)
+    g.add_argument("--max-duration", type=float, default=load.max_duration_s, help="s per rate")
+    g.add_argument("--seed", type=int, default=load.seed, help="prompts, arrivals and weights")
+
+
+def config_of(args: argparse.Namespace) -> ServeConfig:
+    """The run's config from parsed `args`. Raises ValueError."""
+    given = {n: getattr(args, n) for n in SHAPE_FLAGS if getattr(args, n) is not None}
+    shape = dataclasses.replace(SHAPES[args.shape], max_positions=args.max_model_len, **given)
+    load = LoadConfig(args.request_rate, args.num_prompts, args.input_len, args.output_len,
+                      args.num_warmups, args.slo_ttft_ms, args.slo_tpot_ms, args.max_duration,
+                      args.seed, args.tokenizer)
+    model_dir = Path(args.model_dir or Path(tempfile.gettempdir()) / f"pdserve-{shape_tag(shape)}")
+    return ServeConfig(tuple(s.strip() for s in args.systems.split(",") if s.strip()), shape,
+                       model_dir, args.kv_cache_memory, args.max_model_len, args.redis_server,
+                       Path(args.out_dir), args.startup_timeout, load)
+
+
+def shape_tag(shape: ModelShape) -> str:
+    return (f"L{shape.layers}-H{shape.hidden}-A{shape.heads}x{shape.kv_heads}x{shape.head_dim}"
+            f"-I{shape.intermediate}-V{shape.vocab}-P{shape.max_positions}")
+
+
+# ---- the command lines ---------------------------------------------------------------------------
+def up_argv(cfg: ServeConfig, system: str, port: int, redis_url: str) -> list[str]:
+    """`pdserve up` for `system`: colocated, or 1 prefill + 1 decode with that KV transport."""
+    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(cfg.model_dir),
+            "--kv-cache-memory", str(cfg.kv_cache_memory), "--max-model-len",
+            str(cfg.max_model_len), "--port", str(port)]
+    if system == "colocated":
+        return [*argv, "--colocated"]
+    return [*argv, "--redis-url", redis_url, "--kv-transport", system]
+
+
+def redis_argv(binary: str, port: int, workdir: Path) -> list[str]:
+    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+            "no", "--dir", str(workdir), "--loglevel", "warning"]
+
+
+def loadtest_argv(load: LoadConfig, system: str, base_url: str, metrics_urls: list[str],
+                  output_json: Path) -> list[str]:
+    """`python -m loadtest` with the docs' flags, no plots and no progress bars."""
+    argv = [sys.executable, "-m", "loadtest", "--base-url", base_url,
+            "--request-rate", ",".join(f"{r:g}" for r in load.request_rates),
+            "--num-prompts", str(load.num_prompts), "--input-len", _len(load.input_len),
+            "--output-len", _len(load.output_len), "--num-warmups", str(load.num_warmups),
+            "--max-duration", f"{load.max_duration_s:g}", "--slo-ttft-ms", f"{load.slo_ttft_ms:g}",
+            "--slo-tpot-ms", f"{load.slo_tpot_ms:g}", "--seed", str(load.seed), "--label", system,
+            "--output-json", str(output_json), "--no-plots", "--no-progress"]
+    if load.tokenizer:
+        argv += ["--tokenizer", load.tokenizer]
+    for url in metrics_urls:
+        argv += ["--metrics-url", url]
+    return argv
+
+
+def _len(span: tuple[int, int]) -> str:
+    return str(span[0]) if span[0] == span[1] else f"{span[0]}-{span[1]}"

@@ -1,0 +1,148 @@
+"""What `python -m pdserve.bench.gpu_serve` would run (no process starts): its defaults are
+docs/loadtest.md's GPU run, each system's `pdserve up` and the load generator's command lines
+parse back to those figures; and the summary's rows and ratios from two fake reports."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+import loadtest.cli
+from pdserve.bench.gpu_model import ModelShape
+from pdserve.bench.gpu_serve_plan import (
+    ServeConfig,
+    add_arguments,
+    config_of,
+    loadtest_argv,
+    up_argv,
+)
+from pdserve.bench.gpu_serve_table import format_table, ratios, summarize
+from pdserve.cli import build_parser
+
+
+def _config(*argv: str) -> ServeConfig:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_of(parser.parse_args(list(argv)))
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No PDSERVE_* fallbacks and no $OUT leak into the parsed flags."""
+    for name in ("KV_TRANSPORT", "KV_CACHE_MEMORY", "MAX_MODEL_LEN", "MODEL", "PORT",
+                 "REDIS_URL", "COLOCATED"):
+        monkeypatch.delenv(f"PDSERVE_{name}", raising=False)
+    monkeypatch.delenv("OUT", raising=False)
+
+
+def test_defaults_are_the_docs_gpu_run() -> None:
+    cfg = _config()
+    assert cfg.systems == ("colocated", "grpc", "cuda_ipc")
+    assert cfg.shape == ModelShape() and cfg.shape.vocab == 128256 and cfg.shape.layers == 16
+    assert (cfg.kv_cache_memory, cfg.max_model_len) == (8589934592, 2048)
+    assert cfg.load.request_rates == (16.0, math.inf) and cfg.load.num_prompts == 96
+    assert (cfg.load.input_len, cfg.load.output_len) == ((128, 512), (128, 128))
+    assert (cfg.load.num_warmups, cfg.load.slo_ttft_ms, cfg.load.slo_tpot_ms, cfg.load.seed) == (
+        2, 500.0, 50.0, 0)
+    assert cfg.model_dir.name == "pdserve-L16-H2048-A32x8x64-I8192-V128256-P2048"
+    assert cfg.out_dir == Path("bench_results/gpu_serve") and cfg.redis_server == "redis-server"
+
+
+def test_tiny_shape_with_overrides_and_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUT", "/out")
+    cfg = _config("--shape", "tiny", "--layers", "3", "--max-model-len", "256",
+                  "--systems", "grpc, colocated", "--model-dir", "/m")
+    assert cfg.shape == ModelShape(hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16,
+                                   intermediate=128, vocab=49152, max_positions=256)
+    assert cfg.systems == ("grpc", "colocated") and cfg.model_dir == Path("/m")
+    assert cfg.out_dir == Path("/out")
+    with pytest.raises(ValueError, match="--systems"):
+        _config("--systems", "colocated,nvlink")
+    with pytest.raises(ValueError, match="--num-prompts"):
+        _config("--num-prompts", "0")
+    with pytest.raises(SystemExit):
+        _config("--request-rate", "0")
+
+
+@pytest.mark.parametrize("system", ["colocated", "grpc", "cuda_ipc"])
+def test_each_system_s_pdserve_up(system: str) -> None:
+    cfg = _config("--model-dir", "/m")
+    argv = up_argv(cfg, system, 8123, "redis://127.0.0.1:7000/0")
+    assert argv[:4] == [sys.executable, "-m", "pdserve.cli", "up"]
+    up = build_parser().parse_args(argv[3:])
+    assert (up.model, up.kv_cache_memory, up.max_model_len, up.port) == ("/m", 8 << 30, 2048, 8123)
+    assert up.colocated == (system == "colocated")
+    if system == "colocated":
+        assert "--redis-url" not in argv and "--kv-transport" not in argv
+    else:
+        assert (up.redis_url, up.kv_transport) == ("redis://127.0.0.1:7000/0", system)
+
+
+def test_the_load_generator_gets_the_docs_flags() -> None:
+    cfg = _config("--tokenizer", "/kit/tok")
+    metrics = ["http://a:1/metrics", "http://b:2/metrics"]
+    argv = loadtest_argv(cfg.load, "grpc", "http://127.0.0.1:8123", metrics,
+                         Path("/o/loadtest_grpc.json"))
+    assert argv[:3] == [sys.executable, "-m", "loadtest"]
+    parser = argparse.ArgumentParser()
+    loadtest.cli.add_arguments(parser)
+    lt = parser.parse_args(argv[3:])
+    assert lt.request_rate == (16.0, math.inf) and lt.num_prompts == 96
+    assert (lt.input_len, lt.output_len, lt.num_warmups) == ((128, 512), (128, 128), 2)
+    assert (lt.slo_ttft_ms, lt.slo_tpot_ms, lt.seed, lt.max_duration) == (500.0, 50.0, 0, 60.0)
+    assert (lt.workload, lt.endpoint, lt.prompt_format, lt.ignore_eos) == (
+        "random", "completions", "ids", True)
+    assert lt.metrics_url == metrics
+    assert (lt.tokenizer, lt.label, lt.output_json) == ("/kit/tok", "grpc",
+                                                        "/o/loadtest_grpc.json")
+    assert not lt.plots and not lt.progress
+
+
+def _run(rate: float, req_s: float, goodput: float, out_tok_s: float, ttft: float) -> dict:
+    """A loadtest run with the fields the summary reads (latencies in seconds)."""
+    def stats(median: float) -> dict:
+        return {"median": median, "p99": 2 * median}
+
+    return {"request_rate": rate, "completed": 96, "failed": 0, "request_throughput": req_s,
+            "goodput": goodput, "output_token_throughput": out_tok_s, "ttft_s": stats(ttft),
+            "tpot_s": stats(0.002), "itl_s": stats(0.001), "requests": ["left out"]}
+
+
+def test_rows_and_ratios_over_colocated() -> None:
+    results = [
+        {"system": "colocated", "runs": [_run(16.0, 13.0, 13.0, 1600.0, 0.016),
+                                         _run(math.inf, 50.0, 25.0, 6400.0, 0.5)]},
+        {"system": "grpc", "runs": [_run(16.0, 13.0, 13.0, 1600.0, 0.040),
+                                    _run(math.inf, 30.0, 5.0, 3200.0, 1.0)],
+         "kv_bytes_by_transport": {"decode": {"grpc": 3 * 2**20}}},
+        {"system": "cuda_ipc", "error": "RuntimeError: pdserve up exited with code 1",
+         "log": "/o/cluster_cuda_ipc.log"},
+    ]
+    summary = summarize(results)
+    assert summary["ratios"] == {"grpc": {
+        "saturation_rate": math.inf, "ttft_rate": 16.0, "out_tok_s": 0.5, "goodput": 0.2,
+        "ttft_p50": 2.5}}
+    grpc = summary["systems"][1]
+    assert grpc["rows"][0] == {
+        "rate": 16.0, "done": 96, "fail": 0, "req_s": 13.0, "goodput": 13.0, "out_tok_s": 1600.0,
+        "ttft_p50_ms": 40.0, "ttft_p99_ms": 80.0, "tpot_p50_ms": 2.0, "tpot_p99_ms": 4.0,
+        "itl_p50_ms": 1.0}
+    assert summary["systems"][2]["rows"] == []
+    table = format_table(summary).splitlines()
+    assert table[0].startswith("| system | rate | done | fail | req/s | goodput | out tok/s |")
+    assert "| grpc | inf | 96 | 0 | 30.00 | 5.00 | 3200 | 1000.0 | 2000.0 | 2.0 | 4.0 | 1.0 |" \
+        in table
+    assert "  grpc: out tok/s at inf 0.50x, goodput at inf 0.20x, TTFT p50 at 16 2.50x" in table
+    assert "  grpc decode: grpc 3.0 MiB" in table
+    assert table[-1] == ("cuda_ipc: RuntimeError: pdserve up exited with code 1 "
+                         "(log: /o/cluster_cuda_ipc.log)")
+
+
+def test_no_ratios_without_the_colocated_server() -> None:
+    systems = summarize([{"system": "grpc", "runs": [_run(16.0, 13.0, 13.0, 1.0, 0.01)]}])
+    assert systems["ratios"] == {} and ratios(systems["systems"]) == {}
+    assert "over colocated" not in format_table(systems)
