@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from google.protobuf.message import DecodeError
+
 from engine.kv_transfer import KVLayout, KVSlab, SlabRange
 from engine.outputs import RequestOutput
 from pdserve.cluster.convert import logprobs_from_pb, logprobs_to_pb
@@ -34,6 +36,59 @@ def layout_to_pb(layout: KVLayout) -> decode_pb2.KVLayout:
 
 def slab_from_pb(msg: decode_pb2.KVData) -> KVSlab:
     return KVSlab(msg.layer_start, msg.layer_end, msg.block_start, msg.block_end, msg.data)
+
+
+def chunk_from_wire(message: bytes) -> decode_pb2.KVChunk | KVSlab:
+    """A PushKV message as grpc received it: a KVData chunk as a KVSlab whose data is a view
+    of `message` (parsing it into protobuf would copy the slab's bytes, and `.data` again);
+    any other chunk (or an unusual encoding of one) parsed by protobuf. ValueError if it is no
+    KVChunk."""
+    slab = _slab_in_place(memoryview(message))
+    if slab is not None:
+        return slab
+    try:
+        return decode_pb2.KVChunk.FromString(message)
+    except DecodeError as exc:
+        raise ValueError(f"a PushKV message is not a KVChunk: {exc}") from exc
+
+
+def _slab_in_place(m: memoryview) -> KVSlab | None:
+    """KVChunk{data: KVData} as the sender frames it (prefill_svc/sender.py `slab_framing`):
+    field 2 spanning the whole message, inside it uint32 fields 1-4 and bytes field 5 in any
+    order. None for anything else, left to protobuf."""
+    if len(m) < 2 or m[0] != 0x12:
+        return None
+    end, pos = _varint(m, 1)
+    if end is None or pos + end != len(m):
+        return None
+    values, data = [0, 0, 0, 0], m[0:0]
+    while pos < len(m):
+        tag, pos = _varint(m, pos)
+        if tag in (0x08, 0x10, 0x18, 0x20):
+            value, pos = _varint(m, pos)
+            if value is None or value >> 32:
+                return None
+            values[(tag >> 3) - 1] = value
+        elif tag == 0x2A:
+            size, pos = _varint(m, pos)
+            if size is None or pos + size > len(m):
+                return None
+            data, pos = m[pos:pos + size], pos + size
+        else:
+            return None
+    return KVSlab(*values, data)
+
+
+def _varint(m: memoryview, pos: int) -> tuple[int | None, int]:
+    """The varint at `pos` and the position after it; None if it runs past the end."""
+    value = shift = 0
+    while pos < len(m) and shift < 64:
+        byte = m[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if byte < 0x80:
+            return value, pos
+    return None, pos
 
 
 def slab_to_pb(slab: KVSlab) -> decode_pb2.KVChunk:

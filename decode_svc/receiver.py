@@ -52,7 +52,7 @@ from decode_svc.convert import first_logprobs, layout_from_pb, slab_from_pb, wri
 from decode_svc.pool import PoolExporter
 from engine.async_engine import AsyncLLMEngine
 from engine.config import NO_KV_WAIT, KVWaitConfig
-from engine.kv_transfer import KVLayout, KVSlabWriter, layout_of
+from engine.kv_transfer import KVLayout, KVSlab, KVSlabWriter, layout_of
 from engine.sampling_params import SamplingParams
 from pdserve.cluster.grpc_server import NotFoundError, PreconditionError
 from pdserve.cluster.worker import TransferStats
@@ -214,8 +214,9 @@ class KVReceiver:
         finally:
             del self._fenced[request_id]
 
-    async def receive(self, chunks: AsyncIterator[decode_pb2.KVChunk]) -> int:
-        """Consume one PushKV stream; returns the bytes accepted. A push cut off before its
+    async def receive(self, chunks: AsyncIterator[decode_pb2.KVChunk | KVSlab]) -> int:
+        """Consume one PushKV stream (its KVData chunks parsed already or as KVSlab, viewed in
+        place: convert.chunk_from_wire); returns the bytes accepted. A push cut off before its
         commit, or superseded by a newer push of the request, leaves the request to the next
         push; any other error fails the request (its blocks freed, its Generate told). Errors
         propagate to the sender."""
@@ -275,7 +276,7 @@ class KVReceiver:
 
     async def _write_all(
         self, header: decode_pb2.KVHeader, pending: Pending, push: int,
-        chunks: AsyncIterator[decode_pb2.KVChunk], transport: str,
+        chunks: AsyncIterator[decode_pb2.KVChunk | KVSlab], transport: str,
     ) -> tuple[int, decode_pb2.KVCommit, float]:
         """Write the slabs up to the commit chunk, which must come last, once every layer x block
         has arrived: (bytes written, the commit, when the first slab came). Each chunk is checked
@@ -291,7 +292,7 @@ class KVReceiver:
         pending.progress_at = time.monotonic()
         first_slab_at = None
         async for chunk in chunks:
-            kind = chunk.WhichOneof("chunk")
+            kind = "data" if isinstance(chunk, KVSlab) else chunk.WhichOneof("chunk")
             if kind == "commit":
                 if not writer.complete:
                     raise ValueError("KV commit before every layer and block arrived")
@@ -304,7 +305,9 @@ class KVReceiver:
                 raise ValueError(f"a KV stream carries one header, then {what} chunks and a "
                                  "commit")
             _check_current(header.request_id, pending, push)
-            if kind == "data":
+            if isinstance(chunk, KVSlab):
+                writer.write(chunk)
+            elif kind == "data":
                 writer.write(slab_from_pb(chunk.data))
             else:
                 writer.mark_written(written_range(chunk.written))
@@ -338,9 +341,11 @@ def _check_current(request_id: str, pending: Pending, push: int) -> None:
         )
 
 
-async def _first_header(chunks: AsyncIterator[decode_pb2.KVChunk]) -> decode_pb2.KVHeader:
+async def _first_header(
+    chunks: AsyncIterator[decode_pb2.KVChunk | KVSlab],
+) -> decode_pb2.KVHeader:
     async for chunk in chunks:
-        if not chunk.HasField("header"):
+        if isinstance(chunk, KVSlab) or not chunk.HasField("header"):
             raise ValueError("a KV stream must start with a KVHeader")
         return chunk.header
     raise ValueError("empty KV stream")

@@ -7,11 +7,10 @@ import asyncio
 
 from decode_svc.pool import PoolExporter
 from decode_svc.receiver import KVReceiver
-from decode_svc.service import DecodeServicer
+from decode_svc.service import DecodeServicer, add_to_server
 from engine.config import KVWaitConfig
 from pdserve.cluster.flags import add_flag, add_kv_transport_flag
 from pdserve.cluster.worker import add_worker_flags, build_engine, run_worker, watch_cancellations
-from protos import decode_pb2_grpc
 
 DEFAULT_PORT = 50061
 
@@ -48,7 +47,7 @@ async def serve(args: argparse.Namespace) -> None:
         exporter.close()
 
     await run_worker(
-        args, "decode", engine, lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s),
+        args, "decode", engine, lambda s: add_to_server(servicer, s),
         receiver.stats, on_stop,
     )
 

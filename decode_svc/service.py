@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from decode_svc.convert import delta_to_pb, pool_info_to_pb
+from decode_svc.convert import chunk_from_wire, delta_to_pb, pool_info_to_pb
 from decode_svc.receiver import KVReceiver
 from engine.async_engine import AsyncLLMEngine
 from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
@@ -66,7 +66,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield decode_pb2.GenerateResponse(finish_reason="abort")
 
     async def PushKV(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        received = await self.receiver.receive(request_iterator)
+        """Its messages come as the bytes grpc received (`add_to_server`)."""
+        received = await self.receiver.receive(
+            chunk_from_wire(message) async for message in request_iterator)
         return decode_pb2.PushKVResponse(bytes_received=received)
 
     async def DescribeKV(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -84,3 +86,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def GetLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return load_to_pb("decode", await self.engine.stats())
+
+
+def add_to_server(servicer: DecodeServicer, server: grpc.aio.Server) -> None:
+    """Register the Decode service, PushKV without a request deserializer: `chunk_from_wire`
+    views each slab's bytes in place where protobuf would copy them twice (parse, `.data`)."""
+    decode_pb2_grpc.add_DecodeServicer_to_server(servicer, _RawPushKV(server))
+
+
+class _RawPushKV:
+    """`server` as the generated registration sees it: PushKV's handler loses its request
+    deserializer, the other rpcs' are kept."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self.server = server
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        handlers = {**handlers,
+                    "PushKV": handlers["PushKV"]._replace(request_deserializer=None)}
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, handlers),))
+        self.server.add_registered_method_handlers(service, handlers)
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        """The generated generic handler is replaced by the one built above."""

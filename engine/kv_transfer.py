@@ -63,7 +63,7 @@ class KVSlab:
     layer_end: int
     block_start: int
     block_end: int
-    data: bytes
+    data: bytes | memoryview  # a view of the message it came in, on the receiving side
 
 
 SlabRange = tuple[int, int, int, int]  # layer_start, layer_end, block_start, block_end

@@ -62,6 +62,10 @@ class KVPush:
         self._flush = False
         self._changed = asyncio.Event()
 
+    def resize_slabs(self, max_bytes: int) -> None:
+        """Cut slabs of at most `max_bytes` from now on (a data plane takes larger ones)."""
+        self.frontier.max_bytes = max_bytes
+
     def computed(
         self, block_ids: list[int], first_token_id: int,
         first_logprobs: LogprobsTuple | None = None,

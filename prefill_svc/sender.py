@@ -58,6 +58,10 @@ from prefill_svc.push import KVPush, SlabTicket
 from protos import decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
+# A data-plane write costs about half a millisecond however small (a thread hop, the block ids
+# to the device, a launch, a synchronisation, a KVWritten message; measured on an H100), so its
+# slabs are as large as what is final allows: a layer group of a step, or all of a computed KV.
+PLANE_SLAB_BYTES = 256 << 20
 
 _PUSH_KV = decode_pb2.DESCRIPTOR.services_by_name["Decode"].methods_by_name["PushKV"]
 PUSH_KV = f"/{_PUSH_KV.containing_service.full_name}/{_PUSH_KV.name}"  # the rpc's path
@@ -79,6 +83,7 @@ class PushKVSender:
     def __init__(
         self, kv_caches: list[torch.Tensor], slab_bytes: int = 2 << 20, timeout_s: float = 60.0,
         tls: TLSConfig = PLAINTEXT, planes: PeerPlanes | None = None,
+        plane_slab_bytes: int = PLANE_SLAB_BYTES,
     ):
         self.kv_caches = kv_caches
         self.tls = tls
@@ -86,6 +91,7 @@ class PushKVSender:
         self.slab_bytes = slab_bytes
         self.timeout_s = timeout_s
         self.planes = planes  # None: grpc only
+        self.plane_slab_bytes = plane_slab_bytes
         self.stats = TransferStats()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -101,6 +107,8 @@ class PushKVSender:
         started = time.perf_counter()
         peer, target = await self._data_plane(decode_address, channel, push.request_id)
         transport = GRPC if peer is None else peer.transport
+        if peer is not None:
+            push.resize_slabs(self.plane_slab_bytes)
         messages = (self.messages(push) if peer is None
                     else self.written(push, peer, target, decode_address))
         try:
@@ -135,7 +143,10 @@ class PushKVSender:
                 request_id=request_id, pool_id=peer.info.pool_id, transport=peer.transport,
             ), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # gone? start afresh next time
+                self._forget(address)
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    await self._drop_channel(address)
                 raise ConnectionError(f"KV target at {address}: {exc.details()}") from exc
             self.stats.stale_pools += 1
             logger.warning("[%s] %s; this push goes over grpc", request_id, exc.details())

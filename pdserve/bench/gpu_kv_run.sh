@@ -11,7 +11,7 @@
 #   2. `pdserve bench transfer` on the GPU: one request's KV of the 1B shape (16 layers, 8 KV
 #      heads of 64, bf16: 32 KiB a token) at 1k / 4k / 16k tokens over grpc and cuda_ipc, against
 #      the device copy and block-scatter bandwidth measured in the same run
-# Reports and logs go to $OUT. TESTS=0 skips step 1.
+# Reports and logs go to $OUT. TESTS=0 skips step 1; GPU_TESTS names other test files.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 KIT=${KIT:-.gpu-kit}
@@ -25,8 +25,9 @@ export PDSERVE_TEST_TOKENIZER="$PWD/$KIT/tokenizer"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 status=0
 if [ "${TESTS:-1}" = 1 ]; then
-    python3 -m pytest -q -p no:cacheprovider tests/test_kernels_kv_copy.py \
-        tests/test_kv_cuda_ipc.py tests/test_cuda_path.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+    python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/test_kernels_kv_copy.py \
+        tests/test_kv_cuda_ipc.py tests/test_transport.py tests/test_cuda_path.py} 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -40
     status=${PIPESTATUS[0]}
 fi
 MODEL=/tmp/model-1b-16k
@@ -41,6 +42,6 @@ save_stand_in_tokenizer(shape.vocab, Path(sys.argv[1]))
 PY
 python3 -m pdserve.bench.transfer --model "$MODEL" --device cuda --num-layers 16 \
     --num-kv-heads 8 --head-dim 64 --dtype bfloat16 --kv-tokens 1024,4096,16384 \
-    --transport grpc,cuda_ipc --slab-mib 2,8 --repeats 5 \
+    --transport grpc,cuda_ipc --slab-mib 2,8 --plane-slab-mib 2,32,256 --repeats 5 \
     --output-json "$OUT/transfer_h100.json" 2>&1 | tee "$OUT/transfer.log" | grep -v " INFO "
 exit $status

@@ -18,7 +18,7 @@ NOTE: what is measured, one run, the two ends of every stream in separate proces
              (the blocks are freed). Once per `--slab-mib` size and `--transport`: grpc
              carries the bytes in PushKV; nixl and cuda_ipc write them into the worker's
              reserved blocks (pdserve/transport/) and PushKV carries only ranges, so their slab
-             size only sets how many writes a push makes.
+             size (`--plane-slab-mib`) only sets how many writes a push makes.
   copy       with `--device cuda`, the ceiling of a data plane: a device-to-device copy of the
              request's bytes in this process (`copy_`, contiguous), and the same bytes as a
              scatter of whole blocks (`index_copy_`), timed with CUDA synchronisation.
@@ -98,6 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where both KV caches live")
     parser.add_argument("--slab-mib", type=parse_sizes, default=[1, 4, 8], metavar="A,B,..",
                         help="PushKV slab sizes to measure")
+    parser.add_argument("--plane-slab-mib", type=parse_sizes, default=[256], metavar="A,B,..",
+                        help="slab sizes of the data planes (nixl, cuda_ipc): bytes per write")
     parser.add_argument("--raw-chunk-mib", type=int, default=4, help="raw stream message size")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds")
     parser.add_argument("--num-layers", type=int, default=30)
@@ -286,7 +288,8 @@ class PushDriver:
     def cases(self, plan: Plan, transport: str, slab_mib: int) -> list[Case]:
         """The push of one plan, transport and slab size (and for grpc the serialization)."""
         planes = None if transport == "grpc" else PeerPlanes(self.pool, transport)
-        sender = PushKVSender(self.caches, slab_bytes=slab_mib * MIB, planes=planes)
+        sender = PushKVSender(self.caches, slab_bytes=slab_mib * MIB, planes=planes,
+                              plane_slab_bytes=slab_mib * MIB)
         self.senders.append(sender)
         name = f"{transport} {slab_mib} MiB {plan.num_tokens} tok"
         cases = [Case(f"push {name}", plan.kv_bytes, lambda: self.push(sender, plan, transport))]
@@ -383,7 +386,8 @@ async def measure(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]
             raws = {mib: raw_case(raw_ch, source, mib * MIB)
                     for mib in sorted({args.raw_chunk_mib, *args.slab_mib})}
             pushes = {(plan.num_tokens, t, mib): driver.cases(plan, t, mib)
-                      for plan in plans for t in args.transport for mib in args.slab_mib}
+                      for plan in plans for t in args.transport
+                      for mib in (args.slab_mib if t == "grpc" else args.plane_slab_mib)}
             copies = ({plan.num_tokens: copy_cases(plan, driver.pool, driver.blocks)
                        for plan in plans} if args.device == "cuda" else {})
             try:
@@ -396,7 +400,8 @@ async def measure(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]
             "raw_by_size": [{"chunk_bytes": mib * MIB, **summarize(c)} for mib, c in raws.items()],
             "copy": [{"num_tokens": n, "copy": summarize(c), "scatter": summarize(sc)}
                      for n, (c, sc) in copies.items()],
-            "pdserve": [push_report(key, cases, ceiling, raws[key[2]], copies.get(key[0]))
+            "pdserve": [push_report(key, cases, ceiling, raws.get(key[2], ceiling),
+                                    copies.get(key[0]))
                         for key, cases in pushes.items()]}
 
 
