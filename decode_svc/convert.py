@@ -40,7 +40,7 @@ def slab_from_pb(msg: decode_pb2.KVData) -> KVSlab:
 
 def chunk_from_wire(message: bytes) -> decode_pb2.KVChunk | KVSlab:
     """A PushKV message as grpc received it: a KVData chunk as a KVSlab whose data is a view
-    of `message` (parsing it into protobuf would copy the slab's bytes, and `.data` again);
+    of `message` (protobuf's `.data` would copy the slab's bytes into fresh memory);
     any other chunk (or an unusual encoding of one) parsed by protobuf. ValueError if it is no
     KVChunk."""
     slab = _slab_in_place(memoryview(message))

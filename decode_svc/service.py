@@ -90,7 +90,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
 def add_to_server(servicer: DecodeServicer, server: grpc.aio.Server) -> None:
     """Register the Decode service, PushKV without a request deserializer: `chunk_from_wire`
-    views each slab's bytes in place where protobuf would copy them twice (parse, `.data`)."""
+    views each slab's bytes in place, where reading protobuf's `.data` copies them into fresh
+    memory (measured: 4 MiB pushes ~0.45 -> ~0.8 of raw grpcio on a 2-core CPU box)."""
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, _RawPushKV(server))
 
 
