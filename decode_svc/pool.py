@@ -16,7 +16,9 @@ import torch
 
 from engine.kv_transfer import layout_of
 from pdserve.transport.base import (
+    AUTO,
     GRPC,
+    NIXL,
     DataPlane,
     PoolInfo,
     host_id,
@@ -33,7 +35,9 @@ class PoolExporter:
         self.pool = pool  # [L, 2, N, block_size, Hkv, D]
         self.pool_id = uuid.uuid4().hex
         self.layout = layout_of(list(pool.unbind(0)))
-        self.offered = offered_transports(configured, pool.device.type, nixl_available())
+        # NIXL's libraries load only where nixl may be used
+        nixl = configured in (AUTO, NIXL) and nixl_available()
+        self.offered = offered_transports(configured, pool.device.type, nixl)
         self._planes: dict[str, DataPlane] = {}
         self._exports: dict[str, dict[str, Any]] = {}
 

@@ -22,7 +22,9 @@ import torch
 from decode_svc.convert import pool_info_from_pb
 from engine.kv_transfer import layout_of
 from pdserve.transport.base import (
+    AUTO,
     GRPC,
+    NIXL,
     DataPlane,
     Peer,
     PeerUnreachable,
@@ -42,7 +44,7 @@ class PeerPlanes:
     def __init__(self, pool: torch.Tensor, configured: str):
         self.pool = pool  # [L, 2, N, block_size, Hkv, D]
         self.configured = configured
-        self.nixl = nixl_available()
+        self.nixl = configured in (AUTO, NIXL) and nixl_available()  # loads NIXL's libraries
         self.local = PoolInfo(
             pool_id=uuid.uuid4().hex, host_id=host_id(), layout=layout_of(list(pool.unbind(0))),
             num_blocks=pool.shape[2], device_type=pool.device.type,
