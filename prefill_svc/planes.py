@@ -1,8 +1,9 @@
 """Which data plane carries this prefill worker's KV to each decode worker, opened once per peer.
 
     first push to a decode worker ─▶ DescribeKV ─▶ choose_transport(--kv-transport, mine,
-                                     theirs) ─▶ open the peer's pool (map the IPC handle, add
-                                     the NIXL agent) ─▶ logged once: "KV to <addr>: <transport>"
+                                     theirs) ─▶ DescribeKV naming the choice (its export) ─▶
+                                     open the peer's pool (map the IPC handle, add the NIXL
+                                     agent) ─▶ logged once: "KV to <addr>: <transport>"
     a push refused as stale, or a peer gone (UNAVAILABLE) ─▶ `forget`: unmapped; the next push
                                      describes the worker again
 
@@ -78,17 +79,16 @@ class PeerPlanes:
             self.plane(peer.transport).close_peer(peer)
 
     async def _open(self, address: str, channel: grpc.aio.Channel) -> Peer | None:
+        """Describe the peer, choose, and only then ask for the chosen plane's export (which
+        may start a plane there: a NIXL agent holds a core, so none starts for nothing)."""
         stub = decode_pb2_grpc.DecodeStub(channel)
-        wanted = [t for t in self.local.transports if t != GRPC]
-        try:
-            info = pool_info_from_pb(await stub.DescribeKV(
-                decode_pb2.DescribeKVRequest(transports=wanted), timeout=30))
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise ConnectionError(f"DescribeKV of {address} failed: {exc.details()}") from exc
-            info = None
+        info = await _describe(stub, address, [])
         transport = GRPC if info is None else choose_transport(
             self.configured, self.local, info, self.nixl)
+        if info is not None and transport != GRPC:
+            info = await _describe(stub, address, [transport])
+            if info is None or transport not in info.transports:  # it failed to start there
+                transport = GRPC
         peer = None
         if info is not None and transport != GRPC:
             try:
@@ -108,3 +108,16 @@ class PeerPlanes:
             self.forget(address)
         for plane in self._planes.values():
             plane.close()
+
+
+async def _describe(stub: decode_pb2_grpc.DecodeStub, address: str,
+                    wanted: list[str]) -> PoolInfo | None:
+    """The peer's pool with the exports of `wanted` planes; None if it does not know
+    DescribeKV (an older worker: grpc). ConnectionError if the call fails."""
+    try:
+        return pool_info_from_pb(await stub.DescribeKV(
+            decode_pb2.DescribeKVRequest(transports=wanted), timeout=30))
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+            raise ConnectionError(f"DescribeKV of {address} failed: {exc.details()}") from exc
+        return None

@@ -108,7 +108,8 @@ class DecodeServicer:
     def DescribeKV(self, request, context):
         """This worker's KV pool as the data planes reach it (cuda_ipc: the pool's IPC handle; nixl:
         the NIXL agent's metadata and the pool's address), for a prefill worker choosing how to
-        push here. Asked once per peer, and again after a push was refused as stale (the worker
+        push here: asked first with no transports (no plane starts), then naming the one chosen
+        (its export, started on demand); again after a push was refused as stale (the worker
         restarted: a new pool_id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
