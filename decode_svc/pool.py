@@ -14,15 +14,13 @@ from typing import Any
 
 import torch
 
-from engine.kv_transfer import layout_of
+from engine.kv_transfer import pool_layout
 from pdserve.transport.base import (
-    AUTO,
     GRPC,
-    NIXL,
     DataPlane,
     PoolInfo,
     host_id,
-    nixl_available,
+    nixl_wanted,
     offered_transports,
 )
 from pdserve.transport.planes import make_plane
@@ -34,10 +32,8 @@ class PoolExporter:
     def __init__(self, pool: torch.Tensor, configured: str):
         self.pool = pool  # [L, 2, N, block_size, Hkv, D]
         self.pool_id = uuid.uuid4().hex
-        self.layout = layout_of(list(pool.unbind(0)))
-        # NIXL's libraries load only where nixl may be used
-        nixl = configured in (AUTO, NIXL) and nixl_available()
-        self.offered = offered_transports(configured, pool.device.type, nixl)
+        self.layout = pool_layout(pool)
+        self.offered = offered_transports(configured, pool.device.type, nixl_wanted(configured))
         self._planes: dict[str, DataPlane] = {}
         self._exports: dict[str, dict[str, Any]] = {}
 

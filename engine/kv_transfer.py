@@ -57,6 +57,12 @@ def layout_of(kv_caches: list[torch.Tensor]) -> KVLayout:
     return KVLayout(len(kv_caches), num_kv_heads, head_dim, dtype, block_size)
 
 
+def pool_layout(pool: torch.Tensor) -> KVLayout:
+    """The layout of a whole KV pool [L, 2, num_blocks, block_size, Hkv, D] (one allocation
+    whose per-layer views are the engine's `kv_caches`)."""
+    return layout_of(list(pool.unbind(0)))
+
+
 @dataclass(frozen=True)
 class KVSlab:
     layer_start: int

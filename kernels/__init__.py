@@ -1,1 +1,1 @@
-"""Triton kernels for pdserve's CUDA path, each beside a pure-torch reference (see issue 4)."""
+"""Triton kernels for pdserve's CUDA path, each beside a pure-torch reference."""

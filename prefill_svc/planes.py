@@ -21,18 +21,16 @@ import grpc
 import torch
 
 from decode_svc.convert import pool_info_from_pb
-from engine.kv_transfer import layout_of
+from engine.kv_transfer import pool_layout
 from pdserve.transport.base import (
-    AUTO,
     GRPC,
-    NIXL,
     DataPlane,
     Peer,
     PeerUnreachable,
     PoolInfo,
     choose_transport,
     host_id,
-    nixl_available,
+    nixl_wanted,
     offered_transports,
 )
 from pdserve.transport.planes import make_plane
@@ -45,9 +43,9 @@ class PeerPlanes:
     def __init__(self, pool: torch.Tensor, configured: str):
         self.pool = pool  # [L, 2, N, block_size, Hkv, D]
         self.configured = configured
-        self.nixl = configured in (AUTO, NIXL) and nixl_available()  # loads NIXL's libraries
+        self.nixl = nixl_wanted(configured)
         self.local = PoolInfo(
-            pool_id=uuid.uuid4().hex, host_id=host_id(), layout=layout_of(list(pool.unbind(0))),
+            pool_id=uuid.uuid4().hex, host_id=host_id(), layout=pool_layout(pool),
             num_blocks=pool.shape[2], device_type=pool.device.type,
             transports=offered_transports(configured, pool.device.type, self.nixl),
         )

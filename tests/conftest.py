@@ -64,6 +64,20 @@ def _save_tiny(config, tokenizer, path: Path) -> str:
 
 
 @pytest.fixture(scope="session")
+def cuda_llama_dir(tmp_path_factory, bundled_tokenizer) -> str:
+    """The GPU tests' random Llama: the bundled model's 9/3 GQA and head_dim 64, 4 layers."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=len(bundled_tokenizer), hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=4, num_attention_heads=9, num_key_value_heads=3,
+        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        rope_theta=100000.0, initializer_range=0.1,
+    )
+    return _save_tiny(cfg, bundled_tokenizer, tmp_path_factory.mktemp("cuda_llama"))
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, bundled_tokenizer) -> str:
     from transformers import LlamaConfig
 

@@ -168,21 +168,8 @@ def _block_bytes(model: str, dtype: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, bundled_tokenizer) -> str:
-    """The 4-layer random Llama of tests/test_cuda_path.py (9/3 GQA, head_dim 64)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(
-        vocab_size=len(bundled_tokenizer), hidden_size=576, intermediate_size=1536,
-        num_hidden_layers=4, num_attention_heads=9, num_key_value_heads=3,
-        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-        rope_theta=100000.0, initializer_range=0.1,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("ipc_llama")
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    bundled_tokenizer.save_pretrained(path)
-    return str(path)
+def model_dir(cuda_llama_dir: str) -> str:
+    return cuda_llama_dir
 
 
 @pytest.fixture(scope="module")

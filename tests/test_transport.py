@@ -582,8 +582,9 @@ def test_exporter_starts_nixl_on_the_first_describe_that_names_it(configured: st
 def test_exporter_stops_offering_a_plane_that_fails_to_start(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     import decode_svc.pool
+    import pdserve.transport.base
 
-    monkeypatch.setattr(decode_svc.pool, "nixl_available", lambda: True)
+    monkeypatch.setattr(pdserve.transport.base, "nixl_available", lambda: True)
     exporter = _exporter("nixl")
 
     def broken(name: str, pool: torch.Tensor, agent_name: str, serve: bool = False) -> Any:

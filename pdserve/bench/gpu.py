@@ -1,4 +1,4 @@
-"""One benchmark command for the GPU (issue 4): ceilings, kernels, throughput, latency.
+"""One benchmark command for the GPU: ceilings, kernels, throughput, latency.
 
     pdserve bench gpu [--parts ceilings,kernels,throughput,latency] [--json PATH] [--small]
 

@@ -138,6 +138,12 @@ def host_id() -> str:
     return f"{boot}/{socket.gethostname()}"
 
 
+def nixl_wanted(configured: str) -> bool:
+    """Whether a worker with --kv-transport `configured` may use nixl and has it. Loads NIXL's
+    native libraries only then (they crashed protoc run in the same process)."""
+    return configured in (AUTO, NIXL) and nixl_available()
+
+
 def nixl_available() -> bool:
     """Whether NIXL's Python package is installed (pdserve[nixl])."""
     from pdserve.transport.nixl import nixl_module

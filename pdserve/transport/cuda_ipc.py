@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from engine.kv_transfer import layout_of
+from engine.kv_transfer import pool_layout
 from kernels.kv_block_copy import copy_kv_blocks
 from pdserve.transport.base import CUDA_IPC, Peer, PeerUnreachable, PoolInfo, device_uuid
 
@@ -31,7 +31,7 @@ class CudaIpcPlane:
         if pool.device.type != "cuda" or not pool.is_contiguous():
             raise ValueError("the cuda_ipc KV transport needs one contiguous CUDA pool")
         self.pool = pool  # [L, 2, N, block_size, Hkv, D]
-        self.layout = layout_of(list(pool.unbind(0)))
+        self.layout = pool_layout(pool)
         self.stream: torch.cuda.Stream | None = None  # the sender's, made on first write
 
     def export(self) -> dict[str, Any]:

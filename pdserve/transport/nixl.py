@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine.kv_transfer import layout_of
+from engine.kv_transfer import pool_layout
 from pdserve.transport.base import NIXL, Peer, PeerUnreachable, PoolInfo
 from pdserve.transport.descriptors import block_runs, run_descriptors
 
@@ -46,7 +46,7 @@ class NixlPlane:
         if mod is None:
             raise RuntimeError("the nixl KV transport needs NIXL: pip install 'pdserve[nixl]'")
         self.pool = pool  # [L, 2, N, block_size, Hkv, D], one allocation
-        self.layout = layout_of(list(pool.unbind(0)))
+        self.layout = pool_layout(pool)
         self.half = self.layout.cell_bytes() // 2  # K (or V) of one block in one layer
         self.mem = "VRAM" if pool.device.type == "cuda" else "DRAM"
         self.device_id = pool.device.index or 0
