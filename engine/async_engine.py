@@ -40,10 +40,17 @@ class EngineDeadError(RuntimeError):
     """The engine's step loop raised; no request can make progress."""
 
 
+class _Failed:
+    """A command that fails the engine loop (a tensor-parallel rank died while it idled)."""
+
+    def __init__(self, exc: RuntimeError) -> None:
+        self.exc = exc
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command | _Failed | None] = queue.SimpleQueue()
         self._stopping = False
         self._error: BaseException | None = None
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -52,6 +59,7 @@ class AsyncLLMEngine:
         self._granted: dict[str, asyncio.Future] = {}
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
+        engine.runner.on_rank_failure(lambda exc: self._commands.put(_Failed(exc)))
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> AsyncLLMEngine:
@@ -175,6 +183,7 @@ class AsyncLLMEngine:
         self._stopping = True
         self._commands.put(None)
         self._thread.join(timeout=30)
+        self.engine.shutdown()
 
     # ---- event-loop side helpers ---------------------------------------------------------
     def _abort_soon(self, request_id: str) -> None:
@@ -257,6 +266,8 @@ class AsyncLLMEngine:
             block = False
             if command is None:
                 return
+            if isinstance(command, _Failed):
+                raise command.exc
             fn, args, future, loop = command
             try:
                 result = fn(*args)

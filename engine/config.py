@@ -81,6 +81,24 @@ NO_KV_WAIT = KVWaitConfig()  # a full cache fails a reservation at once
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: one process per rank (engine/distributed/). Rank r runs on device
+    `cuda:r` of the visible ones (`cuda:N` starts at N) or on the CPU (gloo). A collective that
+    waits longer than `timeout_s` (a rank died or hangs) fails the step and the engine."""
+
+    tensor_parallel_size: int = 1
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
+            )
+        if not self.timeout_s > 0:
+            raise ValueError(f"distributed timeout must be > 0 seconds, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs. `model` is a resolved local path (HF folder or .gguf)."""
 
@@ -98,6 +116,7 @@ class EngineConfig:
     async_scheduling: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

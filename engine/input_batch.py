@@ -7,6 +7,10 @@ the step's tensors are views of those two.
 With asynchronous scheduling a decode's input token may still be on its way (sampled by the step
 in flight, not appended yet): its id is read on the device from that step's sampled tokens,
 `prev_tokens[prev_rows[request_id]]`, so the host never waits for it.
+
+With tensor parallelism rank 0 packs the step (`pack_step`) and sends the `HostStep` to the
+other ranks (engine/distributed/step_channel.py); every rank turns it into its device tensors
+(`step_tensors`), reading pending tokens from its own copy of the previous step's samples.
 """
 
 from __future__ import annotations
@@ -32,6 +36,42 @@ class ModelInput:
 
 
 @dataclass
+class HostStep:
+    """One step's inputs as two flat host buffers and the sizes that cut them into parts, each
+    part starting on a 16-byte boundary (see `_pack`):
+
+        longs (int64): input_ids [T] | positions [T] | slots [T] | sample_rows [N] |
+                       late_dst [L] | late_src [L]
+        ints  (int32): query_start [S+1] | seq_lens [S] | block_tables [S * max_blocks]
+    """
+
+    longs: array
+    ints: array
+    num_prefills: int
+    num_seqs: int  # S
+    num_tokens: int  # T
+    num_samples: int  # N
+    num_late: int  # L: decode inputs read from the previous step's samples on the device
+    max_blocks: int
+
+    def long_sizes(self) -> list[int]:
+        t, n, late = self.num_tokens, self.num_samples, self.num_late
+        return [t, t, t, n, late, late]
+
+    def int_sizes(self) -> list[int]:
+        s = self.num_seqs
+        return [s + 1, s, s * self.max_blocks]
+
+
+@dataclass
+class StepTensors:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [N] int64
+
+
+@dataclass
 class PendingTokens:
     """The step in flight's sampled tokens, still on the device: row i of `token_ids` [N] is the
     token of request `rows`' key whose value is i."""
@@ -51,6 +91,18 @@ def build_model_input(
     out: SchedulerOutput, block_size: int, device: torch.device,
     pending: PendingTokens | None = None,
 ) -> ModelInput:
+    host, order = pack_step(out, block_size, pending)
+    t = step_tensors(host, block_size, device, pending.token_ids if pending else None)
+    return ModelInput(
+        input_ids=t.input_ids, positions=t.positions, meta=t.meta, order=order,
+        sample_rows=t.sample_rows, sampling=[s for s in order if s.samples],
+    )
+
+
+def pack_step(
+    out: SchedulerOutput, block_size: int, pending: PendingTokens | None = None
+) -> tuple[HostStep, list[ScheduledRequest]]:
+    """The step's inputs in host buffers, and the scheduled requests in batch order."""
     order = order_for_batch(out)
     input_ids: list[int] = []
     positions: list[int] = []
@@ -86,58 +138,81 @@ def build_model_input(
     # Rows of the block table padded to a multiple of 4 entries, so every row starts 16-byte
     # aligned (see `_pack`).
     max_blocks = -(-max(len(s.request.block_ids) for s in order) // 4) * 4
-    tables = [s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids)) for s in order]
-    num_prefills = sum(1 for s in order if s.num_new_tokens > 1)
+    tables = (x for s in order
+              for x in s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids)))
+    host = HostStep(
+        longs=_pack("q", [input_ids, positions, slots, sample_rows, late_dst, late_src]),
+        ints=_pack("i", [query_start, seq_lens, tables]),
+        num_prefills=sum(1 for s in order if s.num_new_tokens > 1),
+        num_seqs=len(order), num_tokens=len(input_ids), num_samples=len(sample_rows),
+        num_late=len(late_dst), max_blocks=max_blocks,
+    )
+    return host, order
 
-    # Two host-to-device copies per step (one per dtype) instead of one per tensor: on CUDA each
-    # copy from pageable memory is a synchronous transfer of its own.
-    longs, (ids_t, pos_t, slots_t, rows_t, dst_t, src_t) = _pack(
-        "q", [input_ids, positions, slots, sample_rows, late_dst, late_src], torch.int64, device)
-    ints, (qstart_t, lens_t, tables_t) = _pack(
-        "i", [query_start, seq_lens, (x for row in tables for x in row)], torch.int32, device)
-    if late_dst:
-        ids_t.index_copy_(0, dst_t, pending.token_ids[src_t])
-    s = len(order)
+
+def step_tensors(
+    host: HostStep, block_size: int, device: torch.device,
+    pending_ids: torch.Tensor | None = None,  # [M] int64: the previous step's samples
+) -> StepTensors:
+    """The step's device tensors: two host-to-device copies (one per dtype) instead of one per
+    tensor, since on CUDA each copy from pageable memory is a synchronous transfer of its own;
+    every tensor is a view of one of the two."""
+    longs = to_device(host.longs, torch.int64, device)
+    ints = to_device(host.ints, torch.int32, device)
+    ids_t, pos_t, slots_t, rows_t, dst_t, src_t = _views(longs, host.long_sizes(), 2)
+    qstart_t, lens_t, tables_t = _views(ints, host.int_sizes(), 4)
+    if host.num_late:
+        assert pending_ids is not None, "a pending input token needs the step in flight"
+        ids_t.index_copy_(0, dst_t, pending_ids[src_t])
+    s, p = host.num_seqs, host.num_prefills
+    (qa, qb), (la, lb) = _bounds(host.int_sizes(), 4)[:2]
+    query_start = host.ints[qa:qb].tolist()
+    seq_lens = host.ints[la:lb].tolist()
     meta = AttentionMetadata(
-        num_prefills=num_prefills,
-        num_prefill_tokens=query_start[num_prefills],
-        num_decodes=s - num_prefills,
+        num_prefills=p,
+        num_prefill_tokens=query_start[p],
+        num_decodes=s - p,
         slot_mapping=slots_t,
         query_start_loc=qstart_t,
         seq_lens=lens_t,
-        block_tables=tables_t.view(s, max_blocks),
+        block_tables=tables_t.view(s, host.max_blocks),
         query_start_loc_cpu=query_start,
         seq_lens_cpu=seq_lens,
         max_seq_len=max(seq_lens),
         block_size=block_size,
     )
-    return ModelInput(
-        input_ids=ids_t,
-        positions=pos_t,
-        meta=meta,
-        order=order,
-        sample_rows=rows_t,
-        sampling=[s for s in order if s.samples],
-    )
+    return StepTensors(input_ids=ids_t, positions=pos_t, meta=meta, sample_rows=rows_t)
 
 
-def _pack(
-    typecode: str, parts: list, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One device tensor holding `parts` one after another, and a view of each part.
+def _pack(typecode: str, parts: list) -> array:
+    """`parts` one after another, each starting on a 16-byte boundary.
 
-    Each part starts on a 16-byte boundary. Triton specialises a kernel on whether each pointer
-    argument is 16-byte aligned: views at offsets that change from step to step would compile
-    new variants of a kernel mid-serving (about a second each), the first time a new
-    combination comes up. array.array converts Python ints about 2.5x faster than torch.tensor.
+    Triton specialises a kernel on whether each pointer argument is 16-byte aligned: views at
+    offsets that change from step to step would compile new variants of a kernel mid-serving
+    (about a second each), the first time a new combination comes up. array.array converts
+    Python ints about 2.5x faster than torch.tensor.
     """
     buf = array(typecode)
     per_16 = 16 // buf.itemsize
-    bounds = []
     for part in parts:
-        start = len(buf)
         buf.extend(part)
-        bounds.append((start, len(buf)))
         buf.extend([0] * (-len(buf) % per_16))
-    packed = to_device(buf, dtype, device)
-    return packed, [packed[a:b] for a, b in bounds]
+    return buf
+
+
+def _bounds(sizes: list[int], per_16: int) -> list[tuple[int, int]]:
+    """Where each part of `_pack`'s buffer lies."""
+    bounds, start = [], 0
+    for n in sizes:
+        bounds.append((start, start + n))
+        start += n + (-n % per_16)
+    return bounds
+
+
+def packed_length(sizes: list[int], per_16: int) -> int:
+    """Length of `_pack`'s buffer for parts of these sizes."""
+    return sum(n + (-n % per_16) for n in sizes)
+
+
+def _views(packed: torch.Tensor, sizes: list[int], per_16: int) -> list[torch.Tensor]:
+    return [packed[a:b] for a, b in _bounds(sizes, per_16)]

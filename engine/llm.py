@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine, PromptInput
 from engine.model_loader import load_hf_config, resolve_model
 from engine.outputs import RequestOutput
@@ -37,6 +37,8 @@ def build_engine_config(
     role: str = "colocated",
     enforce_eager: bool = False,
     async_scheduling: bool = True,
+    tensor_parallel_size: int = 1,
+    distributed_timeout_s: float = 60.0,
 ) -> EngineConfig:
     """Resolve the model and turn user-facing arguments into an `EngineConfig` (ValueError on
     bad values). `max_model_len` defaults to the model's context length."""
@@ -69,6 +71,9 @@ def build_engine_config(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
+        ),
+        parallel=ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size, timeout_s=distributed_timeout_s
         ),
     )
 

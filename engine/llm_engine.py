@@ -59,6 +59,7 @@ class LLMEngine(KVHandoffMixin):
         self.max_model_len = config.scheduler.max_model_len
         capacity = self.runner.num_blocks * config.cache.block_size
         if capacity < self.max_model_len:
+            self.runner.shutdown()
             raise ValueError(
                 f"the KV cache holds {capacity} tokens, fewer than max_model_len "
                 f"({self.max_model_len}): raise kv_cache_memory or lower max_model_len"
@@ -170,6 +171,10 @@ class LLMEngine(KVHandoffMixin):
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (nothing to do without TP)."""
+        self.runner.shutdown()
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

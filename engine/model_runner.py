@@ -11,7 +11,9 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.input_batch import PendingTokens, build_model_input
+from engine.distributed.group import SingleRank
+from engine.distributed.sharding import check_heads, head_shard
+from engine.input_batch import HostStep, PendingTokens, pack_step, step_tensors
 from engine.model_loader import iter_weights, load_hf_config
 from engine.models import get_model_class
 from engine.request import Request
@@ -26,10 +28,14 @@ _MAX_GRAPH_BATCH = 512
 _GRAPH_RESERVE_BYTES = 512 << 20  # CUDA-graph pool and allocator slack, kept out of the KV budget
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int = 0) -> torch.device:
+    """The device of tensor-parallel rank `rank`: cuda:rank (cuda:N+rank from "cuda:N")."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        return torch.device("cuda", (device.index or 0) + rank)
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -66,11 +72,26 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    """Rank 0's runner (`group` None) starts the other tensor-parallel ranks, if any, and sends
+    them each step before running it (`launch`); theirs (`group` given) run what it sends
+    (`follow`). Each holds its shard of the model and of the KV cache (its KV heads)."""
+
+    def __init__(self, config: EngineConfig, group: SingleRank | None = None):
         self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        rank = 0 if group is None else group.rank
+        self.device = resolve_device(config.device, rank)
         self.hf_config = load_hf_config(config.model)
+        self.executor = None
+        if group is None and config.parallel.tensor_parallel_size > 1:
+            cfg = self.hf_config
+            check_heads(cfg.num_attention_heads, cfg.num_key_value_heads,
+                        config.parallel.tensor_parallel_size)
+            from engine.distributed.executor import TPExecutor
+
+            self.executor = TPExecutor(config, self.device)
+            group = self.executor.group
+        self.tp: SingleRank = group or SingleRank()
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.backend = make_attention_backend(config.attention_backend, self.device)
         self.model = self._load_model()
         self.block_size = config.cache.block_size
@@ -85,20 +106,24 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
         self._pending: PendingTokens | None = None  # the last launch's sampled tokens
+        self._pending_ids: torch.Tensor | None = None  # ranks > 0: the same tokens
 
     # ---- set-up --------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
         cls = get_model_class(self.hf_config)
         with torch.device(self.device):
-            model = cls(self.hf_config, self.backend).to(self.dtype)
+            model = cls(self.hf_config, self.backend, self.tp).to(self.dtype)
         model.load_weights(iter_weights(self.config.model, self.dtype))
         return model.eval()
 
     @property
     def kv_shape_per_layer(self) -> tuple[int, int]:
+        """(KV heads of this rank, head dim)."""
         cfg = self.hf_config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return cfg.num_key_value_heads, head_dim
+        heads = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads,
+                           self.tp.world_size, self.tp.rank)
+        return len(heads.kv_heads), head_dim
 
     def block_bytes(self) -> int:
         """Bytes of one KV block over all layers (K and V)."""
@@ -107,6 +132,10 @@ class ModelRunner:
         return 2 * self.hf_config.num_hidden_layers * self.block_size * kv_heads * head_dim * elem
 
     def _decide_num_blocks(self) -> int:
+        """Every rank's cache has the same number of blocks: the fewest any rank can hold."""
+        return self.tp.min_host(self._num_blocks_here())
+
+    def _num_blocks_here(self) -> int:
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
@@ -169,6 +198,8 @@ class ModelRunner:
     def _capture_graphs(self) -> DecodeGraphs | None:
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":
             return None
+        if self.tp.world_size > 1:  # NCCL inside captured graphs: not measured yet
+            return None
         sched = self.config.scheduler
         graphs = DecodeGraphs(
             self.model, self.kv_caches, min(sched.max_num_seqs, _MAX_GRAPH_BATCH),
@@ -198,22 +229,55 @@ class ModelRunner:
         Input tokens still pending (sampled by the previous launch, not appended yet) are read
         from that launch's results on the device. `on_layer`: see `LlamaForCausalLM.forward`
         (not called for a step replayed from a CUDA graph)."""
-        inp = build_model_input(out, self.block_size, self.device, self._pending)
-        if self.graphs is not None and self.graphs.can_run(inp.meta):
-            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
-        else:
-            self.backend.prepare(inp.meta)
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, on_layer)
-        if not inp.sampling:
+        host, order = pack_step(out, self.block_size, self._pending)
+        if self.executor is None:
+            return self._launch(host, order, on_layer)
+        try:
+            self.executor.send_step(host)
+            return self._launch(host, order, on_layer)
+        except RuntimeError as exc:
+            raise self.executor.failure(exc) from exc
+
+    def _launch(
+        self, host: HostStep, order: list, on_layer: Callable[[int], None] | None
+    ) -> LaunchedStep:
+        pending = self._pending.token_ids if self._pending is not None else None
+        inp = step_tensors(host, self.block_size, self.device, pending)
+        hidden = self._forward(inp.input_ids, inp.positions, inp.meta, on_layer)
+        sampling = [s for s in order if s.samples]
+        if not sampling:
             self._pending = None
             return LaunchedStep([], None)
-        rows = [self._sampling_row(s.request) for s in inp.sampling]
+        rows = [self._sampling_row(s.request) for s in sampling]
         logits = self.model.compute_logits(hidden[inp.sample_rows],
                                            upcast=not argmax_suffices(rows))
         sampled = self.sampler.sample(logits, rows, self.default_generator)
-        ids = [s.request.request_id for s in inp.sampling]
+        self.tp.broadcast(sampled.token_ids)  # the other ranks' next pending tokens
+        ids = [s.request.request_id for s in sampling]
         self._pending = PendingTokens(sampled.token_ids, {rid: i for i, rid in enumerate(ids)})
         return LaunchedStep(ids, sampled)
+
+    @torch.inference_mode()
+    def follow(self, host: HostStep) -> None:
+        """Ranks > 0: run the step rank 0 sent, in lockstep with it (the same collectives in
+        the same order); keep rank 0's sampled tokens for the next step's pending inputs."""
+        inp = step_tensors(host, self.block_size, self.device, self._pending_ids)
+        hidden = self._forward(inp.input_ids, inp.positions, inp.meta, None)
+        if not host.num_samples:
+            self._pending_ids = None
+            return
+        self.model.compute_logits(hidden[inp.sample_rows], upcast=False)
+        ids = torch.empty(host.num_samples, dtype=torch.int64, device=self.device)
+        self._pending_ids = self.tp.broadcast(ids)
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        on_layer: Callable[[int], None] | None,
+    ) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(meta):
+            return self.graphs.run(input_ids, positions, meta)
+        self.backend.prepare(meta)
+        return self.model(input_ids, positions, self.kv_caches, meta, on_layer)
 
     def _sampling_row(self, req: Request) -> SamplingRow:
         return SamplingRow(
@@ -243,6 +307,16 @@ class ModelRunner:
         event = torch.cuda.Event()
         event.record()
         return event
+
+    def on_rank_failure(self, callback: Callable[[RuntimeError], None]) -> None:
+        """Call `callback` when another tensor-parallel rank dies (no-op without TP)."""
+        if self.executor is not None:
+            self.executor.on_failure(callback)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (no-op without TP)."""
+        if self.executor is not None:
+            self.executor.stop()
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (its seeded generator) once the request is finished."""

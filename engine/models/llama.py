@@ -4,6 +4,11 @@ The batch is packed: `input_ids` holds the new tokens of every sequence, one aft
 with no padding; the attention backend uses `AttentionMetadata` to find each sequence's context
 in the paged cache. q/k/v and gate/up are fused projections; `load_weights` maps HF names into
 their slices. Numerics follow transformers' Llama (same op order) so fp32 logits match HF.
+
+With tensor parallelism (`tp`, engine/distributed/) each rank builds the same model over its
+shard: its attention heads (qkv column-parallel, o_proj row-parallel), its rows of the MLP
+(gate_up column-parallel, down_proj row-parallel) and of the vocabulary (engine/models/
+tp_layers.py). Norms, rotary tables and the residual stream are whole on every rank.
 """
 
 from __future__ import annotations
@@ -16,8 +21,18 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from engine.distributed.group import SingleRank
+from engine.distributed.sharding import even_split, head_shard
 from engine.models.layers import RMSNorm, silu_and_mul
 from engine.models.rotary import RopeInputs, RotaryEmbedding, rope_parameters
+from engine.models.tp_layers import (
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    WeightLoader,
+    copy_rows,
+    slice_loader,
+    vocab_parallel_logits,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -44,27 +59,42 @@ def qkv_has_bias(config: PretrainedConfig) -> bool:
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, layer_idx: int, attn_backend: AttentionBackend
+        self, config: PretrainedConfig, layer_idx: int, attn_backend: AttentionBackend,
+        tp: SingleRank,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.attn_backend = attn_backend
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        heads = head_shard(config.num_attention_heads, config.num_key_value_heads,
+                           tp.world_size, tp.rank)
+        self.head_dim = d = head_dim_of(config)
+        self.num_heads = len(heads.q_heads)  # this rank's
+        self.num_kv_heads = len(heads.kv_heads)
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        self.scale = d**-0.5
+        sharded = tp.world_size > 1
+        q_rows = range(heads.q_heads.start * d, heads.q_heads.stop * d)
+        kv_rows = range(heads.kv_heads.start * d, heads.kv_heads.stop * d)
+        full_q, full_kv = config.num_attention_heads * d, config.num_key_value_heads * d
+        self._sources = {  # rows of each HF projection this rank holds
+            "q": slice_loader(0, q_rows if sharded else None, full_q),
+            "k": slice_loader(0, kv_rows if sharded else None, full_kv),
+            "v": slice_loader(0, kv_rows if sharded else None, full_kv),
+        }
         o_bias = config.model_type == "llama" and bool(getattr(config, "attention_bias", False))
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_has_bias(config)
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(full_q, config.hidden_size, q_rows, o_bias, tp)
 
     def shard_slices(self) -> dict[str, slice]:
-        """Rows of `qkv_proj` holding each of the HF q/k/v projections."""
+        """Rows of `qkv_proj` holding each of the HF q/k/v projections (this rank's heads)."""
         q, kv = self.q_size, self.kv_size
         return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+
+    def shard_loader(self, shard: str) -> WeightLoader:
+        return self._sources[shard]
 
     def forward(
         self,
@@ -86,19 +116,25 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: SingleRank) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        full = config.intermediate_size
+        rows = even_split(full, tp.world_size, tp.rank)  # this rank's intermediate rows
+        self.intermediate_size = len(rows)
+        self._source = slice_loader(0, rows if tp.world_size > 1 else None, full)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * len(rows), bias=bias)
+        self.down_proj = RowParallelLinear(full, config.hidden_size, rows, bias, tp)
 
     def shard_slices(self) -> dict[str, slice]:
-        """Rows of `gate_up_proj` holding the HF gate and up projections."""
+        """Rows of `gate_up_proj` holding the HF gate and up projections (this rank's rows)."""
         size = self.intermediate_size
         return {"gate": slice(0, size), "up": slice(size, 2 * size)}
+
+    def shard_loader(self, shard: str) -> WeightLoader:
+        return self._source
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -106,11 +142,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, layer_idx: int, attn_backend: AttentionBackend
+        self, config: PretrainedConfig, layer_idx: int, attn_backend: AttentionBackend,
+        tp: SingleRank,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, attn_backend)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_idx, attn_backend, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -134,11 +171,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: PretrainedConfig, attn_backend: AttentionBackend, tp: SingleRank
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attn_backend) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, attn_backend, tp)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
@@ -168,17 +208,22 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Causal LM over packed tokens and a paged KV cache (one cache tensor per layer)."""
 
-    def __init__(self, config: PretrainedConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: PretrainedConfig, attn_backend: AttentionBackend,
+        tp: SingleRank | None = None,
+    ) -> None:
         super().__init__()
         if getattr(config, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported")
         self.config = config
+        self.tp = tp = tp or SingleRank()
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(config, attn_backend)
+        self.model = LlamaModel(config, attn_backend, tp)
+        # lm_head: this rank's rows of the vocabulary, like the embedding (which it may be)
         self.lm_head = (
             None
             if self.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         )
 
     def forward(
@@ -195,9 +240,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta, on_layer)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        """[N, hidden] -> [N, V] logits, in fp32 (`upcast`) or the model's dtype."""
+        """[N, hidden] -> [N, V] logits, in fp32 (`upcast`) or the model's dtype. With tensor
+        parallelism every rank calls it with the same rows; rank 0 gets the logits."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, weight)
+        logits = vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
         return logits.float() if upcast else logits
 
     @torch.no_grad()
@@ -215,9 +261,17 @@ class LlamaForCausalLM(nn.Module):
             name, shard = _fused_name(hf_name)
             if name not in params:
                 raise ValueError(f"unknown weight {hf_name!r} for {type(self).__name__}")
-            _copy_into(params[name], self._shard_rows(name, shard), tensor, hf_name)
+            param = params[name]
+            load = self._loader(name, shard, param)
+            load(param, self._shard_rows(name, shard), tensor, hf_name)
             loaded.add((name, shard))
         self._check_all_loaded(params, loaded)
+
+    def _loader(self, name: str, shard: str | None, param: nn.Parameter) -> WeightLoader:
+        """What copies this rank's part of an HF tensor into `param` (tp_layers.py)."""
+        if shard is None:
+            return getattr(param, "weight_loader", copy_rows)
+        return self.get_submodule(name.rsplit(".", 2)[0]).shard_loader(shard)
 
     def _shard_rows(self, name: str, shard: str | None) -> slice:
         """Rows of parameter `name` that HF shard `shard` fills (all rows when unfused)."""
@@ -251,12 +305,3 @@ def _expected_shards(name: str) -> tuple[str | None, ...]:
     if ".gate_up_proj." in name:
         return ("gate", "up")
     return (None,)
-
-
-def _copy_into(param: nn.Parameter, rows: slice, tensor: torch.Tensor, hf_name: str) -> None:
-    target = param.data[rows]
-    if target.shape != tensor.shape:
-        raise ValueError(
-            f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
-        )
-    target.copy_(tensor)

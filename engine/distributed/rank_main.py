@@ -1,0 +1,37 @@
+"""The life of a tensor-parallel rank other than 0: join the group, load this rank's shard of
+the model and KV cache, then run every step rank 0 announces until told to stop. Any failure
+(rank 0 gone, a collective timing out) ends the process with a non-zero exit code."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+
+from engine.config import EngineConfig
+from engine.distributed import step_channel
+from engine.distributed.group import TPGroup, connect
+
+logger = logging.getLogger(__name__)
+
+
+def run_rank(config: EngineConfig, rank: int, port: int) -> None:
+    from engine.model_runner import ModelRunner, resolve_device
+
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
+    world, timeout = config.parallel.tensor_parallel_size, config.parallel.timeout_s
+    device = resolve_device(config.device, rank)
+    if device.type == "cpu":  # share the cores with the other ranks
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        group = TPGroup(rank, world, connect(port, world, timeout), device, timeout)
+        runner = ModelRunner(config, group=group)
+        while (host := step_channel.receive(group)) is not None:
+            runner.follow(host)
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        sys.exit(1)
+    group.close()
