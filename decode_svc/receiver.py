@@ -94,7 +94,8 @@ class KVReceiver:
     ):
         self.engine = engine
         self.kv_wait = kv_wait
-        self.layout: KVLayout = layout_of(engine.engine.runner.kv_caches)
+        self.kv_caches = engine.engine.runner.kv_view()  # every rank's heads, with TP
+        self.layout: KVLayout = layout_of(self.kv_caches)
         self.exporter = exporter or PoolExporter(engine.engine.runner.kv_pool, GRPC)
         self.write_grace_s = write_grace_s
         self.fence_timeout_s = fence_timeout_s
@@ -288,7 +289,7 @@ class KVReceiver:
             raise ValueError(
                 f"header announces {header.num_blocks} blocks, {len(pending.block_ids)} reserved"
             )
-        writer = KVSlabWriter(self.engine.engine.runner.kv_caches, pending.block_ids)
+        writer = KVSlabWriter(self.kv_caches, pending.block_ids)
         pending.progress_at = time.monotonic()
         first_slab_at = None
         async for chunk in chunks:

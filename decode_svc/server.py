@@ -10,7 +10,13 @@ from decode_svc.receiver import KVReceiver
 from decode_svc.service import DecodeServicer, add_to_server
 from engine.config import KVWaitConfig
 from pdserve.cluster.flags import add_flag, add_kv_transport_flag
-from pdserve.cluster.worker import add_worker_flags, build_engine, run_worker, watch_cancellations
+from pdserve.cluster.worker import (
+    add_worker_flags,
+    build_engine,
+    kv_transport_for,
+    run_worker,
+    watch_cancellations,
+)
 
 DEFAULT_PORT = 50061
 
@@ -36,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     engine = await asyncio.to_thread(build_engine, args, "decode")
+    args.kv_transport = kv_transport_for(args)
     exporter = PoolExporter(engine.engine.runner.kv_pool, args.kv_transport)
+    await asyncio.to_thread(engine.engine.runner.kv_view)  # every rank's pool mapped here
     receiver = KVReceiver(engine, KVWaitConfig(args.kv_wait_seconds, args.kv_wait_max_requests),
                           exporter, args.kv_write_grace_seconds, args.kv_timeout)
     cancels = watch_cancellations(args, receiver.drop)

@@ -166,6 +166,11 @@ class AsyncLLMEngine:
         """False once the engine thread failed or was shut down."""
         return self._error is None and not self._stopping and self._thread.is_alive()
 
+    @property
+    def failure(self) -> BaseException | None:
+        """What made the engine loop fail, if it has."""
+        return self._error
+
     async def stats(self) -> SchedulerStats:
         return await self.call(self.engine.stats)
 

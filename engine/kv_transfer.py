@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.distributed.kv_shards import ShardedKVLayer
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -51,7 +53,25 @@ class KVLayout:
             raise ValueError("KV layout mismatch: " + "; ".join(diffs))
 
 
-def layout_of(kv_caches: list[torch.Tensor]) -> KVLayout:
+def read_blocks(cache: torch.Tensor | ShardedKVLayer, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """out [2, len(ids), bs, Hkv, D] <- blocks `ids` of one layer's cache (or every rank's)."""
+    if isinstance(cache, ShardedKVLayer):
+        cache.read(ids, out)
+    else:
+        torch.index_select(cache, 1, ids, out=out)
+
+
+def write_blocks(
+    cache: torch.Tensor | ShardedKVLayer, ids: torch.Tensor, src: torch.Tensor
+) -> None:
+    """Blocks `ids` of one layer's cache (or every rank's) <- src [2, len(ids), bs, Hkv, D]."""
+    if isinstance(cache, ShardedKVLayer):
+        cache.write(ids, src)
+    else:
+        cache.index_copy_(1, ids, src)
+
+
+def layout_of(kv_caches: list[torch.Tensor] | list[ShardedKVLayer]) -> KVLayout:
     _, _, block_size, num_kv_heads, head_dim = kv_caches[0].shape
     dtype = next(name for name, dt in _DTYPES.items() if dt == kv_caches[0].dtype)
     return KVLayout(len(kv_caches), num_kv_heads, head_dim, dtype, block_size)
@@ -105,7 +125,10 @@ def read_slabs(
     ids = torch.tensor(block_ids, dtype=torch.long, device=device)
     for l0, l1, b0, b1 in plan_slabs(layout, len(block_ids), max_bytes):
         sel = ids[b0:b1]
-        slab = torch.stack([kv_caches[layer].index_select(1, sel) for layer in range(l0, l1)])
+        slab = torch.empty((l1 - l0, 2, b1 - b0, *kv_caches[0].shape[2:]),
+                           dtype=kv_caches[0].dtype, device=device)
+        for i, layer in enumerate(range(l0, l1)):
+            read_blocks(kv_caches[layer], sel, slab[i])
         yield KVSlab(l0, l1, b0, b1, _to_bytes(slab))
 
 
@@ -119,7 +142,7 @@ def _to_bytes(t: torch.Tensor) -> bytes:
 class KVSlabWriter:
     """Receives one request's slabs into its reserved blocks; knows when all have arrived."""
 
-    def __init__(self, kv_caches: list[torch.Tensor], block_ids: list[int]):
+    def __init__(self, kv_caches: list[torch.Tensor] | list[ShardedKVLayer], block_ids: list[int]):
         self.kv_caches = kv_caches
         self.layout = layout_of(kv_caches)
         self.block_ids = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
@@ -149,7 +172,7 @@ class KVSlabWriter:
         ).to(self.kv_caches[0].device)
         ids = self.block_ids[b0:b1]
         for i, layer in enumerate(range(l0, l1)):
-            self.kv_caches[layer].index_copy_(1, ids, slab_t[i])
+            write_blocks(self.kv_caches[layer], ids, slab_t[i])
         self._mark(l0, l1, b0, b1)
 
     def mark_written(self, slab: SlabRange) -> None:

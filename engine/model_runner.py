@@ -12,7 +12,8 @@ from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.distributed.group import SingleRank
-from engine.distributed.sharding import check_heads, head_shard
+from engine.distributed.kv_shards import ShardedKVLayer, sharded_layers
+from engine.distributed.sharding import check_heads, head_shard, kv_head_owners
 from engine.input_batch import HostStep, PendingTokens, pack_step, step_tensors
 from engine.model_loader import iter_weights, load_hf_config
 from engine.models import get_model_class
@@ -100,6 +101,8 @@ class ModelRunner:
         # IPC handle or one NIXL registration covers the whole cache (pdserve/transport/);
         # each layer's cache is a view of it.
         self.kv_pool = self._allocate_kv_pool(self.num_blocks)
+        if self._shares_pool and self.device.type == "cpu":
+            self.kv_pool.share_memory_()  # rank 0 maps it (engine/distributed/kv_shards.py)
         self.kv_caches = list(self.kv_pool.unbind(0))
         self.graphs = self._capture_graphs()
         self.sampler = Sampler()
@@ -107,6 +110,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._pending: PendingTokens | None = None  # the last launch's sampled tokens
         self._pending_ids: torch.Tensor | None = None  # ranks > 0: the same tokens
+        self._kv_view: list[ShardedKVLayer] | None = None
 
     # ---- set-up --------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
@@ -219,6 +223,23 @@ class ModelRunner:
             )
         return torch.zeros((layers, *shape), dtype=self.dtype, device=self.device)
 
+    @property
+    def _shares_pool(self) -> bool:
+        return self.tp.rank > 0 and self.config.role != "colocated"
+
+    def kv_view(self) -> list[torch.Tensor] | list[ShardedKVLayer]:
+        """Per layer, the KV cache a push reads or a received push writes: this process's own
+        layers, or with tensor parallelism (rank 0, disaggregated roles) every rank's heads."""
+        if self.executor is None:
+            return self.kv_caches
+        if self._kv_view is None:
+            cfg = self.hf_config
+            pools = [self.kv_pool, *self.executor.peer_pools(self.config.parallel.timeout_s)]
+            heads = kv_head_owners(cfg.num_attention_heads, cfg.num_key_value_heads,
+                                   self.tp.world_size)
+            self._kv_view = sharded_layers(pools, heads)
+        return self._kv_view
+
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def launch(
@@ -235,7 +256,7 @@ class ModelRunner:
         try:
             self.executor.send_step(host)
             return self._launch(host, order, on_layer)
-        except RuntimeError as exc:
+        except (RuntimeError, OSError) as exc:  # a collective failed, a rank's pipe broke
             raise self.executor.failure(exc) from exc
 
     def _launch(

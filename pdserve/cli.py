@@ -28,12 +28,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (processes) the model is sharded over")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -6,7 +6,9 @@
     pdserve decode   x M                │  gateway first, Redis last
     pdserve gateway (OpenAI API)       ─┘
 
-With `--colocated`, only the gateway runs, with the engine in-process (`pdserve serve`).
+Each worker runs --<role>-tp tensor-parallel ranks on as many GPUs of --<role>-gpus. With
+`--colocated`, only the gateway runs, with the engine in-process (`pdserve serve`), sized like a
+decode worker (--decode-tp, --decode-gpus).
 """
 
 from __future__ import annotations
@@ -59,11 +61,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--port", 8000, type=int, help="gateway port")
     add_flag(p, "--prefill", 1, type=int, help="prefill workers")
     add_flag(p, "--decode", 1, type=int, help="decode workers")
+    add_flag(p, "--prefill-tp", 1, type=int,
+             help="tensor-parallel ranks of each prefill worker (one GPU each)")
+    add_flag(p, "--decode-tp", 1, type=int, help="tensor-parallel ranks of each decode worker; "
+             "with --colocated, of the one engine")
     add_flag(p, "--prefill-gpus", "", help="GPUs of the prefill workers, e.g. 0 or 0,1: worker i "
-             "gets the (i mod n)-th as its only visible device (default: what the shell sees)")
-    add_flag(p, "--decode-gpus", "", help="GPUs of the decode workers, as --prefill-gpus")
+             "gets the --prefill-tp of them from position i*tp on, wrapping around the list, as "
+             "its visible devices (default: what the shell sees)")
+    add_flag(p, "--decode-gpus", "", help="GPUs of the decode workers (with --colocated, of the "
+             "one engine), dealt as --prefill-gpus by --decode-tp")
     add_flag(p, "--colocated", False, action="store_true",
-             help="one in-process engine behind the gateway, no workers")
+             help="one in-process engine behind the gateway, no workers; sized by --decode-tp "
+                  "and --decode-gpus")
     add_flag(p, "--redis-url", "", help="use this Redis instead of starting one")
     add_redis_namespace_flag(p)
     add_tls_flags(p)
@@ -90,8 +99,7 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     internal = ["--host", "127.0.0.1"]  # only the gateway listens on --host; workers: loopback
     gateway_url = f"http://{args.host}:{args.port}"
     if args.colocated:
-        argv = [*py, "serve", *common, *engine, "--host", args.host, "--port", str(args.port)]
-        return [Service("gateway", argv, f"http:{gateway_url}/ready")]
+        return [_colocated(args, [*py, "serve", *common, *engine], gateway_url)]
     services = []
     if redis_port is not None:
         services.append(Service("redis", redis_argv(redis_port), f"redis:{redis_port}"))
@@ -100,12 +108,11 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
                                           str(tok_port), "--redis-url", redis_url],
                             f"grpc:127.0.0.1:{tok_port}"))
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
-        gpus = _gpu_list(getattr(args, f"{role}_gpus"), f"--{role}-gpus")
-        for i in range(count):
+        tp = ["--tensor-parallel-size", str(getattr(args, f"{role}_tp"))]
+        for i, env in enumerate(_gpu_envs(args, role, count)):
             port = free_port()
-            argv = [*py, role, *common, *engine, *workers, *cluster, *internal, "--port", str(port),
-                    "--redis-url", redis_url, "--metrics-port", str(free_port())]
-            env = {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if gpus else {}
+            argv = [*py, role, *common, *engine, *workers, *tp, *cluster, *internal, "--port",
+                    str(port), "--redis-url", redis_url, "--metrics-port", str(free_port())]
             services.append(Service(f"{role}-{i}", argv, f"grpc:127.0.0.1:{port}", env=env))
     argv = [*py, "gateway", *cluster, "--host", args.host, "--port", str(args.port),
             "--redis-url", redis_url, "--tokenizer-address", f"127.0.0.1:{tok_port}", "--log-level",
@@ -114,12 +121,34 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     return services
 
 
-def _gpu_list(value: str, flag: str) -> list[str]:
-    """`0,1` -> ["0", "1"]; "" -> [] (inherit the environment)."""
+def _colocated(args: argparse.Namespace, argv: list[str], gateway_url: str) -> Service:
+    """`pdserve serve`, its one engine sized like a decode worker (--decode-tp, --decode-gpus)."""
+    if args.prefill_tp != 1:
+        raise SystemExit("pdserve up: --colocated runs one engine, sized by --decode-tp and "
+                         "--decode-gpus: drop --prefill-tp")
+    [env] = _gpu_envs(args, "decode", 1)
+    argv += ["--tensor-parallel-size", str(args.decode_tp), "--host", args.host, "--port",
+             str(args.port)]
+    return Service("gateway", argv, f"http:{gateway_url}/ready", env=env)
+
+
+def _gpu_envs(args: argparse.Namespace, role: str, count: int) -> list[dict[str, str]]:
+    """Each of a role's `count` workers' CUDA_VISIBLE_DEVICES: worker i takes --<role>-tp GPUs
+    of --<role>-gpus from position i*tp on, wrapping around; none (the shell's) without a list.
+
+        --decode-gpus 1,2,3 --decode-tp 2  ->  decode-0 "1,2"  decode-1 "3,1"  decode-2 "2,3"
+    """
+    flag, value, tp = f"--{role}-gpus", getattr(args, f"{role}_gpus"), getattr(args, f"{role}_tp")
     gpus = [g.strip() for g in value.split(",") if g.strip()]
     if any(not g.isdigit() for g in gpus):
         raise SystemExit(f"pdserve up: {flag} takes GPU indices such as 0 or 0,1, got {value!r}")
-    return gpus
+    if tp < 1:
+        raise SystemExit(f"pdserve up: --{role}-tp must be >= 1, got {tp}")
+    if gpus and len(gpus) < tp:
+        raise SystemExit(f"pdserve up: --{role}-tp {tp} needs {tp} GPUs per worker but {flag} "
+                         f"lists {len(gpus)}: {','.join(gpus)}")
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[(i * tp + k) % len(gpus)] for k in range(tp))}
+            if gpus else {} for i in range(count)]
 
 
 def _cluster_flags(args: argparse.Namespace) -> list[str]:

@@ -1,4 +1,5 @@
-"""`pdserve status`: every registered worker with its role, address, load and KV transport."""
+"""`pdserve status`: every registered worker with its role, address, load, KV transport and
+tensor-parallel size."""
 
 from __future__ import annotations
 
@@ -52,14 +53,15 @@ async def _from_redis(url: str, namespace: str) -> list[dict]:
 
 
 def render(workers: list[dict]) -> str:
-    """One row per worker. TRANSPORT is its --kv-transport: "-" for a tokenizer, the colocated
-    engine, or a worker (or gateway, with --gateway) too old to publish it."""
-    rows = [("ROLE", "ADDRESS", "RUNNING", "WAITING", "KV BLOCKS USED/TOTAL", "TRANSPORT")]
+    """One row per worker. TRANSPORT is its --kv-transport and TP its --tensor-parallel-size:
+    "-" for a tokenizer, the colocated engine, or a worker (or gateway, with --gateway) too old
+    to publish them."""
+    rows = [("ROLE", "ADDRESS", "RUNNING", "WAITING", "KV BLOCKS USED/TOTAL", "TRANSPORT", "TP")]
     for w in workers:
         total = w["num_total_blocks"]
         used = f"{total - w['num_free_blocks']}/{total}" if total else "-"
         rows.append((w["role"], w["address"], str(w["num_running"]), str(w["num_waiting"]), used,
-                     w.get("kv_transport") or "-"))
+                     w.get("kv_transport") or "-", str(w.get("tensor_parallel_size") or "-")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 

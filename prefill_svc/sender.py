@@ -47,7 +47,7 @@ import grpc
 import torch
 
 from decode_svc.convert import layout_to_pb
-from engine.kv_transfer import SlabRange, layout_of
+from engine.kv_transfer import SlabRange, layout_of, read_blocks
 from pdserve.cluster.convert import logprobs_to_pb
 from pdserve.cluster.grpc_server import open_channel
 from pdserve.cluster.tls import PLAINTEXT, TLSConfig
@@ -279,7 +279,7 @@ class SlabStager:
             l1 - l0, 2, b1 - b0, lay.block_size, lay.num_kv_heads, lay.head_dim
         )
         for i, layer in enumerate(range(l0, l1)):
-            torch.index_select(self.kv_caches[layer], 1, ids, out=out[i])
+            read_blocks(self.kv_caches[layer], ids, out[i])
 
     def _reserve(self, nbytes: int) -> None:
         """Grow the staging buffer (and its host copy) to hold `nbytes`."""

@@ -7,7 +7,13 @@ import asyncio
 
 from pdserve.cluster.flags import add_flag, add_kv_transport_flag
 from pdserve.cluster.tls import tls_from_args
-from pdserve.cluster.worker import add_worker_flags, build_engine, run_worker, watch_cancellations
+from pdserve.cluster.worker import (
+    add_worker_flags,
+    build_engine,
+    kv_transport_for,
+    run_worker,
+    watch_cancellations,
+)
 from prefill_svc.lease import KVLeases
 from prefill_svc.planes import PeerPlanes
 from prefill_svc.sender import PushKVSender
@@ -28,8 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     engine = await asyncio.to_thread(build_engine, args, "prefill")
+    args.kv_transport = kv_transport_for(args)
     planes = PeerPlanes(engine.engine.runner.kv_pool, args.kv_transport)
-    sender = PushKVSender(engine.engine.runner.kv_caches, args.kv_slab_bytes,
+    kv_view = await asyncio.to_thread(engine.engine.runner.kv_view)
+    sender = PushKVSender(kv_view, args.kv_slab_bytes,
                           tls=tls_from_args(args), planes=planes)
     cancels = watch_cancellations(args, lambda request_id: servicer.abort(request_id))
     servicer = PrefillServicer(engine, sender, cancels)

@@ -129,6 +129,8 @@ def test_status_command_lists_the_workers(cluster):
     assert roles == ["decode", "prefill", "tokenizer"]
     assert {w["role"]: w["kv_transport"] for w in workers} == {
         "decode": "auto", "prefill": "auto", "tokenizer": ""}  # `pdserve up`'s default
+    assert {w["role"]: w["tensor_parallel_size"] for w in workers} == {
+        "decode": 1, "prefill": 1, "tokenizer": 0}  # 0: not an engine
     via_gateway = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "status", "--json", "--gateway", cluster.url],
         capture_output=True, text=True, timeout=60, check=True).stdout

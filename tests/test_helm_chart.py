@@ -34,7 +34,8 @@ ROLES = ("tokenizer", "prefill", "decode", "gateway")
 WORKERS = ("prefill", "decode")
 SERVICE_MODULES = {"gateway": "gateway.server", "tokenizer": "tokenizer_svc.server",
                    "prefill": "prefill_svc.server", "decode": "decode_svc.server"}
-MANAGED_FLAGS = {"host", "advertise-address", "redis-url", "tokenizer-address", "api-key"}
+MANAGED_FLAGS = {"host", "advertise-address", "redis-url", "tokenizer-address", "api-key",
+                 "tensor-parallel-size"}  # the last from <role>.tensorParallelSize
 INSTANCE = "app.kubernetes.io/instance"
 COMPONENT = "app.kubernetes.io/component"
 
@@ -234,6 +235,71 @@ def test_kv_transport_reaches_both_worker_roles(default, monkeypatch):
     for choice in choices:
         rendered = render({role: {"flags": {"kv-transport": choice}} for role in WORKERS})
         assert [rendered.env(r)["PDSERVE_KV_TRANSPORT"] for r in WORKERS] == [choice, choice]
+
+
+def _gpu_limit(rendered: Rendered, role: str) -> int | None:
+    return rendered.container(role)["resources"]["limits"].get("nvidia.com/gpu")
+
+
+def _shm(rendered: Rendered, role: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The role's /dev/shm volume and its mount (None where absent)."""
+    pod = rendered.get("Deployment", role)["spec"]["template"]["spec"]
+    volume = {v["name"]: v for v in pod["volumes"]}.get("shm")
+    mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
+    return volume, mounts.get("/dev/shm")
+
+
+def test_tensor_parallel_size_is_one_by_default_and_only_on_the_workers(default, gpu,
+                                                                        monkeypatch):
+    for rendered in (default, gpu):
+        for role in WORKERS:
+            assert rendered.env(role)["PDSERVE_TENSOR_PARALLEL_SIZE"] == "1"
+            args = parse_as_service(role, rendered.env(role), monkeypatch)
+            assert args.tensor_parallel_size == 1
+        for role in ("tokenizer", "gateway"):
+            assert "PDSERVE_TENSOR_PARALLEL_SIZE" not in rendered.env(role)
+    assert [_gpu_limit(gpu, r) for r in WORKERS] == [1, 1]
+
+
+def test_tensor_parallel_workers_get_a_gpu_per_rank_and_a_shared_memory_volume(monkeypatch):
+    """GPU prefill TP 1, decode TP 4 (4 GPUs, 2Gi of /dev/shm); distributed-timeout-seconds
+    from engine.flags reaches both; a CPU decode with TP 2 (gloo) asks for no GPU."""
+    values = {**GPU_VALUES, "engine": {"flags": {**GPU_VALUES["engine"]["flags"],
+                                                 "distributed-timeout-seconds": 120}},
+              "decode": {**GPU_VALUES["decode"], "tensorParallelSize": 4, "shmSize": "2Gi"}}
+    rendered = render(values)
+    for obj in rendered.of("Deployment"):
+        kubernetes_validate.validate(obj, KUBE_VERSIONS[0], strict=True)
+    assert [_gpu_limit(rendered, r) for r in WORKERS] == [1, 4]
+    decode = parse_as_service("decode", rendered.env("decode"), monkeypatch)
+    assert (decode.tensor_parallel_size, decode.distributed_timeout_seconds) == (4, 120.0)
+    prefill = parse_as_service("prefill", rendered.env("prefill"), monkeypatch)
+    assert (prefill.tensor_parallel_size, prefill.distributed_timeout_seconds) == (1, 120.0)
+    volume, mount = _shm(rendered, "decode")
+    assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    assert mount == {"name": "shm", "mountPath": "/dev/shm"}
+    cpu = render({"decode": {"tensorParallelSize": 2}})
+    assert cpu.env("decode")["PDSERVE_TENSOR_PARALLEL_SIZE"] == "2"
+    assert _gpu_limit(cpu, "decode") is None
+    assert _shm(cpu, "decode")[0]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+
+
+@pytest.mark.parametrize("values, reason", [
+    ({"decode": {"tensorParallelSize": 0}}, "decode.tensorParallelSize must be an integer >= 1"),
+    ({"prefill": {"tensorParallelSize": 1.5}}, "prefill.tensorParallelSize must be an integer"),
+    ({"decode": {"tensorParallelSize": "two"}}, "decode.tensorParallelSize must be an integer"),
+    ({"decode": {"tensorParallelSize": 2, "shmSize": ""}},
+     "decode.tensorParallelSize is 2: its ranks pass tensors through /dev/shm; set decode.shmSize"),
+    ({"decode": {"flags": {"tensor-parallel-size": 2}}},
+     "--tensor-parallel-size comes from decode.tensorParallelSize"),
+    ({"engine": {"flags": {"tensor-parallel-size": 2}}},
+     "--tensor-parallel-size comes from prefill.tensorParallelSize"),
+    ({**GPU_VALUES, "decode": {**GPU_VALUES["decode"], "flags": {"device": "cuda:1"}}},
+     "decode.flags.device is cuda:1 but the pod's GPUs are cuda:0 on"),
+], ids=lambda v: "" if isinstance(v, dict) else v)
+def test_bad_tensor_parallel_values_fail_the_render(values, reason):
+    with pytest.raises(helm.HelmRenderError, match=re.escape(reason)):
+        render(values)
 
 
 @pytest.mark.parametrize("role", ROLES)

@@ -1,10 +1,11 @@
 """What `pdserve up` starts (no process runs): internal services listen on loopback whatever
 the gateway's --host, every service gets the cluster's Redis namespace and TLS files, and the
-prefill and decode workers its --kv-transport."""
+prefill and decode workers its --kv-transport, their --<role>-tp and GPUs dealt by it."""
 
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -14,7 +15,7 @@ from pdserve.launcher import add_arguments, plan
 
 def _up(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
     for name in ("HOST", "REDIS_NAMESPACE", "TLS_CERT", "TLS_KEY", "TLS_CA", "PREFILL_GPUS",
-                 "DECODE_GPUS", "KV_TRANSPORT"):
+                 "DECODE_GPUS", "KV_TRANSPORT", "PREFILL_TP", "DECODE_TP", "COLOCATED"):
         monkeypatch.delenv(f"PDSERVE_{name}", raising=False)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -83,6 +84,60 @@ def test_kv_transport_from_the_environment_and_its_choices(monkeypatch: pytest.M
         parser.parse_args(["--kv-transport", "rdma"])
     err = capsys.readouterr().err
     assert "--kv-transport" in err and "rdma" in err
+
+
+def _tp_and_gpus(services: list) -> dict[str, tuple[int, str | None]]:
+    """Each worker's parsed --tensor-parallel-size and its CUDA_VISIBLE_DEVICES."""
+    return {s.name: (build_parser().parse_args(s.argv[3:]).tensor_parallel_size,
+                     s.env.get("CUDA_VISIBLE_DEVICES"))
+            for s in services if s.name not in ("tokenizer", "gateway")}
+
+
+def test_each_worker_gets_its_roles_tp_size_and_as_many_gpus(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill on GPU 0 with TP 1; decode TP 2 over GPUs 1, 2, 3: the second decode worker wraps
+    around to GPU 1, the third starts where the list wrapped."""
+    args = _up(["--prefill", "1", "--decode", "3", "--prefill-tp", "1", "--decode-tp", "2",
+                "--prefill-gpus", "0", "--decode-gpus", "1,2,3"], monkeypatch)
+    assert _tp_and_gpus(plan(args, "redis://x:1/0", None)) == {
+        "prefill-0": (1, "0"), "decode-0": (2, "1,2"), "decode-1": (2, "3,1"),
+        "decode-2": (2, "2,3")}
+    exact = _up(["--prefill", "2", "--decode", "1", "--prefill-tp", "2", "--decode-tp", "4",
+                 "--prefill-gpus", "0,1,2,3", "--decode-gpus", "4,5,6,7"], monkeypatch)
+    assert _tp_and_gpus(plan(exact, "redis://x:1/0", None)) == {
+        "prefill-0": (2, "0,1"), "prefill-1": (2, "2,3"), "decode-0": (4, "4,5,6,7")}
+
+
+def test_tp_without_a_gpu_list_inherits_the_shells_gpus(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    args = _up(["--decode", "2", "--decode-tp", "2"], monkeypatch)
+    assert _tp_and_gpus(plan(args, "redis://x:1/0", None)) == {
+        "prefill-0": (1, None), "decode-0": (2, None), "decode-1": (2, None)}
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--decode-tp", "2", "--decode-gpus", "1"],
+     "--decode-tp 2 needs 2 GPUs per worker but --decode-gpus lists 1: 1"),
+    (["--prefill-tp", "4", "--prefill-gpus", "0,1,2"],
+     "--prefill-tp 4 needs 4 GPUs per worker but --prefill-gpus lists 3: 0,1,2"),
+    (["--prefill-tp", "0"], "--prefill-tp must be >= 1, got 0"),
+    (["--colocated", "--decode-tp", "2", "--decode-gpus", "0"], "--decode-tp 2 needs 2 GPUs"),
+    (["--colocated", "--prefill-tp", "2"], "--colocated runs one engine, sized by --decode-tp"),
+])
+def test_a_gpu_list_shorter_than_the_tp_size_is_refused(argv: list[str], reason: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SystemExit, match=re.escape(f"pdserve up: {reason}")):
+        plan(_up(argv, monkeypatch), "redis://x:1/0", None)
+
+
+def test_colocated_is_sized_by_decode_tp_and_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = _up(["--colocated", "--decode-tp", "2", "--decode-gpus", "2,3"], monkeypatch)
+    [gateway] = plan(args, "", None)
+    assert build_parser().parse_args(gateway.argv[3:]).tensor_parallel_size == 2
+    assert gateway.env == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    [default] = plan(_up(["--colocated"], monkeypatch), "", None)
+    assert build_parser().parse_args(default.argv[3:]).tensor_parallel_size == 1
+    assert default.env == {}
 
 
 def test_colocated_takes_no_kv_transport(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,20 +9,23 @@ the next collective fails too (gloo drops the connection; NCCL times out).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import multiprocessing
 import threading
 import weakref
 from collections.abc import Callable
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing  # noqa: F401 - registers tensor sharing for the pipes
 
 from engine.config import EngineConfig
 from engine.distributed import step_channel
 from engine.distributed.group import TPGroup
+from engine.input_batch import HostStep
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +44,13 @@ class TPExecutor:
         store = dist.TCPStore("127.0.0.1", 0, self.world_size, True, timeout=timeout,
                               wait_for_workers=False)
         ctx = multiprocessing.get_context("spawn")
+        # one pipe per rank: steps to it (step_channel.py), its KV pool back (kv_shards.py)
+        pipes = [ctx.Pipe() for _ in range(1, self.world_size)]
+        self.conns = [ours for ours, _ in pipes]
         self.procs = [
-            ctx.Process(target=run_rank, args=(config, rank, store.port),
+            ctx.Process(target=run_rank, args=(config, rank, store.port, theirs),
                         name=f"pdserve-tp-rank{rank}", daemon=True)
-            for rank in range(1, self.world_size)
+            for rank, (_, theirs) in enumerate(pipes, start=1)
         ]
         for p in self.procs:
             p.start()
@@ -53,7 +59,7 @@ class TPExecutor:
         self._stopping = False
         self.group = TPGroup(0, self.world_size, store, device, par.timeout_s)
         threading.Thread(target=self._watch, name="pdserve-tp-watch", daemon=True).start()
-        self._finalizer = weakref.finalize(self, _stop, self.group, self.procs)
+        self._finalizer = weakref.finalize(self, _stop, self.group, self.conns, self.procs)
 
     def on_failure(self, callback: Callable[[RankFailure], None]) -> None:
         """Call `callback` (from the watcher thread) when a rank exits while serving."""
@@ -67,8 +73,18 @@ class TPExecutor:
             return self._failure
         return RankFailure(f"tensor-parallel collective failed: {cause}")
 
-    def send_step(self, host: object) -> None:
-        step_channel.send_step(self.group, host)  # type: ignore[arg-type]
+    def peer_pools(self, timeout_s: float) -> list[torch.Tensor]:
+        """The KV pools of ranks 1..N-1, mapped into this process (shared memory or CUDA IPC;
+        each rank sends its own once it has allocated it)."""
+        pools = []
+        for rank, conn in enumerate(self.conns, start=1):
+            if not conn.poll(timeout_s):
+                raise RankFailure(f"tensor-parallel rank {rank} did not share its KV pool")
+            pools.append(conn.recv())
+        return pools
+
+    def send_step(self, host: HostStep) -> None:
+        step_channel.send_step(self.conns, host)
 
     def stop(self) -> None:
         """Tell the ranks to exit and wait for them (killing any that do not)."""
@@ -79,6 +95,7 @@ class TPExecutor:
         sentinels = {p.sentinel: p for p in self.procs}
         ready = wait(list(sentinels))
         proc = sentinels[ready[0]]
+        proc.join(timeout=5)  # reap it: its exit code
         if self._stopping or proc.exitcode == 0:  # told to stop
             return
         self._failure = RankFailure(
@@ -90,12 +107,10 @@ class TPExecutor:
             self._on_failure(self._failure)
 
 
-def _stop(group: TPGroup, procs: list[multiprocessing.Process]) -> None:
-    if all(p.is_alive() for p in procs):
-        try:
-            step_channel.send_stop(group)
-        except RuntimeError:
-            pass
+def _stop(group: TPGroup, conns: list[Connection], procs: list[multiprocessing.Process]) -> None:
+    for conn in conns:
+        with contextlib.suppress(OSError):  # that rank is gone
+            step_channel.send_stop([conn])
     for p in procs:
         p.join(timeout=10)
         if p.is_alive():

@@ -3,8 +3,8 @@
 A `TPGroup` wraps two torch.distributed process groups built directly on a TCP store, not
 through `init_process_group`: no global default group, so several engines (a test's prefill and
 decode workers) can live in one process. `device` runs the model's collectives (NCCL on CUDA,
-gloo on the CPU); `host` (gloo) carries each step's inputs from rank 0 (engine/distributed/
-step_channel.py). Every collective fails with RuntimeError after `timeout_s` or as soon as a
+gloo on the CPU); `host` (gloo) settles what the ranks must agree on at start (the KV cache's
+block count). Every collective fails with RuntimeError after `timeout_s` or as soon as a
 peer's connection drops, so a dead or hung rank fails the step instead of hanging the worker.
 
 `SingleRank` is the group of a worker without tensor parallelism: its collectives cost nothing.
@@ -12,6 +12,7 @@ peer's connection drops, so a dead or hung rank fails the step instead of hangin
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 
 import torch
@@ -101,7 +102,5 @@ class TPGroup(SingleRank):
 
     def close(self) -> None:
         for pg in (self.dev, self.host):
-            try:
-                pg.abort() if hasattr(pg, "abort") else None
-            except RuntimeError:
-                pass
+            with contextlib.suppress(RuntimeError):
+                pg.abort()

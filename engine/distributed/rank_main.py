@@ -7,8 +7,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from multiprocessing.connection import Connection
 
 import torch
+import torch.multiprocessing  # noqa: F401 - registers tensor sharing for the pool
 
 from engine.config import EngineConfig
 from engine.distributed import step_channel
@@ -17,7 +19,7 @@ from engine.distributed.group import TPGroup, connect
 logger = logging.getLogger(__name__)
 
 
-def run_rank(config: EngineConfig, rank: int, port: int) -> None:
+def run_rank(config: EngineConfig, rank: int, port: int, conn: Connection) -> None:
     from engine.model_runner import ModelRunner, resolve_device
 
     logging.basicConfig(level=logging.INFO,
@@ -29,8 +31,13 @@ def run_rank(config: EngineConfig, rank: int, port: int) -> None:
     try:
         group = TPGroup(rank, world, connect(port, world, timeout), device, timeout)
         runner = ModelRunner(config, group=group)
-        while (host := step_channel.receive(group)) is not None:
+        if config.role != "colocated":  # rank 0 moves KV in and out of this rank's pool
+            conn.send(runner.kv_pool)
+        while (host := step_channel.receive(conn)) is not None:
             runner.follow(host)
+    except EOFError:
+        logger.error("tensor-parallel rank 0 is gone; rank %d exits", rank)
+        sys.exit(1)
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
         sys.exit(1)

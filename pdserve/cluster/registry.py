@@ -38,6 +38,7 @@ class WorkerInfo:
     num_total_blocks: int = 0
     metrics_address: str = ""
     kv_transport: str = ""  # the worker's --kv-transport; "" for tokenizers, gateways, old workers
+    tensor_parallel_size: int = 0  # the worker's --tensor-parallel-size; 0 as for kv_transport
     updated_at: float = 0.0  # time.time() of the last registry write
 
     def __post_init__(self) -> None:

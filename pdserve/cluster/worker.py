@@ -4,6 +4,7 @@ the registry heartbeat and the Prometheus endpoint."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterator
@@ -50,6 +51,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--no-prefix-caching", False, action="store_true",
               help="disable automatic prefix caching")
     add_flag(parser, "--seed", 0, type=int, help="seed of unseeded sampling")
+    add_flag(parser, "--tensor-parallel-size", 1, type=int,
+             help="ranks (processes) the model is sharded over: rank r uses device cuda:r of "
+                  "the visible GPUs, or the CPU")
+    add_flag(parser, "--distributed-timeout-seconds", 60.0, type=float,
+             help="seconds a collective may wait for a rank before the worker fails")
 
 
 def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
@@ -61,7 +67,19 @@ def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_timeout_s=args.distributed_timeout_seconds,
     )
+
+
+def kv_transport_for(args: argparse.Namespace) -> str:
+    """The KV data plane a worker offers: its --kv-transport, or grpc with tensor parallelism
+    (the data planes map one pool per worker; a TP worker moves every rank's heads through
+    rank 0, engine/distributed/kv_shards.py)."""
+    if args.tensor_parallel_size > 1 and args.kv_transport != "grpc":
+        logger.warning("--kv-transport %s with tensor parallelism: using grpc", args.kv_transport)
+        return "grpc"
+    return args.kv_transport
 
 
 def advertise_address(args: argparse.Namespace) -> str:
@@ -141,6 +159,7 @@ class WorkerMonitor:
     by_transport: Callable[[], dict[str, dict[str, float]]] = field(default=lambda: {})
     metrics_address: str = ""
     kv_transport: str = ""  # its --kv-transport, published in the registry
+    tensor_parallel_size: int = 0  # its --tensor-parallel-size, published in the registry
     stats: SchedulerStats | None = None
 
     async def info(self) -> WorkerInfo:
@@ -150,6 +169,7 @@ class WorkerMonitor:
             num_running=s.num_running, num_waiting=s.num_waiting,
             num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
             metrics_address=self.metrics_address, kv_transport=self.kv_transport,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
 
@@ -225,7 +245,8 @@ async def run_worker(
     await server.start()
     monitor = WorkerMonitor(role, advertise_address(args), engine, transfer.counters,
                             transfer.by_transport,
-                            kv_transport=getattr(args, "kv_transport", ""))
+                            kv_transport=getattr(args, "kv_transport", ""),
+                            tensor_parallel_size=args.tensor_parallel_size)
     heartbeat = await start_monitoring(args, monitor)
     await set_serving(health, service)
     logger.info("%s worker serving on %s", role, monitor.address)
@@ -235,10 +256,29 @@ async def run_worker(
         if heartbeat is not None:
             await heartbeat.stop()
 
-    await wait_for_signal()
+    stopped = asyncio.create_task(wait_for_signal())
+    died = asyncio.create_task(_engine_failure(engine))
+    await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
+    if died.done():
+        # A tensor-parallel rank died or hung (the engine failed its requests already): leave
+        # the registry and exit non-zero for the launcher or Kubernetes to restart the worker.
+        logger.error("the engine failed (%s): leaving the registry, exiting", died.result())
+        await deregister()
+        await on_stop()
+        await server.stop(1.0)
+        engine.shutdown()
+        raise SystemExit(1)
+    died.cancel()
     logger.info("stopping: draining for up to %.0f s", args.drain_timeout)
     await drain(gate, server, args.drain_timeout, deregister, on_stop, busy)
     engine.shutdown()
+
+
+async def _engine_failure(engine: AsyncLLMEngine, every_s: float = 0.5) -> BaseException:
+    """Return the engine loop's error once it has failed."""
+    while engine.failure is None:
+        await asyncio.sleep(every_s)
+    return engine.failure
 
 
 async def start_monitoring(args: argparse.Namespace, monitor: WorkerMonitor) -> Heartbeat | None:

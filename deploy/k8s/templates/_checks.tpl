@@ -4,6 +4,7 @@ pods that crash-loop or silently ignore a setting. Included once, by deployments
 {{- include "pdserve.checkFlags" . }}
 {{- include "pdserve.checkKVLayout" . }}
 {{- include "pdserve.checkKVTransport" . }}
+{{- include "pdserve.checkTensorParallel" . }}
 {{- include "pdserve.checkGPUs" . }}
 {{- include "pdserve.checkModel" . }}
 {{- include "pdserve.checkScaling" . }}
@@ -19,7 +20,9 @@ pods that crash-loop or silently ignore a setting. Included once, by deployments
 {{- range $role := splitList " " (include "pdserve.roles" .) }}
 {{- $sources := include "pdserve.flagSources" (dict "root" $root "role" $role) | splitList " " | join ", " }}
 {{- range $flag, $_ := include "pdserve.roleFlags" (dict "root" $root "role" $role) | fromYaml }}
-{{- if has $flag $managed }}
+{{- if eq $flag "tensor-parallel-size" }}
+{{- fail (printf "--tensor-parallel-size comes from %s.tensorParallelSize (it sizes the pod's GPUs); remove it from %s" $role $sources) }}
+{{- else if has $flag $managed }}
 {{- fail (printf "--%s is set by the chart itself; remove it from %s" $flag $sources) }}
 {{- else if not (has $flag (index $known $role)) }}
 {{- fail (printf "pdserve %s has no flag --%s (set in %s)" $role $flag $sources) }}
@@ -50,7 +53,23 @@ pods that crash-loop or silently ignore a setting. Included once, by deployments
 {{- end }}
 {{- end }}
 
-{{/* One engine drives one GPU, and only a CUDA image and device can use it. */}}
+{{/* A whole number of ranks, and a /dev/shm bigger than the container's 64 MiB for more than
+one (NCCL and torch pass tensors between the ranks' processes through it). */}}
+{{- define "pdserve.checkTensorParallel" -}}
+{{- $root := . }}
+{{- range $role := list "prefill" "decode" }}
+{{- $v := index $root.Values $role }}
+{{- $tp := index $v "tensorParallelSize" }}
+{{- if and (not (kindIs "invalid" $tp)) (not (regexMatch "^[1-9][0-9]*$" (toString $tp))) }}
+{{- fail (printf "%s.tensorParallelSize must be an integer >= 1, got %v" $role $tp) }}
+{{- else if and (gt (include "pdserve.tensorParallelSize" (dict "root" $root "role" $role) | int) 1) (not $v.shmSize) }}
+{{- fail (printf "%s.tensorParallelSize is %v: its ranks pass tensors through /dev/shm; set %s.shmSize (e.g. 1Gi)" $role $tp $role) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* One GPU per tensor-parallel rank, and only a CUDA image and device can use it; rank r runs
+on cuda:(N+r) for a device cuda:N, and a pod sees its GPUs as cuda:0 on. */}}
 {{- define "pdserve.checkGPUs" -}}
 {{- $root := . }}
 {{- range $role := list "prefill" "decode" }}
@@ -59,13 +78,15 @@ pods that crash-loop or silently ignore a setting. Included once, by deployments
 {{- $device := toString (index (include "pdserve.roleFlags" (dict "root" $root "role" $role) | fromYaml) "device") }}
 {{- $image := include "pdserve.imageSettings" (dict "root" $root "role" $role) | fromYaml }}
 {{- if or (lt $gpus 0) (gt $gpus 1) }}
-{{- fail (printf "%s.gpus must be 0 or 1 (one engine drives one GPU; scale with %s.replicas), got %d" $role $role $gpus) }}
+{{- fail (printf "%s.gpus must be 0 or 1 (GPUs per tensor-parallel rank: more per pod with %s.tensorParallelSize, more pods with %s.replicas), got %d" $role $role $role $gpus) }}
 {{- else if and (eq $gpus 1) (eq $device "cpu") }}
 {{- fail (printf "%s.gpus is 1 but %s.flags.device is cpu" $role $role) }}
 {{- else if and (eq $gpus 1) (ne $image.variant "cuda") }}
 {{- fail (printf "%s.gpus is 1 but its image variant is %s: use image.variant (or %s.image.variant) cuda" $role $image.variant $role) }}
 {{- else if and (eq $gpus 0) (hasPrefix "cuda" $device) }}
 {{- fail (printf "%s.flags.device is %s but %s.gpus is 0: the pod would get no GPU" $role $device $role) }}
+{{- else if and (eq $gpus 1) (regexMatch "^cuda:[1-9][0-9]*$" $device) }}
+{{- fail (printf "%s.flags.device is %s but the pod's GPUs are cuda:0 on (one per rank): use cuda or auto" $role $device) }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -13,17 +13,25 @@ tokenizer: [port, log-level, drain-timeout, model, served-model-name, max-model-
 prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
   tls-server-name, metrics-port, model, served-model-name, max-model-len,
   dtype, device, block-size, kv-cache-memory, num-kv-blocks, gpu-memory-utilization,
-  max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, kv-slab-bytes, kv-lease-seconds,
-  kv-transport]
+  max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, distributed-timeout-seconds,
+  kv-slab-bytes, kv-lease-seconds, kv-transport]
 decode: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
   tls-server-name, metrics-port, model, served-model-name, max-model-len,
   dtype, device, block-size, kv-cache-memory, num-kv-blocks, gpu-memory-utilization,
-  max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, kv-timeout, kv-wait-seconds,
-  kv-wait-max-requests, kv-transport, kv-write-grace-seconds]
+  max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, distributed-timeout-seconds,
+  kv-timeout, kv-wait-seconds, kv-wait-max-requests, kv-transport, kv-write-grace-seconds]
 {{- end }}
 
-{{/* Flags that depend on where a pod runs: the chart sets them (pdserve.env), values may not. */}}
-{{- define "pdserve.managedFlags" -}}host advertise-address redis-url tokenizer-address api-key{{- end }}
+{{/* Flags that depend on where a pod runs, or on the pod's shape (tensor-parallel-size: its
+GPUs, from <role>.tensorParallelSize): the chart sets them (pdserve.env), values may not. */}}
+{{- define "pdserve.managedFlags" -}}host advertise-address redis-url tokenizer-address api-key tensor-parallel-size{{- end }}
+
+{{/* A worker's tensor-parallel ranks, <role>.tensorParallelSize (null: 1); checked by
+pdserve.checkTensorParallel. (dict "root" $ "role" "decode") */}}
+{{- define "pdserve.tensorParallelSize" -}}
+{{- $tp := index .root.Values .role "tensorParallelSize" }}
+{{- if kindIs "invalid" $tp }}1{{ else }}{{ int $tp }}{{ end }}
+{{- end }}
 
 {{/* The values maps a role's flags come from, later ones winning. */}}
 {{- define "pdserve.flagSources" -}}
@@ -78,6 +86,10 @@ alike), which would print 536870912 as 5.36870912e+08: whole numbers print as in
 {{- end }}
 {{- include "pdserve.redisEnv" .root }}
 {{- include "pdserve.tlsEnv" .root }}
+{{- if has .role (list "prefill" "decode") }}
+- name: PDSERVE_TENSOR_PARALLEL_SIZE
+  value: {{ include "pdserve.tensorParallelSize" . | quote }}
+{{- end }}
 {{- if eq .role "gateway" }}
 - name: PDSERVE_TOKENIZER_ADDRESS
   {{- $tokenizer := dict "root" .root "role" "tokenizer" }}

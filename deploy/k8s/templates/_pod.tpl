@@ -66,12 +66,14 @@ readinessProbe:
   {{- toYaml $probes.readiness | nindent 2 }}
 {{- end }}
 
-{{/* The role's resources, with its GPUs (extended resources: the limit is also the request). */}}
+{{/* The role's resources, with its GPUs: `gpus` per tensor-parallel rank (extended resources:
+the limit is also the request). */}}
 {{- define "pdserve.resources" -}}
 {{- $v := index .root.Values .role }}
 {{- $resources := deepCopy ($v.resources | default dict) }}
 {{- $gpus := int ($v.gpus | default 0) }}
 {{- if gt $gpus 0 }}
+{{- $gpus = mul $gpus (include "pdserve.tensorParallelSize" . | int) }}
 {{- $limits := $resources.limits | default dict }}
 {{- $_ := set $limits "nvidia.com/gpu" $gpus }}
 {{- $_ := set $resources "limits" $limits }}
@@ -115,7 +117,8 @@ readinessProbe:
   {{- end }}
 {{- end }}
 {{- with index .root.Values .role "shmSize" }}
-# torch's inter-process tensors live in /dev/shm, which a container gets only 64 MiB of.
+# torch's inter-process tensors and NCCL's buffers between tensor-parallel ranks live in
+# /dev/shm, which a container gets only 64 MiB of.
 - name: shm
   emptyDir:
     medium: Memory

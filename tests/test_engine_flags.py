@@ -1,0 +1,82 @@
+"""The engine flags of `pdserve serve|prefill|decode` and `pdserve demo|generate` reach the
+engine's arguments (no engine starts): the tensor-parallel size and the distributed timeout,
+from the command line or their PDSERVE_* fallbacks, and the worker publishes its size."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+from typing import Any
+
+import pytest
+
+from engine.llm import build_engine_config
+from engine.scheduler_output import SchedulerStats
+from pdserve.cli import _engine_kwargs, build_parser
+from pdserve.cluster.registry import WorkerInfo
+from pdserve.cluster.worker import WorkerMonitor, build_engine
+
+ENV = ("PDSERVE_TENSOR_PARALLEL_SIZE", "PDSERVE_DISTRIBUTED_TIMEOUT_SECONDS")
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+def _engine_args(monkeypatch: pytest.MonkeyPatch, args: argparse.Namespace) -> dict[str, Any]:
+    """What `build_engine(args, ...)` hands AsyncLLMEngine.from_args, checked against
+    build_engine_config's signature."""
+    from engine.async_engine import AsyncLLMEngine
+
+    seen: dict[str, Any] = {}
+
+    def fake_from_args(model: str | None, **kwargs: Any) -> str:
+        seen.update(kwargs)
+        return "engine"
+
+    monkeypatch.setattr(AsyncLLMEngine, "from_args", staticmethod(fake_from_args))
+    assert build_engine(args, "decode") == "engine"
+    inspect.signature(build_engine_config).bind(args.model, **seen)
+    return seen
+
+
+@pytest.mark.parametrize("command", ["serve", "prefill", "decode"])
+def test_service_flags_reach_the_engine(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    args = build_parser().parse_args([command, "--tensor-parallel-size", "2",
+                                      "--distributed-timeout-seconds", "7.5"])
+    seen = _engine_args(monkeypatch, args)
+    assert (seen["tensor_parallel_size"], seen["distributed_timeout_s"]) == (2, 7.5)
+
+
+def test_service_defaults_and_env_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = build_parser().parse_args(["decode"])
+    assert (args.tensor_parallel_size, args.distributed_timeout_seconds) == (1, 60.0)
+    monkeypatch.setenv("PDSERVE_TENSOR_PARALLEL_SIZE", "4")
+    monkeypatch.setenv("PDSERVE_DISTRIBUTED_TIMEOUT_SECONDS", "30")
+    args = build_parser().parse_args(["prefill"])
+    seen = _engine_args(monkeypatch, args)
+    assert (seen["tensor_parallel_size"], seen["distributed_timeout_s"]) == (4, 30.0)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["demo"], 1), (["demo", "--tensor-parallel-size", "2"], 2),
+    (["generate", "hi", "--tensor-parallel-size", "3"], 3),
+])
+def test_offline_commands_take_the_tp_size(argv: list[str], expected: int) -> None:
+    kwargs = _engine_kwargs(build_parser().parse_args(argv))
+    assert kwargs["tensor_parallel_size"] == expected
+    inspect.signature(build_engine_config).bind(None, **kwargs)
+
+
+def test_worker_publishes_its_tp_size() -> None:
+    class Engine:
+        async def stats(self) -> SchedulerStats:
+            return SchedulerStats(1, 2, 3, 4, 0.5, 0, 0, 0)
+
+    monitor = WorkerMonitor("decode", "10.0.0.2:50061", Engine(), tensor_parallel_size=2)
+    info = asyncio.run(monitor.info())
+    assert (info.tensor_parallel_size, info.num_running, info.num_total_blocks) == (2, 1, 4)
+    assert WorkerInfo.from_json(info.to_json()) == info
