@@ -15,6 +15,7 @@ from pdserve import cli
 from pdserve.bench.gpu import add_arguments, resolve_sizes, run
 from pdserve.bench.gpu_kernels import SMALL_KERNELS, kernels_unavailable, measure_kernels
 from pdserve.bench.gpu_model import SMALL_MODEL, ModelShape, ModelSizes, llama_config, roofline
+from pdserve.bench.gpu_tp import measure_tp, tp_sizes
 from pdserve.bench.throughput import Workload
 
 
@@ -117,3 +118,29 @@ def test_cli_registers_the_command(tmp_path: Path) -> None:
     out = tmp_path / "c.json"
     assert cli.main(["bench", "gpu", "--small", "--parts", "ceilings", "--json", str(out)]) == 0
     assert set(json.loads(out.read_text())) >= {"ceilings", "environment", "config"}
+
+
+def test_tp_part_on_the_cpu_and_its_skip_on_fewer_than_2_gpus(tmp_path: Path) -> None:
+    out = tmp_path / "tp.json"
+    report = run(_args("--small", "--parts", "tp", "--device", "cpu", "--json", str(out),
+                       "--no-tqdm"))
+    tp = report["tp"]
+    assert "error" not in tp and "skipped" not in tp, tp
+    assert json.loads(out.read_text())["tp"]["correctness"] == tp["correctness"]
+    assert set(tp["runs"]) == {"tp1", "tp2"} and "ceilings" not in report
+    for name, size in (("tp1", 1), ("tp2", 2)):
+        one = tp["runs"][name]
+        assert one["tensor_parallel_size"] == size and one["cuda_graphs"] is False
+        _positive(one["latency"], "ms_per_token", "ttft_ms")
+        _positive(one["throughput"], "wall_s", "output_tokens_per_s")
+        assert one["throughput"]["output_tokens"] == \
+            SMALL_MODEL.num_requests * SMALL_MODEL.output_len
+    _positive(tp["tp2_over_tp1"], "ms_per_token", "output_tokens_per_s")
+    # fp32 on the CPU: the two ranks' partial sums round alike, every greedy token agrees
+    check = tp["correctness"]
+    assert check["requests"] == 8 and check["new_tokens"] == 32
+    assert check["match_fraction"] == 1.0 and check["mean_common_prefix"] == 32
+
+    skipped = measure_tp(tp_sizes(True, "1b"), torch.device("cuda"), 0, None, 0, False,
+                         checkpoint=lambda partial: None)
+    assert skipped == {"skipped": f"needs 2 GPUs, found {torch.cuda.device_count()}"}

@@ -1,6 +1,6 @@
-"""One benchmark command for the GPU: ceilings, kernels, throughput, latency.
+"""One benchmark command for the GPU: ceilings, kernels, throughput, latency, tensor parallelism.
 
-    pdserve bench gpu [--parts ceilings,kernels,throughput,latency] [--json PATH] [--small]
+    pdserve bench gpu [--parts ceilings,kernels,throughput,latency,tp] [--json PATH] [--small]
 
   ceilings    device-to-device copy bandwidth and a bf16 8192^3 matmul    (gpu_kernels.py)
   kernels     paged decode / prefill attention vs SDPA; RMSNorm, SiLU-mul and rotary vs eager
@@ -8,16 +8,19 @@
               shape (gpu_model.py): pdserve `LLM.generate` vs HF padded `generate` and HF
               `generate_batch`, and the roofline at the measured ceilings  (gpu_generation.py)
   latency     batch-1 decode, ms per token, against the weights-read floor
+  tp          for 2+ GPUs, not run unless asked: TP=2 against TP=1 on the 1B shape (or the 8B
+              one, `--tp-shape 8b`): greedy tokens identical, batch-1 latency, throughput of 64
+              requests, their ratios  (gpu_tp.py; skipped on fewer than 2 GPUs)
 
 Defaults are the issue's full sizes, sized to fit one 10-minute device call on an H100 (HF runs
 on the first 128 / 256 requests). `--small` shrinks everything to check the code on a CPU. On the
 device, from the checkout: `PYTHONPATH=. python -m pdserve.bench.gpu` (needs only torch, triton
 and transformers; the `pdserve` script also imports the services' gRPC and web stacks).
 
-NOTE: the parts run in the order ceilings, kernels, latency, throughput (latency and throughput
-share one loaded `LLM`; throughput then frees it for HF) and the JSON report is rewritten after
-each, so a call cut short still leaves what finished. A part that raises is reported as its error
-and the next one runs. The table comes last.
+NOTE: the parts run in the order ceilings, kernels, latency, throughput, tp (latency and
+throughput share one loaded `LLM`; throughput then frees it for HF; tp loads its own) and the
+JSON report is rewritten after each, so a call cut short still leaves what finished. A part that
+raises is reported as its error and the next one runs. The table comes last.
 """
 
 from __future__ import annotations
@@ -43,11 +46,13 @@ from pdserve.bench.gpu_kernels import (
     measure_kernels,
 )
 from pdserve.bench.gpu_model import SMALL_MODEL, ModelSizes, RandomModel, free_device_memory, log
+from pdserve.bench.gpu_tp import SHAPES, measure_tp, tp_lines, tp_sizes
 from pdserve.bench.report import bench_main, config_of, write_report
 from pdserve.bench.throughput import _environment, parse_range
 
-PARTS = ("ceilings", "kernels", "throughput", "latency")
-RUN_ORDER = ("ceilings", "kernels", "latency", "throughput")
+PARTS = ("ceilings", "kernels", "throughput", "latency", "tp")
+DEFAULT_PARTS = PARTS[:-1]  # tp wants 2+ GPUs and a call of its own
+RUN_ORDER = ("ceilings", "kernels", "latency", "throughput", "tp")
 # flags that override one size of the preset (--small or the full sizes)
 KERNEL_FLAGS = ("copy_mib", "matmul_n")
 MODEL_FLAGS = ("num_requests", "input_len_range", "output_len", "max_num_seqs",
@@ -64,7 +69,7 @@ def _parts(text: str) -> tuple[str, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to `parser` (shared by `pdserve bench gpu`)."""
-    parser.add_argument("--parts", type=_parts, default=PARTS, metavar=",".join(PARTS))
+    parser.add_argument("--parts", type=_parts, default=DEFAULT_PARTS, metavar=",".join(PARTS))
     parser.add_argument("--small", action="store_true", help="tiny sizes, to check it on a CPU")
     parser.add_argument("--json", default=None,
                         help="report path (default: $OUT/bench_gpu.json, else bench_results/)")
@@ -76,6 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pdserve's per-step token budget (vLLM's offline default on an "
                              "80 GB GPU; 0: the engine's own default)")
     parser.add_argument("--no-tqdm", action="store_true", help="hide pdserve's progress bar")
+    parser.add_argument("--tp-shape", choices=sorted(SHAPES), default="1b",
+                        help="the tp part's model: Llama-3.2-1B's or Llama-3.1-8B's shape")
     sizes = parser.add_argument_group("sizes (default: the issue's, or --small's)")
     for name in KERNEL_FLAGS + MODEL_FLAGS:
         kind = parse_range if name == "input_len_range" else int
@@ -148,6 +155,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "throughput": lambda: measure_throughput(
             models, report.get("ceilings"), args.seed, not args.no_tqdm,
             checkpoint=lambda partial: save("throughput", partial)),
+        "tp": lambda: measure_tp(
+            tp_sizes(args.small, args.tp_shape), device, args.seed, args.model_dir,
+            args.max_num_batched_tokens, not args.no_tqdm,
+            checkpoint=lambda partial: save("tp", partial)),
     }
     try:
         for name in _run_order(args.parts):
@@ -276,7 +287,7 @@ def _latency_lines(t: dict[str, Any]) -> list[str]:
 
 
 PART_LINES = {"ceilings": _ceilings_lines, "kernels": _kernels_lines,
-              "throughput": _throughput_lines, "latency": _latency_lines}
+              "throughput": _throughput_lines, "latency": _latency_lines, "tp": tp_lines}
 
 
 def main(argv: list[str] | None = None) -> int:

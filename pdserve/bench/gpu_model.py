@@ -171,8 +171,12 @@ class RandomModel:
         return self._llm
 
     def close_llm(self) -> None:
-        """Drop the LLM and give its KV cache back to the device before HF loads."""
-        self._llm = None
+        """Shut the LLM down (stopping its other tensor-parallel ranks, if any), drop it and
+        give its KV cache back to the device before anything else loads."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.llm_engine.shutdown()
+        del llm
         free_device_memory()
 
     def remove(self) -> None:
