@@ -47,6 +47,7 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput, SchedulerStats
 from engine.stop_checker import StopStringMatcher
+from engine.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class LLMEngine(KVHandoffMixin):
         text, token_ids = tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
         max_tokens = resolve_max_tokens(self.max_model_len, len(token_ids), params)
         check_prior(prior, max_tokens, params.n, self.vocab_size)
+        grammar = self._compile(params)
         if self.config.role == "prefill":
             max_tokens = len(prior) + 1
         group = RequestGroup(
@@ -130,6 +132,8 @@ class LLMEngine(KVHandoffMixin):
             )
             if arrival_time is not None:
                 req.metrics.arrival_time = arrival_time
+            if grammar is not None:
+                req.grammar = self.structured().matcher(grammar, prior)
             seq = self._sequence_state(req, params)
             seq.sent_tokens = seq.seen_tokens = len(prior)  # the caller has them already
             group.seqs.append(seq)
@@ -141,6 +145,19 @@ class LLMEngine(KVHandoffMixin):
         if queue:
             for s in group.seqs:
                 self.scheduler.add_request(s.req)
+
+    def structured(self) -> StructuredOutputs:
+        """The structured-output manager, made at the first constrained request."""
+        if self.runner.structured is None:
+            self.runner.structured = StructuredOutputs.for_tokenizer(
+                self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self.runner.structured
+
+    def _compile(self, params: SamplingParams) -> object | None:
+        """The request's compiled grammar, or None; ValueError if it does not compile."""
+        if params.structured_outputs is None:
+            return None
+        return self.structured().compile(params.structured_outputs)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> bool:
         """Finish the named prompts (all their sequences) as aborted and free their blocks, held

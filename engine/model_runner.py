@@ -20,6 +20,7 @@ from engine.models import get_model_class
 from engine.request import Request
 from engine.sampler import SampledTokens, Sampler, SamplingRow, argmax_suffices
 from engine.scheduler_output import Sample, SchedulerOutput
+from engine.structured.manager import StructuredOutputs
 from engine.token_choice import skip_draws
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class ModelRunner:
         self._pending: PendingTokens | None = None  # the last launch's sampled tokens
         self._pending_ids: torch.Tensor | None = None  # ranks > 0: the same tokens
         self._kv_view: list[ShardedKVLayer] | None = None
+        self.structured: StructuredOutputs | None = None  # set by the engine when first used
 
     # ---- set-up --------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
@@ -269,10 +271,13 @@ class ModelRunner:
         if not sampling:
             self._pending = None
             return LaunchedStep([], None)
+        # filled while the device runs the forward pass (engine/structured/manager.py)
+        bitmask = None if self.structured is None else self.structured.bitmask(
+            [s.request.grammar for s in sampling])
         rows = [self._sampling_row(s.request) for s in sampling]
         logits = self.model.compute_logits(hidden[inp.sample_rows],
                                            upcast=not argmax_suffices(rows))
-        sampled = self.sampler.sample(logits, rows, self.default_generator)
+        sampled = self.sampler.sample(logits, rows, self.default_generator, bitmask)
         self.tp.broadcast(sampled.token_ids)  # the other ranks' next pending tokens
         ids = [s.request.request_id for s in sampling]
         self._pending = PendingTokens(sampled.token_ids, {rid: i for i, rid in enumerate(ids)})

@@ -17,8 +17,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured.backend import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -92,6 +96,8 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # Structured outputs: the grammar's matcher (engine/structured/backend.py), fed every token
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.parent_id:
@@ -135,6 +141,8 @@ class Request:
         return self.num_computed_tokens >= self.num_prompt_tokens
 
     def append_token(self, token_id: int, logprobs: tuple[float, dict[int, float]] | None) -> None:
+        if self.grammar is not None:
+            self.grammar.accept(token_id)  # sampled under its mask: accepted
         self.output_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)

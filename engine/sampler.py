@@ -25,6 +25,7 @@ import torch
 
 from engine.host_copy import to_device
 from engine.sampling_params import SamplingParams
+from engine.structured.bitmask import mask_logits
 from engine.token_choice import index_tensor, padded, pick_tokens, select_rows
 
 Logprobs = tuple[float, dict[int, float]]
@@ -69,6 +70,7 @@ class Sampler:
         logits: torch.Tensor,
         rows: list[SamplingRow],
         default_generator: torch.Generator | None = None,
+        bitmask: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Pick one token per row; `logits` [N, V] float32 (any float dtype where
         `argmax_suffices(rows)`), row i belongs to `rows[i]`.
@@ -77,17 +79,22 @@ class Sampler:
         uniform; unseeded rows share one draw from `default_generator` (torch's default generator
         when None). Greedy rows draw nothing.
         """
-        return self.sample(logits, rows, default_generator).to_host()
+        return self.sample(logits, rows, default_generator, bitmask).to_host()
 
     def sample(
         self,
         logits: torch.Tensor,
         rows: list[SamplingRow],
         default_generator: torch.Generator | None = None,
+        bitmask: torch.Tensor | None = None,
     ) -> SampledTokens:
-        """As `__call__`, with the results left on the device: nothing waits for the GPU."""
+        """As `__call__`, with the results left on the device: nothing waits for the GPU.
+        `bitmask` (int32 [N, words], engine/structured/bitmask.py): the tokens each row may
+        sample; the others are removed before anything else, logprobs included."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [{len(rows)}, V], got {list(logits.shape)}")
+        if bitmask is not None:
+            logits = mask_logits(logits, bitmask)
         raw = _RawLogprobs.compute(logits, rows)
         logits = _apply_penalties_to_rows(_apply_min_tokens(logits, rows), rows)
         token_ids = pick_tokens(logits, rows, default_generator)  # [N] long

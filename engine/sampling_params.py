@@ -10,6 +10,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
+from engine.structured.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -28,6 +30,8 @@ class SamplingParams:
     blocks. `logprobs=k` returns the chosen token's log-probability and the top k of the model's
     raw (unprocessed) distribution at each step. `stop` strings are removed from the text unless
     `include_stop_str_in_output`; `stop_token_ids` end the request like eos does.
+    `structured_outputs` constrains every sampled token to a grammar (JSON schema, regex, choice,
+    EBNF); logprobs then come from the constrained distribution.
     """
 
     n: int = 1
@@ -49,6 +53,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The output must match this (a JSON schema, regex, choice or grammar): engine/structured/
+    structured_outputs: StructuredOutputsParams | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +102,9 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0)
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

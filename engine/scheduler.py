@@ -266,6 +266,8 @@ class Scheduler:
             token_id, logprobs = samples[req.request_id]
             req.append_token(token_id, logprobs)
             reason, stop_reason = self._check_stop(req, token_id)
+            if reason is None and req.grammar is not None and req.grammar.is_terminated():
+                reason = "stop"  # the grammar is complete (it accepted a stop token)
             if reason is not None:
                 req.stop_reason = stop_reason
                 status = (

@@ -1,0 +1,1 @@
+"""Structured outputs: a grammar constrains which tokens a request may sample (xgrammar)."""

@@ -1,0 +1,27 @@
+"""The next-token bitmask of constrained rows, in plain torch (the sampler's side).
+
+Layout (xgrammar's): int32 [rows, ceil(V / 32)]; bit b of word w allows token 32 * w + b. A row
+of -1 (all bits set) allows everything: the rows of unconstrained requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [rows, vocab_size]: which tokens each row may sample."""
+    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1  # [rows, words, 32]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of `logits` [N, V] with every disallowed token at -inf."""
+    allowed = allowed_tokens(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
+    return logits.masked_fill(~allowed, float("-inf"))

@@ -1,0 +1,64 @@
+"""Structured outputs through xgrammar (vLLM's default backend).
+
+JSON schemas compile to compact JSON (no free whitespace: a small model given free whitespace
+can spend its whole budget on newlines); `json_object` is the schema {"type": "object"}; a
+choice is an EBNF alternation of the literal strings.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from engine.structured.params import StructuredOutputsParams
+
+
+class XGrammarMatcher:
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._m = xgr.GrammarMatcher(compiled)
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self._m.accept_token(token_id))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+
+
+class XGrammarBackend:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=4, cache_enabled=False)
+
+    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        try:
+            return self._compile(params)
+        except (RuntimeError, ValueError, TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"structured_outputs.{params.kind} does not compile: {exc}") from None
+
+    def _compile(self, p: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        c = self._compiler
+        if p.json is not None:
+            schema = json.loads(p.json) if isinstance(p.json, str) else p.json
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema must be an object")
+            return c.compile_json_schema(json.dumps(schema), any_whitespace=False)
+        if p.json_object:
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if p.regex is not None:
+            return c.compile_regex(p.regex)
+        if p.choice is not None:
+            return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in p.choice))
+        return c.compile_grammar(str(p.grammar))
+
+    def matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
+        return XGrammarMatcher(compiled)
