@@ -33,6 +33,7 @@ WHEELS=(
     uvicorn h11 click redis prometheus-client
     httpx httpcore anyio idna certifi
     grpcio grpcio-health-checking protobuf
+    xgrammar apache-tvm-ffi
 )
 # ldd names never carried: glibc's own (they must match the machine's loader), the C++ runtime
 SKIP_LIBS='^(linux-vdso|ld-linux|libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s)\.so'
