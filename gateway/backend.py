@@ -51,6 +51,12 @@ class BackendError(RuntimeError):
         self.retryable = retryable
 
 
+class RequestRejected(BackendError):
+    """The engine refused the request as given (its ValueError; a worker's INVALID_ARGUMENT):
+    what the gateway cannot check itself, chiefly a structured-output constraint that does not
+    compile. Answered 400: sending it again would fail again."""
+
+
 class Backend(Protocol):
     async def model_info(self) -> ModelFacts:
         """The served model's facts (cached after the first call)."""
@@ -85,7 +91,8 @@ class Backend(Protocol):
 
         Yields deltas until one carries a finish_reason. Closing the iterator early (client
         gone, stop string matched) aborts the request everywhere and frees its KV blocks.
-        Raises BackendError when the serving system fails the request.
+        Raises BackendError when the serving system fails the request, RequestRejected when
+        the engine refuses it (e.g. a grammar that does not compile).
         """
         ...
 

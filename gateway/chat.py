@@ -33,17 +33,18 @@ from gateway.sequence import SequenceOutput, SequenceResult
 from gateway.serving import (
     ServingContext,
     check_prompt_ids,
+    check_unknown_fields,
     clamp_logprob,
     common_sampling_fields,
     fan_out,
     fit_context,
     generate_outputs,
-    log_ignored_fields,
     sampling_params,
     start_stream,
     stream_response,
     token_text,
 )
+from gateway.structured import constraint_field
 
 KIND = "chat"  # of its StreamRecords
 
@@ -57,7 +58,7 @@ class ChatServing:
         sequences concurrently, and answer with SSE or one JSON body. Raises OpenAIError."""
         arrival, request_id = time.monotonic(), random_id("chatcmpl")
         model = await self.ctx.check_model(req.model)
-        log_ignored_fields(request_id, req)
+        check_unknown_fields(request_id, req)
         facts = await self.ctx.backend.model_info()
         prompt = await self._render(req)
         check_prompt_ids(prompt, facts, "messages")
@@ -65,7 +66,7 @@ class ChatServing:
         specs = fan_out(request_id, [prompt], [params])
         tracker = self.ctx.tracker(request_id, model, arrival, len(prompt), len(specs), req.stream)
         view = _ChatView(request_id, model, req, len(prompt), self.ctx.backend.get_tokenizer())
-        events = generate_outputs(self.ctx, tracker, specs)
+        events = generate_outputs(self.ctx, tracker, specs, constraint_field(req))
         if req.stream:
             record = StreamRecord.of(KIND, request_id, model, view.created,
                                      req.model_dump(mode="json"), [prompt], [None], [params])

@@ -29,17 +29,18 @@ from gateway.sequence import SequenceOutput, SequenceResult
 from gateway.serving import (
     ServingContext,
     check_prompt_ids,
+    check_unknown_fields,
     clamp_logprob,
     common_sampling_fields,
     fan_out,
     fit_context,
     generate_outputs,
-    log_ignored_fields,
     sampling_params,
     start_stream,
     stream_response,
     token_text,
 )
+from gateway.structured import constraint_field
 
 KIND = "completions"  # of its StreamRecords
 
@@ -59,7 +60,7 @@ class CompletionServing:
         sequence concurrently, and answer with SSE or one JSON body. Raises OpenAIError."""
         arrival, request_id = time.monotonic(), random_id("cmpl")
         model = await self.ctx.check_model(req.model)
-        log_ignored_fields(request_id, req)
+        check_unknown_fields(request_id, req)
         _check_supported(req)
         facts = await self.ctx.backend.model_info()
         prompts = await self._prompts(req, facts)
@@ -68,7 +69,7 @@ class CompletionServing:
         num_prompt = sum(len(p.token_ids) for p in prompts)
         tracker = self.ctx.tracker(request_id, model, arrival, num_prompt, len(specs), req.stream)
         view = _CompletionView(request_id, model, req, prompts, self.ctx.backend.get_tokenizer())
-        events = generate_outputs(self.ctx, tracker, specs)
+        events = generate_outputs(self.ctx, tracker, specs, constraint_field(req))
         if req.stream:
             record = StreamRecord.of(
                 KIND, request_id, model, view.created, req.model_dump(mode="json"),

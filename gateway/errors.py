@@ -1,8 +1,9 @@
 """Every failure as OpenAI's error body `{"error": {"message", "type", "param", "code"}}`.
 
 Handlers turn each kind of exception into its status: request mistakes 4xx (pydantic errors are
-400, not FastAPI's 422), `BackendError` 503 with `Retry-After` when retryable else 500, anything
-unexpected 500 with a generic message; the stack trace goes to the log, never into the body.
+400, not FastAPI's 422; so is `RequestRejected`, the engine refusing the request), other
+`BackendError`s 503 with `Retry-After` when retryable else 500, anything unexpected 500 with a
+generic message; the stack trace goes to the log, never into the body.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from gateway.backend import BackendError
+from gateway.backend import BackendError, RequestRejected
 from gateway.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> Open
 
 
 def from_backend_error(exc: BackendError) -> OpenAIError:
+    if isinstance(exc, RequestRejected):  # the engine refused the request as given
+        return OpenAIError(str(exc))
     if exc.retryable:
         return OpenAIError(
             f"The server is temporarily unable to serve the request: {exc}. Please retry.",

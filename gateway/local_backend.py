@@ -10,7 +10,13 @@ from typing import Any
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.outputs import CompletionOutput, Logprob
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from gateway.backend import BackendError, ModelFacts, TokenDelta, TokenLogprobs
+from gateway.backend import (
+    BackendError,
+    ModelFacts,
+    RequestRejected,
+    TokenDelta,
+    TokenLogprobs,
+)
 
 
 class LocalBackend:
@@ -80,8 +86,8 @@ class LocalBackend:
                 yield _to_delta(out.outputs[0])
         except EngineDeadError as exc:
             raise BackendError(f"the engine has failed: {exc.__cause__ or exc}") from exc
-        except ValueError as exc:  # the gateway validates first: this is an inconsistency
-            raise BackendError(f"the engine rejected the request: {exc}") from exc
+        except ValueError as exc:  # what the gateway cannot check: a grammar that won't compile
+            raise RequestRejected(str(exc)) from exc
         finally:
             await stream.aclose()
 

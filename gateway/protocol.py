@@ -1,13 +1,16 @@
 """The OpenAI wire format: pydantic v2 models of `/v1/completions`, `/v1/chat/completions`,
 `/v1/models` and the error body, with vLLM's extensions (top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output).
+min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, and the
+structured-output fields `structured_outputs`, `guided_*`: gateway/structured.py maps them).
 
-Requests accept unknown fields and keep them in `model_extra`, so the serving layer can log them
-as ignored, as vLLM does (OpenAI itself answers 400 "Unrecognized request argument"): clients
-send vendor fields through `extra_body`, and one gateway serves them all. Range checks live in
-`SamplingParams`, the one place that knows them; these models check types, the OpenAI-specific
-bounds (logprobs 0..20, n up to 128) and the wire's: finite numbers, integers that fit the
-workers' protobuf fields, and list lengths that keep one request from fanning out without end.
+Requests accept unknown fields and keep them in `model_extra`: the serving layer answers 400 for
+the OpenAI fields pdserve cannot honour (tools, logit_bias, ...: `serving.UNSUPPORTED_FIELDS`)
+and logs the rest as ignored, as vLLM does (OpenAI itself answers 400 "Unrecognized request
+argument"): clients send vendor fields through `extra_body`, and one gateway serves them all.
+Range checks live in `SamplingParams`, the one place that knows them; these models check types,
+the OpenAI-specific bounds (logprobs 0..20, n up to 128) and the wire's: finite numbers, integers
+that fit the workers' protobuf fields, and list lengths that keep one request from fanning out
+without end.
 """
 
 from __future__ import annotations
@@ -16,7 +19,14 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # OpenAI's bound on `n`
@@ -27,6 +37,7 @@ INT64 = 2**63  # the seed travels as int64
 FLOAT32_RANGE = (1.1754943508222875e-38, 3.4028234663852886e38)  # normal float32 magnitudes
 
 TokenCount = Annotated[int, Field(le=UINT32_MAX)]
+JsonSchema = dict[str, Any] | str  # a JSON schema: an object, or its JSON text
 
 
 def random_id(prefix: str) -> str:
@@ -48,6 +59,42 @@ class ErrorResponse(BaseModel):
 # ---- requests ----------------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`. `strict` either way: the output always fits the schema."""
+
+    model_config = ConfigDict(extra="forbid", validate_by_name=True, serialize_by_alias=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")  # `schema` would shadow BaseModel's
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a `json_schema` object')
+        return self
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` object (its other options are refused, by name)."""
+
+    model_config = ConfigDict(extra="forbid", validate_by_name=True, serialize_by_alias=True)
+
+    json_: JsonSchema | None = Field(default=None, alias="json")  # `json` would shadow too
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class OpenAIRequest(BaseModel):
@@ -76,6 +123,14 @@ class OpenAIRequest(BaseModel):
     user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # at most one output constraint (gateway/structured.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: JsonSchema | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     @field_validator(
         "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.sampling_params import SamplingParams
+from engine.structured.params import StructuredOutputsParams
 from gateway.sequence import SequenceOutput
 from gateway.serving import sse_stream
 from pdserve.cluster.event_log import EventLog, LogEvent
@@ -61,7 +62,8 @@ class StreamRecord:
     body: dict[str, Any]  # the request as validated (JSON types)
     prompts: list[list[int]]  # token ids of each prompt
     prompt_texts: list[str | None]  # for echo (None: token-id prompts)
-    params: list[dict[str, Any]]  # each prompt's SamplingParams fields (n included)
+    params: list[dict[str, Any]]  # each prompt's SamplingParams fields (n included), as JSON:
+    # output_kind its value, structured_outputs [kind, spec] (the wire's two strings) or None
 
     @classmethod
     def of(cls, kind: str, request_id: str, model: str, created: int, body: dict[str, Any],
@@ -71,10 +73,14 @@ class StreamRecord:
                   for p in params]
         for f in fields:
             f["output_kind"] = f["output_kind"].value
+            so = f["structured_outputs"]
+            f["structured_outputs"] = None if so is None else [so.kind, so.spec()]
         return cls(kind, request_id, model, created, body, prompts, texts, fields)
 
     def sampling_params(self) -> list[SamplingParams]:
-        return [SamplingParams(**p) for p in self.params]
+        """The params as recorded; a resume generates on under the same constraint."""
+        return [SamplingParams(**{**p, "structured_outputs": _constraint(p)})
+                for p in self.params]
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -82,6 +88,11 @@ class StreamRecord:
     @classmethod
     def from_json(cls, text: str) -> StreamRecord:
         return cls(**json.loads(text))
+
+
+def _constraint(fields: dict[str, Any]) -> StructuredOutputsParams | None:
+    recorded = fields.get("structured_outputs")  # absent in records of older gateways
+    return None if recorded is None else StructuredOutputsParams.from_spec(*recorded)
 
 
 def encode_outputs(outputs: list[SequenceOutput]) -> str:

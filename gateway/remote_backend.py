@@ -28,7 +28,13 @@ from typing import Any
 import grpc
 
 from engine.sampling_params import SamplingParams
-from gateway.backend import BackendError, ModelFacts, TokenDelta, state_request_id
+from gateway.backend import (
+    BackendError,
+    ModelFacts,
+    RequestRejected,
+    TokenDelta,
+    state_request_id,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.remote_tokenizer import RemoteTokenizer
 from gateway.worker_pool import WorkerPool
@@ -274,6 +280,8 @@ class RemoteBackend:
             logger.warning("[%s] cancellation not recorded: %s", request_id, exc)
 
     async def _error(self, exc: grpc.aio.AioRpcError, worker: WorkerInfo) -> BackendError:
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the engine's ValueError: the
+            return RequestRejected(exc.details() or "invalid request")  # client's to fix
         message = f"{worker.role} worker {worker.address}: {exc.details()}"
         if exc.code() == grpc.StatusCode.UNAVAILABLE:  # dead or unreachable: a fresh channel
             await self.pool.retire(worker.address)     # next time, and the request moves

@@ -19,11 +19,12 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.sampling_params import SamplingParams
-from gateway.backend import Backend, BackendError, ModelFacts
+from gateway.backend import Backend, BackendError, ModelFacts, RequestRejected
 from gateway.errors import OpenAIError, from_backend_error
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ErrorResponse, OpenAIRequest
 from gateway.sequence import SequenceOutput, SequenceSpec, generate_sequence, merge_sequences
+from gateway.structured import structured_outputs_of
 from gateway.tracker import RequestTracker, StateStore
 from pdserve.cluster.event_log import EventLog
 
@@ -32,6 +33,17 @@ logger = logging.getLogger("pdserve.gateway")
 T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
+# OpenAI fields whose meaning pdserve cannot honour: ignoring them would answer something other
+# than what was asked. A value that asks for nothing is accepted (some clients send it always).
+UNSUPPORTED_FIELDS = {
+    "tools": "pdserve does no tool calling",
+    "tool_choice": "pdserve does no tool calling",
+    "parallel_tool_calls": "pdserve does no tool calling",
+    "functions": "pdserve does no function calling",
+    "function_call": "pdserve does no function calling",
+    "logit_bias": "pdserve applies no logit bias",
+}
+_ASKS_NOTHING = (None, [], {}, "none")
 
 
 @dataclass
@@ -101,6 +113,7 @@ def common_sampling_fields(req: OpenAIRequest) -> dict[str, Any]:
         "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens,
         "include_stop_str_in_output": req.include_stop_str_in_output,
+        "structured_outputs": structured_outputs_of(req),
     }
 
 
@@ -164,23 +177,35 @@ def clamp_logprob(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
-def log_ignored_fields(request_id: str, req: OpenAIRequest) -> None:
-    ignored = req.ignored_fields()
+def check_unknown_fields(request_id: str, req: OpenAIRequest) -> None:
+    """400 for an OpenAI field pdserve cannot honour (`UNSUPPORTED_FIELDS`) unless its value
+    asks for nothing; the other unknown fields are logged and ignored, as vLLM does."""
+    extra = req.model_extra or {}
+    for name, why in UNSUPPORTED_FIELDS.items():
+        if extra.get(name) not in _ASKS_NOTHING:
+            raise OpenAIError(f"{name} is not supported: {why}.", param=name)
+    ignored = [name for name in req.ignored_fields() if name not in UNSUPPORTED_FIELDS]
     if ignored:
         logger.warning("%s: ignoring unknown fields %s", request_id, ignored)
 
 
 async def generate_outputs(
-    ctx: ServingContext, tracker: RequestTracker, specs: list[SequenceSpec]
+    ctx: ServingContext, tracker: RequestTracker, specs: list[SequenceSpec],
+    constraint_field: str | None = None,
 ) -> AsyncGenerator[SequenceOutput, None]:
-    """Every sequence's outputs, generated concurrently and accounted for by `tracker`."""
+    """Every sequence's outputs, generated concurrently and accounted for by `tracker`. The
+    engine refusing the request (RequestRejected: the constraint does not compile) is a 400
+    naming `constraint_field`, the request field the constraint came from."""
     tokenizer = ctx.backend.get_tokenizer()
-    async with tracker:
-        streams = [generate_sequence(ctx.backend, tokenizer, spec) for spec in specs]
-        async with contextlib.aclosing(merge_sequences(streams)) as merged:
-            async for out in merged:
-                tracker.observe(out)
-                yield out
+    try:
+        async with tracker:
+            streams = [generate_sequence(ctx.backend, tokenizer, spec) for spec in specs]
+            async with contextlib.aclosing(merge_sequences(streams)) as merged:
+                async for out in merged:
+                    tracker.observe(out)
+                    yield out
+    except RequestRejected as exc:
+        raise OpenAIError(str(exc), param=constraint_field) from exc
 
 
 # ---- responses ---------------------------------------------------------------------------

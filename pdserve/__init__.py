@@ -1,7 +1,8 @@
 """pdserve: LLM serving with disaggregated prefill and decode.
 
-    from pdserve import LLM, SamplingParams
+    from pdserve import LLM, SamplingParams, StructuredOutputsParams
     outputs = LLM().generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=32))
+    yes_no = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
 
 The engine (and torch) load on first use of these names, so `pdserve.cluster` and the CLI's
 help stay light.
@@ -21,6 +22,7 @@ _EXPORTS = {
     "RequestOutput": "engine.outputs",
     "RequestOutputKind": "engine.sampling_params",
     "SamplingParams": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.structured.params",
 }
 __all__ = list(_EXPORTS)
 

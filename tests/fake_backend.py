@@ -28,6 +28,7 @@ class FakeBackend:
             vocab_size=len(tokenizer),
         )
         self.generated = 0  # generations started
+        self.params: list[SamplingParams] = []  # of each generation, as a worker read them
 
     async def model_info(self) -> ModelFacts:
         return self.facts
@@ -59,7 +60,9 @@ class FakeBackend:
             request_id=request_id, prompt_token_ids=prompt_token_ids,
             params=sampling_params_to_pb(params, params.max_tokens or 1),
         )
-        worker = sampling_params_from_pb(request.params)
+        received = decode_pb2.GenerateRequest.FromString(request.SerializeToString())
+        worker = sampling_params_from_pb(received.params)
+        self.params.append(worker)
         count = min(worker.max_tokens or 1, MAX_GENERATED)
         for i in range(count):
             token = prompt_token_ids[i % len(prompt_token_ids)]

@@ -1,6 +1,8 @@
 """Hypothesis strategies for any protobuf message, read off its descriptor: every field present
 or not, each value anywhere in its wire type's range (NaN and inf floats, ids up to 2**32 - 1,
-any text, any bytes), small values drawn often so that some messages are also valid."""
+any text, any bytes), small values drawn often so that some messages are also valid. A message
+whose valid values random text would almost never hit (a StructuredOutput's kind and spec) is
+drawn valid half the time (`_VALID`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
 from hypothesis import strategies as st
+
+from engine.structured.params import StructuredOutputsParams
 
 _T = FieldDescriptor
 _TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=40)  # proto strings: UTF-8
@@ -39,6 +43,30 @@ _SCALARS: dict[int, st.SearchStrategy[Any]] = {
 }
 
 
+def structured_outputs() -> st.SearchStrategy[StructuredOutputsParams]:
+    """Valid constraints of every kind (valid to `StructuredOutputsParams`; not all compile)."""
+    text = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=20)
+    leaf = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False,
+                                                                 allow_infinity=False) | text
+    value = st.recursive(leaf, lambda kids: st.lists(kids, max_size=3)
+                         | st.dictionaries(text, kids, max_size=3), max_leaves=8)
+    return st.one_of(
+        st.dictionaries(text, value, max_size=4).map(lambda d: StructuredOutputsParams(json=d)),
+        text.map(lambda t: StructuredOutputsParams(json=t)),
+        st.just(StructuredOutputsParams(json_object=True)),
+        text.map(lambda t: StructuredOutputsParams(regex=t)),
+        st.lists(text, min_size=1, max_size=5).map(lambda c: StructuredOutputsParams(choice=c)),
+        text.map(lambda t: StructuredOutputsParams(grammar=t)),
+    )
+
+
+def _structured_output_msgs(cls: type[Message]) -> st.SearchStrategy[Message]:
+    return structured_outputs().map(lambda so: cls(kind=so.kind, spec=so.spec()))
+
+
+_VALID = {"pdserve.v1.StructuredOutput": _structured_output_msgs}
+
+
 def messages(cls: type[Message], depth: int = 3) -> st.SearchStrategy[Message]:
     """Random instances of `cls` (nested messages down to `depth` levels)."""
     fields = {f.name: _field(f, depth) for f in cls.DESCRIPTOR.fields}
@@ -52,9 +80,11 @@ def _field(f: FieldDescriptor, depth: int) -> st.SearchStrategy[Any]:
 
 def _value(f: FieldDescriptor, depth: int) -> st.SearchStrategy[Any]:
     if f.type == _T.TYPE_MESSAGE:
+        cls = _message_class(f.message_type)
         if depth <= 0:
-            return st.just(_message_class(f.message_type)())
-        return messages(_message_class(f.message_type), depth - 1)
+            return st.just(cls())
+        valid = _VALID.get(f.message_type.full_name)
+        return messages(cls, depth - 1) | (st.nothing() if valid is None else valid(cls))
     if f.type == _T.TYPE_ENUM:
         return st.sampled_from([v.number for v in f.enum_type.values])
     return _SCALARS[f.type]

@@ -2,8 +2,9 @@
 right behind it either succeed or raise ValueError, which the shared interceptor answers with
 INVALID_ARGUMENT. Anything else would be an INTERNAL error, or a crash, for a client's mistake.
 
-Covered: sampling params (prefill and decode workers), KV layout, KV slabs written into a real
-(tiny) cache, first-token logprobs, and the tokenizer service's rpcs.
+Covered: sampling params (prefill and decode workers; their structured-output constraint
+survives the wire), KV layout, KV slabs written into a real (tiny) cache, first-token logprobs,
+and the tokenizer service's rpcs.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pb_strategies import messages
+from pb_strategies import messages, structured_outputs
 
 from decode_svc.convert import first_logprobs, layout_from_pb, slab_from_pb
 from engine.kv_transfer import KVLayout, KVSlab, KVSlabWriter
-from engine.sampling_params import RequestOutputKind
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.structured.params import StructuredOutputsParams
 from pdserve.cluster.convert import (
     logprobs_from_pb,
     sampling_params_from_pb,
@@ -52,8 +54,28 @@ def test_sampling_params_from_pb(msg: common_pb2.SamplingParams) -> None:
     assert params.max_tokens == msg.max_tokens >= 1 and params.min_tokens <= params.max_tokens
     assert params.output_kind is RequestOutputKind.DELTA and not params.detokenize
     assert params.seed == (msg.seed if msg.HasField("seed") else None)
-    again = sampling_params_to_pb(params, params.max_tokens)  # a worker can pass it on
-    assert sampling_params_from_pb(again).max_tokens == params.max_tokens
+    again = sampling_params_from_pb(sampling_params_to_pb(params, params.max_tokens))
+    assert again.max_tokens == params.max_tokens  # a worker can pass it on
+    assert again.structured_outputs == params.structured_outputs
+    so = params.structured_outputs
+    sent = msg.structured_output.kind if msg.HasField("structured_output") else None
+    assert (so.kind if so is not None else None) == sent
+
+
+@FUZZ
+@given(structured_outputs())
+def test_structured_outputs_survive_the_wire(so: StructuredOutputsParams) -> None:
+    """The constraint a gateway sends is the one a worker reads (and sends on): same kind, same
+    spec, through the bytes."""
+    params = SamplingParams(max_tokens=4, structured_outputs=so)
+    wire = sampling_params_to_pb(params, 4).SerializeToString()
+    received = sampling_params_from_pb(common_pb2.SamplingParams.FromString(wire))
+    got = received.structured_outputs
+    assert got is not None and (got.kind, got.spec()) == (so.kind, so.spec())
+    resent = sampling_params_from_pb(sampling_params_to_pb(received, 4)).structured_outputs
+    assert resent == got
+    assert sampling_params_from_pb(sampling_params_to_pb(params.clone(structured_outputs=None),
+                                                         4)).structured_outputs is None
 
 
 @FUZZ

@@ -466,6 +466,28 @@ def test_backend_errors(engine: AsyncLLMEngine, retryable: bool, status: int) ->
         assert http.get("/health").status_code == 200
 
 
+@pytest.mark.parametrize(("field", "value", "kind"), [
+    ("guided_regex", "(ab", "regex"),
+    ("guided_grammar", "root ::= undefined_rule", "grammar"),
+    ("response_format", {"type": "json_schema",
+                         "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}, "json"),
+])
+def test_a_constraint_the_engine_cannot_compile_is_a_400(
+    engine: AsyncLLMEngine, field: str, value: Any, kind: str
+) -> None:
+    """The engine's ValueError at add_request (the compiler's message) is the client's 400,
+    naming the request field the constraint came from, before any stream starts."""
+    with TestClient(build_app(LocalBackend(engine, "tiny"))) as http:
+        for stream in (False, True):
+            r = http.post("/v1/chat/completions", json={
+                "messages": CHAT, "max_tokens": 4, "stream": stream, field: value})
+            assert r.status_code == 400, r.text
+            error = error_of(r)
+            assert (error["type"], error["param"]) == ("invalid_request_error", field)
+            assert error["message"].startswith(f"structured_outputs.{kind} does not compile")
+    wait_until_idle(engine)
+
+
 class BrokenStore:
     async def create(self, request_id: str, **fields: Any) -> None:
         raise ConnectionError("redis is down")

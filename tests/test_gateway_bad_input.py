@@ -141,6 +141,16 @@ JSON_CASES = {
     "suffix": (CMPL, cmpl(suffix="x"), 400, "suffix", None),
     "chat template from the request": (CHAT, chat(chat_template="{{ 1 }}"), 400,
                                        "chat_template", None),
+    # OpenAI fields pdserve cannot honour: refused rather than silently ignored
+    "tools": (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
+              "tools", None),
+    "tool_choice": (CHAT, chat(tool_choice="auto"), 400, "tool_choice", None),
+    "parallel_tool_calls": (CHAT, chat(parallel_tool_calls=False), 400, "parallel_tool_calls",
+                            None),
+    "functions": (CHAT, chat(functions=[{"name": "f", "parameters": {}}]), 400, "functions",
+                  None),
+    "function_call": (CHAT, chat(function_call={"name": "f"}), 400, "function_call", None),
+    "logit_bias": (CMPL, cmpl(logit_bias={"5": 1}), 400, "logit_bias", None),
 }
 
 
@@ -187,8 +197,18 @@ def test_oversized_bodies_get_413_declared_or_not(http: TestClient) -> None:
 
 
 def test_unknown_fields_are_ignored_as_vllm_does(http: TestClient) -> None:
-    r = http.post(CMPL, json=cmpl(logit_bias={"5": 1}, best_of=2, frobnicate=True))
+    r = http.post(CMPL, json=cmpl(best_of=2, frobnicate=True))
     assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+
+def test_unsupported_fields_that_ask_for_nothing_are_accepted(http: TestClient) -> None:
+    """What OpenAI clients send by default, or send empty: served, not refused."""
+    quiet = {"user": "u1", "store": False, "metadata": {}, "service_tier": None, "tools": [],
+             "tool_choice": "none", "functions": [], "function_call": "none", "logit_bias": {},
+             "parallel_tool_calls": None}
+    for path, body in ((CHAT, chat(**quiet)), (CMPL, cmpl(**quiet))):
+        r = http.post(path, json=body)
+        assert r.status_code == 200, r.text
 
 
 def test_wrong_method_and_path(http: TestClient) -> None:

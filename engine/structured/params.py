@@ -56,8 +56,9 @@ class StructuredOutputsParams:
     def spec(self) -> str:
         """The constraint as text (the compile cache's key with `kind`, the wire format)."""
         if self.json is not None:
+            # key order kept: xgrammar emits properties in the schema's order
             return self.json if isinstance(self.json, str) else json_lib.dumps(
-                self.json, sort_keys=True, separators=(",", ":"))
+                self.json, separators=(",", ":"))
         if self.choice is not None:
             return json_lib.dumps(list(self.choice))
         if self.json_object:

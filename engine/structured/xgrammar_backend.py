@@ -8,12 +8,16 @@ choice is an EBNF alternation of the literal strings.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
 import xgrammar as xgr
 
 from engine.structured.params import StructuredOutputsParams
+
+
+_SOURCE = re.compile(r"\[[0-9:]+\] \S+\.cc:\d+: ")
 
 
 class XGrammarMatcher:
@@ -43,7 +47,9 @@ class XGrammarBackend:
         try:
             return self._compile(params)
         except (RuntimeError, ValueError, TypeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"structured_outputs.{params.kind} does not compile: {exc}") from None
+            message = _SOURCE.sub("", str(exc)).strip()  # "[12:00:00] /project/cpp/x.cc:83: "
+            raise ValueError(f"structured_outputs.{params.kind} does not compile: {message}") \
+                from None
 
     def _compile(self, p: StructuredOutputsParams) -> xgr.CompiledGrammar:
         c = self._compiler

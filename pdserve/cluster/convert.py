@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler_output import SchedulerStats
+from engine.structured.params import StructuredOutputsParams
 from protos import common_pb2
 
 LogprobsTuple = tuple[float, dict[int, float]]
@@ -32,6 +33,8 @@ def sampling_params_to_pb(p: SamplingParams, max_tokens: int) -> common_pb2.Samp
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.structured_outputs is not None:
+        msg.structured_output.CopyFrom(structured_output_to_pb(p.structured_outputs))
     return msg
 
 
@@ -55,7 +58,22 @@ def sampling_params_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
+        structured_outputs=(structured_output_from_pb(msg.structured_output)
+                            if msg.HasField("structured_output") else None),
     )
+
+
+def structured_output_to_pb(so: StructuredOutputsParams) -> common_pb2.StructuredOutput:
+    return common_pb2.StructuredOutput(kind=so.kind, spec=so.spec())
+
+
+def structured_output_from_pb(msg: common_pb2.StructuredOutput) -> StructuredOutputsParams:
+    """The constraint (ValueError for an unknown kind or a spec that does not fit it; whether
+    it compiles is the engine's to say, when the request is added)."""
+    try:
+        return StructuredOutputsParams.from_spec(msg.kind, msg.spec)
+    except RecursionError:  # a choice list nested past json's recursion limit
+        raise ValueError("structured_output.spec is nested too deeply") from None
 
 
 def logprobs_to_pb(lp: LogprobsTuple) -> common_pb2.TokenLogprobs:
