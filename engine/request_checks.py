@@ -52,9 +52,8 @@ def check_prior(prior: list[int], max_tokens: int, n: int, vocab_size: int) -> N
 
 
 def reads_history(params: SamplingParams) -> bool:
-    """Whether sampling a token needs every earlier one on the host (penalties, min_tokens, a
-    grammar's matcher)."""
-    return params.min_tokens > 0 or params.structured_outputs is not None or (
+    """Whether sampling a token needs every earlier one on the host (penalties, min_tokens)."""
+    return params.min_tokens > 0 or (
         params.repetition_penalty, params.frequency_penalty, params.presence_penalty
     ) != (1.0, 0.0, 0.0)
 

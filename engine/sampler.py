@@ -115,10 +115,14 @@ class SampledTokens:
             self._ready = torch.cuda.Event()
             self._ready.record()
 
-    def to_host(self) -> SamplerOutput:
+    def host_token_ids(self) -> list[int]:
+        """The sampled ids, waiting for this step's sampling only (not for later work)."""
         if self._ready is not None:
             self._ready.synchronize()
-        token_ids = self._host.tolist()
+        return self._host.tolist()
+
+    def to_host(self) -> SamplerOutput:
+        token_ids = self.host_token_ids()
         if self._raw is None:
             return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(token_ids))
         return SamplerOutput(token_ids=token_ids, logprobs=self._raw.gather(self.token_ids))

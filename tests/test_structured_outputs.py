@@ -174,3 +174,14 @@ def test_split_and_resume_keep_the_constraint(bundled_path):
     assert run_all(colocated)["r"].outputs[0].token_ids == expected
     with pytest.raises(ValueError, match="does not follow the grammar"):
         colocated.add_request("bad", prompts[0], params, prior_output_token_ids=[0])
+
+
+def test_overlapped_steps_constrain_exactly_as_serial_steps(llm, bundled_path):
+    """With asynchronous scheduling the mask is filled one token ahead (accept, fill, roll
+    back): the sampled outputs equal those of steps run one at a time."""
+    serial = LLM(bundled_path, device="cpu", max_model_len=1024, kv_cache_memory=64 << 20,
+                 async_scheduling=False)
+    so = StructuredOutputsParams(json=SCHEMA)
+    overlapped = [o.token_ids for o in _texts(llm, so, 4)]
+    assert overlapped == [o.token_ids for o in _texts(serial, so, 4)]
+    assert llm.llm_engine._overlap and not serial.llm_engine._overlap

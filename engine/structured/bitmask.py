@@ -23,5 +23,7 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """A copy of `logits` [N, V] with every disallowed token at -inf."""
-    allowed = allowed_tokens(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
+    if logits.is_cuda:  # from pinned memory: the copy does not wait for the queued forward
+        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    allowed = allowed_tokens(bitmask, logits.shape[-1])
     return logits.masked_fill(~allowed, float("-inf"))

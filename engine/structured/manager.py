@@ -1,10 +1,13 @@
 """The engine's structured outputs: compile each constraint once (an LRU cache keyed by its kind
 and text), give each sequence its matcher, and build a step's bitmask.
 
-NOTE: the bitmask of a step is filled on the host before its forward pass is launched (on a GPU
-the fill overlaps the forward) and applied to the logits by the sampler, before temperature,
-top-k/p and penalties, so logprobs come from the constrained distribution (vLLM's order). A
-constrained request's next mask needs its last token: its steps never overlap (llm_engine.py).
+NOTE: a step's bitmask is filled on the host after its forward pass is queued (on a GPU the
+fill runs while the forward does) and applied to the logits by the sampler, before temperature,
+top-k/p and penalties, so logprobs come from the constrained distribution (vLLM's order).
+With asynchronous scheduling a request's last token may not be appended yet when the next
+step is launched: the runner reads it from the step in flight (waiting for that step's sampling
+only, which the GPU finished before the new forward) and the mask is filled one token ahead:
+accept it, fill, roll it back; `Request.append_token` accepts it for good later.
 """
 
 from __future__ import annotations
@@ -70,15 +73,26 @@ class StructuredOutputs:
                 raise ValueError(f"output token {i} ({token_id}) does not follow the grammar")
         return m
 
-    def bitmask(self, matchers: list[GrammarMatcher | None]) -> torch.Tensor | None:
+    def bitmask(
+        self, matchers: list[GrammarMatcher | None], ahead: dict[int, int] | None = None
+    ) -> torch.Tensor | None:
         """int32 [rows, words]: each constrained row's allowed tokens, -1 for the others; None
-        when no row is constrained."""
+        when no row is constrained. `ahead` {row: token}: the row's last token, not yet
+        accepted by its matcher (see the NOTE); a row whose grammar it ends (or breaks) allows
+        everything: its token is discarded, its request finished."""
         if all(m is None for m in matchers):
             return None
         start = time.perf_counter()
         mask = torch.full((len(matchers), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+        ahead = ahead or {}
         for row, m in enumerate(matchers):
-            if m is not None:
+            if m is None:
+                continue
+            if row not in ahead:
                 m.fill_bitmask(mask, row)
+            elif m.accept(ahead[row]):
+                if not m.is_terminated():
+                    m.fill_bitmask(mask, row)
+                m.rollback(1)
         self.stats.bitmask_seconds += time.perf_counter() - start
         return mask

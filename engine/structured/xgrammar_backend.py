@@ -16,7 +16,6 @@ import xgrammar as xgr
 
 from engine.structured.params import StructuredOutputsParams
 
-
 _SOURCE = re.compile(r"\[[0-9:]+\] \S+\.cc:\d+: ")
 
 
