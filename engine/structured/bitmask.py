@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import torch
 
-_BITS = torch.arange(32, dtype=torch.int32)
+_BITS: dict[torch.device, torch.Tensor] = {}  # [32] int32 per device, made once: a copy from
+# pageable memory would wait for every kernel queued before it (the step's forward pass)
+
+
+def _bits(device: torch.device) -> torch.Tensor:
+    if device not in _BITS:
+        _BITS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    return _BITS[device]
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -17,7 +24,7 @@ def bitmask_words(vocab_size: int) -> int:
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bool [rows, vocab_size]: which tokens each row may sample."""
-    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1  # [rows, words, 32]
+    bits = (bitmask.unsqueeze(-1) >> _bits(bitmask.device)) & 1  # [rows, words, 32]
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
