@@ -210,6 +210,7 @@ class LLMEngine(KVHandoffMixin):
             notes.end()
         outputs = self._complete(*self._take_inflight()) if self._inflight is not None else []
         if launched is not None:
+            launched.start_sampling()  # constrained rows: after the step before is appended
             if overlap:
                 self._inflight = (out, launched)
             else:

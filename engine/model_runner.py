@@ -61,12 +61,24 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
 
 
 class LaunchedStep:
-    """A step queued on the device; `result()` waits for its samples (request id -> sample)."""
+    """A step queued on the device; `result()` waits for its samples (request id -> sample).
 
-    def __init__(self, request_ids: list[str], sampled: SampledTokens | None) -> None:
-        self.request_ids, self.sampled = request_ids, sampled
+    A step with grammar-constrained rows queues its forward pass only: their masks need the
+    tokens of the step before appended first, so the engine starts the sampling after that
+    (`start_sampling`; `result` does it too). The forward runs on the device meanwhile."""
+
+    def __init__(
+        self, request_ids: list[str], sampled: SampledTokens | None,
+        sample: Callable[[], SampledTokens] | None = None,
+    ) -> None:
+        self.request_ids, self.sampled, self._sample = request_ids, sampled, sample
+
+    def start_sampling(self) -> None:
+        if self._sample is not None:
+            self.sampled, self._sample = self._sample(), None
 
     def result(self) -> dict[str, Sample]:
+        self.start_sampling()
         if self.sampled is None:
             return {}
         host = self.sampled.to_host()
@@ -111,7 +123,6 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._pending: PendingTokens | None = None  # the last launch's sampled tokens
         self._pending_ids: torch.Tensor | None = None  # ranks > 0: the same tokens
-        self._pending_sampled: SampledTokens | None = None  # the same, as launched
         self._kv_view: list[ShardedKVLayer] | None = None
         self.structured: StructuredOutputs | None = None  # set by the engine when first used
 
@@ -272,33 +283,28 @@ class ModelRunner:
         if not sampling:
             self._pending = None
             return LaunchedStep([], None)
-        bitmask = self._grammar_bitmask(sampling)  # while the device runs the forward
         rows = [self._sampling_row(s.request) for s in sampling]
         logits = self.model.compute_logits(hidden[inp.sample_rows],
                                            upcast=not argmax_suffices(rows))
-        sampled = self.sampler.sample(logits, rows, self.default_generator, bitmask)
-        self.tp.broadcast(sampled.token_ids)  # the other ranks' next pending tokens
         ids = [s.request.request_id for s in sampling]
-        self._pending = PendingTokens(sampled.token_ids, {rid: i for i, rid in enumerate(ids)})
-        self._pending_sampled = sampled
-        return LaunchedStep(ids, sampled)
-
-    def _grammar_bitmask(self, sampling: list) -> torch.Tensor | None:
-        """The constrained rows' bitmask (engine/structured/manager.py), filling a row one token
-        ahead where its input token is the step in flight's sample, not appended yet."""
-        if self.structured is None:
-            return None
         matchers = [s.request.grammar for s in sampling]
-        if all(m is None for m in matchers):
-            return None
-        late = [(row, s.request) for row, s in enumerate(sampling)
-                if s.request.grammar is not None and s.start >= s.request.num_tokens]
-        ahead: dict[int, int] = {}
-        if late:  # their input token is the step in flight's: wait for its sampling only
-            assert self._pending is not None and self._pending_sampled is not None
-            host_ids = self._pending_sampled.host_token_ids()
-            ahead = {row: host_ids[self._pending.rows[req.request_id]] for row, req in late}
-        return self.structured.bitmask(matchers, ahead)
+
+        @torch.inference_mode()
+        def sample() -> SampledTokens:
+            bitmask = None if self.structured is None else self.structured.bitmask(matchers)
+            sampled = self.sampler.sample(logits, rows, self.default_generator, bitmask)
+            self._pending = PendingTokens(sampled.token_ids,
+                                          {rid: i for i, rid in enumerate(ids)})
+            try:
+                self.tp.broadcast(sampled.token_ids)  # the other ranks' next pending tokens
+            except RuntimeError as exc:
+                raise self.executor.failure(exc) from exc  # type: ignore[union-attr]
+            return sampled
+
+        if any(m is not None for m in matchers):  # sampled once the step before is appended
+            self._pending = None
+            return LaunchedStep(ids, None, sample)
+        return LaunchedStep(ids, sample())
 
     @torch.inference_mode()
     def follow(self, host: HostStep) -> None:

@@ -115,14 +115,10 @@ class SampledTokens:
             self._ready = torch.cuda.Event()
             self._ready.record()
 
-    def host_token_ids(self) -> list[int]:
-        """The sampled ids, waiting for this step's sampling only (not for later work)."""
+    def to_host(self) -> SamplerOutput:
         if self._ready is not None:
             self._ready.synchronize()
-        return self._host.tolist()
-
-    def to_host(self) -> SamplerOutput:
-        token_ids = self.host_token_ids()
+        token_ids = self._host.tolist()
         if self._raw is None:
             return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(token_ids))
         return SamplerOutput(token_ids=token_ids, logprobs=self._raw.gather(self.token_ids))

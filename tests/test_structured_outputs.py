@@ -177,8 +177,8 @@ def test_split_and_resume_keep_the_constraint(bundled_path):
 
 
 def test_overlapped_steps_constrain_exactly_as_serial_steps(llm, bundled_path):
-    """With asynchronous scheduling the mask is filled one token ahead (accept, fill, roll
-    back): the sampled outputs equal those of steps run one at a time."""
+    """With asynchronous scheduling a constrained step's sampling waits for the step before
+    to be appended (its forward runs meanwhile): outputs equal steps run one at a time."""
     serial = LLM(bundled_path, device="cpu", max_model_len=1024, kv_cache_memory=64 << 20,
                  async_scheduling=False)
     so = StructuredOutputsParams(json=SCHEMA)

@@ -54,7 +54,7 @@ def test_rank_kv_shards_hold_their_heads_only(tiny_llama_dir):
 @pytest.mark.parametrize("fault", ["kill", "hang"])
 def test_a_dead_or_hung_rank_fails_the_engine_within_the_timeout(fault, tiny_llama_dir):
     engine = AsyncLLMEngine.from_args(tiny_llama_dir, device="cpu", kv_cache_memory=8 << 20,
-                                      tensor_parallel_size=2, distributed_timeout_s=3)
+                                      tensor_parallel_size=2, distributed_timeout_s=5)
     rank1 = engine.engine.runner.executor.procs[0]
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
@@ -71,7 +71,7 @@ def test_a_dead_or_hung_rank_fails_the_engine_within_the_timeout(fault, tiny_lla
 
     try:
         elapsed = asyncio.run(asyncio.wait_for(go(), 30))
-        assert elapsed < 3 + 5  # the timeout, and some slack
+        assert elapsed < 5 + 15  # the timeout, and slack for a loaded 2-core box
         with pytest.raises(EngineDeadError):
             asyncio.run(engine.generate("again", params, "r2").__anext__())
     finally:

@@ -1,13 +1,12 @@
 """The engine's structured outputs: compile each constraint once (an LRU cache keyed by its kind
 and text), give each sequence its matcher, and build a step's bitmask.
 
-NOTE: a step's bitmask is filled on the host after its forward pass is queued (on a GPU the
-fill runs while the forward does) and applied to the logits by the sampler, before temperature,
-top-k/p and penalties, so logprobs come from the constrained distribution (vLLM's order).
-With asynchronous scheduling a request's last token may not be appended yet when the next
-step is launched: the runner reads it from the step in flight (waiting for that step's sampling
-only, which the GPU finished before the new forward) and the mask is filled one token ahead:
-accept it, fill, roll it back; `Request.append_token` accepts it for good later.
+NOTE: a step's bitmask is filled on the host after its forward pass is queued, and after the
+tokens of the step before are appended (asynchronous scheduling launches step N+1 before N's
+tokens are in: the engine appends them, then starts N+1's sampling, engine/model_runner.py
+`LaunchedStep`), so on a GPU the fill runs while the forward does. The sampler applies it to
+the logits before temperature, top-k/p and penalties, so logprobs come from the constrained
+distribution (vLLM's order).
 """
 
 from __future__ import annotations
@@ -73,26 +72,16 @@ class StructuredOutputs:
                 raise ValueError(f"output token {i} ({token_id}) does not follow the grammar")
         return m
 
-    def bitmask(
-        self, matchers: list[GrammarMatcher | None], ahead: dict[int, int] | None = None
-    ) -> torch.Tensor | None:
+    def bitmask(self, matchers: list[GrammarMatcher | None]) -> torch.Tensor | None:
         """int32 [rows, words]: each constrained row's allowed tokens, -1 for the others; None
-        when no row is constrained. `ahead` {row: token}: the row's last token, not yet
-        accepted by its matcher (see the NOTE); a row whose grammar it ends (or breaks) allows
-        everything: its token is discarded, its request finished."""
+        when no row is constrained. A finished grammar's row (its request ended with the step
+        before; the row's token is discarded) allows everything."""
         if all(m is None for m in matchers):
             return None
         start = time.perf_counter()
         mask = torch.full((len(matchers), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
-        ahead = ahead or {}
         for row, m in enumerate(matchers):
-            if m is None:
-                continue
-            if row not in ahead:
+            if m is not None and not m.is_terminated():
                 m.fill_bitmask(mask, row)
-            elif m.accept(ahead[row]):
-                if not m.is_terminated():
-                    m.fill_bitmask(mask, row)
-                m.rollback(1)
         self.stats.bitmask_seconds += time.perf_counter() - start
         return mask
