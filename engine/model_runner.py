@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ from engine.models import get_model_class
 from engine.request import Request
 from engine.sampler import SampledTokens, Sampler, SamplingRow, argmax_suffices
 from engine.scheduler_output import Sample, SchedulerOutput
+from engine.structured.backend import GrammarMatcher
 from engine.structured.manager import StructuredOutputs
 from engine.token_choice import skip_draws
 
@@ -288,23 +290,26 @@ class ModelRunner:
                                            upcast=not argmax_suffices(rows))
         ids = [s.request.request_id for s in sampling]
         matchers = [s.request.grammar for s in sampling]
+        if any(m is not None for m in matchers):  # sampled once the step before is appended
+            self._pending = None
+            return LaunchedStep(ids, None, functools.partial(
+                self._sample, logits, rows, ids, matchers))
+        return LaunchedStep(ids, self._sample(logits, rows, ids, None))
 
-        @torch.inference_mode()
-        def sample() -> SampledTokens:
-            bitmask = None if self.structured is None else self.structured.bitmask(matchers)
-            sampled = self.sampler.sample(logits, rows, self.default_generator, bitmask)
-            self._pending = PendingTokens(sampled.token_ids,
-                                          {rid: i for i, rid in enumerate(ids)})
+    @torch.inference_mode()
+    def _sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow], ids: list[str],
+        matchers: list[GrammarMatcher | None] | None,
+    ) -> SampledTokens:
+        bitmask = None if matchers is None else self.structured.bitmask(matchers)  # type: ignore[union-attr]
+        sampled = self.sampler.sample(logits, rows, self.default_generator, bitmask)
+        self._pending = PendingTokens(sampled.token_ids, {rid: i for i, rid in enumerate(ids)})
+        if self.tp.world_size > 1:
             try:
                 self.tp.broadcast(sampled.token_ids)  # the other ranks' next pending tokens
             except RuntimeError as exc:
                 raise self.executor.failure(exc) from exc  # type: ignore[union-attr]
-            return sampled
-
-        if any(m is not None for m in matchers):  # sampled once the step before is appended
-            self._pending = None
-            return LaunchedStep(ids, None, sample)
-        return LaunchedStep(ids, sample())
+        return sampled
 
     @torch.inference_mode()
     def follow(self, host: HostStep) -> None:
