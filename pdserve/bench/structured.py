@@ -5,11 +5,12 @@
 
 Each batch size runs the same prompts twice on one loaded `LLM`, unconstrained and under a JSON
 schema (an array of at least `tokens` integers: it cannot end early, so both runs decode the
-same number of steps; sampled at temperature 0.8, unseeded), alternating for `--rounds` rounds; a step's time is the run's wall time
-over its decode steps. Reported: ms per step both ways, the overhead, and its parts measured by
-the engine (the host's bitmask fill; the grammar compile, cached after the first round).
-Constrained steps never overlap (the next mask needs the last token): the overhead includes the
-lost asynchronous scheduling, which is what a user pays. `--random-1b` builds the Llama-3.2-1B
+same number of steps), sampled at temperature 0.8 (unseeded), alternating for `--rounds`
+rounds; a step's time is the run's wall time over its decode steps. Reported: ms per step both
+ways, the overhead, and its parts measured by the engine (the host's bitmask fill; the grammar
+compile, cached after the first round). A constrained step's sampling waits for the step before
+to be appended (engine/model_runner.py `LaunchedStep`): the overhead includes that lost overlap.
+`--random-1b` builds the Llama-3.2-1B
 shape in bf16 over a real tokenizer's vocabulary (`--tokenizer`, the bundled SmolLM2 by
 default), for the GPU.
 """
