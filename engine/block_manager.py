@@ -72,8 +72,8 @@ class BlockManager:
         At most `(num_tokens - 1) // block_size` blocks: the last token is always recomputed so
         the step that schedules it produces logits to sample from.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         limit = (req.num_tokens - 1) // self.block_size
         self._extend_hashes(req, limit)
         hits: list[int] = []

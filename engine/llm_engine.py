@@ -110,6 +110,8 @@ class LLMEngine(KVHandoffMixin):
         max_tokens = resolve_max_tokens(self.max_model_len, len(token_ids), params)
         check_prior(prior, max_tokens, params.n, self.vocab_size)
         grammar = self._compile(params)
+        if params.prompt_logprobs is not None and self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         if self.config.role == "prefill":
             max_tokens = len(prior) + 1
         group = RequestGroup(

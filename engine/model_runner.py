@@ -18,6 +18,7 @@ from engine.distributed.sharding import check_heads, head_shard, kv_head_owners
 from engine.input_batch import HostStep, PendingTokens, pack_step, step_tensors
 from engine.model_loader import iter_weights, load_hf_config
 from engine.models import get_model_class
+from engine.prompt_logprobs import add_chunk_prompt_logprobs
 from engine.request import Request
 from engine.sampler import SampledTokens, Sampler, SamplingRow, argmax_suffices
 from engine.scheduler_output import Sample, SchedulerOutput
@@ -281,6 +282,11 @@ class ModelRunner:
         pending = self._pending.token_ids if self._pending is not None else None
         inp = step_tensors(host, self.block_size, self.device, pending)
         hidden = self._forward(inp.input_ids, inp.positions, inp.meta, on_layer)
+        for i, s in enumerate(order):
+            if s.request.sampling_params.prompt_logprobs is not None:
+                q0 = inp.meta.query_start_loc_cpu[i]
+                add_chunk_prompt_logprobs(self.model, s.request,
+                                          hidden[q0:q0 + s.num_new_tokens], s.start)
         sampling = [s for s in order if s.samples]
         if not sampling:
             self._pending = None

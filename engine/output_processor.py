@@ -10,7 +10,13 @@ import time
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from engine.request import Request
 from engine.sampling_params import RequestOutputKind
 from engine.stop_checker import StopStringMatcher
@@ -66,6 +72,7 @@ class RequestGroup:
     kind: RequestOutputKind
     seqs: list[SequenceState] = field(default_factory=list)
     tokenizer: object = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -90,7 +97,23 @@ class RequestGroup:
             finished=finished,
             metrics=self._metrics(),
             num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=self._prompt_logprobs(first, delta),
         )
+
+    def _prompt_logprobs(self, req: Request, delta: bool) -> PromptLogprobs | None:
+        """vLLM's shape: None for the first prompt token, then {token: Logprob} with the top
+        alternatives; once every prompt position is computed (in delta mode: once)."""
+        entries = req.prompt_logprobs
+        if req.sampling_params.prompt_logprobs is None or len(entries) < len(
+                req.prompt_token_ids) - 1 or (delta and self.prompt_logprobs_sent):
+            return None
+        self.prompt_logprobs_sent = True
+        out: PromptLogprobs = [None]
+        for token_id, (chosen, rank, top) in zip(req.prompt_token_ids[1:], entries):
+            d = {t: Logprob(lp, rank=j + 1) for j, (t, lp) in enumerate(top.items())}
+            d[token_id] = Logprob(chosen, rank=rank)
+            out.append(d)
+        return out
 
     def _completion(self, s: SequenceState, delta: bool) -> CompletionOutput:
         req = s.req

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 # One step's logprobs: the chosen token's and the top-k, as {token_id: Logprob}.
 SampleLogprobs = list[dict[int, "Logprob"]]
+# Per prompt token: None for the first (nothing predicts it), then as SampleLogprobs.
+PromptLogprobs = list[dict[int, "Logprob"] | None]
 
 
 @dataclass
@@ -53,3 +55,4 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None

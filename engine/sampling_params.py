@@ -50,6 +50,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    # Logprobs of every prompt token (after the first) and this many top alternatives at each
+    # position; the prompt is then computed in full (no prefix-cache hits).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -98,6 +101,8 @@ class SamplingParams:
             _check_int("seed", self.seed)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
         if not all(isinstance(s, str) and s for s in self.stop_list):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         for token_id in self.stop_token_ids:
