@@ -34,6 +34,7 @@ from gateway.protocol import (
 )
 from gateway.resume import StreamResumer
 from gateway.serving import ServingContext, StateStore, run_until_disconnect
+from gateway.tools.plan import ToolCallConfig
 from pdserve.cluster.event_log import EventLog
 
 M = TypeVar("M", bound=BaseModel)
@@ -49,6 +50,7 @@ def build_app(
     trust_request_chat_template: bool = False,
     metrics: GatewayMetrics | None = None,
     events: EventLog | None = None,
+    tool_calls: ToolCallConfig | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `backend`'s model as `served_model_name` (default:
     the backend's model name). With `store`, every admitted request gets a state record. With
@@ -57,9 +59,12 @@ def build_app(
     over `max_body_bytes` get 413. A chat request's own `chat_template` (Jinja run on the
     server: a loop can hold a thread for hours) gets 400 unless `trust_request_chat_template`.
     `metrics`: the registry /metrics renders, when the backend counts into it too. With
-    `events`, streams are recorded there and can be resumed (GET /v1/streams/{request_id})."""
+    `events`, streams are recorded there and can be resumed (GET /v1/streams/{request_id}).
+    `tool_calls`: whether tool_choice "auto" is served, and with which parser (default: not;
+    "required" and a named function always are)."""
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None)
-    ctx = ServingContext(backend, metrics or GatewayMetrics(), store, served_model_name, events)
+    ctx = ServingContext(backend, metrics or GatewayMetrics(), store, served_model_name, events,
+                         (tool_calls or ToolCallConfig()).auto_parser)
     app.state.serving = ctx
     install_error_handlers(app)
     _add_openai_routes(app, ctx, api_key, max_body_bytes, trust_request_chat_template)

@@ -71,12 +71,14 @@ class Backend(Protocol):
 
     async def apply_chat_template(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of a conversation after the model's chat template (ValueError if the model
-        has none and no template is given)."""
+        """Token ids of a conversation (OpenAI's messages, content as text) after the chat
+        template, which renders `tools` (tokenizer_svc/chat_template.py says which template).
+        ValueError if there is none, it fails, or it cannot render the tools."""
         ...
 
     def generate(

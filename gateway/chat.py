@@ -1,5 +1,6 @@
 """`POST /v1/chat/completions`: a conversation in (rendered by the model's chat template),
-assistant messages out, streamed as SSE chunks or gathered into one response."""
+assistant messages out, streamed as SSE chunks or gathered into one response; with tools, the
+output read back as content and tool calls (gateway/tools/)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from gateway.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
+    ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
     TokenLogprob,
@@ -45,6 +47,9 @@ from gateway.serving import (
     token_text,
 )
 from gateway.structured import constraint_field
+from gateway.tools.output import CallStream, delta_message, finish_reason, read_calls, wire_call
+from gateway.tools.plan import ToolPlan, plan_tools
+from tokenizer_svc.chat_template import CANNOT_RENDER_TOOLS
 
 KIND = "chat"  # of its StreamRecords
 
@@ -59,49 +64,62 @@ class ChatServing:
         arrival, request_id = time.monotonic(), random_id("chatcmpl")
         model = await self.ctx.check_model(req.model)
         check_unknown_fields(request_id, req)
+        tools = plan_tools(req, self.ctx.tool_parser)
         facts = await self.ctx.backend.model_info()
-        prompt = await self._render(req)
+        prompt = await self._render(req, tools)
         check_prompt_ids(prompt, facts, "messages")
-        params = _sampling_params(req, len(prompt), facts)
+        params = _sampling_params(req, len(prompt), facts, tools)
         specs = fan_out(request_id, [prompt], [params])
         tracker = self.ctx.tracker(request_id, model, arrival, len(prompt), len(specs), req.stream)
-        view = _ChatView(request_id, model, req, len(prompt), self.ctx.backend.get_tokenizer())
-        events = generate_outputs(self.ctx, tracker, specs, constraint_field(req))
+        view = _ChatView(request_id, model, req, len(prompt), self.ctx.backend.get_tokenizer(),
+                         tools)
+        field = "tools" if tools is not None and tools.constrained else constraint_field(req)
+        events = generate_outputs(self.ctx, tracker, specs, field)
         if req.stream:
             record = StreamRecord.of(KIND, request_id, model, view.created,
-                                     req.model_dump(mode="json"), [prompt], [None], [params])
+                                     req.model_dump(mode="json"), [prompt], [None], [params],
+                                     tool_parser=tools.parser if tools is not None else None)
             outputs = await start_stream(events)
             return stream_response(request_id,
                                    recorded_stream(self.ctx.events, record, view, outputs))
         return await view.response(events)
 
-    async def _render(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [_message_dict(m.role, m.text(), m.name) for m in req.messages]
+    async def _render(self, req: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
+        messages = [_message_dict(m) for m in req.messages]
         try:
             return await self.ctx.backend.apply_chat_template(
-                messages, req.add_generation_prompt, req.chat_template
+                messages, req.add_generation_prompt, req.chat_template,
+                tools.tools if tools is not None else None,
             )
         except ValueError as exc:
-            raise OpenAIError(f"Cannot apply the chat template: {exc}", param="messages") from exc
+            param = "tools" if CANNOT_RENDER_TOOLS in str(exc) else "messages"
+            raise OpenAIError(f"Cannot apply the chat template: {exc}", param=param) from exc
 
 
 def restore_view(record: StreamRecord, tokenizer: Any) -> _ChatView:
     """The view of a recorded stream, as it was when the stream began (gateway/resume.py)."""
     req = ChatCompletionRequest.model_validate(record.body)
-    view = _ChatView(record.request_id, record.model, req, len(record.prompts[0]), tokenizer)
+    view = _ChatView(record.request_id, record.model, req, len(record.prompts[0]), tokenizer,
+                     plan_tools(req, record.tool_parser))
     view.created = record.created
     return view
 
 
-def _message_dict(role: str, content: str, name: str | None) -> dict[str, str]:
-    message = {"role": role, "content": content}
-    if name is not None:
-        message["name"] = name
+def _message_dict(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: content as text ("" for none), and its name,
+    tool calls and tool_call_id where given."""
+    message: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name is not None:
+        message["name"] = m.name
+    if m.tool_calls:
+        message["tool_calls"] = [call.template_dict() for call in m.tool_calls]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
     return message
 
 
 def _sampling_params(
-    req: ChatCompletionRequest, prompt_len: int, facts: ModelFacts
+    req: ChatCompletionRequest, prompt_len: int, facts: ModelFacts, tools: ToolPlan | None
 ) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError(
@@ -112,9 +130,12 @@ def _sampling_params(
         "logprobs": "top_logprobs",
         "max_tokens": "max_completion_tokens" if use_new else "max_tokens",
     }
+    fields = common_sampling_fields(req)
+    if tools is not None and tools.constrained:  # the one constraint (plan_tools checked)
+        fields["structured_outputs"] = tools.constraint()
     base = sampling_params(
         renames,
-        **common_sampling_fields(req),
+        **fields,
         max_tokens=req.max_completion_tokens if use_new else req.max_tokens,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
     )
@@ -126,11 +147,13 @@ class _ChatView:
 
     def __init__(
         self, request_id: str, model: str, req: ChatCompletionRequest, prompt_tokens: int,
-        tokenizer: Any,
+        tokenizer: Any, tools: ToolPlan | None = None,
     ) -> None:
         self.request_id, self.model, self.req = request_id, model, req
         self.prompt_tokens, self.tokenizer = prompt_tokens, tokenizer
         self.created = int(time.time())
+        self.tools = tools if tools is not None and tools.reads_calls else None
+        self.call_streams: dict[int, CallStream] = {}  # per choice, when streamed with tools
 
     async def response(self, events: AsyncGenerator[SequenceOutput, None]) -> Response:
         """Gather every sequence, then answer with one JSON body."""
@@ -139,20 +162,22 @@ class _ChatView:
             async for out in events:
                 results.setdefault(out.index, SequenceResult(out.index)).add(out)
         ordered = [results[i] for i in sorted(results)]
-        choices = [
-            ChatCompletionChoice(
-                index=r.index, message=AssistantMessage(content=r.text),
-                logprobs=self._logprobs(r.token_ids, r.logprobs),
-                finish_reason=r.finish_reason, stop_reason=r.stop_reason,
-            )
-            for r in ordered
-        ]
+        choices = [self._choice(r) for r in ordered]
         usage = UsageInfo.of(self.prompt_tokens, sum(len(r.token_ids) for r in ordered))
         body = ChatCompletionResponse(
             id=self.request_id, created=self.created, model=self.model, choices=choices,
             usage=usage,
         )
         return JSONResponse(body.model_dump(), headers={"X-Request-Id": self.request_id})
+
+    def _choice(self, r: SequenceResult) -> ChatCompletionChoice:
+        content, calls = read_calls(self.tools, r.text) if self.tools else (r.text, [])
+        message = AssistantMessage(content=content, tool_calls=[wire_call(c) for c in calls])
+        return ChatCompletionChoice(
+            index=r.index, message=message, logprobs=self._logprobs(r.token_ids, r.logprobs),
+            finish_reason=finish_reason(r.finish_reason, bool(calls)),
+            stop_reason=r.stop_reason,
+        )
 
     async def chunks(
         self, events: AsyncGenerator[SequenceOutput, None]
@@ -165,17 +190,29 @@ class _ChatView:
         async with contextlib.aclosing(events):
             async for out in events:
                 completion += len(out.token_ids)
-                if out.text or out.finished or (self.req.logprobs and out.token_ids):
-                    yield self._chunk(self._stream_choice(out))
+                for choice in self._stream_choices(out):
+                    yield self._chunk(choice)
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
             yield self._chunk(None, UsageInfo.of(self.prompt_tokens, completion))
 
-    def _stream_choice(self, out: SequenceOutput) -> ChatStreamChoice:
-        delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
-        return ChatStreamChoice(
-            index=out.index, delta=delta, logprobs=self._logprobs(out.token_ids, out.logprobs),
-            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-        )
+    def _stream_choices(self, out: SequenceOutput) -> list[ChatStreamChoice]:
+        """The chunks' choices `out` makes: its text as one content delta, or, with tools, the
+        content and call deltas it completes. The first carries the logprobs, the last the
+        finish reason; one empty delta carries them when there is nothing else to send."""
+        reason = out.finish_reason
+        if self.tools is None:
+            deltas = [DeltaMessage(content=out.text)] if out.text else []
+        else:
+            stream = self.call_streams.setdefault(out.index, CallStream(self.tools))
+            deltas = [delta_message(d) for d in stream.feed(out.text, out.finished)]
+            reason = finish_reason(reason, stream.called)
+        if not deltas and (out.finished or (self.req.logprobs and out.token_ids)):
+            deltas = [DeltaMessage()]
+        choices = [ChatStreamChoice(index=out.index, delta=d) for d in deltas]
+        if choices:
+            choices[0].logprobs = self._logprobs(out.token_ids, out.logprobs)
+            choices[-1].finish_reason, choices[-1].stop_reason = reason, out.stop_reason
+        return choices
 
     def _chunk(self, choice: ChatStreamChoice | None, usage: UsageInfo | None = None) -> str:
         chunk = ChatCompletionStreamResponse(

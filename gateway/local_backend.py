@@ -17,15 +17,26 @@ from gateway.backend import (
     TokenDelta,
     TokenLogprobs,
 )
+from tokenizer_svc.chat_template import ChatRenderer
 
 
 class LocalBackend:
-    """`Backend` over an `AsyncLLMEngine` in this process."""
+    """`Backend` over an `AsyncLLMEngine` in this process. Conversations are rendered here, as
+    the tokenizer service would (`chat_template`: the text of --chat-template)."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str,
+                 chat_template: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.chat_template = chat_template
+        self._chat: ChatRenderer | None = None
         self._facts: ModelFacts | None = None
+
+    @property
+    def chat(self) -> ChatRenderer:
+        if self._chat is None:
+            self._chat = ChatRenderer(self.get_tokenizer(), self.chat_template)
+        return self._chat
 
     async def model_info(self) -> ModelFacts:
         if self._facts is None:
@@ -34,7 +45,7 @@ class LocalBackend:
                 model_name=self.model_name,
                 eos_token_ids=frozenset(core.eos_token_ids),
                 max_model_len=core.max_model_len,
-                has_chat_template=bool(getattr(core.tokenizer, "chat_template", None)),
+                has_chat_template=self.chat.has_template,
                 vocab_size=core.vocab_size,
             )
         return self._facts
@@ -50,23 +61,14 @@ class LocalBackend:
 
     async def apply_chat_template(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        tokenizer = self.get_tokenizer()
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the model has no chat template; pass chat_template")
-        try:
-            ids = await asyncio.to_thread(
-                tokenizer.apply_chat_template, messages, tokenize=True, return_dict=False,
-                add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-            )
-        except ValueError:
-            raise
-        except Exception as exc:  # jinja2 errors from the template, e.g. a role it rejects
-            raise ValueError(str(exc)) from exc
-        return list(ids)
+        return await asyncio.to_thread(
+            self.chat.render, messages, add_generation_prompt, chat_template, tools
+        )
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

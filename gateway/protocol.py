@@ -2,9 +2,10 @@
 `/v1/models` and the error body, with vLLM's extensions (top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, and the
 structured-output fields `structured_outputs`, `guided_*`: gateway/structured.py maps them).
+Tool calling's own models are gateway/tools/protocol.py's.
 
 Requests accept unknown fields and keep them in `model_extra`: the serving layer answers 400 for
-the OpenAI fields pdserve cannot honour (tools, logit_bias, ...: `serving.UNSUPPORTED_FIELDS`)
+the OpenAI fields pdserve cannot honour (logit_bias, functions, ...: `serving.UNSUPPORTED_FIELDS`)
 and logs the rest as ignored, as vLLM does (OpenAI itself answers 400 "Unrecognized request
 argument"): clients send vendor fields through `extra_body`, and one gateway serves them all.
 Range checks live in `SamplingParams`, the one place that knows them; these models check types,
@@ -27,6 +28,8 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+
+from gateway.tools.protocol import ChatTool, DeltaToolCall, ToolCall, ToolChoice
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # OpenAI's bound on `n`
@@ -183,6 +186,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (its content may be null)
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as vLLM does)."""
@@ -201,6 +206,10 @@ class ChatCompletionRequest(OpenAIRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    # tool calling (gateway/tools/): tool_choice defaults to "auto" with tools, else "none"
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true
 
 
 # ---- responses ---------------------------------------------------------------------------
@@ -278,8 +287,19 @@ class ChatChoiceLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """`content` is null when the assistant only called tools; `tool_calls` is left out when
+    it called none."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _omit_no_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionChoice(BaseModel):
@@ -302,6 +322,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_none(self, handler: Any) -> dict[str, Any]:

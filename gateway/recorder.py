@@ -64,18 +64,19 @@ class StreamRecord:
     prompt_texts: list[str | None]  # for echo (None: token-id prompts)
     params: list[dict[str, Any]]  # each prompt's SamplingParams fields (n included), as JSON:
     # output_kind its value, structured_outputs [kind, spec] (the wire's two strings) or None
+    tool_parser: str | None = None  # chat with tool_choice "auto": the parser reading calls
 
     @classmethod
     def of(cls, kind: str, request_id: str, model: str, created: int, body: dict[str, Any],
            prompts: list[list[int]], texts: list[str | None],
-           params: list[SamplingParams]) -> StreamRecord:
+           params: list[SamplingParams], tool_parser: str | None = None) -> StreamRecord:
         fields = [{f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.init}
                   for p in params]
         for f in fields:
             f["output_kind"] = f["output_kind"].value
             so = f["structured_outputs"]
             f["structured_outputs"] = None if so is None else [so.kind, so.spec()]
-        return cls(kind, request_id, model, created, body, prompts, texts, fields)
+        return cls(kind, request_id, model, created, body, prompts, texts, fields, tool_parser)
 
     def sampling_params(self) -> list[SamplingParams]:
         """The params as recorded; a resume generates on under the same constraint."""

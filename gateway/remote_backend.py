@@ -91,11 +91,11 @@ class RemoteBackend:
         return await self.tokenizer.tokenize(text, add_special_tokens)
 
     async def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-        chat_template: str | None = None,
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         return await self.tokenizer.apply_chat_template(messages, add_generation_prompt,
-                                                        chat_template)
+                                                        chat_template, tools)
 
     async def ready(self) -> bool:
         if self.tokenizer.facts is None or not await self.tokenizer.healthy():

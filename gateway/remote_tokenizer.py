@@ -45,13 +45,13 @@ class RemoteTokenizer:
         return list((await self._call(self._stub().Tokenize, request)).token_ids)
 
     async def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-        chat_template: str | None = None,
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         request = tokenizer_pb2.ChatTemplateRequest(
-            messages=[tokenizer_pb2.ChatMessage(role=m["role"], content=m["content"])
-                      for m in messages],
+            messages=[_message_to_pb(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
+            tools_json=json.dumps(tools) if tools else "",
         )
         if chat_template is not None:
             request.chat_template = chat_template
@@ -76,6 +76,15 @@ class RemoteTokenizer:
         if self._channel is None:
             self._channel = open_channel(self.address, self.tls)
         return tokenizer_pb2_grpc.TokenizerStub(self._channel)
+
+
+def _message_to_pb(message: dict[str, Any]) -> tokenizer_pb2.ChatMessage:
+    calls = message.get("tool_calls")
+    return tokenizer_pb2.ChatMessage(
+        role=message["role"], content=message["content"], name=message.get("name"),
+        tool_call_id=message.get("tool_call_id"),
+        tool_calls_json=json.dumps(calls) if calls else "",
+    )
 
 
 def tokenizer_from_info(info: tokenizer_pb2.ModelInfo) -> Any:

@@ -7,11 +7,19 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import uvicorn
 
-from pdserve.cluster.flags import add_flag, add_redis_namespace_flag, add_tls_flags
+from pdserve.cluster.flags import (
+    add_chat_template_flag,
+    add_flag,
+    add_redis_namespace_flag,
+    add_tls_flags,
+)
+
+if TYPE_CHECKING:
+    from gateway.tools.plan import ToolCallConfig
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -35,6 +43,19 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--max-concurrent-requests", 0, type=int,
              help="generation requests in flight past which new ones get 429 at once (0: no "
                   "limit)")
+    add_flag(p, "--enable-auto-tool-choice", False, action="store_true",
+             help='serve tool_choice "auto" (the default with tools): the model\'s own tool '
+                  "calls, read by --tool-call-parser")
+    add_flag(p, "--tool-call-parser", "",
+             help="how the model writes tool calls: hermes, smollm2 (= hermes), llama3_json")
+
+
+def tool_call_config(args: argparse.Namespace) -> ToolCallConfig:
+    """--enable-auto-tool-choice and --tool-call-parser (ValueError for an unknown parser, or
+    auto tool choice without one)."""
+    from gateway.tools.plan import ToolCallConfig
+
+    return ToolCallConfig(args.enable_auto_tool_choice, args.tool_call_parser or None)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,6 +102,7 @@ async def serve_disaggregated(args: argparse.Namespace) -> None:
     from pdserve.cluster.state import RequestStore, connect
     from pdserve.cluster.tls import tls_from_args
 
+    tool_calls = tool_call_config(args)
     client = connect(args.redis_url)
     store = RequestStore(client, prefix=args.redis_namespace)
     events = EventLog(client, prefix=args.redis_namespace, ttl_s=args.resume_ttl_seconds)
@@ -97,7 +119,7 @@ async def serve_disaggregated(args: argparse.Namespace) -> None:
                     max_concurrent_requests=args.max_concurrent_requests,
                     max_body_bytes=args.max_body_bytes,
                     trust_request_chat_template=args.trust_request_chat_template,
-                    metrics=metrics, events=events)
+                    metrics=metrics, events=events, tool_calls=tool_calls)
     await _serve_app(app, args)
     await backend.close()
 
@@ -126,19 +148,23 @@ def add_colocated_arguments(p: argparse.ArgumentParser) -> None:
 
     add_gateway_flags(p)
     add_engine_flags(p)
+    add_chat_template_flag(p)
 
 
 def serve_colocated(args: argparse.Namespace) -> None:
     from gateway.app import build_app
     from gateway.local_backend import LocalBackend
     from pdserve.cluster.worker import build_engine
+    from tokenizer_svc.chat_template import read_template
 
+    tool_calls, template = tool_call_config(args), read_template(args.chat_template)
     engine = build_engine(args, "colocated")
     name = args.served_model_name or args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
-    app = build_app(LocalBackend(engine, name), api_key=args.api_key or None,
+    app = build_app(LocalBackend(engine, name, template), api_key=args.api_key or None,
                     max_concurrent_requests=args.max_concurrent_requests,
                     max_body_bytes=args.max_body_bytes,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    tool_calls=tool_calls)
     try:
         asyncio.run(_serve_app(app, args))
     finally:

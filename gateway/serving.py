@@ -35,12 +35,13 @@ SSE_DONE = "data: [DONE]\n\n"
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
 # OpenAI fields whose meaning pdserve cannot honour: ignoring them would answer something other
 # than what was asked. A value that asks for nothing is accepted (some clients send it always).
+# Chat requests declare the tool fields (gateway/tools/): these are refused on completions.
 UNSUPPORTED_FIELDS = {
-    "tools": "pdserve does no tool calling",
-    "tool_choice": "pdserve does no tool calling",
-    "parallel_tool_calls": "pdserve does no tool calling",
-    "functions": "pdserve does no function calling",
-    "function_call": "pdserve does no function calling",
+    "tools": "tool calling is served by /v1/chat/completions",
+    "tool_choice": "tool calling is served by /v1/chat/completions",
+    "parallel_tool_calls": "tool calling is served by /v1/chat/completions",
+    "functions": "deprecated function calling is not served: use tools",
+    "function_call": "deprecated function calling is not served: use tools and tool_choice",
     "logit_bias": "pdserve applies no logit bias",
 }
 _ASKS_NOTHING = (None, [], {}, "none")
@@ -53,6 +54,7 @@ class ServingContext:
     store: StateStore | None = None
     served_model_name: str | None = None
     events: EventLog | None = None  # where streams are recorded, to be resumed (Redis)
+    tool_parser: str | None = None  # the parser of tool_choice "auto"; None: not enabled
 
     async def model_name(self) -> str:
         if self.served_model_name is not None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO
 
 from pdserve.cluster.flags import (
+    add_chat_template_flag,
     add_flag,
     add_kv_transport_flag,
     add_redis_namespace_flag,
@@ -82,6 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--local-prefill-max-tokens", 0, type=int,
              help="prompts up to this many tokens prefill on the decode worker (0: never)")
     add_kv_transport_flag(p)  # handed to every prefill and decode worker
+    add_chat_template_flag(p)  # handed to the tokenizer (with --colocated, to the engine's)
+    add_flag(p, "--tool-call-parser", "hermes",
+             help='how the model writes tool calls, for tool_choice "auto": hermes, smollm2, '
+                  "llama3_json (the gateway gets --enable-auto-tool-choice with it)")
+    add_flag(p, "--no-auto-tool-choice", False, action="store_true",
+             help='serve no tool_choice "auto" (tools then need "required" or a named one)')
     add_flag(p, "--startup-timeout", 300.0, type=float, help="seconds to wait for health")
     add_flag(p, "--log-level", "info", help="debug, info, warning, error")
 
@@ -98,14 +105,16 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     cluster = _cluster_flags(args)  # what every disaggregated service must agree on
     internal = ["--host", "127.0.0.1"]  # only the gateway listens on --host; workers: loopback
     gateway_url = f"http://{args.host}:{args.port}"
+    template = ["--chat-template", args.chat_template] if args.chat_template else []
     if args.colocated:
-        return [_colocated(args, [*py, "serve", *common, *engine], gateway_url)]
+        argv = [*py, "serve", *common, *engine, *template, *_tool_flags(args)]
+        return [_colocated(args, argv, gateway_url)]
     services = []
     if redis_port is not None:
         services.append(Service("redis", redis_argv(redis_port), f"redis:{redis_port}"))
     tok_port = free_port()
-    services.append(Service("tokenizer", [*py, "tokenizer", *common, *cluster, *internal, "--port",
-                                          str(tok_port), "--redis-url", redis_url],
+    services.append(Service("tokenizer", [*py, "tokenizer", *common, *template, *cluster, *internal,
+                                          "--port", str(tok_port), "--redis-url", redis_url],
                             f"grpc:127.0.0.1:{tok_port}"))
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         tp = ["--tensor-parallel-size", str(getattr(args, f"{role}_tp"))]
@@ -116,9 +125,18 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
             services.append(Service(f"{role}-{i}", argv, f"grpc:127.0.0.1:{port}", env=env))
     argv = [*py, "gateway", *cluster, "--host", args.host, "--port", str(args.port),
             "--redis-url", redis_url, "--tokenizer-address", f"127.0.0.1:{tok_port}", "--log-level",
-            args.log_level, "--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
+            args.log_level, "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
+            *_tool_flags(args)]
     services.append(Service("gateway", argv, f"http:{gateway_url}/ready"))
     return services
+
+
+def _tool_flags(args: argparse.Namespace) -> list[str]:
+    """The gateway's tool-call flags: auto tool choice with --tool-call-parser, unless
+    --no-auto-tool-choice."""
+    if args.no_auto_tool_choice or not args.tool_call_parser:
+        return []
+    return ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
 
 
 def _colocated(args: argparse.Namespace, argv: list[str], gateway_url: str) -> Service:

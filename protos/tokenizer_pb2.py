@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/tokenizer.proto\x12\npdserve.v1\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x8d\x01\n\x13\x43hatTemplateRequest\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x1a\n\rchat_template\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x10\n\x0e_chat_template\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xb3\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x16\n\x0etokenizer_json\x18\x06 \x01(\t\x12\x1d\n\x15tokenizer_config_json\x18\x07 \x01(\t2\xb8\x02\n\tTokenizer\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12R\n\x11\x41pplyChatTemplate\x12\x1f.pdserve.v1.ChatTemplateRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.pdserve.v1.DetokenizeRequest\x1a\x1e.pdserve.v1.DetokenizeResponse\x12\x43\n\x0cGetModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/tokenizer.proto\x12\npdserve.v1\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"\x8d\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x17\n\x0ftool_calls_json\x18\x05 \x01(\tB\x07\n\x05_nameB\x0f\n\r_tool_call_id\"\xa1\x01\n\x13\x43hatTemplateRequest\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x1a\n\rchat_template\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x04 \x01(\tB\x10\n\x0e_chat_template\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xb3\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x16\n\x0etokenizer_json\x18\x06 \x01(\t\x12\x1d\n\x15tokenizer_config_json\x18\x07 \x01(\t2\xb8\x02\n\tTokenizer\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12R\n\x11\x41pplyChatTemplate\x12\x1f.pdserve.v1.ChatTemplateRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.pdserve.v1.DetokenizeRequest\x1a\x1e.pdserve.v1.DetokenizeResponse\x12\x43\n\x0cGetModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,18 +35,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZEREQUEST']._serialized_end=97
   _globals['_TOKENIZERESPONSE']._serialized_start=99
   _globals['_TOKENIZERESPONSE']._serialized_end=152
-  _globals['_CHATMESSAGE']._serialized_start=154
-  _globals['_CHATMESSAGE']._serialized_end=198
-  _globals['_CHATTEMPLATEREQUEST']._serialized_start=201
-  _globals['_CHATTEMPLATEREQUEST']._serialized_end=342
-  _globals['_DETOKENIZEREQUEST']._serialized_start=344
-  _globals['_DETOKENIZEREQUEST']._serialized_end=411
-  _globals['_DETOKENIZERESPONSE']._serialized_start=413
-  _globals['_DETOKENIZERESPONSE']._serialized_end=447
-  _globals['_MODELINFOREQUEST']._serialized_start=449
-  _globals['_MODELINFOREQUEST']._serialized_end=467
-  _globals['_MODELINFO']._serialized_start=470
-  _globals['_MODELINFO']._serialized_end=649
-  _globals['_TOKENIZER']._serialized_start=652
-  _globals['_TOKENIZER']._serialized_end=964
+  _globals['_CHATMESSAGE']._serialized_start=155
+  _globals['_CHATMESSAGE']._serialized_end=296
+  _globals['_CHATTEMPLATEREQUEST']._serialized_start=299
+  _globals['_CHATTEMPLATEREQUEST']._serialized_end=460
+  _globals['_DETOKENIZEREQUEST']._serialized_start=462
+  _globals['_DETOKENIZEREQUEST']._serialized_end=529
+  _globals['_DETOKENIZERESPONSE']._serialized_start=531
+  _globals['_DETOKENIZERESPONSE']._serialized_end=565
+  _globals['_MODELINFOREQUEST']._serialized_start=567
+  _globals['_MODELINFOREQUEST']._serialized_end=585
+  _globals['_MODELINFO']._serialized_start=588
+  _globals['_MODELINFO']._serialized_end=767
+  _globals['_TOKENIZER']._serialized_start=770
+  _globals['_TOKENIZER']._serialized_end=1082
 # @@protoc_insertion_point(module_scope)

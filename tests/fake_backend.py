@@ -15,6 +15,7 @@ from engine.sampling_params import SamplingParams
 from gateway.backend import ModelFacts, TokenDelta
 from pdserve.cluster.convert import sampling_params_from_pb, sampling_params_to_pb
 from protos import decode_pb2
+from tokenizer_svc.chat_template import ChatRenderer
 
 MAX_GENERATED = 3
 
@@ -22,6 +23,7 @@ MAX_GENERATED = 3
 class FakeBackend:
     def __init__(self, tokenizer: Any, name: str = "fake", max_model_len: int = 128) -> None:
         self.tokenizer = tokenizer
+        self.chat = ChatRenderer(tokenizer)
         self.facts = ModelFacts(
             model_name=name, eos_token_ids=frozenset({tokenizer.eos_token_id}),
             max_model_len=max_model_len, has_chat_template=bool(tokenizer.chat_template),
@@ -40,17 +42,11 @@ class FakeBackend:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-        chat_template: str | None = None,
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                chat_template=chat_template, return_dict=False,
-            )
-        except Exception as exc:  # as the tokenizer service answers: INVALID_ARGUMENT
-            raise ValueError(str(exc)) from exc
-        return list(ids)
+        """As the tokenizer service renders (its ValueError: INVALID_ARGUMENT)."""
+        return self.chat.render(messages, add_generation_prompt, chat_template, tools)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -98,6 +98,35 @@ def test_n_logprobs_stop_and_usage(client):
     assert cut.choices[0].finish_reason == "stop"
 
 
+def test_a_required_tool_call_after_a_tool_round_trip(client, bundled_tokenizer):
+    """The history's call and result cross to the tokenizer service (rendered there with the
+    shipped ChatML tool template), and the forced call fits the function's parameters."""
+    import jsonschema
+
+    from tokenizer_svc.chat_template import TOOLS_TEMPLATE_PATH
+
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    history = [{"role": "user", "content": "Weather in Paris, then Oslo?"},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    r = client.chat.completions.create(model=None, messages=history, tools=tools,
+                                       tool_choice="required", parallel_tool_calls=False,
+                                       temperature=0, max_tokens=48)
+    choice = r.choices[0]
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+    [made] = choice.message.tool_calls
+    assert made.function.name == "get_weather" and made.id.startswith("call_")
+    jsonschema.validate(json.loads(made.function.arguments), params)
+    local = [history[0], {**history[1], "tool_calls": [{**call, "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]}, history[2]]
+    assert r.usage.prompt_tokens == len(bundled_tokenizer.apply_chat_template(
+        local, tools=tools, chat_template=TOOLS_TEMPLATE_PATH.read_text(),
+        add_generation_prompt=True, return_dict=False))
+
+
 def test_request_state_and_registry_in_redis(cluster, client):
     from pdserve.cluster.state import RequestStore, connect
 

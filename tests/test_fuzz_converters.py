@@ -154,16 +154,27 @@ TEMPLATES = st.one_of(
 )
 
 
+TOOLS_JSON = st.one_of(st.just(""), st.text(max_size=20), st.just(
+    '[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]'))
+
+
 @settings(FUZZ, max_examples=150)
-@given(st.lists(messages(tokenizer_pb2.ChatMessage), max_size=4), st.booleans(), TEMPLATES)
+@given(st.lists(messages(tokenizer_pb2.ChatMessage), max_size=4), st.booleans(), TEMPLATES,
+       TOOLS_JSON)
 def test_chat_template_rpc(
-    tokenizer_servicer: TokenizerServicer, msgs: list[Any], add_prompt: bool, template: Any
+    tokenizer_servicer: TokenizerServicer, msgs: list[Any], add_prompt: bool, template: Any,
+    tools_json: str,
 ) -> None:
-    request = tokenizer_pb2.ChatTemplateRequest(messages=msgs, add_generation_prompt=add_prompt)
+    request = tokenizer_pb2.ChatTemplateRequest(messages=msgs, add_generation_prompt=add_prompt,
+                                                tools_json=tools_json)
     if template is not None:
         request.chat_template = template
-    assert messages_from_pb(request.messages) == [
-        {"role": m.role, "content": m.content} for m in msgs]
+    try:  # tool calls that are not a JSON list are INVALID_ARGUMENT
+        converted = messages_from_pb(request.messages)
+        assert [(m["role"], m["content"]) for m in converted] == [
+            (m.role, m.content) for m in msgs]
+    except ValueError:
+        assert any(m.tool_calls_json for m in msgs)
     try:
         reply = asyncio.run(tokenizer_servicer.ApplyChatTemplate(request, None))
     except ValueError:

@@ -141,12 +141,18 @@ JSON_CASES = {
     "suffix": (CMPL, cmpl(suffix="x"), 400, "suffix", None),
     "chat template from the request": (CHAT, chat(chat_template="{{ 1 }}"), 400,
                                        "chat_template", None),
+    # tool calling (tests/test_gateway_tools.py serves it)
+    "tool without a function": (CHAT, chat(tools=[{"type": "function"}]), 400, "tools", None),
+    "tools on completions": (CMPL, cmpl(tools=[{"type": "function", "function": {"name": "f"}}]),
+                             400, "tools", None),
+    "tools without auto tool choice enabled": (
+        CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tool_choice",
+        None),
+    "tool_choice required without tools": (CHAT, chat(tool_choice="required"), 400,
+                                           "tool_choice", None),
+    "parallel_tool_calls not a bool": (CHAT, chat(parallel_tool_calls="x"), 400,
+                                       "parallel_tool_calls", None),
     # OpenAI fields pdserve cannot honour: refused rather than silently ignored
-    "tools": (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
-              "tools", None),
-    "tool_choice": (CHAT, chat(tool_choice="auto"), 400, "tool_choice", None),
-    "parallel_tool_calls": (CHAT, chat(parallel_tool_calls=False), 400, "parallel_tool_calls",
-                            None),
     "functions": (CHAT, chat(functions=[{"name": "f", "parameters": {}}]), 400, "functions",
                   None),
     "function_call": (CHAT, chat(function_call={"name": "f"}), 400, "function_call", None),

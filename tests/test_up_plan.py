@@ -15,7 +15,9 @@ from pdserve.launcher import add_arguments, plan
 
 def _up(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
     for name in ("HOST", "REDIS_NAMESPACE", "TLS_CERT", "TLS_KEY", "TLS_CA", "PREFILL_GPUS",
-                 "DECODE_GPUS", "KV_TRANSPORT", "PREFILL_TP", "DECODE_TP", "COLOCATED"):
+                 "DECODE_GPUS", "KV_TRANSPORT", "PREFILL_TP", "DECODE_TP", "COLOCATED",
+                 "CHAT_TEMPLATE", "TOOL_CALL_PARSER", "NO_AUTO_TOOL_CHOICE",
+                 "ENABLE_AUTO_TOOL_CHOICE"):
         monkeypatch.delenv(f"PDSERVE_{name}", raising=False)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -43,6 +45,23 @@ def test_defaults_are_plaintext_in_the_default_namespace(monkeypatch: pytest.Mon
         assert parsed.host == "127.0.0.1" and parsed.redis_namespace == "pdserve"
         assert (parsed.tls_cert, parsed.tls_key, parsed.tls_ca, parsed.tls_server_name) == (
             "", "", "", "")
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_tool_calling_flags(monkeypatch: pytest.MonkeyPatch, colocated: bool) -> None:
+    """The gateway serves tool_choice "auto" with hermes unless told otherwise; the chat
+    template goes where conversations are rendered (the tokenizer, or the one engine)."""
+    mode = ["--colocated"] if colocated else []
+    cases = {(): (True, "hermes"), ("--tool-call-parser", "llama3_json"): (True, "llama3_json"),
+             ("--no-auto-tool-choice",): (False, "")}
+    for flags, expected in cases.items():
+        services = plan(_up([*mode, *flags, "--chat-template", "t.jinja"], monkeypatch),
+                        "redis://127.0.0.1:6379/0", None)
+        parsed = {s.name: build_parser().parse_args(s.argv[3:]) for s in services}
+        gateway = parsed["gateway"]
+        assert (gateway.enable_auto_tool_choice, gateway.tool_call_parser) == expected
+        renders = parsed["gateway" if colocated else "tokenizer"]
+        assert renders.chat_template == "t.jinja"
 
 
 def test_gpus_are_dealt_to_the_workers_of_each_role(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from pdserve.cluster.flags import add_common_flags, add_model_flags
+from pdserve.cluster.flags import add_chat_template_flag, add_common_flags, add_model_flags
 from pdserve.cluster.grpc_server import make_server, serve_until_signal, set_serving
 from pdserve.cluster.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from pdserve.cluster.state import connect
@@ -23,6 +23,7 @@ BUNDLED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_flags(parser, DEFAULT_PORT)
     add_model_flags(parser)
+    add_chat_template_flag(parser)
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -33,9 +34,11 @@ def served_name(args: argparse.Namespace) -> str:
 
 async def serve(args: argparse.Namespace) -> None:
     from engine.model_loader import resolve_model
+    from tokenizer_svc.chat_template import read_template
 
     path = resolve_model(args.model)
-    model = TokenizerModel(path, served_name(args), args.max_model_len)
+    model = TokenizerModel(path, served_name(args), args.max_model_len,
+                           read_template(args.chat_template))
     server, health = await make_server(
         SERVICE,
         lambda s: tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(model), s),

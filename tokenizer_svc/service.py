@@ -8,13 +8,16 @@ from typing import Any
 import grpc
 
 from protos import tokenizer_pb2, tokenizer_pb2_grpc
-from tokenizer_svc.convert import messages_from_pb, model_info_to_pb
+from tokenizer_svc.chat_template import ChatRenderer
+from tokenizer_svc.convert import messages_from_pb, model_info_to_pb, tools_from_pb
 
 
 class TokenizerModel:
-    """The served model's tokenizer and facts, loaded once."""
+    """The served model's tokenizer and facts, loaded once; `chat_template` (the text of
+    --chat-template) replaces the model's own template."""
 
-    def __init__(self, model_path: str, model_name: str, max_model_len: int | None = None):
+    def __init__(self, model_path: str, model_name: str, max_model_len: int | None = None,
+                 chat_template: str | None = None):
         from engine.model_loader import load_hf_config, load_tokenizer
         from engine.request_checks import eos_token_ids
 
@@ -27,23 +30,7 @@ class TokenizerModel:
         self.max_model_len = max_model_len or context
         self.eos_token_ids = sorted(eos_token_ids(config, self.tokenizer))
         self.vocab_size = config.vocab_size
-
-    def chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool,
-                 chat_template: str | None) -> list[int]:
-        if not messages:
-            raise ValueError("messages must not be empty")
-        if chat_template is None and not self.tokenizer.chat_template:
-            raise ValueError("the model has no chat template")
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                chat_template=chat_template, return_dict=False,
-            )
-        except ValueError:
-            raise
-        except Exception as exc:  # jinja2 errors of a bad template or a role it rejects:
-            raise ValueError(str(exc)) from exc  # the caller's mistake (INVALID_ARGUMENT)
-        return list(ids)
+        self.chat = ChatRenderer(self.tokenizer, chat_template)
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
@@ -60,7 +47,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         messages = messages_from_pb(request.messages)
         template = request.chat_template if request.HasField("chat_template") else None
         ids = await asyncio.to_thread(
-            self.model.chat_ids, messages, request.add_generation_prompt, template
+            self.model.chat.render, messages, request.add_generation_prompt, template,
+            tools_from_pb(request.tools_json),
         )
         prompt = self.model.tokenizer.decode(ids)
         return tokenizer_pb2.TokenizeResponse(token_ids=ids, prompt=prompt)

@@ -181,13 +181,17 @@ class StreamingToolParser:
         return out
 
     def _call_deltas(self, call: ToolCall) -> list[ToolDelta]:
-        index = len(self.calls)
         self.calls.append(call)
-        out = [ToolDelta(index=index, id=call.id, name=call.name, arguments="")]
-        args = call.arguments
-        out += [ToolDelta(index=index, arguments=args[k:k + ARG_PIECE])
-                for k in range(0, len(args), ARG_PIECE)]
-        return out
+        return call_deltas(len(self.calls) - 1, call)
+
+
+def call_deltas(index: int, call: ToolCall) -> list[ToolDelta]:
+    """Call `index` streamed: its id and name (arguments ""), then its arguments in pieces."""
+    out = [ToolDelta(index=index, id=call.id, name=call.name, arguments="")]
+    args = call.arguments
+    out += [ToolDelta(index=index, arguments=args[k:k + ARG_PIECE])
+            for k in range(0, len(args), ARG_PIECE)]
+    return out
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -66,6 +66,15 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-model-len", None, type=int, help="context length served")
 
 
+def add_chat_template_flag(parser: argparse.ArgumentParser) -> None:
+    """--chat-template: where conversations are rendered (the tokenizer service, or the
+    colocated `pdserve serve`); tokenizer_svc/chat_template.py says which template wins."""
+    add_flag(parser, "--chat-template", "",
+             help="Jinja chat template file replacing the model's own (default: the model's; "
+                  "requests with tools on a ChatML template that cannot render them use the "
+                  "shipped chatml_tools.jinja)")
+
+
 def add_kv_transport_flag(parser: argparse.ArgumentParser) -> None:
     """--kv-transport: how KV bytes move between prefill and decode workers
     (pdserve/transport/)."""
