@@ -21,6 +21,7 @@ prefill role.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -189,7 +190,15 @@ class LLMEngine(KVHandoffMixin):
         return len(self._groups)
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self.runner.structured is not None:
+            g = self.runner.structured.stats
+            stats = dataclasses.replace(
+                stats, grammar_compiles=g.compiles, grammar_cache_hits=g.cache_hits,
+                grammar_compile_seconds=g.compile_seconds,
+                grammar_bitmask_seconds=g.bitmask_seconds,
+            )
+        return stats
 
     def shutdown(self) -> None:
         """Stop the engine's other tensor-parallel ranks (nothing to do without TP)."""

@@ -50,3 +50,8 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_waiting_for_blocks: int = 0  # decode role: reservations queued for free blocks
+    # structured outputs (engine/structured/manager.py), filled in by the engine
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
+    grammar_compile_seconds: float = 0.0
+    grammar_bitmask_seconds: float = 0.0

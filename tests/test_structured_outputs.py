@@ -185,3 +185,16 @@ def test_overlapped_steps_constrain_exactly_as_serial_steps(llm, bundled_path):
     overlapped = [o.token_ids for o in _texts(llm, so, 4)]
     assert overlapped == [o.token_ids for o in _texts(serial, so, 4)]
     assert llm.llm_engine._overlap and not serial.llm_engine._overlap
+
+
+def test_grammar_compiles_cache_hits_and_bitmask_time_are_exported(llm):
+    from pdserve.cluster.worker import WorkerMonitor, _StatsCollector
+
+    s = llm.llm_engine.stats()  # after the tests above on this engine
+    assert s.grammar_compiles >= 4 and s.grammar_cache_hits >= 20
+    assert s.grammar_compile_seconds > 0 and s.grammar_bitmask_seconds > 0
+    monitor = WorkerMonitor("decode", "127.0.0.1:1", engine=None, stats=s)  # type: ignore[arg-type]
+    exported = {m.name: m.samples[0].value for m in _StatsCollector(monitor).collect()}
+    assert exported["pdserve:grammar_compiles"] == s.grammar_compiles
+    assert exported["pdserve:grammar_compile_cache_hits"] == s.grammar_cache_hits
+    assert exported["pdserve:grammar_bitmask_seconds"] == s.grammar_bitmask_seconds

@@ -195,6 +195,10 @@ class _StatsCollector(Collector):
                 ("num_preemptions", s.num_preemptions),
                 ("prefix_cache_queries", s.prefix_cache_queries),
                 ("prefix_cache_hits", s.prefix_cache_hits),
+                ("grammar_compiles", s.grammar_compiles),  # structured outputs
+                ("grammar_compile_cache_hits", s.grammar_cache_hits),
+                ("grammar_compile_seconds", s.grammar_compile_seconds),
+                ("grammar_bitmask_seconds", s.grammar_bitmask_seconds),
             ):
                 yield _counter(f"pdserve:{name}", value, role)
         for name, value in self.monitor.counters().items():
