@@ -49,6 +49,7 @@ from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput, SchedulerStats
 from engine.stop_checker import StopStringMatcher
 from engine.structured.manager import StructuredOutputs
+from engine.token_controls import bad_words_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +111,15 @@ class LLMEngine(KVHandoffMixin):
         text, token_ids = tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
         max_tokens = resolve_max_tokens(self.max_model_len, len(token_ids), params)
         check_prior(prior, max_tokens, params.n, self.vocab_size)
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words or [])
+        if any(not 0 <= t < self.vocab_size for t in params.token_ids_used()):
+            raise ValueError(f"logit_bias and allowed_token_ids take token ids in "
+                             f"[0, {self.vocab_size})")
         grammar = self._compile(params)
         if params.prompt_logprobs is not None and self.config.parallel.tensor_parallel_size > 1:
             raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
+        if (params.prompt_logprobs or 0) > self.vocab_size:
+            raise ValueError(f"prompt_logprobs must be <= the vocabulary size {self.vocab_size}")
         if self.config.role == "prefill":
             max_tokens = len(prior) + 1
         group = RequestGroup(
@@ -137,6 +144,7 @@ class LLMEngine(KVHandoffMixin):
                 req.metrics.arrival_time = arrival_time
             if grammar is not None:
                 req.grammar = self.structured().matcher(grammar, prior)
+            req.bad_words_token_ids = bad_words
             seq = self._sequence_state(req, params)
             seq.sent_tokens = seq.seen_tokens = len(prior)  # the caller has them already
             group.seqs.append(seq)

@@ -346,6 +346,7 @@ class ModelRunner:
             output_token_ids=req.output_token_ids,
             eos_token_ids=req.eos_token_ids,
             generator=self._generator(req),
+            bad_words_token_ids=req.bad_words_token_ids,
         )
 
     def _generator(self, req: Request) -> torch.Generator | None:

@@ -56,3 +56,18 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+
+
+def prompt_logprob_entries(
+    prompt_token_ids: list[int], prompt_logprobs: PromptLogprobs, k: int
+) -> list[tuple[float, int, dict[int, float]]]:
+    """`RequestOutput.prompt_logprobs` ([None, {id: Logprob}, ...]) as plain tuples, one per
+    prompt position after the first: (its token's logprob, its rank, {top-k id: logprob}).
+    The top k are the entries ranked 1..k; the prompt token is among them or extra."""
+    out = []
+    for token_id, step in zip(prompt_token_ids[1:], prompt_logprobs[1:]):
+        assert step is not None
+        chosen = step[token_id]
+        top = {t: lp.logprob for t, lp in step.items() if lp.rank is not None and lp.rank <= k}
+        out.append((chosen.logprob, chosen.rank or 0, top))
+    return out

@@ -96,6 +96,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # from bad_words
     # prompt_logprobs: entry p is prompt token p + 1's (logprob, rank, {top id: logprob})
     prompt_logprobs: list[tuple[float, int, dict[int, float]]] = field(default_factory=list)
     # Structured outputs: the grammar's matcher (engine/structured/backend.py), fed every token

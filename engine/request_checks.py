@@ -52,8 +52,9 @@ def check_prior(prior: list[int], max_tokens: int, n: int, vocab_size: int) -> N
 
 
 def reads_history(params: SamplingParams) -> bool:
-    """Whether sampling a token needs every earlier one on the host (penalties, min_tokens)."""
-    return params.min_tokens > 0 or (
+    """Whether sampling a token needs every earlier one on the host (penalties, min_tokens,
+    bad words)."""
+    return params.min_tokens > 0 or bool(params.bad_words) or (
         params.repetition_penalty, params.frequency_penalty, params.presence_penalty
     ) != (1.0, 0.0, 0.0)
 

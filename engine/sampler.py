@@ -19,7 +19,7 @@ Choosing the token lives in `engine.token_choice`; this module owns the logits p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,7 @@ from engine.host_copy import to_device
 from engine.sampling_params import SamplingParams
 from engine.structured.bitmask import mask_logits
 from engine.token_choice import index_tensor, padded, pick_tokens, select_rows
+from engine.token_controls import apply_token_controls, has_controls
 
 Logprobs = tuple[float, dict[int, float]]
 
@@ -40,6 +41,7 @@ class SamplingRow:
     output_token_ids: list[int]  # tokens generated so far, before this step's token
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None = None  # the request's own when seeded, on the logits' device
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -60,6 +62,7 @@ def argmax_suffices(rows: list[SamplingRow]) -> bool:
         and len(r.output_token_ids) >= r.params.min_tokens
         and (r.params.repetition_penalty, r.params.frequency_penalty,
              r.params.presence_penalty) == (1.0, 0.0, 0.0)
+        and not has_controls(r)
         for r in rows
     )
 
@@ -96,6 +99,7 @@ class Sampler:
         if bitmask is not None:
             logits = mask_logits(logits, bitmask)
         raw = _RawLogprobs.compute(logits, rows)
+        logits = apply_token_controls(logits, rows)
         logits = _apply_penalties_to_rows(_apply_min_tokens(logits, rows), rows)
         token_ids = pick_tokens(logits, rows, default_generator)  # [N] long
         return SampledTokens(token_ids, raw)

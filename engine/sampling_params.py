@@ -56,6 +56,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Added to the logits of these token ids (OpenAI's logit_bias: -100 bans, 100 forces).
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (vLLM's allowed_token_ids).
+    allowed_token_ids: list[int] | None = None
+    # Words that must not be generated (vLLM's bad_words: their token sequences are blocked).
+    bad_words: list[str] | None = None
     # The output must match this (a JSON schema, regex, choice or grammar): engine/structured/
     structured_outputs: StructuredOutputsParams | None = None
     stop_list: list[str] = field(init=False, repr=False)
@@ -107,9 +113,34 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0)
+        self._validate_controls()
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
+
+    def _validate_controls(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must map token ids to biases")
+            bias = {}
+            for key, value in self.logit_bias.items():  # JSON gives the ids as strings
+                token = int(key) if isinstance(key, str) and key.isdigit() else key
+                bias[_check_int("logit_bias", token, low=0)] = _check_number("logit_bias", value)
+            self.logit_bias = bias
+            if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            for token_id in self.allowed_token_ids:
+                _check_int("allowed_token_ids", token_id, low=0)
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise ValueError("bad_words must be a list of non-empty strings")
+
+    def token_ids_used(self) -> list[int]:
+        """Every token id the request names (checked against the vocabulary by the engine)."""
+        return [*(self.logit_bias or {}), *(self.allowed_token_ids or [])]
 
     @property
     def greedy(self) -> bool:
