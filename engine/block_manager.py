@@ -22,6 +22,7 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from engine.kv_events import KVEventBatch, KVEvents
 from engine.request import Request
 
 
@@ -40,6 +41,16 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
+def prefix_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+    """The chain hashes of every full block of `token_ids` (a partial last block has none):
+    what a worker's prefix cache registers for them. The gateway's router uses the same."""
+    hashes: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else None,
+                                 token_ids[start:start + block_size]))
+    return hashes
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1:
@@ -50,6 +61,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self.kv_events = KVEvents()  # registrations and evictions, for KV-aware routing
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -139,6 +151,7 @@ class BlockManager:
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
                 self._cached[block_hash] = block.block_id
+                self.kv_events.stored(block_hash)
         req.num_registered_blocks = num_full
 
     def free(self, req: Request) -> None:
@@ -152,6 +165,14 @@ class BlockManager:
                     self._free.move_to_end(block_id, last=False)
         req.block_ids = []
         req.num_registered_blocks = 0
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash registered in the prefix cache now."""
+        return list(self._cached)
+
+    def drain_kv_events(self) -> KVEventBatch:
+        """What the prefix cache gained and lost since the last call (engine/kv_events.py)."""
+        return self.kv_events.drain(self.cached_hashes())
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered block that no request holds."""
@@ -172,6 +193,7 @@ class BlockManager:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
+                self.kv_events.removed(block.block_hash)
             block.block_hash = None
 
     def _extend_hashes(self, req: Request, num_blocks: int) -> None:

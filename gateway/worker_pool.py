@@ -16,10 +16,12 @@ from typing import Any
 
 import grpc
 
+from engine.block_manager import prefix_hashes
 from gateway.backend import BackendError
 from pdserve.cluster.grpc_server import open_channel
+from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.registry import WorkerInfo
-from pdserve.cluster.routing import pick_decode, pick_prefill
+from pdserve.cluster.routing import ROUTING, pick_decode, pick_prefill, pick_round_robin
 from pdserve.cluster.tls import PLAINTEXT, TLSConfig
 
 
@@ -31,9 +33,16 @@ class _Channel:
 
 
 class WorkerPool:
-    def __init__(self, registry: Any, tls: TLSConfig = PLAINTEXT) -> None:
+    def __init__(self, registry: Any, tls: TLSConfig = PLAINTEXT, routing: str = "kv_aware",
+                 prefixes: PrefixIndex | None = None) -> None:
+        if routing not in ROUTING:
+            raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
         self.registry = registry  # pdserve.cluster.registry.WorkerRegistry
         self.tls = tls
+        self.routing = routing
+        self.prefixes = prefixes  # kv_aware: the workers' cached prefix blocks
+        self.decisions: dict[str, int] = {}  # "role:reason" -> count (the gateway's metrics)
+        self._turn = 0
         self._channels: dict[str, _Channel] = {}
 
     async def list(self, role: str | None = None, lost: set[str] | None = None
@@ -50,19 +59,53 @@ class WorkerPool:
         return [w for w in workers
                 if (role is None or w.role == role) and w.address not in (lost or ())]
 
-    async def route(self, local: bool, lost: set[str]) -> tuple[WorkerInfo, WorkerInfo | None]:
-        """The decode worker for a request (most free KV blocks) and, unless it prefills
-        locally, its prefill worker (shortest queue), avoiding `lost` workers."""
+    async def route(
+        self, local: bool, lost: set[str], token_ids: list[int] | None = None
+    ) -> tuple[WorkerInfo, WorkerInfo | None]:
+        """The decode worker for a request and, unless it prefills locally, its prefill worker,
+        avoiding `lost` workers, by the `routing` policy (pdserve/cluster/routing.py; kv_aware
+        scores prefill workers by the prompt's (`token_ids`) blocks they hold)."""
         workers = await self.list(lost=lost)
-        decode = pick_decode(workers)
+        self._turn += 1
+        rr = self.routing == "round_robin"
+        decode = pick_round_robin(workers, "decode", self._turn) if rr else pick_decode(workers)
         if decode is None:
             raise BackendError("no decode worker is available", retryable=True)
+        self._count("decode", "round_robin" if rr else "load")
         if local:
             return decode, None
-        prefill = pick_prefill(workers)
+        if rr:
+            prefill, reason = pick_round_robin(workers, "prefill", self._turn), "round_robin"
+        else:
+            prefill, reason = await self._pick_prefill(workers, token_ids)
         if prefill is None:
             raise BackendError("no prefill worker is available", retryable=True)
+        self._count("prefill", reason)
         return decode, prefill
+
+    async def _pick_prefill(
+        self, workers: list[WorkerInfo], token_ids: list[int] | None
+    ) -> tuple[WorkerInfo | None, str]:
+        candidates = [w for w in workers if w.role == "prefill"]
+        if self.routing != "kv_aware" or self.prefixes is None or not token_ids or not candidates:
+            return pick_prefill(workers), "load"
+        hits: dict[str, int] = {}
+        blocks = 0
+        for size in {w.block_size for w in candidates if w.block_size > 0}:
+            hashes = prefix_hashes(token_ids, size)
+            blocks = max(blocks, len(hashes))
+            same = [w.worker_id for w in candidates if w.block_size == size]
+            try:
+                hits.update(await self.prefixes.leading_hits(same, hashes))
+            except Exception:  # noqa: BLE001 - Redis trouble: route by load alone
+                return pick_prefill(workers), "load"
+        chosen = pick_prefill(workers, hits, blocks)
+        hit = chosen is not None and hits.get(chosen.worker_id, 0) > 0
+        return chosen, "prefix_hit" if hit else "load"
+
+    def _count(self, role: str, reason: str) -> None:
+        key = f"{role}:{reason}"
+        self.decisions[key] = self.decisions.get(key, 0) + 1
 
     @asynccontextmanager
     async def channel(self, address: str) -> AsyncIterator[grpc.aio.Channel]:

@@ -39,6 +39,7 @@ class WorkerInfo:
     metrics_address: str = ""
     kv_transport: str = ""  # the worker's --kv-transport; "" for tokenizers, gateways, old workers
     tensor_parallel_size: int = 0  # the worker's --tensor-parallel-size; 0 as for kv_transport
+    block_size: int = 0  # tokens per KV block (the prefix hashes' unit); 0 as for kv_transport
     updated_at: float = 0.0  # time.time() of the last registry write
 
     def __post_init__(self) -> None:
@@ -122,13 +123,15 @@ class Heartbeat:
     """
 
     def __init__(self, registry: WorkerRegistry, get_info: Callable[[], Awaitable[WorkerInfo]],
-                 interval_s: float = 1.0) -> None:
+                 interval_s: float = 1.0,
+                 after_beat: Callable[[WorkerInfo], Awaitable[None]] | None = None) -> None:
         if not 0 < interval_s <= registry.ttl_s / MIN_BEATS_PER_TTL:
             raise ValueError(f"need 0 < interval_s <= registry ttl_s / {MIN_BEATS_PER_TTL} "
                              f"({registry.ttl_s} / {MIN_BEATS_PER_TTL}), got {interval_s}")
         self.registry = registry
         self.get_info = get_info
         self.interval_s = interval_s
+        self.after_beat = after_beat  # run after each beat that reached the registry
         self.last_info: WorkerInfo | None = None  # last info obtained from get_info
         self._healthy = True
         self._task: asyncio.Task[None] | None = None
@@ -142,7 +145,9 @@ class Heartbeat:
     async def beat(self) -> bool:
         """One heartbeat now. Returns whether it reached the registry; never raises."""
         try:
-            await self.registry.heartbeat(await self._info())
+            info = await self.registry.heartbeat(await self._info())
+            if self.after_beat is not None:
+                await self.after_beat(info)
         except Exception as e:
             if self._healthy:
                 logger.warning("heartbeat failed, will keep retrying: %s", e)

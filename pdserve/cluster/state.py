@@ -144,6 +144,10 @@ class Keys:
     def worker_pattern(self, role: str | None = None) -> str:
         return f"{self.prefix}:worker:{role}:*" if role else f"{self.prefix}:worker:*"
 
+    def prefix_blocks(self, worker_id: str) -> str:
+        """A worker's cached prefix block hashes (pdserve/cluster/prefix_index.py)."""
+        return f"{self.prefix}:prefix:{worker_id}"
+
     def stream(self, request_id: str) -> str:
         return f"{self.prefix}:stream:{request_id}"
 

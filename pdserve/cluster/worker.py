@@ -16,11 +16,13 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.kv_events import KVEventBatch
 from engine.scheduler_output import SchedulerStats
 from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
 from pdserve.cluster.drain import DrainGate, drain
 from pdserve.cluster.flags import add_common_flags, add_flag, add_model_flags
 from pdserve.cluster.grpc_server import make_server, set_serving, wait_for_signal
+from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from pdserve.cluster.state import connect
 from pdserve.cluster.tls import listen, tls_from_args
@@ -170,6 +172,7 @@ class WorkerMonitor:
             num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
             metrics_address=self.metrics_address, kv_transport=self.kv_transport,
             tensor_parallel_size=self.tensor_parallel_size,
+            block_size=self.engine.engine.config.cache.block_size,
         )
 
 
@@ -285,6 +288,25 @@ async def _engine_failure(engine: AsyncLLMEngine, every_s: float = 0.5) -> BaseE
     return engine.failure
 
 
+class PrefixPublisher:
+    """After each heartbeat: the prefix cache's events since the last one, into Redis
+    (pdserve/cluster/prefix_index.py). A batch that fails to publish is lost, so the next one
+    publishes the whole set instead."""
+
+    def __init__(self, index: PrefixIndex, monitor: WorkerMonitor) -> None:
+        self.index, self.monitor = index, monitor
+        self._resync = False
+
+    async def __call__(self, info: WorkerInfo) -> None:
+        bm = self.monitor.engine.engine.block_manager
+        batch = await self.monitor.engine.call(bm.drain_kv_events)
+        if self._resync:
+            batch = KVEventBatch(True, await self.monitor.engine.call(bm.cached_hashes))
+        self._resync = True
+        await self.index.publish(info.worker_id, batch)
+        self._resync = False
+
+
 async def start_monitoring(args: argparse.Namespace, monitor: WorkerMonitor) -> Heartbeat | None:
     """Serve /metrics (when --metrics-port) and heartbeat into the registry (when --redis-url)."""
     if args.metrics_port:
@@ -296,6 +318,7 @@ async def start_monitoring(args: argparse.Namespace, monitor: WorkerMonitor) -> 
     if not args.redis_url:
         return None
     registry = WorkerRegistry(connect(args.redis_url), prefix=args.redis_namespace)
-    heartbeat = Heartbeat(registry, monitor.info)
+    index = PrefixIndex(registry.client, prefix=args.redis_namespace, ttl_s=registry.ttl_s)
+    heartbeat = Heartbeat(registry, monitor.info, after_beat=PrefixPublisher(index, monitor))
     heartbeat.start()
     return heartbeat

@@ -1,0 +1,112 @@
+"""KV-aware routing: the gateway's block hashes equal the engine's, the prefix cache's events
+reach Redis, and the router sends a prompt to the prefill worker holding its prefix unless load
+says otherwise."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.block_manager import BlockManager, prefix_hashes
+from engine.kv_events import KVEventBatch, KVEvents
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from gateway.worker_pool import WorkerPool
+from pdserve.cluster.prefix_index import PrefixIndex
+from pdserve.cluster.registry import WorkerInfo
+from pdserve.cluster.routing import pick_prefill
+from pdserve.cluster.state import connect
+
+BS = 16
+
+
+def _computed(bm: BlockManager, rid: str, tokens: list[int]) -> Request:
+    req = Request(rid, tokens, SamplingParams())
+    assert bm.allocate_slots(req, len(tokens))
+    req.num_computed_tokens = len(tokens)
+    bm.cache_full_blocks(req)
+    return req
+
+
+def test_gateway_hashes_equal_the_engines_and_skip_a_partial_block():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    req = _computed(bm, "a", list(range(1000, 1040)))  # 2 full blocks + 8 tokens
+    assert prefix_hashes(list(range(1000, 1040)), BS) == req.block_hashes == bm.cached_hashes()
+    assert len(prefix_hashes(list(range(47)), BS)) == 2 and prefix_hashes([1] * 15, BS) == []
+    assert prefix_hashes(list(range(32)), 32) != prefix_hashes(list(range(32)), 16)[1:]
+
+
+def test_block_manager_events_follow_registration_and_eviction():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = _computed(bm, "a", list(range(32)))
+    first = bm.drain_kv_events()
+    assert first.reset and first.stored == a.block_hashes  # a fresh worker starts with a reset
+    assert bm.drain_kv_events() == KVEventBatch(False, [], [])
+    bm.free(a)
+    b = _computed(bm, "b", list(range(500, 564)))  # 4 blocks: evicts both of a's
+    batch = bm.drain_kv_events()
+    assert (batch.reset, batch.stored, sorted(batch.removed)) == (
+        False, b.block_hashes, sorted(a.block_hashes))
+
+
+def test_events_are_bounded_and_the_last_event_of_a_hash_wins():
+    ev = KVEvents(max_pending=3)
+    ev.drain([])
+    ev.stored(b"a"), ev.removed(b"a"), ev.stored(b"b")
+    assert ev.drain([]) == KVEventBatch(False, [b"b"], [b"a"])
+    for h in (b"1", b"2", b"3", b"4"):
+        ev.stored(h)
+    assert ev.drain([b"x", b"y"]) == KVEventBatch(True, [b"x", b"y"], [])
+
+
+async def test_prefix_index_in_redis(redis_url):
+    client = connect(redis_url)
+    index = PrefixIndex(client, prefix="kvroute-test", ttl_s=5)
+    chain = prefix_hashes(list(range(64)), BS)  # 4 blocks
+    await index.publish("p0", KVEventBatch(True, chain[:3]))
+    await index.publish("p1", KVEventBatch(True, chain[1:]))
+    assert await index.leading_hits(["p0", "p1", "gone"], chain) == {"p0": 3, "p1": 0, "gone": 0}
+    await index.publish("p0", KVEventBatch(False, [], [chain[1]]))  # evicted mid-chain
+    assert await index.leading_hits(["p0"], chain) == {"p0": 1}
+    await index.publish("p0", KVEventBatch(True, []))  # a restarted worker
+    assert await index.leading_hits(["p0"], chain) == {"p0": 0}
+    assert 0 < await client.pttl("kvroute-test:prefix:p1") <= 5000
+    await client.aclose()
+
+
+def _prefill(wid: str, queue: int) -> WorkerInfo:
+    return WorkerInfo(wid, "prefill", f"127.0.0.1:{len(wid)}{queue}", num_running=queue,
+                      num_free_blocks=10, block_size=BS)
+
+
+def test_score_prefers_the_holder_unless_it_is_the_busiest_for_a_small_prefix():
+    p0, p1 = _prefill("p0", 1), _prefill("p1", 0)
+    assert pick_prefill([p0, p1]) == p1  # load alone
+    assert pick_prefill([p0, p1], {"p0": 9}, 10) == p0  # 0.9 - 1/5 > 0 - 0
+    busy = _prefill("p0", 8)
+    assert pick_prefill([busy, p1], {"p0": 1}, 10) == p1  # 0.1 - 8/12 < 0: load wins
+    assert pick_prefill([busy, p1], {"p0": 10}, 10) == busy  # 1 - 8/12 > 0: recompute costs more
+    assert pick_prefill([busy, p1], {"p0": 3, "p1": 4}, 10) == p1
+
+
+async def test_worker_pool_routes_a_second_turn_to_the_holder(redis_url):
+    client = connect(redis_url)
+    index = PrefixIndex(client, prefix="kvroute-pool", ttl_s=5)
+    d0 = WorkerInfo("d0", "decode", "127.0.0.1:9", num_free_blocks=5)
+    p0, p1 = _prefill("p0", 0), _prefill("p1", 0)
+
+    class Registry:
+        async def list_workers(self, role=None):
+            return [d0, p0, p1]
+
+    history = list(range(2000, 2100))
+    await index.publish("p1", KVEventBatch(True, prefix_hashes(history, BS)))
+    pool = WorkerPool(Registry(), routing="kv_aware", prefixes=index)
+    assert (await pool.route(False, set(), history + [7, 8, 9]))[1] == p1
+    assert (await pool.route(False, set(), list(range(50))))[1] == p0  # no hits: by load, id
+    assert pool.decisions == {"decode:load": 2, "prefill:prefix_hit": 1, "prefill:load": 1}
+    rr = WorkerPool(Registry(), routing="round_robin")
+    picks = [(await rr.route(False, set(), history))[1].worker_id for _ in range(4)]
+    assert sorted(picks) == ["p0", "p0", "p1", "p1"]
+    with pytest.raises(ValueError, match="routing must be one of"):
+        WorkerPool(Registry(), routing="random")
+    await client.aclose()
