@@ -57,10 +57,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 return
             outputs = self.engine.stream(request_id)
         finished = False
+        hits_told = not request.prefill_locally  # else: with its first tokens
         async with aclosing(outputs) as stream:
             async for out in stream:
                 finished = out.finished
-                yield delta_to_pb(out)
+                msg = delta_to_pb(out)
+                if not hits_told and out.outputs[0].token_ids:
+                    msg.num_cached_tokens, hits_told = out.num_cached_tokens, True
+                yield msg
         if not finished:  # aborted here (Abort rpc, a cancellation in Redis)
             logger.info("[%s] aborted", request_id)
             yield decode_pb2.GenerateResponse(finish_reason="abort")

@@ -34,7 +34,18 @@ from gateway.protocol import (
 )
 from gateway.resume import StreamResumer
 from gateway.serving import ServingContext, StateStore, run_until_disconnect
+from gateway.tokenize_api import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    TokenizeServing,
+    VersionResponse,
+    tokenize_model,
+)
 from gateway.tools.plan import ToolCallConfig
+from pdserve import __version__
 from pdserve.cluster.event_log import EventLog
 
 M = TypeVar("M", bound=BaseModel)
@@ -54,7 +65,8 @@ def build_app(
 ) -> FastAPI:
     """The OpenAI-compatible app serving `backend`'s model as `served_model_name` (default:
     the backend's model name). With `store`, every admitted request gets a state record. With
-    `api_key`, /v1/* requires `Authorization: Bearer <api_key>`. With
+    `api_key`, /v1/*, /tokenize, /detokenize and /workers require `Authorization: Bearer
+    <api_key>` (/health, /ready, /metrics and /version stay open). With
     `max_concurrent_requests`, generation requests past that many in flight get 429. Bodies
     over `max_body_bytes` get 413. A chat request's own `chat_template` (Jinja run on the
     server: a loop can hold a thread for hours) gets 400 unless `trust_request_chat_template`.
@@ -69,7 +81,9 @@ def build_app(
     install_error_handlers(app)
     _add_openai_routes(app, ctx, api_key, max_body_bytes, trust_request_chat_template)
     _add_ops_routes(app, ctx)
-    install_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
+    install_request_schemas(app, [CompletionRequest, ChatCompletionRequest,
+                                  TokenizeCompletionRequest, TokenizeChatRequest,
+                                  DetokenizeRequest])
     if max_concurrent_requests > 0:
         app.add_middleware(AdmissionLimit, limit=max_concurrent_requests,
                            on_reject=ctx.metrics.requests_rejected.inc)
@@ -105,14 +119,11 @@ def _add_openai_routes(
               responses=_generation_responses(ChatCompletionResponse))
     async def create_chat_completion(raw: Request) -> Response:
         req = await parse(raw, ChatCompletionRequest)
-        if req.chat_template is not None and not trust_chat_template:
-            raise OpenAIError(
-                "chat_template in the request is refused: the server was not started with "
-                "--trust-request-chat-template.", param="chat_template",
-            )
+        _check_request_template(req.chat_template, trust_chat_template)
         return await run_until_disconnect(raw, chat.create(req))
 
     _add_resume_route(app, ctx, auth)
+    _add_tokenizer_routes(app, ctx, auth, max_body_bytes, trust_chat_template)
 
     @app.get("/workers", dependencies=auth, responses=error_responses(401, 503))
     async def workers() -> Response:
@@ -126,6 +137,44 @@ def _add_openai_routes(
         name = await ctx.model_name()
         card = ModelCard(id=name, root=facts.model_name, max_model_len=facts.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
+
+
+def _check_request_template(template: str | None, trusted: bool) -> None:
+    if template is not None and not trusted:
+        raise OpenAIError(
+            "chat_template in the request is refused: the server was not started with "
+            "--trust-request-chat-template.", param="chat_template",
+        )
+
+
+def _add_tokenizer_routes(
+    app: FastAPI, ctx: ServingContext, auth: list[Any], max_body_bytes: int,
+    trust_chat_template: bool,
+) -> None:
+    """vLLM's /tokenize and /detokenize (gateway/tokenize_api.py), behind the API key."""
+    serving = TokenizeServing(ctx)
+    errors = error_responses(400, 401, 404, 413, 500, 503)
+    either = {"anyOf": [json_body(m)["requestBody"]["content"]["application/json"]["schema"]
+                        for m in (TokenizeCompletionRequest, TokenizeChatRequest)]}
+    body = {"requestBody": {"required": True, "content": {"application/json": {"schema": either}}}}
+
+    @app.post("/tokenize", dependencies=auth, openapi_extra=body,
+              responses={200: {"model": TokenizeResponse}, **errors})
+    async def tokenize(raw: Request) -> Response:
+        """A prompt's token ids as /v1/completions gets them, or a conversation's (`messages`)
+        after the chat template as /v1/chat/completions does."""
+        data = await read_json_body(raw, max_body_bytes)
+        req = _validate(data, tokenize_model(data))
+        if isinstance(req, TokenizeChatRequest):
+            _check_request_template(req.chat_template, trust_chat_template)
+        return JSONResponse((await serving.tokenize(req)).model_dump())
+
+    @app.post("/detokenize", dependencies=auth, openapi_extra=json_body(DetokenizeRequest),
+              responses={200: {"model": DetokenizeResponse}, **errors})
+    async def detokenize(raw: Request) -> Response:
+        """The text of token ids."""
+        req = _validate(await read_json_body(raw, max_body_bytes), DetokenizeRequest)
+        return JSONResponse((await serving.detokenize(req)).model_dump())
 
 
 def _add_resume_route(app: FastAPI, ctx: ServingContext, auth: list[Any]) -> None:
@@ -174,6 +223,11 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
         except Exception:  # noqa: BLE001 - a backend that cannot answer is not ready
             is_ready = False
         return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
+
+    @app.get("/version", responses={200: {"model": VersionResponse}})
+    async def version() -> Response:
+        """pdserve's version."""
+        return JSONResponse(VersionResponse(version=__version__).model_dump())
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:

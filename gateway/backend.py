@@ -21,6 +21,9 @@ from engine.sampling_params import SamplingParams
 
 # (chosen token's logprob, {top token id: logprob}) at one position
 TokenLogprobs = tuple[float, dict[int, float]]
+# One prompt position after the first: (its token's logprob, that token's rank (1 = most
+# likely), {top token id: logprob}), given the prompt tokens before it
+PromptTokenLogprobs = tuple[float, int, dict[int, float]]
 
 
 @dataclass
@@ -31,6 +34,9 @@ class TokenDelta:
     logprobs: list[TokenLogprobs] | None = None  # one per token when asked for
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
     stop_reason: int | None = None  # the stop token id, when a token ended it
+    # On the first delta only: entry p is prompt token p + 1's, when params.prompt_logprobs
+    prompt_logprobs: list[PromptTokenLogprobs] | None = None
+    num_cached_tokens: int | None = None  # on the first delta: prompt tokens found cached
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from fastapi import Response
 from fastapi.responses import JSONResponse
 
 from engine.sampling_params import SamplingParams
-from gateway.backend import ModelFacts, TokenLogprobs
+from gateway.backend import Backend, ModelFacts, TokenLogprobs
 from gateway.errors import OpenAIError
 from gateway.protocol import (
     AssistantMessage,
@@ -34,13 +34,16 @@ from gateway.recorder import StreamRecord, recorded_stream
 from gateway.sequence import SequenceOutput, SequenceResult
 from gateway.serving import (
     ServingContext,
+    UsageCount,
     check_prompt_ids,
     check_unknown_fields,
     clamp_logprob,
     common_sampling_fields,
+    continuous_usage,
     fan_out,
     fit_context,
     generate_outputs,
+    prompt_logprobs_of,
     sampling_params,
     start_stream,
     stream_response,
@@ -71,7 +74,7 @@ class ChatServing:
         params = _sampling_params(req, len(prompt), facts, tools)
         specs = fan_out(request_id, [prompt], [params])
         tracker = self.ctx.tracker(request_id, model, arrival, len(prompt), len(specs), req.stream)
-        view = _ChatView(request_id, model, req, len(prompt), self.ctx.backend.get_tokenizer(),
+        view = _ChatView(request_id, model, req, prompt, self.ctx.backend.get_tokenizer(),
                          tools)
         field = "tools" if tools is not None and tools.constrained else constraint_field(req)
         events = generate_outputs(self.ctx, tracker, specs, field)
@@ -85,21 +88,28 @@ class ChatServing:
         return await view.response(events)
 
     async def _render(self, req: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
-        messages = [_message_dict(m) for m in req.messages]
-        try:
-            return await self.ctx.backend.apply_chat_template(
-                messages, req.add_generation_prompt, req.chat_template,
-                tools.tools if tools is not None else None,
-            )
-        except ValueError as exc:
-            param = "tools" if CANNOT_RENDER_TOOLS in str(exc) else "messages"
-            raise OpenAIError(f"Cannot apply the chat template: {exc}", param=param) from exc
+        return await render_chat(self.ctx.backend, req.messages, req.add_generation_prompt,
+                                 req.chat_template, tools.tools if tools is not None else None)
+
+
+async def render_chat(
+    backend: Backend, messages: list[ChatMessage], add_generation_prompt: bool,
+    chat_template: str | None, tools: list[dict[str, Any]] | None,
+) -> list[int]:
+    """The conversation's token ids after the chat template; 400 naming `messages` (or
+    `tools`, when the template cannot render them) if it fails."""
+    try:
+        return await backend.apply_chat_template(
+            [_message_dict(m) for m in messages], add_generation_prompt, chat_template, tools)
+    except ValueError as exc:
+        param = "tools" if CANNOT_RENDER_TOOLS in str(exc) else "messages"
+        raise OpenAIError(f"Cannot apply the chat template: {exc}", param=param) from exc
 
 
 def restore_view(record: StreamRecord, tokenizer: Any) -> _ChatView:
     """The view of a recorded stream, as it was when the stream began (gateway/resume.py)."""
     req = ChatCompletionRequest.model_validate(record.body)
-    view = _ChatView(record.request_id, record.model, req, len(record.prompts[0]), tokenizer,
+    view = _ChatView(record.request_id, record.model, req, record.prompts[0], tokenizer,
                      plan_tools(req, record.tool_parser))
     view.created = record.created
     return view
@@ -138,6 +148,7 @@ def _sampling_params(
         **fields,
         max_tokens=req.max_completion_tokens if use_new else req.max_tokens,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        prompt_logprobs=req.prompt_logprobs,
     )
     return fit_context(base, prompt_len, facts.max_model_len, "messages", renames)
 
@@ -146,11 +157,11 @@ class _ChatView:
     """Formats one request's sequence outputs as OpenAI chat completions."""
 
     def __init__(
-        self, request_id: str, model: str, req: ChatCompletionRequest, prompt_tokens: int,
+        self, request_id: str, model: str, req: ChatCompletionRequest, prompt: list[int],
         tokenizer: Any, tools: ToolPlan | None = None,
     ) -> None:
         self.request_id, self.model, self.req = request_id, model, req
-        self.prompt_tokens, self.tokenizer = prompt_tokens, tokenizer
+        self.prompt, self.prompt_tokens, self.tokenizer = prompt, len(prompt), tokenizer
         self.created = int(time.time())
         self.tools = tools if tools is not None and tools.reads_calls else None
         self.call_streams: dict[int, CallStream] = {}  # per choice, when streamed with tools
@@ -158,15 +169,21 @@ class _ChatView:
     async def response(self, events: AsyncGenerator[SequenceOutput, None]) -> Response:
         """Gather every sequence, then answer with one JSON body."""
         results: dict[int, SequenceResult] = {}
+        count = UsageCount(self.prompt_tokens, self.req.n)
         async with contextlib.aclosing(events):
             async for out in events:
+                count.observe(out)
                 results.setdefault(out.index, SequenceResult(out.index)).add(out)
         ordered = [results[i] for i in sorted(results)]
         choices = [self._choice(r) for r in ordered]
-        usage = UsageInfo.of(self.prompt_tokens, sum(len(r.token_ids) for r in ordered))
+        prompt_logprobs = None
+        if self.req.prompt_logprobs is not None:  # the prompt's, as its first sample saw it
+            prompt_logprobs = prompt_logprobs_of(self.tokenizer, self.prompt,
+                                                 ordered[0].prompt_logprobs,
+                                                 self.req.prompt_logprobs)
         body = ChatCompletionResponse(
             id=self.request_id, created=self.created, model=self.model, choices=choices,
-            usage=usage,
+            usage=count.usage(), prompt_logprobs=prompt_logprobs,
         )
         return JSONResponse(body.model_dump(), headers={"X-Request-Id": self.request_id})
 
@@ -182,18 +199,21 @@ class _ChatView:
     async def chunks(
         self, events: AsyncGenerator[SequenceOutput, None]
     ) -> AsyncGenerator[str, None]:
-        """SSE chunks: each choice opens with the assistant role, then its content deltas; the
-        usage chunk comes last when asked for."""
+        """SSE chunks: each choice opens with the assistant role, then its content deltas (each
+        with the usage so far for continuous usage stats); the usage chunk comes last when
+        asked for."""
+        count = UsageCount(self.prompt_tokens, self.req.n)
+        continuous = continuous_usage(self.req)
         for index in range(self.req.n):
-            yield self._chunk(ChatStreamChoice(index=index, delta=_role_delta()))
-        completion = 0
+            yield self._chunk(ChatStreamChoice(index=index, delta=_role_delta()),
+                              count.usage() if continuous else None)
         async with contextlib.aclosing(events):
             async for out in events:
-                completion += len(out.token_ids)
+                count.observe(out)
                 for choice in self._stream_choices(out):
-                    yield self._chunk(choice)
+                    yield self._chunk(choice, count.usage() if continuous else None)
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
-            yield self._chunk(None, UsageInfo.of(self.prompt_tokens, completion))
+            yield self._chunk(None, count.usage())
 
     def _stream_choices(self, out: SequenceOutput) -> list[ChatStreamChoice]:
         """The chunks' choices `out` makes: its text as one content delta, or, with tools, the

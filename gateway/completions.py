@@ -13,7 +13,7 @@ from fastapi import Response
 from fastapi.responses import JSONResponse
 
 from engine.sampling_params import SamplingParams
-from gateway.backend import ModelFacts, TokenLogprobs
+from gateway.backend import ModelFacts
 from gateway.errors import OpenAIError
 from gateway.protocol import (
     CompletionChoice,
@@ -21,20 +21,22 @@ from gateway.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
-    UsageInfo,
     random_id,
 )
 from gateway.recorder import StreamRecord, recorded_stream
 from gateway.sequence import SequenceOutput, SequenceResult
 from gateway.serving import (
     ServingContext,
+    UsageCount,
     check_prompt_ids,
     check_unknown_fields,
     clamp_logprob,
     common_sampling_fields,
+    continuous_usage,
     fan_out,
     fit_context,
     generate_outputs,
+    prompt_logprobs_of,
     sampling_params,
     start_stream,
     stream_response,
@@ -120,18 +122,28 @@ def _is_token_ids(raw: object) -> bool:
 def _check_supported(req: CompletionRequest) -> None:
     if req.suffix is not None:
         raise OpenAIError("suffix is not currently supported", param="suffix")
-    if req.echo and req.logprobs is not None:
-        raise OpenAIError(
-            "echo with logprobs is not supported: prompt logprobs are not computed",
-            param="echo",
-        )
+
+
+def _echo_only(req: CompletionRequest) -> bool:
+    """`echo` with `max_tokens` 0 (OpenAI's legacy way to score a prompt, which vLLM serves
+    too): the prompt alone comes back. One token is generated and left out."""
+    return req.echo and req.max_tokens == 0
+
+
+def _prompt_logprobs(req: CompletionRequest) -> int | None:
+    """How many alternatives per prompt position the engine must compute: for `echo` with
+    `logprobs` (the prompt's tokens lead the choice's logprobs) and for `prompt_logprobs`."""
+    asked = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None)
+             if k is not None]
+    return max(asked) if asked else None
 
 
 def _sampling_params(
     req: CompletionRequest, prompts: list[Prompt], facts: ModelFacts
 ) -> list[SamplingParams]:
     base = sampling_params(
-        **common_sampling_fields(req), max_tokens=req.max_tokens, logprobs=req.logprobs
+        **common_sampling_fields(req), max_tokens=1 if _echo_only(req) else req.max_tokens,
+        logprobs=req.logprobs, prompt_logprobs=_prompt_logprobs(req),
     )
     return [fit_context(base, len(p.token_ids), facts.max_model_len, "prompt") for p in prompts]
 
@@ -147,44 +159,59 @@ class _CompletionView:
         self.prompts, self.tokenizer = prompts, tokenizer
         self.created = int(time.time())
         self.prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        self.echo_only = _echo_only(req)
         self._echoed: set[int] = set()
         self._offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
 
     async def response(self, events: AsyncGenerator[SequenceOutput, None]) -> Response:
         """Gather every sequence, then answer with one JSON body."""
         results: dict[int, SequenceResult] = {}
+        count = UsageCount(self.prompt_tokens, self.req.n)
         async with contextlib.aclosing(events):
             async for out in events:
+                out = self._shown(out)
+                count.observe(out)
                 results.setdefault(out.index, SequenceResult(out.index)).add(out)
         ordered = [results[i] for i in sorted(results)]
         choices = [self._choice(r) for r in ordered]
-        completion = sum(len(r.token_ids) for r in ordered)
         body = CompletionResponse(
             id=self.request_id, created=self.created, model=self.model, choices=choices,
-            usage=UsageInfo.of(self.prompt_tokens, completion),
+            usage=count.usage(),
         )
         return JSONResponse(body.model_dump(), headers={"X-Request-Id": self.request_id})
 
     async def chunks(
         self, events: AsyncGenerator[SequenceOutput, None]
     ) -> AsyncGenerator[str, None]:
-        """SSE chunks of `events`, then the usage chunk when asked for."""
-        completion = 0
+        """SSE chunks of `events` (each with the usage so far for continuous usage stats),
+        then the usage chunk when asked for."""
+        count = UsageCount(self.prompt_tokens, self.req.n)
         async with contextlib.aclosing(events):
             async for out in events:
-                completion += len(out.token_ids)
+                out = self._shown(out)
+                count.observe(out)
                 if self._worth_sending(out):
                     chunk = CompletionStreamResponse(
                         id=self.request_id, created=self.created, model=self.model,
                         choices=[self._choice(out)],
+                        usage=count.usage() if continuous_usage(self.req) else None,
                     )
                     yield f"data: {chunk.model_dump_json()}\n\n"
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
             usage = CompletionStreamResponse(
                 id=self.request_id, created=self.created, model=self.model, choices=[],
-                usage=UsageInfo.of(self.prompt_tokens, completion),
+                usage=count.usage(),
             )
             yield f"data: {usage.model_dump_json()}\n\n"
+
+    def _shown(self, out: SequenceOutput) -> SequenceOutput:
+        """`out` as the client sees it: with `echo` and `max_tokens` 0, no generated token."""
+        if not self.echo_only:
+            return out
+        return SequenceOutput(
+            out.index, "", [], finish_reason="length" if out.finished else None,
+            prompt_logprobs=out.prompt_logprobs, num_cached_tokens=out.num_cached_tokens,
+        )
 
     def _worth_sending(self, out: SequenceOutput) -> bool:
         """Skip pieces with nothing to show (tokens whose text is held back)."""
@@ -193,42 +220,69 @@ class _CompletionView:
         return bool(out.text) or out.finished or wants_logprobs or echo
 
     def _choice(self, out: SequenceOutput | SequenceResult) -> CompletionChoice:
-        """One choice (or its next piece): echo prepended to its first piece; logprobs."""
-        text = out.text
-        if self.req.echo and out.index not in self._echoed:
+        """One choice (or its next piece): echo prepended to its first piece, and with
+        logprobs the prompt's tokens before the generated ones; vLLM's prompt_logprobs."""
+        text, echo = out.text, self.req.echo and out.index not in self._echoed
+        if echo:
             text = self._prompt_text(out.index) + text
         self._echoed.add(out.index)
         logprobs = None
         if self.req.logprobs is not None:
-            start = self._offsets.get(out.index, 0)
-            logprobs = self._logprobs(out.token_ids, out.logprobs or [], start)
-            self._offsets[out.index] = start + sum(len(t) for t in logprobs.tokens)
+            logprobs = self._logprobs(out, echo)
+        prompt_logprobs = None
+        if self.req.prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs_of(
+                self.tokenizer, self._prompt(out.index).token_ids, out.prompt_logprobs,
+                self.req.prompt_logprobs)
         return CompletionChoice(
             index=out.index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
+            stop_reason=out.stop_reason, prompt_logprobs=prompt_logprobs,
         )
 
+    def _prompt(self, index: int) -> Prompt:
+        return self.prompts[index // self.req.n]
+
     def _prompt_text(self, index: int) -> str:
-        prompt = self.prompts[index // self.req.n]
+        prompt = self._prompt(index)
         if prompt.text is None:
             prompt.text = self.tokenizer.decode(prompt.token_ids)
         return prompt.text
 
-    def _logprobs(
-        self, token_ids: list[int], logprobs: list[TokenLogprobs], offset: int
-    ) -> CompletionLogprobs:
+    def _logprobs(self, out: SequenceOutput | SequenceResult, echo: bool) -> CompletionLogprobs:
         """OpenAI's legacy shape: per token its text, logprob, offset in the choice's text, and
-        the top `logprobs` alternatives plus the chosen token (as vLLM returns them)."""
+        the top `logprobs` alternatives plus the chosen token (as vLLM returns them). With
+        `echo`, the prompt's tokens come first, the first with no logprob (None)."""
         result = CompletionLogprobs()
-        for token_id, (chosen, top) in zip(token_ids, logprobs):
-            text = token_text(self.tokenizer, token_id)
-            ranked = sorted(top.items(), key=lambda kv: -kv[1])[: self.req.logprobs]
-            alternatives = {token_text(self.tokenizer, t): clamp_logprob(lp) for t, lp in ranked}
-            alternatives.setdefault(text, clamp_logprob(chosen))
-            result.tokens.append(text)
-            result.token_logprobs.append(clamp_logprob(chosen))
-            result.top_logprobs.append(alternatives)
-            result.text_offset.append(offset)
-            offset += len(text)
+        offset = self._offsets.get(out.index, 0)
+        if echo:
+            prompt = self._prompt(out.index).token_ids
+            entries = [(lp, top) for lp, _, top in out.prompt_logprobs or []]
+            steps: list[tuple[float, dict[int, float]] | None] = [None, *entries]
+            steps += [None] * (len(prompt) - len(steps))  # none sent (a resumed stream)
+            for token_id, step in zip(prompt, steps):
+                offset = self._add_token(result, token_id, step, offset)
+        for token_id, step in zip(out.token_ids, out.logprobs or []):
+            offset = self._add_token(result, token_id, step, offset)
+        self._offsets[out.index] = offset
         return result
 
+    def _add_token(
+        self, result: CompletionLogprobs, token_id: int,
+        step: tuple[float, dict[int, float]] | None, offset: int,
+    ) -> int:
+        """Append one token at `offset` of the text (no logprob for `step` None); the offset
+        after it."""
+        text = token_text(self.tokenizer, token_id)
+        result.tokens.append(text)
+        result.text_offset.append(offset)
+        if step is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            return offset + len(text)
+        chosen, top = step
+        ranked = sorted(top.items(), key=lambda kv: -kv[1])[: self.req.logprobs]
+        alternatives = {token_text(self.tokenizer, t): clamp_logprob(lp) for t, lp in ranked}
+        alternatives.setdefault(text, clamp_logprob(chosen))
+        result.token_logprobs.append(clamp_logprob(chosen))
+        result.top_logprobs.append(alternatives)
+        return offset + len(text)

@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
-from engine.outputs import CompletionOutput, Logprob
+from engine.outputs import CompletionOutput, Logprob, prompt_logprob_entries
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from gateway.backend import (
     BackendError,
@@ -83,9 +83,16 @@ class LocalBackend:
         )
         stream = self.engine.generate(list(prompt_token_ids), engine_params, request_id,
                                       prior_output_token_ids=prior_output_token_ids)
+        first = True
         try:
             async for out in stream:
-                yield _to_delta(out.outputs[0])
+                delta = _to_delta(out.outputs[0])
+                if first:
+                    delta.num_cached_tokens, first = out.num_cached_tokens, False
+                if out.prompt_logprobs is not None:  # once, with the first token
+                    delta.prompt_logprobs = prompt_logprob_entries(
+                        prompt_token_ids, out.prompt_logprobs, params.prompt_logprobs or 0)
+                yield delta
         except EngineDeadError as exc:
             raise BackendError(f"the engine has failed: {exc.__cause__ or exc}") from exc
         except ValueError as exc:  # what the gateway cannot check: a grammar that won't compile
@@ -124,3 +131,4 @@ def _to_token_logprobs(token_id: int, step: dict[int, Logprob]) -> TokenLogprobs
     (chosen logprob, {top-k id: logprob})."""
     top = {tid: lp.logprob for tid, lp in step.items() if lp.rank is not None}
     return step[token_id].logprob, top
+

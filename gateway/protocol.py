@@ -62,6 +62,7 @@ class ErrorResponse(BaseModel):
 # ---- requests ----------------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk too (with include_usage)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -126,6 +127,8 @@ class OpenAIRequest(BaseModel):
     user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM: the prompt tokens' logprobs and this many alternatives (not streamed)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # at most one output constraint (gateway/structured.py)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -213,18 +216,39 @@ class ChatCompletionRequest(OpenAIRequest):
 
 
 # ---- responses ---------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int,
+           cached_tokens: int | None = None) -> UsageInfo:
+        details = None if cached_tokens is None else PromptTokensDetails(
+            cached_tokens=cached_tokens)
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=details,
         )
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob as served: one alternative at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs`: None for the first prompt token, then {token id: PromptLogprob}
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class _StreamChunk(BaseModel):
@@ -256,6 +280,11 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for (left out if not)
+
+    @model_serializer(mode="wrap")
+    def _omit_no_prompt_logprobs(self, handler: Any) -> dict[str, Any]:
+        return _without_none(handler(self), "prompt_logprobs")
 
 
 class CompletionResponse(BaseModel):
@@ -317,6 +346,11 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for (left out if not)
+
+    @model_serializer(mode="wrap")
+    def _omit_no_prompt_logprobs(self, handler: Any) -> dict[str, Any]:
+        return _without_none(handler(self), "prompt_logprobs")
 
 
 class DeltaMessage(BaseModel):
@@ -340,6 +374,12 @@ class ChatStreamChoice(BaseModel):
 class ChatCompletionStreamResponse(_StreamChunk):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatStreamChoice]
+
+
+def _without_none(data: dict[str, Any], key: str) -> dict[str, Any]:
+    if data.get(key) is None:
+        data.pop(key, None)
+    return data
 
 
 # ---- models ------------------------------------------------------------------------------

@@ -97,16 +97,18 @@ def _constraint(fields: dict[str, Any]) -> StructuredOutputsParams | None:
 
 
 def encode_outputs(outputs: list[SequenceOutput]) -> str:
-    return json.dumps([[o.index, o.token_ids, o.text, o.finish_reason, o.stop_reason]
-                       for o in outputs], separators=(",", ":"))
+    return json.dumps([[o.index, o.token_ids, o.text, o.finish_reason, o.stop_reason,
+                        o.num_cached_tokens] for o in outputs], separators=(",", ":"))
 
 
 def decode_outputs(text: str) -> list[SequenceOutput]:
-    """Recorded outputs, to render again. Their logprobs are placeholders: the view renders
-    them only to reach the state it was in (a logprob's text offset counts tokens), and those
-    chunks are dropped."""
-    return [SequenceOutput(index, text, ids, [(0.0, {})] * len(ids), reason, stop)
-            for index, ids, text, reason, stop in json.loads(text or "[]")]
+    """Recorded outputs, to render again. Their logprobs (and prompt logprobs) are
+    placeholders: the view renders them only to reach the state it was in (a logprob's text
+    offset counts tokens), and those chunks are dropped. Their cached-token counts are the
+    first stream's, for the usage (absent in logs of older gateways)."""
+    return [SequenceOutput(index, text, ids, [(0.0, {})] * len(ids), reason, stop,
+                           num_cached_tokens=cached[0] if cached else None)
+            for index, ids, text, reason, stop, *cached in json.loads(text or "[]")]
 
 
 def sse_event(event_id: int, text: str) -> str:

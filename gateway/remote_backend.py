@@ -20,7 +20,7 @@ The tokenizer service is `remote_tokenizer.py`'s; the worker list, routing and c
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import aclosing
 from dataclasses import asdict
 from typing import Any
@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 
 from engine.sampling_params import SamplingParams
+from engine.stop_checker import check_token_stop
 from gateway.backend import (
     BackendError,
     ModelFacts,
@@ -38,7 +39,11 @@ from gateway.backend import (
 from gateway.metrics import GatewayMetrics
 from gateway.remote_tokenizer import RemoteTokenizer
 from gateway.worker_pool import WorkerPool
-from pdserve.cluster.convert import logprobs_from_pb, sampling_params_to_pb
+from pdserve.cluster.convert import (
+    logprobs_from_pb,
+    prompt_logprobs_from_pb,
+    sampling_params_to_pb,
+)
 from pdserve.cluster.registry import WorkerInfo, WorkerRegistry
 from pdserve.cluster.routing import pick_prefill
 from pdserve.cluster.tls import PLAINTEXT, TLSConfig
@@ -148,14 +153,25 @@ class RemoteBackend:
         prior: list[int], lost: set[str],
     ) -> AsyncIterator[TokenDelta]:
         """One try on one decode worker, continuing after `prior` (tokens already streamed).
-        A prefill worker that dies is replaced here; a dead decode worker raises WorkerLost."""
-        local = len(prompt) + len(prior) <= self.local_prefill_max_tokens
+        A prefill worker that dies is replaced here; a dead decode worker raises WorkerLost.
+
+        Prompt logprobs are computed by a prefill worker only (a decode worker never computes
+        the prompt's positions for output), whatever --local-prefill-max-tokens says; once
+        tokens were streamed, the client has had them."""
+        if prior:
+            params = params.clone(prompt_logprobs=None)
+        wants_prompt = params.prompt_logprobs is not None
+        local = len(prompt) + len(prior) <= self.local_prefill_max_tokens and not wants_prompt
         decode, prefill = await self.pool.route(local, lost)
         pb_params = sampling_params_to_pb(params, params.max_tokens or 1)
+        decode_params = pb_params
+        if wants_prompt:
+            decode_params = sampling_params_to_pb(params.clone(prompt_logprobs=None),
+                                                  params.max_tokens or 1)
         async with self.pool.channel(decode.address) as channel:
             call = decode_pb2_grpc.DecodeStub(channel).Generate(
                 decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
-                                           params=pb_params, prefill_locally=local,
+                                           params=decode_params, prefill_locally=local,
                                            prior_output_token_ids=prior),
                 timeout=self.timeout_s,
             )
@@ -173,7 +189,8 @@ class RemoteBackend:
                     if finished:
                         return
                     await self._transition(request_id, "transferring")
-                async for delta in self._decode_stream(call, decode, request_id, local):
+                async for delta in self._decode_stream(call, decode, request_id, local,
+                                                       hits=not prior):
                     finished = decode_ended = delta.finish_reason is not None
                     yield delta
             finally:
@@ -231,12 +248,21 @@ class RemoteBackend:
                 raise await self._error(exc, prefill) from exc
         logprobs = [logprobs_from_pb(r.first_logprobs)] if r.HasField("first_logprobs") else None
         reason = r.finish_reason or None
-        stop = r.first_token_id if reason == "stop" else None
-        return TokenDelta([r.first_token_id], logprobs, reason, stop)
+        eos = (await self.model_info()).eos_token_ids
+        stop = first_token_stop_reason(r.first_token_id, reason, params, eos)
+        if prior:  # a migration: the first prefill reported the prompt's logprobs and hits
+            return TokenDelta([r.first_token_id], logprobs, reason, stop)
+        prompt_logprobs = None
+        if params.HasField("prompt_logprobs"):
+            prompt_logprobs = prompt_logprobs_from_pb(r.prompt_logprobs)
+        return TokenDelta([r.first_token_id], logprobs, reason, stop,
+                          prompt_logprobs=prompt_logprobs, num_cached_tokens=r.num_cached_tokens)
 
     async def _decode_stream(
-        self, call: Any, decode: WorkerInfo, request_id: str, local: bool
+        self, call: Any, decode: WorkerInfo, request_id: str, local: bool, hits: bool = True,
     ) -> AsyncIterator[TokenDelta]:
+        """The decode worker's deltas; with `hits`, the prefix-cache hits of a prompt it
+        prefilled itself (not those of a migration's re-prefill)."""
         first = True
         while True:
             msg = await self._read(call, decode)
@@ -249,7 +275,9 @@ class RemoteBackend:
                 continue
             logprobs = [logprobs_from_pb(lp) for lp in msg.logprobs] or None
             stop = msg.stop_token_id if msg.HasField("stop_token_id") else None
-            yield TokenDelta(list(msg.token_ids), logprobs, msg.finish_reason or None, stop)
+            cached = msg.num_cached_tokens if hits and msg.HasField("num_cached_tokens") else None
+            yield TokenDelta(list(msg.token_ids), logprobs, msg.finish_reason or None, stop,
+                             num_cached_tokens=cached)
             if msg.finish_reason:
                 return
 
@@ -298,3 +326,17 @@ class RemoteBackend:
             await self.store.transition(state_id, status, **fields)
         except Exception as exc:  # noqa: BLE001 - state tracking must not fail a generation
             logger.warning("[%s] state %s not recorded: %s", request_id, status, exc)
+
+
+def first_token_stop_reason(
+    token_id: int, finish_reason: str | None, params: common_pb2.SamplingParams,
+    eos_token_ids: Collection[int],
+) -> int | None:
+    """The stop reason of a request the prefill worker ended at its first token. Its response
+    says only "stop", not why: the engine's own rule (`check_token_stop`) tells again. eos gives
+    None (vLLM's), a stop token id gives the id; neither (a grammar completed) gives None."""
+    if finish_reason != "stop":
+        return None
+    _, stop = check_token_stop(token_id, 1, 1, 0, eos_token_ids, params.stop_token_ids,
+                               params.ignore_eos)
+    return stop

@@ -24,7 +24,7 @@ import anyio
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.stop_checker import StopStringMatcher
-from gateway.backend import Backend, TokenDelta, TokenLogprobs
+from gateway.backend import Backend, PromptTokenLogprobs, TokenDelta, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class SequenceOutput:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id
+    prompt_logprobs: list[PromptTokenLogprobs] | None = None  # first output only (TokenDelta)
+    num_cached_tokens: int | None = None  # first output only
 
     @property
     def finished(self) -> bool:
@@ -64,8 +66,12 @@ class SequenceResult:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[PromptTokenLogprobs] | None = None
+    num_cached_tokens: int = 0
 
     def add(self, out: SequenceOutput) -> None:
+        self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens or 0)
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs or []
@@ -99,6 +105,11 @@ class SequenceDecoder:
         output at the token that completed it (later tokens of the delta are dropped). A token
         that stopped the sequence (eos, stop_token_ids) stays in the ids but, as in vLLM, adds
         no text unless `include_stop_str_in_output`."""
+        out = self._decode(delta)
+        out.prompt_logprobs, out.num_cached_tokens = delta.prompt_logprobs, delta.num_cached_tokens
+        return out
+
+    def _decode(self, delta: TokenDelta) -> SequenceOutput:
         ids, text = delta.token_ids, ""
         steps = [[token_id] for token_id in ids] or [[]]
         if delta.finish_reason == "stop" and ids and not self.include_stop:
@@ -138,10 +149,14 @@ async def generate_sequence(
     decoder = SequenceDecoder(tokenizer, spec)
     params = spec.params.clone(stop=None, include_stop_str_in_output=False)  # ours to apply
     prior = (spec.prior_token_ids,) if spec.prior_token_ids else ()  # only when resumed
+    if prior:  # the first stream had the prompt's logprobs
+        params = params.clone(prompt_logprobs=None)
     stream = backend.generate(spec.request_id, spec.prompt_token_ids, params, *prior)
     try:
         async for delta in stream:
             out = decoder.decode(delta)
+            if prior:  # its first output, logged, told the prompt's hits; not this re-prefill's
+                out.num_cached_tokens = None
             yield out
             if out.finished:
                 return

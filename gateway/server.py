@@ -28,7 +28,8 @@ T = TypeVar("T")
 def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--host", "127.0.0.1", help="interface to bind")
     add_flag(p, "--port", 8000, type=int, help="HTTP port")
-    add_flag(p, "--api-key", "", help="require this bearer key on /v1 routes")
+    add_flag(p, "--api-key", "", help="require this bearer key on /v1 routes, /tokenize, "
+             "/detokenize and /workers")
     add_flag(p, "--max-body-bytes", 16 << 20, type=int,
              help="largest request body accepted (larger: 413)")
     add_flag(p, "--trust-request-chat-template", False, action="store_true",

@@ -19,10 +19,22 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.sampling_params import SamplingParams
-from gateway.backend import Backend, BackendError, ModelFacts, RequestRejected
+from gateway.backend import (
+    Backend,
+    BackendError,
+    ModelFacts,
+    PromptTokenLogprobs,
+    RequestRejected,
+)
 from gateway.errors import OpenAIError, from_backend_error
 from gateway.metrics import GatewayMetrics
-from gateway.protocol import ErrorResponse, OpenAIRequest
+from gateway.protocol import (
+    ErrorResponse,
+    OpenAIRequest,
+    PromptLogprob,
+    PromptLogprobs,
+    UsageInfo,
+)
 from gateway.sequence import SequenceOutput, SequenceSpec, generate_sequence, merge_sequences
 from gateway.structured import structured_outputs_of
 from gateway.tracker import RequestTracker, StateStore
@@ -98,6 +110,10 @@ def common_sampling_fields(req: OpenAIRequest) -> dict[str, Any]:
     if req.stream_options is not None and not req.stream:
         raise OpenAIError(
             "Stream options can only be defined when `stream=True`.", param="stream_options"
+        )
+    if req.prompt_logprobs is not None and req.stream:
+        raise OpenAIError(  # vLLM's rule: they are not sent in chunks
+            "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
         )
     return {
         "n": req.n,
@@ -179,6 +195,30 @@ def clamp_logprob(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
+def prompt_logprobs_of(
+    tokenizer: Any, prompt: list[int], entries: list[PromptTokenLogprobs] | None, k: int
+) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per position its top k
+    (ranks 1..k) and the prompt token at its own rank, each with its decoded text. Positions
+    the backend did not send (a resumed stream) are None."""
+    out: PromptLogprobs = [None]
+    for token_id, entry in zip(prompt[1:], entries or [None] * (len(prompt) - 1)):
+        if entry is None:
+            out.append(None)
+            continue
+        chosen, rank, top = entry
+        ranked = sorted(top.items(), key=lambda kv: -kv[1])[:k]
+        step = {t: _prompt_logprob(tokenizer, t, lp, j + 1) for j, (t, lp) in enumerate(ranked)}
+        step[token_id] = _prompt_logprob(tokenizer, token_id, chosen, rank)
+        out.append(step)
+    return out
+
+
+def _prompt_logprob(tokenizer: Any, token_id: int, logprob: float, rank: int) -> PromptLogprob:
+    return PromptLogprob(logprob=clamp_logprob(logprob), rank=rank,
+                         decoded_token=token_text(tokenizer, token_id))
+
+
 def check_unknown_fields(request_id: str, req: OpenAIRequest) -> None:
     """400 for an OpenAI field pdserve cannot honour (`UNSUPPORTED_FIELDS`) unless its value
     asks for nothing; the other unknown fields are logged and ignored, as vLLM does."""
@@ -211,6 +251,33 @@ async def generate_outputs(
 
 
 # ---- responses ---------------------------------------------------------------------------
+@dataclass
+class UsageCount:
+    """A request's token counts so far, for its `usage` (and vLLM's continuous usage stats).
+    A prompt counts once however many samples (`n`) it has: so do its cached tokens, which
+    its first sample reports."""
+
+    prompt_tokens: int
+    n: int
+    completion_tokens: int = 0
+    cached: dict[int, int] = dataclasses.field(default_factory=dict)  # prompt -> its hits
+
+    def observe(self, out: SequenceOutput) -> None:
+        self.completion_tokens += len(out.token_ids)
+        if out.num_cached_tokens is not None and out.index % self.n == 0:
+            self.cached[out.index // self.n] = out.num_cached_tokens
+
+    def usage(self) -> UsageInfo:
+        return UsageInfo.of(self.prompt_tokens, self.completion_tokens,
+                            sum(self.cached.values()))
+
+
+def continuous_usage(req: OpenAIRequest) -> bool:
+    """Usage on every streamed chunk (vLLM: `include_usage` and `continuous_usage_stats`)."""
+    options = req.stream_options
+    return options is not None and options.include_usage and options.continuous_usage_stats
+
+
 async def run_until_disconnect(raw: Request, work: Coroutine[Any, Any, T]) -> T | Response:
     """Await `work` unless the client disconnects first: then cancel it (which aborts its
     sequences in the backend) and answer 499. The request body must have been read already."""

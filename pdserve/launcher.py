@@ -89,6 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                   "llama3_json (the gateway gets --enable-auto-tool-choice with it)")
     add_flag(p, "--no-auto-tool-choice", False, action="store_true",
              help='serve no tool_choice "auto" (tools then need "required" or a named one)')
+    add_flag(p, "--api-key", "", help="the gateway requires this bearer key on /v1 routes, "
+             "/tokenize, /detokenize and /workers (handed over in its environment, not argv)")
     add_flag(p, "--startup-timeout", 300.0, type=float, help="seconds to wait for health")
     add_flag(p, "--log-level", "info", help="debug, info, warning, error")
 
@@ -127,8 +129,15 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
             "--redis-url", redis_url, "--tokenizer-address", f"127.0.0.1:{tok_port}", "--log-level",
             args.log_level, "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
             *_tool_flags(args)]
-    services.append(Service("gateway", argv, f"http:{gateway_url}/ready"))
+    services.append(Service("gateway", argv, f"http:{gateway_url}/ready", env=_key_env(args)))
     return services
+
+
+def _key_env(args: argparse.Namespace) -> dict[str, str]:
+    """The gateway's --api-key, as its PDSERVE_API_KEY: argv is readable by every local user
+    (ps), the environment only by the owner. Set even when empty, so that a key left in the
+    shell does not apply when --api-key "" said none."""
+    return {"PDSERVE_API_KEY": args.api_key}
 
 
 def _tool_flags(args: argparse.Namespace) -> list[str]:
@@ -147,7 +156,7 @@ def _colocated(args: argparse.Namespace, argv: list[str], gateway_url: str) -> S
     [env] = _gpu_envs(args, "decode", 1)
     argv += ["--tensor-parallel-size", str(args.decode_tp), "--host", args.host, "--port",
              str(args.port)]
-    return Service("gateway", argv, f"http:{gateway_url}/ready", env=env)
+    return Service("gateway", argv, f"http:{gateway_url}/ready", env={**env, **_key_env(args)})
 
 
 def _gpu_envs(args: argparse.Namespace, role: str, count: int) -> list[dict[str, str]]:
@@ -311,9 +320,10 @@ def _announce(args: argparse.Namespace, redis_url: str, services: list[Service])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(info, indent=2))
     mode = "colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
+    auth = " -H 'Authorization: Bearer <--api-key>'" if args.api_key else ""
     print(f"""
 pdserve is up ({mode}): OpenAI API at {url}/v1
-  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
     -d '{{"messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
   pdserve status        (workers and their load)
 Ctrl-C stops everything.

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.outputs import CompletionOutput
-from pdserve.cluster.convert import LogprobsTuple, logprobs_to_pb
+from engine.outputs import CompletionOutput, RequestOutput, prompt_logprob_entries
+from pdserve.cluster.convert import LogprobsTuple, logprobs_to_pb, prompt_logprob_to_pb
 from protos import prefill_pb2
 
 
@@ -16,13 +16,20 @@ def first_logprobs(c: CompletionOutput) -> LogprobsTuple | None:
 
 
 def response_to_pb(
-    c: CompletionOutput, num_cached_tokens: int, finish_reason: str
+    out: RequestOutput, finish_reason: str, k: int | None
 ) -> prefill_pb2.PrefillResponse:
+    """The response to a Prefill: its first token, and the prompt's logprobs (top `k`) when
+    the engine computed them."""
+    c = out.outputs[0]
     msg = prefill_pb2.PrefillResponse(
-        first_token_id=c.token_ids[0], num_cached_tokens=num_cached_tokens,
+        first_token_id=c.token_ids[0], num_cached_tokens=out.num_cached_tokens,
         finish_reason=finish_reason,
     )
     lp = first_logprobs(c)
     if lp is not None:
         msg.first_logprobs.CopyFrom(logprobs_to_pb(lp))
+    if out.prompt_logprobs is not None and k is not None:
+        entries = prompt_logprob_entries(out.prompt_token_ids, out.prompt_logprobs, k)
+        msg.prompt_logprobs.extend(
+            prompt_logprob_to_pb(t, e) for t, e in zip(out.prompt_token_ids[1:], entries))
     return msg

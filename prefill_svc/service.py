@@ -67,7 +67,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         else:  # nothing (more) to ship: end the push, free the blocks
             self._stop_push(request_id)
             await self.engine.call(self.engine.engine.release, request_id)
-        return response_to_pb(c, out.num_cached_tokens, finish)
+        return response_to_pb(out, finish, params.prompt_logprobs)
 
     def _start_push(self, request_id: str, num_tokens: int, decode_address: str) -> KVPush:
         """Open the request's push before the engine sees it, so no note is missed."""

@@ -1,8 +1,9 @@
 """Hypothesis strategies for any protobuf message, read off its descriptor: every field present
 or not, each value anywhere in its wire type's range (NaN and inf floats, ids up to 2**32 - 1,
 any text, any bytes), small values drawn often so that some messages are also valid. A message
-whose valid values random text would almost never hit (a StructuredOutput's kind and spec) is
-drawn valid half the time (`_VALID`)."""
+whose valid values random text would almost never hit (a StructuredOutput's kind and spec) or
+whose fields belong together (a PromptTokenLogprob's paired top ids and logprobs) is drawn valid
+half the time (`_VALID`)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,20 @@ def _structured_output_msgs(cls: type[Message]) -> st.SearchStrategy[Message]:
     return structured_outputs().map(lambda so: cls(kind=so.kind, spec=so.spec()))
 
 
-_VALID = {"pdserve.v1.StructuredOutput": _structured_output_msgs}
+def _prompt_logprob_msgs(cls: type[Message]) -> st.SearchStrategy[Message]:
+    """A prompt position as a prefill worker sends it: top ids and logprobs paired."""
+    top = st.lists(st.tuples(_SCALARS[_T.TYPE_UINT32], st.floats(width=32, max_value=0)),
+                   max_size=5)
+    return st.builds(
+        lambda token_id, logprob, rank, pairs: cls(
+            token_id=token_id, logprob=logprob, rank=rank,
+            top_token_ids=[t for t, _ in pairs], top_logprobs=[v for _, v in pairs]),
+        _SCALARS[_T.TYPE_UINT32], st.floats(width=32, max_value=0), _ints(1, 2**32 - 1), top,
+    )
+
+
+_VALID = {"pdserve.v1.StructuredOutput": _structured_output_msgs,
+          "pdserve.v1.PromptTokenLogprob": _prompt_logprob_msgs}
 
 
 def messages(cls: type[Message], depth: int = 3) -> st.SearchStrategy[Message]:

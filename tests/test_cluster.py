@@ -17,6 +17,8 @@ import pytest
 from cluster import http_get, run_cluster
 from live_checks import metric, wait_idle, worker_metrics_url
 
+from pdserve import __version__
+
 pytestmark = pytest.mark.slow
 
 PROMPTS = [
@@ -42,11 +44,18 @@ def client(cluster) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def colocated():
-    from pdserve import LLM, SamplingParams
+def colocated_llm():
+    from pdserve import LLM
 
-    llm = LLM(dtype="float32", kv_cache_memory=128 << 20, max_model_len=2048)
-    return llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    return LLM(dtype="float32", kv_cache_memory=128 << 20, max_model_len=2048)
+
+
+@pytest.fixture(scope="module")
+def colocated(colocated_llm):
+    from pdserve import SamplingParams
+
+    return colocated_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24),
+                                  use_tqdm=False)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +71,38 @@ def test_disaggregated_greedy_equals_colocated(client, colocated_texts):
     tok_counts = [client.completions.create(model=None, prompt=p, max_tokens=1).usage.prompt_tokens
                   for p in PROMPTS[:1]]
     assert tok_counts[0] > 32  # spans several KV blocks of 16
+
+
+def test_echo_logprobs_equal_colocated_prompt_logprobs(cluster, colocated_llm):
+    """lm-eval's loglikelihood request: the prompt's logprobs, computed by the prefill worker,
+    equal the colocated engine's, also on a gateway that would prefill such a short prompt on
+    the decode worker (--local-prefill-max-tokens); the prefill worker's cache hits reach
+    usage.prompt_tokens_details."""
+    from cluster import extra_gateway
+
+    from pdserve import SamplingParams
+
+    (ref,) = colocated_llm.generate(
+        [PROMPTS[2]], SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1),
+        use_tqdm=False)
+    ids = ref.prompt_token_ids
+    expected = [None] + [step[t].logprob for t, step in zip(ids[1:], ref.prompt_logprobs[1:])]
+    generated = ref.outputs[0]
+    expected.append(generated.logprobs[0][generated.token_ids[0]].logprob)
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True,
+            "seed": 1234}
+    with extra_gateway(cluster, "--local-prefill-max-tokens", "4096") as (local_url, _):
+        for url in (cluster.url, local_url):
+            r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            got = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+            assert got[0] is None and len(got) == len(expected)
+            assert got[1:] == pytest.approx(expected[1:], abs=1e-3)
+        plain = {"prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}  # > 2 blocks of 16
+        for url in (cluster.url, local_url):  # hits on the prefill worker, on the decode worker
+            usages = [httpx.post(url + "/v1/completions", json=plain, timeout=60).json()["usage"]
+                      for _ in range(2)]
+            assert usages[1]["prompt_tokens_details"]["cached_tokens"] >= 32, (url, usages)
 
 
 def test_chat_streamed_equals_unstreamed(client):
@@ -212,20 +253,70 @@ def test_closed_streams_leave_no_blocks_reserved(cluster):
 
 
 def test_a_request_ending_at_its_first_token_frees_the_decode_reservation(cluster, client,
-                                                                         colocated):
+                                                                         colocated,
+                                                                         bundled_tokenizer):
     """The prefill worker samples a stop token first and cuts off the push under way; the
     gateway cancels the decode worker's Generate, which frees the blocks reserved for the KV at
     once (not after the 30 s KV timeout) and counts no failed transfer."""
     first = colocated[0].outputs[0].token_ids[0]
+    stop_reason = None if first == bundled_tokenizer.eos_token_id else first  # eos: null
     decode_metrics = worker_metrics_url(cluster, "decode")
     failures = metric(decode_metrics, "pdserve:kv_transfer_failures_total")
     for _ in range(3):
         r = client.completions.create(model=None, prompt=PROMPTS[0], max_tokens=24,
                                       temperature=0, extra_body={"stop_token_ids": [first]})
         assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 1)
+        assert r.choices[0].model_extra["stop_reason"] == stop_reason
     left = wait_idle(cluster, timeout_s=5)
     assert not any(any(x) for x in left.values()), f"(running, waiting, blocks) left: {left}"
     assert metric(decode_metrics, "pdserve:kv_transfer_failures_total") == failures
+
+
+def test_the_first_tokens_stop_reason_is_null_for_eos_and_the_id_of_a_stop_token(client,
+                                                                                colocated):
+    """A prompt that ends an assistant turn: the prefill worker samples eos first and answers
+    only "stop"; the stop reason is null, as colocated and vLLM give for eos (it was the eos
+    id). A stop token id sampled first is the stop reason."""
+    prompt = ("<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
+              "Hi! How can I help you today?")
+    for stream in (False, True):
+        r = client.completions.create(model=None, prompt=prompt, max_tokens=8, temperature=0,
+                                      stream=stream)
+        choice = (list(r)[-1] if stream else r).choices[0]
+        assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("stop", None)
+        if not stream:
+            assert (choice.text, r.usage.completion_tokens) == ("", 1)
+    first = colocated[1].outputs[0].token_ids[0]
+    r = client.completions.create(model=None, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                  extra_body={"stop_token_ids": [first]})
+    assert (r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]) == ("stop", first)
+
+
+def test_tokenize_and_detokenize_through_the_tokenizer_service(cluster, client,
+                                                               bundled_tokenizer):
+    """vLLM's /tokenize, /detokenize and /version on the disaggregated gateway, driven with the
+    httpx client under the `openai` one: ids as the OpenAI routes count them."""
+    http = client._client
+    url = cluster.url
+    chat = [{"role": "user", "content": "What is the boiling point of water?"}]
+    tok = http.post(f"{url}/tokenize", json={"prompt": PROMPTS[2], "return_token_strs": True})
+    assert tok.status_code == 200, tok.text
+    body = tok.json()
+    assert body["tokens"] == bundled_tokenizer.encode(PROMPTS[2])
+    assert (body["count"], body["max_model_len"]) == (len(body["tokens"]), 2048)
+    assert body["token_strs"] == bundled_tokenizer.convert_ids_to_tokens(body["tokens"])
+    usage = client.completions.create(model=None, prompt=PROMPTS[2], max_tokens=1).usage
+    assert usage.prompt_tokens == body["count"]
+    conversation = http.post(f"{url}/tokenize", json={"messages": chat}).json()
+    usage = client.chat.completions.create(model=None, messages=chat, max_tokens=1).usage
+    assert usage.prompt_tokens == conversation["count"]
+    text = http.post(f"{url}/detokenize", json={"tokens": body["tokens"]})
+    assert text.json() == {"prompt": PROMPTS[2]}
+    bad = http.post(f"{url}/detokenize", json={"tokens": [len(bundled_tokenizer)]})
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "tokens")
+    empty = http.post(f"{url}/tokenize", json={"prompt": ""})
+    assert (empty.status_code, empty.json()["error"]["param"]) == (400, "prompt")
+    assert http.get(f"{url}/version").json() == {"version": __version__}
 
 
 def test_32_concurrent_streams_complete(cluster, colocated_texts):

@@ -3,7 +3,8 @@ right behind it either succeed or raise ValueError, which the shared interceptor
 INVALID_ARGUMENT. Anything else would be an INTERNAL error, or a crash, for a client's mistake.
 
 Covered: sampling params (prefill and decode workers; their structured-output constraint
-survives the wire), KV layout, KV slabs written into a real (tiny) cache, first-token logprobs,
+and prompt_logprobs survive the wire), KV layout, KV slabs written into a real (tiny) cache,
+first-token logprobs, the prefill response's prompt logprobs,
 and the tokenizer service's rpcs.
 """
 
@@ -25,11 +26,13 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.structured.params import StructuredOutputsParams
 from pdserve.cluster.convert import (
     logprobs_from_pb,
+    prompt_logprob_to_pb,
+    prompt_logprobs_from_pb,
     sampling_params_from_pb,
     sampling_params_to_pb,
 )
 from pdserve.cluster.grpc_server import status_for
-from protos import common_pb2, decode_pb2, tokenizer_pb2
+from protos import common_pb2, decode_pb2, prefill_pb2, tokenizer_pb2
 from tokenizer_svc.convert import messages_from_pb
 from tokenizer_svc.service import TokenizerModel, TokenizerServicer
 
@@ -57,6 +60,8 @@ def test_sampling_params_from_pb(msg: common_pb2.SamplingParams) -> None:
     again = sampling_params_from_pb(sampling_params_to_pb(params, params.max_tokens))
     assert again.max_tokens == params.max_tokens  # a worker can pass it on
     assert again.structured_outputs == params.structured_outputs
+    assert again.prompt_logprobs == params.prompt_logprobs == (
+        msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None)
     so = params.structured_outputs
     sent = msg.structured_output.kind if msg.HasField("structured_output") else None
     assert (so.kind if so is not None else None) == sent
@@ -128,6 +133,24 @@ def test_kv_slabs_are_written_whole_or_refused(chunks: list[decode_pb2.KVData]) 
         written |= cells
     assert writer.complete == (len(written) == LAYERS * BLOCKS)
     assert writer.bytes_received == len(written) * CELL
+
+
+@FUZZ
+@given(messages(prefill_pb2.PrefillResponse))
+def test_prompt_logprobs_never_fail_and_survive_the_wire(
+    r: prefill_pb2.PrefillResponse,
+) -> None:
+    """Whatever a prefill worker answers, the gateway reads its prompt logprobs (one per
+    position, top ids and logprobs paired), and sends on what it read unchanged."""
+    got = prompt_logprobs_from_pb(r.prompt_logprobs)
+    assert len(got) == len(r.prompt_logprobs)
+    again = [prompt_logprob_to_pb(m.token_id, e) for m, e in zip(r.prompt_logprobs, got)]
+    assert _plain(prompt_logprobs_from_pb(again)) == _plain(got)
+
+
+def _plain(entries: list[Any]) -> list[Any]:
+    """Comparable with NaNs (as text) and whatever order the top alternatives come in."""
+    return [(repr(lp), rank, sorted(map(repr, top.items()))) for lp, rank, top in entries]
 
 
 @FUZZ

@@ -1,6 +1,6 @@
-"""`--api-key` (or PDSERVE_API_KEY): every /v1 route and /workers answer 401 in OpenAI's shape
-without the bearer key, before reading the body; /health, /ready and /metrics stay open for
-probes and scrapers, as with vLLM's option."""
+"""`--api-key` (or PDSERVE_API_KEY): every /v1 route, /tokenize, /detokenize and /workers answer
+401 in OpenAI's shape without the bearer key, before reading the body; /health, /ready, /metrics
+and /version stay open for probes and scrapers, as with vLLM's option."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def test_without_the_key_every_api_route_is_401(http: TestClient, headers: dict)
     for method, path, body in [
         ("POST", "/v1/chat/completions", CHAT), ("POST", "/v1/completions", {"prompt": "x"}),
         ("GET", "/v1/models", None), ("GET", "/workers", None),
+        ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]}),
     ]:
         r = http.request(method, path, json=body, headers=headers)
         assert r.status_code == 401, (path, headers)
@@ -47,7 +48,9 @@ def test_with_the_key_and_open_ops_routes(http: TestClient) -> None:
     r = http.post("/v1/chat/completions", json=CHAT, headers=auth)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     assert http.get("/v1/models", headers={"Authorization": f"bearer  {KEY}"}).status_code == 200
-    for path in ("/health", "/ready", "/metrics"):
+    assert http.post("/tokenize", json={"prompt": "Hi"}, headers=auth).json()["count"] >= 1
+    assert http.post("/detokenize", json={"tokens": [1]}, headers=auth).status_code == 200
+    for path in ("/health", "/ready", "/metrics", "/version"):
         assert http.get(path).status_code == 200, path
 
 

@@ -1,10 +1,13 @@
-"""Stop strings over streamed deltas, and the token-level stop rules."""
+"""Stop strings over streamed deltas, and the token-level stop rules (also as the gateway
+reads them back when a prefill worker's first token ends the request)."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.stop_checker import StopStringMatcher, check_token_stop
+from gateway.remote_backend import first_token_stop_reason
+from protos import common_pb2
 
 EOS = frozenset({2})
 
@@ -99,3 +102,23 @@ def test_check_token_stop(
 ) -> None:
     got = check_token_stop(token, n_out, 10, min_tokens, EOS, stop_ids, ignore_eos)
     assert got == expected
+
+
+@pytest.mark.parametrize(
+    ("token", "reason", "stop_ids", "ignore_eos", "expected"),
+    [
+        (2, "stop", [], False, None),  # eos first: null, as everywhere else (was 2)
+        (2, "stop", [2], False, None),  # eos that is also a stop token id: eos wins
+        (7, "stop", [7], False, 7),  # a stop token id first
+        (2, "stop", [2], True, 2),  # eos ignored, listed as a stop token id
+        (5, "stop", [], False, None),  # a grammar that completed at its first token
+        (7, None, [7], False, None),  # not finished (a prefill worker's answer never says so)
+    ],
+)
+def test_the_first_tokens_stop_reason_from_a_prefill_worker(
+    token: int, reason: str | None, stop_ids: list[int], ignore_eos: bool, expected: int | None,
+) -> None:
+    """The prefill worker's answer says "stop" without the stop token: the gateway applies
+    `check_token_stop` again, so the first token's stop_reason is the one the engine's has."""
+    params = common_pb2.SamplingParams(stop_token_ids=stop_ids, ignore_eos=ignore_eos)
+    assert first_token_stop_reason(token, reason, params, EOS) == expected

@@ -17,7 +17,7 @@ def _up(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
     for name in ("HOST", "REDIS_NAMESPACE", "TLS_CERT", "TLS_KEY", "TLS_CA", "PREFILL_GPUS",
                  "DECODE_GPUS", "KV_TRANSPORT", "PREFILL_TP", "DECODE_TP", "COLOCATED",
                  "CHAT_TEMPLATE", "TOOL_CALL_PARSER", "NO_AUTO_TOOL_CHOICE",
-                 "ENABLE_AUTO_TOOL_CHOICE"):
+                 "ENABLE_AUTO_TOOL_CHOICE", "API_KEY"):
         monkeypatch.delenv(f"PDSERVE_{name}", raising=False)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -153,13 +153,35 @@ def test_colocated_is_sized_by_decode_tp_and_gpus(monkeypatch: pytest.MonkeyPatc
     args = _up(["--colocated", "--decode-tp", "2", "--decode-gpus", "2,3"], monkeypatch)
     [gateway] = plan(args, "", None)
     assert build_parser().parse_args(gateway.argv[3:]).tensor_parallel_size == 2
-    assert gateway.env == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert gateway.env == {"CUDA_VISIBLE_DEVICES": "2,3", "PDSERVE_API_KEY": ""}
     [default] = plan(_up(["--colocated"], monkeypatch), "", None)
     assert build_parser().parse_args(default.argv[3:]).tensor_parallel_size == 1
-    assert default.env == {}
+    assert default.env == {"PDSERVE_API_KEY": ""}
 
 
 def test_colocated_takes_no_kv_transport(monkeypatch: pytest.MonkeyPatch) -> None:
     [gateway] = plan(_up(["--colocated", "--kv-transport", "grpc"], monkeypatch), "", None)
     assert "--kv-transport" not in gateway.argv
     build_parser().parse_args(gateway.argv[3:])  # `pdserve serve` parses what it is given
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_api_key_reaches_the_gateway_in_its_environment(monkeypatch: pytest.MonkeyPatch,
+                                                        colocated: bool) -> None:
+    """--api-key (or PDSERVE_API_KEY) goes to the gateway (or `pdserve serve`) as its
+    PDSERVE_API_KEY, never in an argv that `ps` shows; no other service gets it. Without one,
+    the gateway's PDSERVE_API_KEY is set empty: a key left in the shell does not apply."""
+    mode = ["--colocated"] if colocated else []
+    for argv, key in (([*mode, "--api-key", "sesame"], "sesame"), (mode, "")):
+        services = plan(_up(argv, monkeypatch), "redis://x:1/0", None)
+        assert {s.name: s.env.get("PDSERVE_API_KEY") for s in services if s.name != "redis"} == {
+            s.name: key if s.name == "gateway" else None for s in services}
+        for s in services:
+            assert "sesame" not in s.argv and "--api-key" not in s.argv, s.name
+            monkeypatch.setenv("PDSERVE_API_KEY", s.env.get("PDSERVE_API_KEY", ""))
+            parsed = build_parser().parse_args(s.argv[3:])
+            assert getattr(parsed, "api_key", "") == (key if s.name == "gateway" else ""), s.name
+    monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).api_key == "from-env"

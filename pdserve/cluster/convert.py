@@ -6,12 +6,16 @@ share (sampling parameters, logprobs, load) convert here, once.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler_output import SchedulerStats
 from engine.structured.params import StructuredOutputsParams
-from protos import common_pb2
+from protos import common_pb2, prefill_pb2
 
 LogprobsTuple = tuple[float, dict[int, float]]
+# A prompt position's (its token's logprob, rank, {top id: logprob}): engine.outputs'
+PromptLogprobTuple = tuple[float, int, dict[int, float]]
 
 
 def sampling_params_to_pb(p: SamplingParams, max_tokens: int) -> common_pb2.SamplingParams:
@@ -33,6 +37,8 @@ def sampling_params_to_pb(p: SamplingParams, max_tokens: int) -> common_pb2.Samp
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     if p.structured_outputs is not None:
         msg.structured_output.CopyFrom(structured_output_to_pb(p.structured_outputs))
     return msg
@@ -56,6 +62,7 @@ def sampling_params_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
         structured_outputs=(structured_output_from_pb(msg.structured_output)
@@ -88,6 +95,24 @@ def logprobs_to_pb(lp: LogprobsTuple) -> common_pb2.TokenLogprobs:
 
 def logprobs_from_pb(msg: common_pb2.TokenLogprobs) -> LogprobsTuple:
     return msg.logprob, dict(zip(msg.top_token_ids, msg.top_logprobs))
+
+
+def prompt_logprob_to_pb(
+    token_id: int, entry: PromptLogprobTuple
+) -> prefill_pb2.PromptTokenLogprob:
+    chosen, rank, top = entry
+    ranked = sorted(top.items(), key=lambda kv: -kv[1])
+    return prefill_pb2.PromptTokenLogprob(
+        token_id=token_id, logprob=chosen, rank=rank,
+        top_token_ids=[t for t, _ in ranked], top_logprobs=[v for _, v in ranked],
+    )
+
+
+def prompt_logprobs_from_pb(
+    msgs: Iterable[prefill_pb2.PromptTokenLogprob],
+) -> list[PromptLogprobTuple]:
+    """The prefill worker's prompt logprobs, one per prompt position after the first."""
+    return [(m.logprob, m.rank, dict(zip(m.top_token_ids, m.top_logprobs))) for m in msgs]
 
 
 def load_to_pb(role: str, stats: SchedulerStats) -> common_pb2.WorkerLoad:
