@@ -69,6 +69,11 @@ class GatewayMetrics:
             "pdserve:stream_reconnects", "Resume requests (GET /v1/streams/{id}) answered.",
             registry=r,
         )
+        self.routing_decisions = Counter(
+            "pdserve:routing_decisions", "Workers picked, by role and reason: prefix_hit (its "
+            "cached prefix won), load, round_robin (pdserve/cluster/routing.py).",
+            ["role", "reason"], registry=r,
+        )
         self.stream_resumes = Counter(
             "pdserve:stream_resumes", "Broken streams whose generation this gateway took over "
             "(their sequences re-prefilled with the tokens already sent).", registry=r,

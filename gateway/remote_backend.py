@@ -44,6 +44,7 @@ from pdserve.cluster.convert import (
     prompt_logprobs_from_pb,
     sampling_params_to_pb,
 )
+from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.registry import WorkerInfo, WorkerRegistry
 from pdserve.cluster.routing import pick_prefill
 from pdserve.cluster.tls import PLAINTEXT, TLSConfig
@@ -72,9 +73,12 @@ class RemoteBackend:
         tls: TLSConfig = PLAINTEXT,
         max_migrations: int = 2,
         metrics: GatewayMetrics | None = None,
+        routing: str = "kv_aware",
     ):
         self.tokenizer = RemoteTokenizer(tokenizer_address, tls)
-        self.pool = WorkerPool(registry, tls)  # the prefill and decode workers, their channels
+        prefixes = PrefixIndex(registry.client, registry.keys.prefix, registry.ttl_s)
+        # the prefill and decode workers, their channels, and which gets a request
+        self.pool = WorkerPool(registry, tls, routing, prefixes, metrics)
         self.store = store
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.timeout_s = timeout_s
@@ -162,7 +166,7 @@ class RemoteBackend:
             params = params.clone(prompt_logprobs=None)
         wants_prompt = params.prompt_logprobs is not None
         local = len(prompt) + len(prior) <= self.local_prefill_max_tokens and not wants_prompt
-        decode, prefill = await self.pool.route(local, lost)
+        decode, prefill = await self.pool.route(local, lost, prompt + prior)
         pb_params = sampling_params_to_pb(params, params.max_tokens or 1)
         decode_params = pb_params
         if wants_prompt:

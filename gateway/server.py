@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              help="host:port of the tokenizer (default: the one in the registry)")
     add_flag(p, "--local-prefill-max-tokens", 0, type=int,
              help="prompts up to this many tokens prefill on the decode worker (0: never)")
+    add_flag(p, "--routing", "kv_aware", choices=["kv_aware", "load", "round_robin"],
+             help="how requests pick workers: kv_aware (prefill workers holding the prompt's "
+                  "prefix, against load), load, round_robin")
     add_flag(p, "--max-migrations", 2, type=int,
              help="worker failures one request survives: its stream moves to another decode "
                   "worker, its prefill to another prefill worker (0: fail it)")
@@ -113,7 +116,7 @@ async def serve_disaggregated(args: argparse.Namespace) -> None:
     metrics = GatewayMetrics()
     backend = RemoteBackend(address, registry, store, args.local_prefill_max_tokens,
                             tls=tls_from_args(args), max_migrations=args.max_migrations,
-                            metrics=metrics)
+                            metrics=metrics, routing=args.routing)
     await _until(backend.start, "the tokenizer service")
     app = build_app(backend, store=store, served_model_name=args.served_model_name or None,
                     api_key=args.api_key or None,

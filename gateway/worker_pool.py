@@ -34,14 +34,15 @@ class _Channel:
 
 class WorkerPool:
     def __init__(self, registry: Any, tls: TLSConfig = PLAINTEXT, routing: str = "kv_aware",
-                 prefixes: PrefixIndex | None = None) -> None:
+                 prefixes: PrefixIndex | None = None, metrics: Any = None) -> None:
         if routing not in ROUTING:
             raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
         self.registry = registry  # pdserve.cluster.registry.WorkerRegistry
         self.tls = tls
         self.routing = routing
         self.prefixes = prefixes  # kv_aware: the workers' cached prefix blocks
-        self.decisions: dict[str, int] = {}  # "role:reason" -> count (the gateway's metrics)
+        self.decisions: dict[str, int] = {}  # "role:reason" -> count
+        self.metrics = metrics  # gateway.metrics.GatewayMetrics: routing_decisions
         self._turn = 0
         self._channels: dict[str, _Channel] = {}
 
@@ -106,6 +107,8 @@ class WorkerPool:
     def _count(self, role: str, reason: str) -> None:
         key = f"{role}:{reason}"
         self.decisions[key] = self.decisions.get(key, 0) + 1
+        if self.metrics is not None:
+            self.metrics.routing_decisions.labels(role=role, reason=reason).inc()
 
     @asynccontextmanager
     async def channel(self, address: str) -> AsyncIterator[grpc.aio.Channel]:

@@ -82,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--dtype", "auto", help="auto, float32, bfloat16, float16")
     add_flag(p, "--local-prefill-max-tokens", 0, type=int,
              help="prompts up to this many tokens prefill on the decode worker (0: never)")
+    add_flag(p, "--routing", "kv_aware", choices=["kv_aware", "load", "round_robin"],
+             help="how the gateway picks workers: kv_aware (prefill workers holding the "
+                  "prompt's prefix, against load), load, round_robin")
     add_kv_transport_flag(p)  # handed to every prefill and decode worker
     add_chat_template_flag(p)  # handed to the tokenizer (with --colocated, to the engine's)
     add_flag(p, "--tool-call-parser", "hermes",
@@ -128,7 +131,7 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     argv = [*py, "gateway", *cluster, "--host", args.host, "--port", str(args.port),
             "--redis-url", redis_url, "--tokenizer-address", f"127.0.0.1:{tok_port}", "--log-level",
             args.log_level, "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
-            *_tool_flags(args)]
+            "--routing", args.routing, *_tool_flags(args)]
     services.append(Service("gateway", argv, f"http:{gateway_url}/ready", env=_key_env(args)))
     return services
 

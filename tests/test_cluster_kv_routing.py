@@ -1,0 +1,91 @@
+"""KV-aware routing in a running cluster (`pdserve up --prefill 2`, tiny model, real Redis):
+the prefill workers publish their prefix caches into Redis, a follow-up turn goes to the worker
+holding its history (asserted from the gateway's routing metrics and that worker's prefix-cache
+hits), an unrelated prompt is routed by load, and an evicted prefix stops attracting requests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from cluster import run_cluster
+from live_checks import metric
+
+from engine.block_manager import prefix_hashes
+from pdserve.cluster.prefix_index import PrefixIndex
+from pdserve.cluster.state import connect
+
+pytestmark = pytest.mark.slow
+BLOCK = 16
+
+
+def _complete(url: str, token_ids: list[int]) -> None:
+    r = httpx.post(f"{url}/v1/completions", timeout=60,
+                   json={"prompt": token_ids, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+
+
+def _holders(c, token_ids: list[int]) -> dict[str, int]:
+    """Per prefill worker, the leading blocks of `token_ids` Redis says it holds."""
+    ids = [w.worker_id for w in c.workers("prefill")]
+
+    async def go() -> dict[str, int]:
+        client = connect(c.redis_url)
+        try:
+            return await PrefixIndex(client).leading_hits(ids, prefix_hashes(token_ids, BLOCK))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+def _until(fn, timeout_s: float = 15.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := fn():
+            return value
+        time.sleep(0.2)
+    raise AssertionError("timed out")
+
+
+def _labelled(c, reason: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{c.url}/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "pdserve:routing_decisions_total"
+               and s.labels == {"role": "prefill", "reason": reason})
+
+
+def test_a_follow_up_turn_goes_to_the_worker_holding_its_history(tiny_llama_dir, tmp_path):
+    # 40 KV blocks of 16 tokens per worker: enough for a 512-token context, few enough to evict
+    with run_cluster(tmp_path, "--model", tiny_llama_dir, "--prefill", "2", "--decode", "1",
+                     "--kv-cache-memory", str(40 * 8192), "--dtype", "float32") as c:
+        turn1 = list(range(1000, 1200))  # 12 full blocks
+        _complete(c.url, turn1)
+        holders = _until(lambda: {w: n for w, n in _holders(c, turn1).items() if n} or None)
+        assert list(holders.values()) == [12]
+        (holder,) = holders
+        metrics = {w.worker_id: f"http://{w.metrics_address}/metrics" for w in c.workers("prefill")}
+        hits_before = metric(metrics[holder], "pdserve:prefix_cache_hits_total")
+        assert _labelled(c, "prefix_hit") == 0
+
+        _complete(c.url, turn1 + list(range(3000, 3040)))  # the next turn: history + 40 tokens
+        assert _labelled(c, "prefix_hit") == 1
+        # the worker's counters are its last heartbeat's snapshot
+        _until(lambda: metric(metrics[holder], "pdserve:prefix_cache_hits_total")
+               - hits_before == 192)
+
+        loads = _labelled(c, "load")
+        _complete(c.url, list(range(5000, 5100)))  # unrelated: by load
+        assert _labelled(c, "load") == loads + 1
+
+        # fill the holder's cache with other prompts until the history is evicted everywhere
+        for k in range(6):
+            _complete(c.url, list(range(10000 + 500 * k, 10000 + 500 * k + 400)))
+        _until(lambda: not any(_holders(c, turn1).values()))
+        hits = _labelled(c, "prefix_hit")
+        _complete(c.url, turn1 + [7])
+        assert _labelled(c, "prefix_hit") == hits  # nothing attracts it any more
