@@ -190,6 +190,18 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls (its content may be null)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """A readable refusal of parts a text-only model cannot take (images, audio, files)."""
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content parts of type {kind!r} are not supported: "
+                                     "pdserve serves text-only models (send text parts)")
+        return content
     tool_call_id: str | None = None  # a "tool" message: the call it answers
 
     def text(self) -> str:

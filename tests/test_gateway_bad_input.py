@@ -68,6 +68,9 @@ def test_malformed_bodies(http: TestClient, case: str) -> None:
     assert r.status_code == status, r.text
     error = error_of(r)
     assert (error["param"], error["code"]) == (param, code), error
+    if case == "an image content part":  # a sentence, not pydantic's union dump
+        assert "'image_url' are not supported" in error["message"], error
+        assert "union" not in error["message"].lower()
 
 
 def cmpl(**kw: Any) -> dict[str, Any]:
@@ -141,6 +144,10 @@ JSON_CASES = {
     "suffix": (CMPL, cmpl(suffix="x"), 400, "suffix", None),
     "chat template from the request": (CHAT, chat(chat_template="{{ 1 }}"), 400,
                                        "chat_template", None),
+    "an image content part": (CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), 400,
+        "messages", None),
     # tool calling (tests/test_gateway_tools.py serves it)
     "tool without a function": (CHAT, chat(tools=[{"type": "function"}]), 400, "tools", None),
     "tools on completions": (CMPL, cmpl(tools=[{"type": "function", "function": {"name": "f"}}]),
