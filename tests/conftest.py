@@ -16,6 +16,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _collect_engines_after_each_module():
+    """Engines hold reference cycles (threads, callbacks): collect them when their module ends,
+    so their weights and KV caches do not pile up over the session (a 24 GiB box ran out)."""
+    yield
+    import gc
+
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def redis_url():
     """A throw-away real redis-server for the whole session (tests/redis_server.py)."""

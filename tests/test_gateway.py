@@ -80,14 +80,14 @@ class Server:
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: str) -> Iterator[AsyncLLMEngine]:
-    engine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32")
+    engine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", kv_cache_memory=16 << 20)
     yield engine
     engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir: str) -> LLM:
-    return LLM(tiny_llama_dir, dtype="float32")
+    return LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=16 << 20)
 
 
 @pytest.fixture(scope="module")

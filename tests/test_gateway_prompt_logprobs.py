@@ -24,7 +24,8 @@ GREEDY: Any = {"model": "tiny", "temperature": 0}
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: str) -> Iterator[AsyncLLMEngine]:
-    engine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", max_model_len=256)
+    engine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", max_model_len=256,
+                                      kv_cache_memory=16 << 20)
     yield engine
     engine.shutdown()
 

@@ -28,7 +28,8 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[AsyncLLMEngine]:
-    engine = AsyncLLMEngine.from_args(None, dtype="float32", max_model_len=2048)
+    engine = AsyncLLMEngine.from_args(None, dtype="float32", max_model_len=2048,
+                                      kv_cache_memory=128 << 20)
     yield engine
     engine.shutdown()
 

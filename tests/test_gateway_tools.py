@@ -40,7 +40,8 @@ GREEDY: Any = {"model": "smol", "temperature": 0, "max_tokens": 48}
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[AsyncLLMEngine]:
-    engine = AsyncLLMEngine.from_args(None, dtype="float32", max_model_len=2048)
+    engine = AsyncLLMEngine.from_args(None, dtype="float32", max_model_len=2048,
+                                      kv_cache_memory=128 << 20)
     yield engine
     engine.shutdown()
 

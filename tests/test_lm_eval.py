@@ -43,7 +43,7 @@ metric_list:
 def base_url(tiny_llama_dir: str) -> Iterator[str]:
     from test_gateway import Server
 
-    engine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32")
+    engine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", kv_cache_memory=16 << 20)
     with Server(build_app(LocalBackend(engine, "tiny"))) as url:
         yield url
     engine.shutdown()
