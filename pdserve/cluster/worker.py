@@ -162,6 +162,10 @@ class WorkerMonitor:
     metrics_address: str = ""
     kv_transport: str = ""  # its --kv-transport, published in the registry
     tensor_parallel_size: int = 0  # its --tensor-parallel-size, published in the registry
+    block_size: int = 0  # its --block-size, published in the registry (prefix hashes' unit)
+    # The prefix cache's events since the last call (engine/kv_events.py), published into
+    # Redis after each heartbeat for KV-aware routing; None: nothing to publish
+    prefix_events: Callable[[bool], Awaitable[KVEventBatch]] | None = None
     stats: SchedulerStats | None = None
 
     async def info(self) -> WorkerInfo:
@@ -172,7 +176,7 @@ class WorkerMonitor:
             num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
             metrics_address=self.metrics_address, kv_transport=self.kv_transport,
             tensor_parallel_size=self.tensor_parallel_size,
-            block_size=self.engine.engine.config.cache.block_size,
+            block_size=self.block_size,
         )
 
 
@@ -253,7 +257,9 @@ async def run_worker(
     monitor = WorkerMonitor(role, advertise_address(args), engine, transfer.counters,
                             transfer.by_transport,
                             kv_transport=getattr(args, "kv_transport", ""),
-                            tensor_parallel_size=args.tensor_parallel_size)
+                            tensor_parallel_size=args.tensor_parallel_size,
+                            block_size=args.block_size,
+                            prefix_events=lambda full: prefix_events(engine, full))
     heartbeat = await start_monitoring(args, monitor)
     await set_serving(health, service)
     logger.info("%s worker serving on %s", role, monitor.address)
@@ -288,20 +294,25 @@ async def _engine_failure(engine: AsyncLLMEngine, every_s: float = 0.5) -> BaseE
     return engine.failure
 
 
+async def prefix_events(engine: AsyncLLMEngine, full: bool) -> KVEventBatch:
+    """The engine's prefix-cache events since the last call; with `full`, every cached hash."""
+    bm = engine.engine.block_manager
+    batch = await engine.call(bm.drain_kv_events)
+    return KVEventBatch(True, await engine.call(bm.cached_hashes)) if full else batch
+
+
 class PrefixPublisher:
     """After each heartbeat: the prefix cache's events since the last one, into Redis
     (pdserve/cluster/prefix_index.py). A batch that fails to publish is lost, so the next one
     publishes the whole set instead."""
 
-    def __init__(self, index: PrefixIndex, monitor: WorkerMonitor) -> None:
-        self.index, self.monitor = index, monitor
+    def __init__(self, index: PrefixIndex, events: Callable[[bool], Awaitable[KVEventBatch]]
+                 ) -> None:
+        self.index, self.events = index, events
         self._resync = False
 
     async def __call__(self, info: WorkerInfo) -> None:
-        bm = self.monitor.engine.engine.block_manager
-        batch = await self.monitor.engine.call(bm.drain_kv_events)
-        if self._resync:
-            batch = KVEventBatch(True, await self.monitor.engine.call(bm.cached_hashes))
+        batch = await self.events(self._resync)
         self._resync = True
         await self.index.publish(info.worker_id, batch)
         self._resync = False
@@ -318,7 +329,10 @@ async def start_monitoring(args: argparse.Namespace, monitor: WorkerMonitor) -> 
     if not args.redis_url:
         return None
     registry = WorkerRegistry(connect(args.redis_url), prefix=args.redis_namespace)
-    index = PrefixIndex(registry.client, prefix=args.redis_namespace, ttl_s=registry.ttl_s)
-    heartbeat = Heartbeat(registry, monitor.info, after_beat=PrefixPublisher(index, monitor))
+    publish = None
+    if monitor.prefix_events is not None:
+        index = PrefixIndex(registry.client, prefix=args.redis_namespace, ttl_s=registry.ttl_s)
+        publish = PrefixPublisher(index, monitor.prefix_events)
+    heartbeat = Heartbeat(registry, monitor.info, after_beat=publish)
     heartbeat.start()
     return heartbeat
