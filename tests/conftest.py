@@ -63,6 +63,18 @@ def bundled_hf_model(bundled_path):
     return load_hf_model(bundled_path, torch.float32)
 
 
+@pytest.fixture(scope="session")
+def bundled_async_engine():
+    """One AsyncLLMEngine on the bundled model (fp32, 2048-token context) for the in-process
+    gateway tests, loaded once."""
+    from engine.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine.from_args(None, dtype="float32", max_model_len=2048,
+                                      kv_cache_memory=128 << 20)
+    yield engine
+    engine.shutdown()
+
+
 def _save_tiny(config, tokenizer, path: Path) -> str:
     from transformers import AutoModelForCausalLM
 

@@ -27,11 +27,8 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[AsyncLLMEngine]:
-    engine = AsyncLLMEngine.from_args(None, dtype="float32", max_model_len=2048,
-                                      kv_cache_memory=128 << 20)
-    yield engine
-    engine.shutdown()
+def engine(bundled_async_engine: AsyncLLMEngine) -> AsyncLLMEngine:
+    return bundled_async_engine
 
 
 @pytest.fixture(scope="module")

@@ -39,11 +39,8 @@ GREEDY: Any = {"model": "smol", "temperature": 0, "max_tokens": 48}
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[AsyncLLMEngine]:
-    engine = AsyncLLMEngine.from_args(None, dtype="float32", max_model_len=2048,
-                                      kv_cache_memory=128 << 20)
-    yield engine
-    engine.shutdown()
+def engine(bundled_async_engine: AsyncLLMEngine) -> AsyncLLMEngine:
+    return bundled_async_engine
 
 
 @contextmanager
