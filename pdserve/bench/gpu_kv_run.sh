@@ -14,15 +14,10 @@
 # Reports and logs go to $OUT. TESTS=0 skips step 1; GPU_TESTS names other test files.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-KIT=${KIT:-.gpu-kit}
-SITE=${SITE:-/tmp/site}
 OUT=${OUT:-bench_results/gpu_kv}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" "$KIT"/whl/*.whl || exit 1
-export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source pdserve/bench/gpu_kit_env.sh || exit 1
 export PDSERVE_TEST_TOKENIZER="$PWD/$KIT/tokenizer"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 status=0
 if [ "${TESTS:-1}" = 1 ]; then
     python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/test_kernels_kv_copy.py \

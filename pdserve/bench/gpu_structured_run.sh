@@ -10,13 +10,8 @@
 # and 64, in one process. The report goes to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-KIT=${KIT:-.gpu-kit}
-SITE=${SITE:-/tmp/site}
 OUT=${OUT:-bench_results/gpu_structured}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" "$KIT"/whl/*.whl || exit 1
-export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+source pdserve/bench/gpu_kit_env.sh || exit 1
 python3 -m pdserve.bench.structured --device cuda --random-1b --tokenizer "$KIT/tokenizer" \
     --batches 1,64 --tokens 64 --rounds 5 --json "$OUT/structured.json" 2>&1 | tail -20
