@@ -6,12 +6,12 @@ TP=1 -> decode TP=2 equal the colocated TP=1 engine token for token."""
 from __future__ import annotations
 
 import pytest
+from test_disagg_engine import run_all
 
 from engine.kv_transfer import KVSlabWriter, layout_of, read_slabs
 from engine.llm import build_engine_config
 from engine.llm_engine import LLMEngine
 from pdserve import SamplingParams
-from test_disagg_engine import run_all
 
 PROMPTS = ["A prompt that spans several blocks of sixteen tokens each, to cross block edges " * 2,
            "Short one", "Exactly as long as it needs to be, no more and no less."]
