@@ -74,6 +74,7 @@ class PushCut(ConnectionError):
 @dataclass
 class Pending:
     block_ids: list[int] | None = None  # None until the blocks are reserved
+    cached_blocks: int = 0  # leading reserved blocks the prefix cache held: never sent
     done: asyncio.Event = field(default_factory=asyncio.Event)
     error: str | None = None
     pushes: int = 0  # PushKV streams begun for the request; the latest one owns the blocks
@@ -114,16 +115,17 @@ class KVReceiver:
             raise ValueError(f"request_id {request_id!r} is already in use")
         pending = self.pending[request_id] = Pending()
         try:
-            blocks = await self.engine.reserve_remote(request_id, prompt_token_ids, params,
-                                                      prior_output_token_ids, self.kv_wait)
+            reservation = await self.engine.reserve_remote(
+                request_id, prompt_token_ids, params, prior_output_token_ids, self.kv_wait)
         except BaseException:
             self.pending.pop(request_id, None)
             raise
-        if blocks is None or pending.done.is_set():  # dropped while reserving
+        if reservation is None or pending.done.is_set():  # dropped while reserving
             self.pending.pop(request_id, None)
             await self.engine.abort(request_id)  # frees blocks granted just before the drop
             return False
-        pending.block_ids = blocks
+        pending.block_ids = reservation.block_ids
+        pending.cached_blocks = reservation.num_cached_blocks
         pending.progress_at = time.monotonic()
         return True
 
@@ -159,6 +161,11 @@ class KVReceiver:
             pending.error = ABORTED
             pending.done.set()
         return await self._free(request_id, pending)
+
+    def cached_blocks(self, request_id: str) -> int:
+        """Leading reserved blocks of an expected request that this worker's prefix cache
+        holds already: its push sends only the blocks after them."""
+        return self.pending[request_id].cached_blocks
 
     def describe(self, wanted: list[str]) -> PoolInfo:
         """This worker's pool for a prefill worker that could use `wanted` data planes."""
@@ -263,6 +270,7 @@ class KVReceiver:
         now = time.perf_counter()
         seconds = now - started
         self.stats.record(received, seconds, transport)
+        self.stats.skipped_blocks += header.skip_blocks
         self.stats.first_slab_to_commit_seconds += now - first_slab_at
         logger.info("[%s] KV received: %d bytes in %.1f ms", request_id, received, seconds * 1e3)
         pending.done.set()
@@ -289,7 +297,10 @@ class KVReceiver:
             raise ValueError(
                 f"header announces {header.num_blocks} blocks, {len(pending.block_ids)} reserved"
             )
-        writer = KVSlabWriter(self.kv_caches, pending.block_ids)
+        if header.skip_blocks != pending.cached_blocks:  # never a write into shared blocks
+            raise ValueError(f"header skips {header.skip_blocks} blocks, this worker holds "
+                             f"the first {pending.cached_blocks} (Generate's cached_blocks)")
+        writer = KVSlabWriter(self.kv_caches, pending.block_ids, present=header.skip_blocks)
         pending.progress_at = time.monotonic()
         first_slab_at = None
         async for chunk in chunks:

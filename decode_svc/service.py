@@ -46,7 +46,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 yield decode_pb2.GenerateResponse(finish_reason="abort")
                 return
             try:
-                yield decode_pb2.GenerateResponse()  # blocks reserved: the push may start
+                # blocks reserved: the push may start, skipping those held here already
+                yield decode_pb2.GenerateResponse(
+                    cached_blocks=self.receiver.cached_blocks(request_id))
                 arrived = await self.receiver.wait(request_id, self.kv_timeout_s)
             except BaseException:
                 await self.receiver.drop(request_id)

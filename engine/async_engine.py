@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from engine.config import NO_KV_WAIT, KVWaitConfig
-from engine.kv_handoff import KVCacheFullError
+from engine.kv_handoff import KVCacheFullError, Reservation
 from engine.kv_progress import KVProgress, KVWatch
 from engine.llm import build_engine_config
 from engine.llm_engine import LLMEngine, PromptInput
@@ -107,10 +107,10 @@ class AsyncLLMEngine:
     async def reserve_remote(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
         prior_output_token_ids: list[int] | None = None, wait: KVWaitConfig = NO_KV_WAIT,
-    ) -> list[int] | None:
+    ) -> Reservation | None:
         """Decode role: register a request prefilled on another worker and reserve its blocks
-        (returned, in order). Its outputs are read with `stream(request_id)` once
-        `commit_remote` has queued it.
+        (returned: in order, and how many leading ones this worker's prefix cache held). Its
+        outputs are read with `stream(request_id)` once `commit_remote` has queued it.
 
         When the cache has no room, the request waits for its blocks behind those that came
         first, as `wait` allows; None if it is aborted (`abort`) while it waits. Raises
@@ -119,10 +119,10 @@ class AsyncLLMEngine:
         self._open(request_id)
         granted = asyncio.get_running_loop().create_future()
         try:
-            blocks = await self.call(self._reserve, request_id, prompt_token_ids,
-                                     sampling_params, prior_output_token_ids, wait, granted)
-            if blocks is None:
-                blocks = await asyncio.wait_for(granted, wait.seconds)
+            reservation = await self.call(self._reserve, request_id, prompt_token_ids,
+                                          sampling_params, prior_output_token_ids, wait, granted)
+            if reservation is None:
+                reservation = await asyncio.wait_for(granted, wait.seconds)
         except TimeoutError:
             await self.abort(request_id)  # out of the queue, or its blocks freed if just granted
             raise KVCacheFullError(
@@ -136,7 +136,7 @@ class AsyncLLMEngine:
         except BaseException:
             self._streams.pop(request_id, None)
             raise
-        return blocks
+        return reservation
 
     async def commit_remote(
         self, request_id: str, first_token_id: int, logprobs: tuple[float, dict] | None
@@ -241,18 +241,18 @@ class AsyncLLMEngine:
     def _reserve(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         prior: list[int] | None, wait: KVWaitConfig, granted: asyncio.Future,
-    ) -> list[int] | None:
+    ) -> Reservation | None:
         """Reserve now (the blocks) or queue (None; `granted` gets the blocks later)."""
-        blocks = self.engine.reserve_request(request_id, prompt_token_ids, params, prior,
-                                             max_waiting=wait.max_waiting)
-        if blocks is None:
+        reservation = self.engine.reserve_request(request_id, prompt_token_ids, params, prior,
+                                                  max_waiting=wait.max_waiting)
+        if reservation is None:
             self._granted[request_id] = granted
-        return blocks
+        return reservation
 
     def _grant_reservations(self) -> None:
-        for request_id, blocks in self.engine.grant_reservations():
+        for request_id, reservation in self.engine.grant_reservations():
             future = self._granted.pop(request_id)
-            future.get_loop().call_soon_threadsafe(_settle, future, blocks, None)
+            future.get_loop().call_soon_threadsafe(_settle, future, reservation, None)
 
     def _abort(self, request_id: str) -> bool:
         """`LLMEngine.abort_request`; a reservation queued for blocks is told None."""

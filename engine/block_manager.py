@@ -78,15 +78,19 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_computed_blocks(self, req: Request) -> list[int]:
+    def get_computed_blocks(self, req: Request, all_tokens: bool = False) -> list[int]:
         """Longest registered prefix of `req`, as block ids. Counts the lookup; takes nothing.
 
         At most `(num_tokens - 1) // block_size` blocks: the last token is always recomputed so
-        the step that schedules it produces logits to sample from.
+        the step that schedules it produces logits to sample from. With `all_tokens` (a decode
+        worker reserving for KV computed elsewhere: no logits needed here) every full block of
+        `req`'s tokens may hit.
         """
-        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching:
+            return []
+        if req.sampling_params.prompt_logprobs is not None and not all_tokens:
             return []  # prompt logprobs need every prompt position computed
-        limit = (req.num_tokens - 1) // self.block_size
+        limit = (req.num_tokens - (0 if all_tokens else 1)) // self.block_size
         self._extend_hashes(req, limit)
         hits: list[int] = []
         for block_hash in req.block_hashes[:limit]:

@@ -5,9 +5,11 @@ another worker computes, then commits it for decoding once that KV is written.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from engine.block_manager import BlockManager
 from engine.output_processor import RequestGroup, mark_progress
-from engine.request import RequestStatus
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
@@ -15,6 +17,14 @@ from engine.scheduler import Scheduler
 class KVCacheFullError(RuntimeError):
     """Not enough free KV blocks to reserve for an incoming transfer (now, or within the wait
     a decode worker allows, or too many requests wait for blocks already)."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A decode worker's blocks for a request whose KV another worker computes."""
+
+    block_ids: list[int]  # in the request's block order
+    num_cached_blocks: int  # leading blocks the prefix cache held already: not to be sent
 
 
 class KVHandoffMixin:
@@ -42,9 +52,10 @@ class KVHandoffMixin:
     def reserve_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         prior_output_token_ids: list[int] | None = None, max_waiting: int = 0,
-    ) -> list[int] | None:
+    ) -> Reservation | None:
         """Decode role: register a request whose prompt KV (and that of its prior outputs, see
-        `add_request`) another worker computes, and reserve its blocks (returned in order).
+        `add_request`) another worker computes, and reserve its blocks, sharing the leading
+        ones the prefix cache holds (returned: the sender sends only the blocks after those).
 
         When they are not free, or earlier reservations still wait for theirs, the request
         queues (None returned) if fewer than `max_waiting` do: `grant_reservations` reserves
@@ -59,7 +70,7 @@ class KVHandoffMixin:
         num_queued = len(self.scheduler.awaiting_blocks)
         try:
             if self.scheduler.reserve(req, queue=num_queued < max_waiting):
-                return list(req.block_ids)
+                return self._reservation(req)
             if req.status == RequestStatus.WAITING_FOR_BLOCKS:
                 return None
             raise KVCacheFullError(
@@ -72,10 +83,14 @@ class KVHandoffMixin:
             self._forget(req)
             raise
 
-    def grant_reservations(self) -> list[tuple[str, list[int]]]:
+    def grant_reservations(self) -> list[tuple[str, Reservation]]:
         """Decode role: reserve blocks for the requests `reserve_request` queued, first come
         first served, as far as the free blocks go: (request id, its blocks) of each granted."""
-        return [(r.request_id, list(r.block_ids)) for r in self.scheduler.grant_reservations()]
+        return [(r.request_id, self._reservation(r)) for r in self.scheduler.grant_reservations()]
+
+    def _reservation(self, req: Request) -> Reservation:
+        return Reservation(list(req.block_ids),
+                           req.num_cached_tokens // self.block_manager.block_size)
 
     def commit_request(
         self, request_id: str, first_token_id: int, logprobs: tuple[float, dict[int, float]] | None

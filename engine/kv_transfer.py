@@ -117,13 +117,16 @@ def plan_slabs(layout: KVLayout, num_blocks: int, max_bytes: int) -> list[SlabRa
 
 
 def read_slabs(
-    kv_caches: list[torch.Tensor], block_ids: list[int], max_bytes: int = 4 << 20
+    kv_caches: list[torch.Tensor], block_ids: list[int], max_bytes: int = 4 << 20,
+    skip_blocks: int = 0,
 ) -> Iterator[KVSlab]:
-    """Serialize a request's blocks (in `block_ids` order), slab by slab. Reads the cache."""
+    """Serialize a request's blocks (in `block_ids` order) after the first `skip_blocks` (the
+    receiver holds those), slab by slab. Reads the cache."""
     layout = layout_of(kv_caches)
     device = kv_caches[0].device
     ids = torch.tensor(block_ids, dtype=torch.long, device=device)
-    for l0, l1, b0, b1 in plan_slabs(layout, len(block_ids), max_bytes):
+    for l0, l1, b0, b1 in plan_slabs(layout, len(block_ids) - skip_blocks, max_bytes):
+        b0, b1 = b0 + skip_blocks, b1 + skip_blocks
         sel = ids[b0:b1]
         slab = torch.empty((l1 - l0, 2, b1 - b0, *kv_caches[0].shape[2:]),
                            dtype=kv_caches[0].dtype, device=device)
@@ -142,13 +145,21 @@ def _to_bytes(t: torch.Tensor) -> bytes:
 class KVSlabWriter:
     """Receives one request's slabs into its reserved blocks; knows when all have arrived."""
 
-    def __init__(self, kv_caches: list[torch.Tensor] | list[ShardedKVLayer], block_ids: list[int]):
+    def __init__(
+        self, kv_caches: list[torch.Tensor] | list[ShardedKVLayer], block_ids: list[int],
+        present: int = 0,
+    ):
+        """`present`: the first blocks hold their KV already (the receiver's prefix cache had
+        them): no slab may cover them, and they count as arrived."""
+        if not 0 <= present <= len(block_ids):
+            raise ValueError(f"present blocks {present} out of range [0, {len(block_ids)}]")
         self.kv_caches = kv_caches
         self.layout = layout_of(kv_caches)
         self.block_ids = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
         self.num_blocks = len(block_ids)
-        self._missing = self.layout.num_layers * self.num_blocks  # cells not yet written
         self._seen = torch.zeros(self.layout.num_layers, self.num_blocks, dtype=torch.bool)
+        self._seen[:, :present] = True
+        self._missing = self.layout.num_layers * (self.num_blocks - present)  # cells to come
         self.bytes_received = 0
 
     @property

@@ -77,8 +77,14 @@ class Scheduler:
         return granted
 
     def _hold_for_kv(self, req: Request) -> bool:
-        if not self.block_manager.allocate_slots(req, req.num_tokens):  # prompt + prior outputs
+        """Reserve blocks for `req`'s prompt + prior outputs, sharing the leading blocks this
+        worker's prefix cache holds already (decode-side reuse: the sender skips them); their
+        tokens are `req.num_cached_tokens`. False, holding nothing, when the rest is not free."""
+        bm = self.block_manager
+        hits = bm.get_computed_blocks(req, all_tokens=True)
+        if not bm.allocate_slots(req, req.num_tokens - len(hits) * bm.block_size, hits):
             return False
+        req.num_cached_tokens = len(hits) * bm.block_size
         req.status = RequestStatus.WAITING_FOR_KV
         self.reserved[req.request_id] = req
         return True

@@ -184,9 +184,10 @@ class RemoteBackend:
             decode_ended = False  # the decode worker ended its stream itself
             try:
                 if not local:
-                    await self._read(call, decode)  # blocks reserved on the decode worker
+                    reserved = await self._read(call, decode)  # blocks reserved there
+                    cached = 0 if reserved is None else reserved.cached_blocks
                     first = await self._prefill_retrying(request_id, prompt, pb_params, prior,
-                                                         decode, prefill, lost)
+                                                         decode, prefill, lost, cached)
                     prefill_done = True
                     finished = bool(first.finish_reason)
                     yield first
@@ -205,18 +206,19 @@ class RemoteBackend:
 
     async def _prefill_retrying(
         self, request_id: str, prompt: list[int], pb_params: Any, prior: list[int],
-        decode: WorkerInfo, prefill: WorkerInfo | None, lost: set[str],
+        decode: WorkerInfo, prefill: WorkerInfo | None, lost: set[str], decode_cached: int,
     ) -> TokenDelta:
         """Prefill on `prefill`; if it dies, on another one, while the request's move budget
         lasts. The decode worker's reservation stays: a push cut off by the dead worker leaves
-        the blocks reserved, and the new prefill worker pushes into them."""
+        the blocks reserved, and the new prefill worker pushes into them. `decode_cached`: the
+        leading blocks the decode worker holds already (not pushed)."""
         while True:
             assert prefill is not None
             await self._transition(request_id, "prefilling", prefill_worker=prefill.address,
                                    decode_worker=decode.address)
             try:
                 return await self._prefill(prefill, request_id, prompt, pb_params, prior,
-                                           decode.address)
+                                           decode.address, decode_cached)
             except WorkerLost as exc:
                 self._count_move(request_id, exc, lost)
             prefill = pick_prefill(await self.pool.list("prefill", lost))
@@ -239,11 +241,12 @@ class RemoteBackend:
 
     async def _prefill(
         self, prefill: WorkerInfo, request_id: str, prompt: list[int],
-        params: Any, prior: list[int], decode_address: str,
+        params: Any, prior: list[int], decode_address: str, decode_cached: int = 0,
     ) -> TokenDelta:
         request = prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt,
                                              params=params, decode_address=decode_address,
-                                             prior_output_token_ids=prior)
+                                             prior_output_token_ids=prior,
+                                             decode_cached_blocks=decode_cached)
         async with self.pool.channel(prefill.address) as channel:
             try:
                 r = await prefill_pb2_grpc.PrefillStub(channel).Prefill(request,

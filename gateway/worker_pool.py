@@ -68,41 +68,44 @@ class WorkerPool:
         scores prefill workers by the prompt's (`token_ids`) blocks they hold)."""
         workers = await self.list(lost=lost)
         self._turn += 1
-        rr = self.routing == "round_robin"
-        decode = pick_round_robin(workers, "decode", self._turn) if rr else pick_decode(workers)
+        if self.routing == "round_robin":
+            decode = pick_round_robin(workers, "decode", self._turn)
+            prefill = None if local else pick_round_robin(workers, "prefill", self._turn)
+            reasons = ("round_robin", "round_robin")
+        else:
+            hits, blocks = await self._hits(workers, token_ids)
+            decode = pick_decode(workers, hits, blocks)
+            prefill = None if local else pick_prefill(workers, hits, blocks)
+            reasons = (_reason(decode, hits), _reason(prefill, hits))
         if decode is None:
             raise BackendError("no decode worker is available", retryable=True)
-        self._count("decode", "round_robin" if rr else "load")
+        self._count("decode", reasons[0])
         if local:
             return decode, None
-        if rr:
-            prefill, reason = pick_round_robin(workers, "prefill", self._turn), "round_robin"
-        else:
-            prefill, reason = await self._pick_prefill(workers, token_ids)
         if prefill is None:
             raise BackendError("no prefill worker is available", retryable=True)
-        self._count("prefill", reason)
+        self._count("prefill", reasons[1])
         return decode, prefill
 
-    async def _pick_prefill(
+    async def _hits(
         self, workers: list[WorkerInfo], token_ids: list[int] | None
-    ) -> tuple[WorkerInfo | None, str]:
-        candidates = [w for w in workers if w.role == "prefill"]
-        if self.routing != "kv_aware" or self.prefixes is None or not token_ids or not candidates:
-            return pick_prefill(workers), "load"
+    ) -> tuple[dict[str, int], int]:
+        """kv_aware: per worker, the leading blocks of `token_ids` its prefix cache holds, and
+        the prompt's full blocks (the largest count over the workers' block sizes); ({}, 0)
+        for the other policies, or when Redis cannot say (routing by load alone)."""
+        if self.routing != "kv_aware" or self.prefixes is None or not token_ids:
+            return {}, 0
         hits: dict[str, int] = {}
         blocks = 0
-        for size in {w.block_size for w in candidates if w.block_size > 0}:
+        for size in {w.block_size for w in workers if w.block_size > 0}:
             hashes = prefix_hashes(token_ids, size)
             blocks = max(blocks, len(hashes))
-            same = [w.worker_id for w in candidates if w.block_size == size]
+            same = [w.worker_id for w in workers if w.block_size == size]
             try:
                 hits.update(await self.prefixes.leading_hits(same, hashes))
             except Exception:  # noqa: BLE001 - Redis trouble: route by load alone
-                return pick_prefill(workers), "load"
-        chosen = pick_prefill(workers, hits, blocks)
-        hit = chosen is not None and hits.get(chosen.worker_id, 0) > 0
-        return chosen, "prefix_hit" if hit else "load"
+                return {}, 0
+        return hits, blocks
 
     def _count(self, role: str, reason: str) -> None:
         key = f"{role}:{reason}"
@@ -140,3 +143,8 @@ class WorkerPool:
     async def close(self) -> None:
         for address in list(self._channels):
             await self.retire(address)
+
+
+def _reason(chosen: WorkerInfo | None, hits: dict[str, int]) -> str:
+    """Why `chosen` was picked, for the routing metrics."""
+    return "prefix_hit" if chosen is not None and hits.get(chosen.worker_id, 0) > 0 else "load"

@@ -23,13 +23,16 @@ from engine.kv_transfer import KVLayout, SlabRange
 
 
 class SlabFrontier:
-    def __init__(self, layout: KVLayout, num_blocks: int, max_bytes: int):
+    def __init__(self, layout: KVLayout, num_blocks: int, max_bytes: int, skip_blocks: int = 0):
+        """`skip_blocks`: the receiver holds the first blocks already; they count as sent."""
+        if not 0 <= skip_blocks <= num_blocks:
+            raise ValueError(f"skip_blocks {skip_blocks} out of range [0, {num_blocks}]")
         self.num_layers = layout.num_layers
         self.num_blocks = num_blocks
         self.cell_bytes = layout.cell_bytes()
         self.max_bytes = max_bytes
         self.ready = [0] * self.num_layers  # leading final blocks, per layer
-        self.sent = [0] * self.num_layers  # leading sent blocks, per layer
+        self.sent = [skip_blocks] * self.num_layers  # leading sent blocks, per layer
 
     @property
     def complete(self) -> bool:

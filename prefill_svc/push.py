@@ -43,12 +43,18 @@ class SlabTicket:
 
 
 class KVPush:
-    def __init__(self, request_id: str, num_tokens: int, layout: KVLayout, slab_bytes: int):
+    def __init__(
+        self, request_id: str, num_tokens: int, layout: KVLayout, slab_bytes: int,
+        skip_blocks: int = 0,
+    ):
+        """`skip_blocks`: the decode worker's prefix cache holds the first blocks (decode-side
+        reuse): they are never sent. ValueError if there are not that many blocks."""
         self.request_id = request_id
         self.num_tokens = num_tokens
         self.block_size = layout.block_size
         self.num_blocks = -(-num_tokens // layout.block_size)
-        self.frontier = SlabFrontier(layout, self.num_blocks, slab_bytes)
+        self.skip_blocks = skip_blocks
+        self.frontier = SlabFrontier(layout, self.num_blocks, slab_bytes, skip_blocks)
         self.watch: KVWatch | None = None  # set for a request computed here
         self.block_ids: tuple[int, ...] = ()
         self.epoch = 0

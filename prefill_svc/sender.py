@@ -95,9 +95,10 @@ class PushKVSender:
         self.stats = TransferStats()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def new_push(self, request_id: str, num_tokens: int) -> KVPush:
-        """An empty push of this worker's layout and slab size, for the engine to fill."""
-        return KVPush(request_id, num_tokens, self.layout, self.slab_bytes)
+    def new_push(self, request_id: str, num_tokens: int, skip_blocks: int = 0) -> KVPush:
+        """An empty push of this worker's layout and slab size, for the engine to fill; its
+        first `skip_blocks` blocks are held by the receiver already and never sent."""
+        return KVPush(request_id, num_tokens, self.layout, self.slab_bytes, skip_blocks)
 
     async def send(self, decode_address: str, push: KVPush) -> int:
         channel = self._channel(decode_address)
@@ -120,6 +121,7 @@ class PushKVSender:
                 self._forget(decode_address)
             raise ConnectionError(f"KV push to {decode_address} failed: {exc.details()}") from exc
         self.stats.record(reply.bytes_received, time.perf_counter() - started, transport)
+        self.stats.skipped_blocks += push.skip_blocks
         self.stats.record_overlap(push.bytes_before_first_token,
                                   (push.commit_sent_at or 0.0) - (push.first_token_at or 0.0))
         return reply.bytes_received
@@ -201,7 +203,7 @@ class PushKVSender:
         return decode_pb2.KVChunk(header=decode_pb2.KVHeader(
             request_id=push.request_id, layout=layout_to_pb(self.layout),
             num_tokens=push.num_tokens, num_blocks=push.num_blocks, transport=transport,
-            push_id=push_id,
+            push_id=push_id, skip_blocks=push.skip_blocks,
         )).SerializeToString()
 
     def _commit(self, push: KVPush) -> bytes:

@@ -49,7 +49,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         await self.cancels.check(request_id)
         push = None
         if request.decode_address and params.max_tokens != len(prior) + 1:  # else: no KV to ship
-            push = self._start_push(request_id, len(prompt) + len(prior), request.decode_address)
+            push = self._start_push(request_id, len(prompt) + len(prior), request.decode_address,
+                                    request.decode_cached_blocks)
         try:
             out = await self._first_token(request_id, prompt, params, prior, push)
         except BaseException:
@@ -69,11 +70,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await self.engine.call(self.engine.engine.release, request_id)
         return response_to_pb(out, finish, params.prompt_logprobs)
 
-    def _start_push(self, request_id: str, num_tokens: int, decode_address: str) -> KVPush:
-        """Open the request's push before the engine sees it, so no note is missed."""
+    def _start_push(
+        self, request_id: str, num_tokens: int, decode_address: str, skip_blocks: int
+    ) -> KVPush:
+        """Open the request's push before the engine sees it, so no note is missed. The first
+        `skip_blocks` blocks are not pushed: the decode worker holds them."""
         if request_id in self.pushes:  # its push would free the other's blocks
             raise ValueError(f"request_id {request_id!r} is already in use")
-        push = self.sender.new_push(request_id, num_tokens)
+        try:
+            push = self.sender.new_push(request_id, num_tokens, skip_blocks)
+        except ValueError as exc:
+            raise ValueError(f"decode_cached_blocks: {exc}") from None
         push.watch = self.engine.watch_kv(push.on_progress, self.layers_per_group)
         self.pushes[request_id] = asyncio.create_task(self._push(decode_address, push))
         return push
@@ -102,8 +109,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         rid = push.request_id
         try:
             sent = await self.sender.send(decode_address, push)
-            logger.info("[%s] KV pushed: %d blocks, %d bytes, %d before the first token", rid,
-                        push.num_blocks, sent, push.bytes_before_first_token)
+            logger.info("[%s] KV pushed: %d blocks (%d held there already), %d bytes, %d before "
+                        "the first token", rid, push.num_blocks - push.skip_blocks,
+                        push.skip_blocks, sent, push.bytes_before_first_token)
         except asyncio.CancelledError:
             logger.info("[%s] KV push aborted", rid)
         except Exception as exc:  # noqa: BLE001 - the decode side fails the request

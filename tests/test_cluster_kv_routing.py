@@ -1,7 +1,9 @@
 """KV-aware routing in a running cluster (`pdserve up --prefill 2`, tiny model, real Redis):
 the prefill workers publish their prefix caches into Redis, a follow-up turn goes to the worker
 holding its history (asserted from the gateway's routing metrics and that worker's prefix-cache
-hits), an unrelated prompt is routed by load, and an evicted prefix stops attracting requests."""
+hits), an unrelated prompt is routed by load, and an evicted prefix stops attracting requests.
+The decode worker holds the history too (decode-side reuse): the follow-up's push carries only
+the new blocks (asserted in bytes)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import time
 import httpx
 import pytest
 from cluster import run_cluster
-from live_checks import metric
+from live_checks import metric, worker_metrics_url
 
 from engine.block_manager import prefix_hashes
 from pdserve.cluster.prefix_index import PrefixIndex
@@ -71,12 +73,19 @@ def test_a_follow_up_turn_goes_to_the_worker_holding_its_history(tiny_llama_dir,
         metrics = {w.worker_id: f"http://{w.metrics_address}/metrics" for w in c.workers("prefill")}
         hits_before = metric(metrics[holder], "pdserve:prefix_cache_hits_total")
         assert _labelled(c, "prefix_hit") == 0
+        decode = worker_metrics_url(c, "decode")
+        bytes1 = _until(lambda: metric(decode, "pdserve:kv_transfer_bytes_total"))
+        assert bytes1 % 13 == 0  # 200 tokens: 13 blocks pushed
 
         _complete(c.url, turn1 + list(range(3000, 3040)))  # the next turn: history + 40 tokens
         assert _labelled(c, "prefix_hit") == 1
         # the worker's counters are its last heartbeat's snapshot
         _until(lambda: metric(metrics[holder], "pdserve:prefix_cache_hits_total")
                - hits_before == 192)
+        # the decode worker held turn 1's 12 full blocks (it computed the first answer token
+        # after them): of the 15 blocks of 240 tokens only the last 3 were pushed
+        _until(lambda: metric(decode, "pdserve:kv_transfer_skipped_blocks_total") == 12)
+        assert metric(decode, "pdserve:kv_transfer_bytes_total") - bytes1 == bytes1 // 13 * 3
 
         loads = _labelled(c, "load")
         _complete(c.url, list(range(5000, 5100)))  # unrelated: by load

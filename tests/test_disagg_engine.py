@@ -36,9 +36,11 @@ def disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts, params, max_by
     for i, p in enumerate(prompts):
         rid = f"r{i}"
         first = firsts[rid].outputs[0]
-        dst_blocks = decode.reserve_request(rid, p, params)
-        writer = KVSlabWriter(decode.runner.kv_caches, dst_blocks)
-        for slab in read_slabs(prefill.runner.kv_caches, prefill.held_block_ids(rid), max_bytes):
+        dst = decode.reserve_request(rid, p, params)
+        skip = dst.num_cached_blocks  # the decode engine's prefix cache holds those
+        writer = KVSlabWriter(decode.runner.kv_caches, dst.block_ids, present=skip)
+        for slab in read_slabs(prefill.runner.kv_caches, prefill.held_block_ids(rid), max_bytes,
+                               skip):
             writer.write(slab)
         assert writer.complete
         assert prefill.release(rid)
@@ -109,7 +111,7 @@ def test_abort_while_waiting_for_kv_frees_reserved_blocks(engines):
 def test_writer_rejects_bad_slabs(engines):
     _, _, decode = engines
     blocks = decode.reserve_request("bad", list(range(10, 42)), SamplingParams(max_tokens=2))
-    writer = KVSlabWriter(decode.runner.kv_caches, blocks)
+    writer = KVSlabWriter(decode.runner.kv_caches, blocks.block_ids)
     cell = writer.layout.cell_bytes()
     with pytest.raises(ValueError, match="bytes"):
         writer.write(KVSlab(0, 1, 0, 2, b"\0" * (2 * cell - 1)))
@@ -139,3 +141,27 @@ def test_slab_plan_covers_every_cell_once():
             assert not cells & seen
             seen |= cells
         assert len(seen) == 5 * 7
+
+
+def test_second_turn_reuses_the_decode_workers_prefix(engines):
+    """Turn 2 resends turn 1's prompt and answer: the decode engine's prefix cache holds their
+    full blocks, so the reservation shares them and only the rest is written; the tokens
+    still equal colocated."""
+    colocated, prefill, decode = engines
+    tok = colocated.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    turn1 = tok.encode("The first turn of a conversation that spans a few blocks of tokens " * 3)
+    answer = disaggregated(prefill, decode, [turn1], params)[0]
+    turn2 = turn1 + answer[:1] + answer[2:] + tok.encode(" And the follow-up question?")
+    colocated.add_request("t2", turn2, params)
+    expected = run_all(colocated)["t2"].outputs[0].token_ids
+    queried = decode.block_manager.prefix_cache_hits
+    bs = decode.block_manager.block_size
+    held = decode.reserve_request("peek", turn2, params)
+    # turn 1 and the 7 answer tokens fed back (the 8th was only sampled): their full blocks
+    assert held.num_cached_blocks == (len(turn1) + 7) // bs > 0
+    assert decode.block_manager.prefix_cache_hits - queried == bs * held.num_cached_blocks
+    decode.abort_request("peek")
+    got = disaggregated(prefill, decode, [turn2], params)[0]
+    assert got[:1] + got[2:] == expected
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks

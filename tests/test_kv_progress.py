@@ -90,7 +90,7 @@ def _decode(model, prompt: list[int], sender: EagerSender, first_token: int) -> 
     """The request continued on a decode engine from the cells `sender` read."""
     decode = _engine(model, "decode")
     blocks = decode.reserve_request("d", prompt, GREEDY)
-    writer = KVSlabWriter(decode.runner.kv_caches, blocks)
+    writer = KVSlabWriter(decode.runner.kv_caches, blocks.block_ids)
     for (layer, block), cell in sender.cells.items():
         writer.write(KVSlab(layer, layer + 1, block, block + 1, cell.cpu().numpy().tobytes()))
     assert writer.complete

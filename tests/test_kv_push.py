@@ -39,6 +39,20 @@ def test_kv_computed_already_is_cut_like_plan_slabs(max_bytes: int) -> None:
     assert frontier.complete
 
 
+def test_blocks_the_receiver_holds_are_never_sent() -> None:
+    """Decode-side reuse: the first `skip_blocks` count as sent; the slabs cover the rest,
+    as `read_slabs` cuts them with the same skip."""
+    frontier = SlabFrontier(LAYOUT, 7, 4 * CELL, skip_blocks=5)
+    frontier.advance(4, 3)  # blocks the receiver holds anyway: nothing to send
+    assert drain(frontier, flush=True) == [] and not frontier.complete
+    frontier.advance(4, 7)
+    assert drain(frontier, flush=True) == [(0, 2, 5, 7), (2, 4, 5, 7)]
+    assert frontier.complete
+    assert SlabFrontier(LAYOUT, 3, CELL, skip_blocks=3).complete  # all held: only a commit
+    with pytest.raises(ValueError, match="skip_blocks 4 out of range"):
+        SlabFrontier(LAYOUT, 3, CELL, skip_blocks=4)
+
+
 def test_full_slabs_go_as_layers_complete_the_rest_at_the_step_end() -> None:
     frontier = SlabFrontier(LAYOUT, 6, 4 * CELL)  # 4 cells a slab
     frontier.advance(1, 2)  # layer 0: blocks [0, 2) final (2 cells): could grow by a layer

@@ -34,8 +34,10 @@ LAYOUT = KVLayout(2, 2, 16, "float32", 16)
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: str) -> Iterator[AsyncLLMEngine]:
+    """Without prefix caching: every test's reservation of PROMPT gets the whole push."""
     engine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", role="decode",
-                                      num_kv_blocks=NUM_BLOCKS, max_model_len=NUM_BLOCKS * 16)
+                                      num_kv_blocks=NUM_BLOCKS, max_model_len=NUM_BLOCKS * 16,
+                                      enable_prefix_caching=False)
     yield engine
     engine.shutdown()
 
@@ -50,10 +52,10 @@ async def receiver(engine: AsyncLLMEngine) -> AsyncIterator[KVReceiver]:
     assert (await engine.stats()).num_free_blocks == NUM_BLOCKS
 
 
-def header(num_blocks: int = 3) -> decode_pb2.KVChunk:
+def header(num_blocks: int = 3, skip: int = 0, request_id: str = "r") -> decode_pb2.KVChunk:
     return decode_pb2.KVChunk(header=decode_pb2.KVHeader(
-        request_id="r", layout=layout_to_pb(LAYOUT), num_tokens=len(PROMPT),
-        num_blocks=num_blocks))
+        request_id=request_id, layout=layout_to_pb(LAYOUT), num_tokens=len(PROMPT),
+        num_blocks=num_blocks, skip_blocks=skip))
 
 
 def slab(l0: int, l1: int, b0: int, b1: int, nbytes: int | None = None,
@@ -135,6 +137,9 @@ BAD = {
         [header(), slab(0, 1, 0, 1), header()],
         "a KV stream carries one header, then data chunks and a commit"),
     "wrong block count": ([header(2)], "header announces 2 blocks, 3 reserved"),
+    "skips blocks not held here": (
+        [header(skip=1)], "header skips 1 blocks, this worker holds the first 0 (Generate's "
+                          "cached_blocks)"),
 }
 
 
@@ -230,3 +235,37 @@ async def test_a_newer_push_takes_over_from_one_still_open(engine, receiver) -> 
     assert await receiver.wait("r", 5)
     outs = [out async for out in engine.stream("r")]
     assert outs[-1].finished and outs[-1].outputs[0].token_ids[0] == 7
+
+
+async def test_a_push_skips_the_blocks_the_prefix_cache_holds(tiny_llama_dir: str) -> None:
+    """Decode-side reuse: a request whose first blocks this worker's prefix cache holds (an
+    earlier request's prompt) reserves them shared; its push carries only the rest, and a
+    slab over a held block is refused before anything is written into it."""
+    engine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", role="decode",
+                                      num_kv_blocks=NUM_BLOCKS, max_model_len=NUM_BLOCKS * 16)
+    try:
+        receiver = KVReceiver(engine)
+        assert await receiver.expect("a", PROMPT, PARAMS) and receiver.cached_blocks("a") == 0
+        await receiver.receive(stream(header(request_id="a"), *cells(CELLS), COMMIT))
+        assert await receiver.wait("a", 5)
+        assert [out async for out in engine.stream("a")][-1].finished
+        kv = engine.engine.runner.kv_caches
+        held = [kv[layer][:, :].clone() for layer in range(2)]
+        assert await receiver.expect("b", PROMPT, PARAMS)
+        assert receiver.cached_blocks("b") == 2  # 40 tokens: blocks 0, 1 are full and cached
+        bad = header(request_id="b", skip=2), slab(0, 1, 1, 3)
+        with pytest.raises(ValueError, match="overlaps another"):
+            await receiver.receive(stream(*bad))
+        assert all(torch.equal(kv[layer], held[layer]) for layer in range(2))
+        assert (await engine.stats()).num_free_blocks == NUM_BLOCKS  # "b" failed, freed
+
+        assert await receiver.expect("c", PROMPT, PARAMS) and receiver.cached_blocks("c") == 2
+        rest = [slab(layer, layer + 1, 2, 3) for layer in range(2)]
+        got = await receiver.receive(stream(header(request_id="c", skip=2), *rest, COMMIT))
+        assert got == 2 * CELL and receiver.stats.skipped_blocks == 2
+        assert await receiver.wait("c", 5)
+        outs = [out async for out in engine.stream("c")]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+        assert (await engine.stats()).num_free_blocks == NUM_BLOCKS
+    finally:
+        engine.shutdown()

@@ -13,7 +13,7 @@ from engine.sampling_params import SamplingParams
 from gateway.worker_pool import WorkerPool
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.registry import WorkerInfo
-from pdserve.cluster.routing import pick_prefill
+from pdserve.cluster.routing import pick_decode, pick_prefill
 from pdserve.cluster.state import connect
 
 BS = 16
@@ -88,6 +88,21 @@ def test_score_prefers_the_holder_unless_it_is_the_busiest_for_a_small_prefix():
     assert pick_prefill([busy, p1], {"p0": 3, "p1": 4}, 10) == p1
 
 
+def _decode(wid: str, free: int) -> WorkerInfo:
+    return WorkerInfo(wid, "decode", f"127.0.0.1:{len(wid)}{free}", num_free_blocks=free,
+                      num_total_blocks=100, block_size=BS)
+
+
+def test_decode_score_weighs_a_hit_against_the_caches_fill():
+    d0, d1 = _decode("d0", 50), _decode("d1", 90)
+    assert pick_decode([d0, d1]) == d1  # load alone: most free blocks
+    assert pick_decode([d0, d1], {"d0": 0, "d1": 0}, 10) == d1
+    assert pick_decode([d0, d1], {"d0": 10}, 10) == d0  # 0.5 * 1 - 0.5 > 0 - 0.1
+    assert pick_decode([d0, d1], {"d0": 5}, 10) == d1  # 0.25 - 0.5 < -0.1
+    full = _decode("d0", 20)
+    assert pick_decode([full, d1], {"d0": 10}, 10) == d1  # 0.5 - 0.8 < -0.1: too full
+
+
 async def test_worker_pool_routes_a_second_turn_to_the_holder(redis_url):
     client = connect(redis_url)
     index = PrefixIndex(client, prefix="kvroute-pool", ttl_s=5)
@@ -95,8 +110,10 @@ async def test_worker_pool_routes_a_second_turn_to_the_holder(redis_url):
     p0, p1 = _prefill("p0", 0), _prefill("p1", 0)
 
     class Registry:
+        workers = [d0, p0, p1]
+
         async def list_workers(self, role=None):
-            return [d0, p0, p1]
+            return self.workers
 
     history = list(range(2000, 2100))
     await index.publish("p1", KVEventBatch(True, prefix_hashes(history, BS)))
@@ -104,6 +121,14 @@ async def test_worker_pool_routes_a_second_turn_to_the_holder(redis_url):
     assert (await pool.route(False, set(), history + [7, 8, 9]))[1] == p1
     assert (await pool.route(False, set(), list(range(50))))[1] == p0  # no hits: by load, id
     assert pool.decisions == {"decode:load": 2, "prefill:prefix_hit": 1, "prefill:load": 1}
+    # a decode worker holding the history is picked too (it is pushed only the rest)
+    d1 = WorkerInfo("d1", "decode", "127.0.0.1:8", num_free_blocks=5, num_total_blocks=10,
+                    block_size=BS)
+    d0.num_total_blocks, d0.block_size = 10, BS
+    await index.publish("d1", KVEventBatch(True, prefix_hashes(history, BS)))
+    Registry.workers = [d0, d1, p0, p1]
+    assert (await pool.route(False, set(), history + [7]))[0] == d1
+    assert pool.decisions["decode:prefix_hit"] == 1
     rr = WorkerPool(Registry(), routing="round_robin")
     picks = [(await rr.route(False, set(), history))[1].worker_id for _ in range(4)]
     assert sorted(picks) == ["p0", "p0", "p1", "p1"]

@@ -76,7 +76,7 @@ async def test_a_reservation_waits_until_a_finished_request_frees_its_blocks(eng
     outs = [out async for out in engine.stream(holder)]
     assert outs[-1].finished  # max_tokens=2: its blocks are freed by that step
     blocks = await asyncio.wait_for(waiter, 5)
-    assert len(blocks) == 4
+    assert len(blocks.block_ids) == 4
     assert await load(engine) == (1, 0, NUM_BLOCKS - 4)
     assert await engine.abort("w")
 
@@ -93,8 +93,8 @@ async def test_waiters_are_granted_in_arrival_order_and_a_big_one_is_not_overtak
     await settle()
     assert not small.done() and await load(engine) == (3, 2, 2)
     await engine.abort(holder)
-    assert len(await asyncio.wait_for(big, 5)) == 20
-    assert len(await asyncio.wait_for(small, 5)) == 1
+    assert len((await asyncio.wait_for(big, 5)).block_ids) == 20
+    assert len((await asyncio.wait_for(small, 5)).block_ids) == 1
     assert granted == ["big", "small"]
     assert await load(engine) == (2, 0, NUM_BLOCKS - 21)
     assert await engine.abort("big") and await engine.abort("small")

@@ -29,7 +29,8 @@ def _split(prefill: LLMEngine, decode: LLMEngine, max_bytes: int) -> list[list[i
     firsts = run_all(prefill)
     for i, p in enumerate(PROMPTS):
         rid = f"r{i}"
-        writer = KVSlabWriter(decode.runner.kv_view(), decode.reserve_request(rid, p, PARAMS))
+        reserved = decode.reserve_request(rid, p, PARAMS).block_ids
+        writer = KVSlabWriter(decode.runner.kv_view(), reserved)
         for slab in read_slabs(prefill.runner.kv_view(), prefill.held_block_ids(rid), max_bytes):
             writer.write(slab)
         assert writer.complete

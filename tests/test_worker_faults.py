@@ -70,7 +70,7 @@ def test_disaggregated_resume_continues_the_sequence(engines, k):
     prefill.add_request("m", prompt, params, prior_output_token_ids=prior)
     first = _run(prefill, "m")[k:]
     assert first == [full[k]]
-    blocks = decode.reserve_request("m", prompt, params, prior_output_token_ids=prior)
+    blocks = decode.reserve_request("m", prompt, params, prior_output_token_ids=prior).block_ids
     assert len(blocks) == len(prefill.held_block_ids("m"))
     writer = KVSlabWriter(decode.runner.kv_caches, blocks)
     for slab in read_slabs(prefill.runner.kv_caches, prefill.held_block_ids("m"), 4 << 20):

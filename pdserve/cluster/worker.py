@@ -115,6 +115,8 @@ class TransferStats:
     bytes_by_transport: dict[str, int] = field(default_factory=dict)
     completed_by_transport: dict[str, int] = field(default_factory=dict)
     stale_pools: int = 0  # prefill: data-plane pushes refused as stale (the peer restarted)
+    # blocks of completed pushes not moved: the decode worker's prefix cache held them
+    skipped_blocks: int = 0
 
     def record(self, num_bytes: int, seconds: float, transport: str = "grpc") -> None:
         self.bytes += num_bytes
@@ -140,6 +142,7 @@ class TransferStats:
             "kv_transfer_first_token_to_commit_seconds": self.first_token_to_commit_seconds,
             "kv_transfer_first_slab_to_commit_seconds": self.first_slab_to_commit_seconds,
             "kv_transfer_stale_pools": self.stale_pools,
+            "kv_transfer_skipped_blocks": self.skipped_blocks,
         }
 
     def by_transport(self) -> dict[str, dict[str, float]]:
