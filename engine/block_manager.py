@@ -72,6 +72,11 @@ class BlockManager:
         return len(self._free)
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache, held by requests or waiting in the free queue."""
+        return len(self._cached)
+
+    @property
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 

@@ -137,6 +137,7 @@ class Scheduler:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_waiting_for_blocks=len(self.awaiting_blocks),
+            num_cached_blocks=bm.num_cached_blocks,
         )
 
     # ---- one step ------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_waiting_for_blocks: int = 0  # decode role: reservations queued for free blocks
+    num_cached_blocks: int = 0  # blocks registered in the prefix cache (held or free)
     # structured outputs (engine/structured/manager.py), filled in by the engine
     grammar_compiles: int = 0
     grammar_cache_hits: int = 0

@@ -107,6 +107,7 @@ class LocalBackend:
             "worker_id": "colocated", "role": "colocated", "address": "in-process",
             "num_running": s.num_running, "num_waiting": s.num_waiting,
             "num_free_blocks": s.num_free_blocks, "num_total_blocks": s.num_total_blocks,
+            "num_cached_blocks": s.num_cached_blocks,
         }]
 
     async def ready(self) -> bool:

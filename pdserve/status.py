@@ -1,5 +1,5 @@
-"""`pdserve status`: every registered worker with its role, address, load, KV transport and
-tensor-parallel size."""
+"""`pdserve status`: every registered worker with its role, address, load, prefix-cache blocks, KV
+transport and tensor-parallel size."""
 
 from __future__ import annotations
 
@@ -53,15 +53,19 @@ async def _from_redis(url: str, namespace: str) -> list[dict]:
 
 
 def render(workers: list[dict]) -> str:
-    """One row per worker. TRANSPORT is its --kv-transport and TP its --tensor-parallel-size:
+    """One row per worker. CACHED counts the blocks in its prefix cache (what KV-aware routing
+    can hit), TRANSPORT is its --kv-transport and TP its --tensor-parallel-size:
     "-" for a tokenizer, the colocated engine, or a worker (or gateway, with --gateway) too old
     to publish them."""
-    rows = [("ROLE", "ADDRESS", "RUNNING", "WAITING", "KV BLOCKS USED/TOTAL", "TRANSPORT", "TP")]
+    rows = [("ROLE", "ADDRESS", "RUNNING", "WAITING", "KV BLOCKS USED/TOTAL", "CACHED",
+             "TRANSPORT", "TP")]
     for w in workers:
         total = w["num_total_blocks"]
         used = f"{total - w['num_free_blocks']}/{total}" if total else "-"
+        cached = str(w.get("num_cached_blocks", 0)) if total else "-"
         rows.append((w["role"], w["address"], str(w["num_running"]), str(w["num_waiting"]), used,
-                     w.get("kv_transport") or "-", str(w.get("tensor_parallel_size") or "-")))
+                     cached, w.get("kv_transport") or "-",
+                     str(w.get("tensor_parallel_size") or "-")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 

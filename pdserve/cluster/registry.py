@@ -40,6 +40,7 @@ class WorkerInfo:
     kv_transport: str = ""  # the worker's --kv-transport; "" for tokenizers, gateways, old workers
     tensor_parallel_size: int = 0  # the worker's --tensor-parallel-size; 0 as for kv_transport
     block_size: int = 0  # tokens per KV block (the prefix hashes' unit); 0 as for kv_transport
+    num_cached_blocks: int = 0  # blocks in its prefix cache (what KV-aware routing can hit)
     updated_at: float = 0.0  # time.time() of the last registry write
 
     def __post_init__(self) -> None:

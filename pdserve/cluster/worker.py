@@ -179,7 +179,7 @@ class WorkerMonitor:
             num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
             metrics_address=self.metrics_address, kv_transport=self.kv_transport,
             tensor_parallel_size=self.tensor_parallel_size,
-            block_size=self.block_size,
+            block_size=self.block_size, num_cached_blocks=s.num_cached_blocks,
         )
 
 
