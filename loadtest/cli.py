@@ -75,7 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens (shared-prefix: the part after the prefix)")
     w.add_argument("--output-len", type=parse_len, default=(32, 64), metavar="N|LO-HI")
     w.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: system prompts")
-    w.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: their tokens")
+    w.add_argument("--prefix-len", type=int, default=512,
+                   help="shared-prefix: their tokens; multi-turn: the system prompt's")
+    w.add_argument("--num-conversations", type=int, default=8,
+                   help="multi-turn: conversations interleaved")
+    w.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
     w.add_argument("--dataset-path", default="", help="sharegpt: a ShareGPT-format JSON file")
     w.add_argument("--max-len", type=int, default=2048,
                    help="sharegpt/synthetic: skip longer conversations (prompt + reply)")
@@ -118,7 +122,8 @@ def configs(args: argparse.Namespace) -> tuple[workloads.WorkloadConfig, ClientC
               None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3)
     work = workloads.WorkloadConfig(
         args.workload, args.input_len, args.output_len, args.num_prefixes, args.prefix_len,
-        args.dataset_path, args.max_len, args.sharegpt_output_len)
+        args.dataset_path, args.max_len, args.sharegpt_output_len, args.num_conversations,
+        args.num_turns)
     client = ClientConfig(
         args.base_url, args.endpoint, args.model, args.prompt_format, args.ignore_eos,
         args.temperature, args.logprobs, args.extra_body, args.api_key, args.request_timeout)

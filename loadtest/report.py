@@ -48,6 +48,8 @@ def format_run(run: dict[str, Any]) -> str:
         f"prompt / output tokens             {run['prompt_tokens']} / {run['output_tokens']}",
         f"request throughput req/s           {run['request_throughput']:.3f}",
         f"goodput req/s                      {_num(run['goodput'], '.3f')}",
+        f"prefix hits / hittable tokens      {run.get('prefix_cache_hit_tokens', 0):.0f} / "
+        f"{run.get('reused_prompt_tokens', 0)}  ({_num(run.get('prefix_hit_rate'), '.1%')})",
         f"output / total token throughput    {run['output_token_throughput']:.1f} / "
         f"{run['total_token_throughput']:.1f} tok/s",
         f"{'ms':<8}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}",

@@ -113,9 +113,27 @@ async def run_rate(client: StreamClient, specs: Sequence[RequestSpec], rate: flo
         "max_concurrency": cfg.max_concurrency, "timed_out": timed_out,
         "not_sent": len(records) - len(sent), "load_avg_1m": [load_start, _load_average()],
         **run_metrics(sent, duration, cfg.slo),
+        **prefix_reuse(specs, sent, counters),
         "server_counters": counters,
         "requests": [r.to_json() for r in sent],
     }
+
+
+# The servers' prefix-cache hits, in tokens (pdserve's workers; vLLM)
+HIT_COUNTERS = ("pdserve:prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
+
+
+def prefix_reuse(specs: Sequence[RequestSpec], sent: list[RequestRecord],
+                 counters: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Prompt tokens of the sent requests that an earlier request of the workload sent too
+    (what a prefix cache could hit), the hits the --metrics-url pages counted meanwhile, and
+    their ratio (None without hittable tokens or without those pages). Warm-ups and earlier
+    rates may have sent a prefix first: hits can exceed what this run calls hittable."""
+    hittable = sum(specs[r.index].reused_len for r in sent)
+    hits = sum(page.get(name, 0.0) for page in counters.values() for name in HIT_COUNTERS)
+    rate = hits / hittable if hittable and counters else None
+    return {"reused_prompt_tokens": hittable, "prefix_cache_hit_tokens": hits,
+            "prefix_hit_rate": rate}
 
 
 Send = Callable[[RequestSpec, RequestRecord], Awaitable[None]]

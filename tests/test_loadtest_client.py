@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 from typing import Any
@@ -16,7 +17,7 @@ from loadtest.client import ClientConfig, StreamClient
 from loadtest.metrics import SLO
 from loadtest.record import RequestRecord
 from loadtest.report import format_sweep, markdown_table
-from loadtest.runner import RunConfig, run_rate, sweep
+from loadtest.runner import RunConfig, prefix_reuse, run_rate, sweep
 from loadtest.scrape import deltas, parse_counters
 from loadtest.workloads import RequestSpec
 
@@ -184,6 +185,17 @@ async def test_a_sweep_warms_up_then_runs_each_rate_on_its_own_requests():
     with pytest.raises(RuntimeError, match="warm-up"):
         async with client(fake_server(status=500)) as c:
             await sweep(c, specs, cfg)
+
+
+def test_prefix_reuse_counts_hittable_tokens_of_sent_requests_against_server_hits():
+    specs = [dataclasses.replace(spec(4), reused_len=n) for n in (0, 3, 4)]
+    sent = [RequestRecord(i, 4, 2) for i in (0, 2)]  # request 1 never went out
+    pages = {"http://a/metrics": {"pdserve:prefix_cache_hits_total": 2.0},
+             "http://b/metrics": {"vllm:prefix_cache_hits_total": 1.0, "x_total": 9.0}}
+    assert prefix_reuse(specs, sent, pages) == {
+        "reused_prompt_tokens": 4, "prefix_cache_hit_tokens": 3.0, "prefix_hit_rate": 0.75}
+    assert prefix_reuse(specs, sent, {})["prefix_hit_rate"] is None  # no pages: unknown
+    assert prefix_reuse(specs, sent[:1], pages)["prefix_hit_rate"] is None  # nothing hittable
 
 
 def test_counters_are_cumulative_samples_summed_over_labels():

@@ -1,5 +1,6 @@
 """The load test's workloads on the bundled tokenizer: exact prompt lengths, seeded, shared
-prefixes shared, ShareGPT filtering; and its command line's parsing."""
+prefixes shared, conversations growing turn by turn, ShareGPT filtering, what each request
+resends; and its command line's parsing."""
 
 from __future__ import annotations
 
@@ -48,6 +49,37 @@ def test_shared_prefix_requests_share_their_system_prompts(bundled_tokenizer):
         assert 43 <= s.prompt_len == len(s.token_ids) <= 48
 
 
+def test_multi_turn_conversations_grow_and_interleave(bundled_tokenizer):
+    """3 conversations of 2 turns after a 20-token system prompt: request i is conversation
+    i % 3's next turn; turn 2 resends turn 1 and a reply as long as turn 1's output."""
+    cfg = WorkloadConfig("multi-turn", input_len=(6, 9), output_len=(3, 5), prefix_len=20,
+                         num_conversations=3, num_turns=2)
+    specs = build(cfg, bundled_tokenizer, 8, seed=1)
+    assert [len(s.messages) for s in specs] == [2, 2, 2, 4, 4, 4, 2, 2]
+    for first, second in zip(specs[:3], specs[3:6]):
+        assert second.token_ids[:first.prompt_len] == first.token_ids
+        assert second.messages[:2] == first.messages
+        reply = second.messages[2]
+        assert reply["role"] == "assistant"
+        assert len(encode(bundled_tokenizer, reply["content"])) == first.output_len
+        assert second.reused_len == first.prompt_len  # the history, sent by turn 1
+    assert [s.reused_len for s in specs[:3]] == [0, 20, 20]  # the shared system prompt
+    assert specs[6].token_ids[:20] == specs[0].token_ids[:20] and specs[6].reused_len == 20
+    for s in specs:
+        assert encode(bundled_tokenizer, s.text) == s.token_ids
+        assert s.prompt_len == len(s.token_ids)
+    assert build(cfg, bundled_tokenizer, 8, seed=1) == specs
+
+
+def test_reuse_is_the_longest_prefix_an_earlier_request_sent():
+    def spec(ids):
+        return workloads.RequestSpec("", ids, [], len(ids or "?"), 1)
+
+    got = workloads.with_reuse([spec([1, 2, 3]), spec([1, 2, 4, 5]), spec([1, 2, 4, 5, 6]),
+                                spec([9]), spec([1, 2, 3]), spec(None)])
+    assert [s.reused_len for s in got] == [0, 2, 4, 0, 3, 0]
+
+
 def _conversation(human: str, gpt: str, first: str = "human") -> dict:
     second = "gpt" if first == "human" else "human"
     return {"conversations": [{"from": first, "value": human}, {"from": second, "value": gpt}]}
@@ -93,7 +125,9 @@ def test_workload_config_is_checked():
                 dict(num_prefixes=0), dict(kind="sharegpt")):
         with pytest.raises(ValueError):
             WorkloadConfig(**bad)
-    assert workloads.KINDS == ("random", "shared-prefix", "sharegpt", "synthetic")
+    assert workloads.KINDS == ("random", "shared-prefix", "multi-turn", "sharegpt", "synthetic")
+    with pytest.raises(ValueError, match="num_turns must be >= 1"):
+        WorkloadConfig("multi-turn", num_turns=0)
 
 
 def test_command_line_parsing():
