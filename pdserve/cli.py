@@ -103,13 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_arguments(tp)
     tp.set_defaults(func=lambda a: 0 if throughput.run(a) else 1)
     import loadtest.cli as serve
-    from pdserve.bench import gpu, pipeline, transfer
+    from pdserve.bench import gpu, kv_routing, pipeline, transfer
 
     for name, module, text in (
         ("transfer", transfer, "KV transfer throughput over gRPC vs raw grpcio"),
         ("pipeline", pipeline, "handover and gateway overhead of a running cluster"),
         ("gpu", gpu, "the GPU benchmark: ceilings, kernels vs peers, throughput, latency"),
         ("serve", serve, "load test an OpenAI endpoint: TTFT, TPOT, ITL, goodput (loadtest)"),
+        ("kv-routing", kv_routing, "kv_aware vs load routing on a multi-turn load"),
     ):
         p = bench_sub.add_parser(name, help=text)
         module.add_arguments(p)
