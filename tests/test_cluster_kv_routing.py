@@ -1,9 +1,9 @@
-"""KV-aware routing in a running cluster (`pdserve up --prefill 2`, tiny model, real Redis):
-the prefill workers publish their prefix caches into Redis, a follow-up turn goes to the worker
-holding its history (asserted from the gateway's routing metrics and that worker's prefix-cache
-hits), an unrelated prompt is routed by load, and an evicted prefix stops attracting requests.
-The decode worker holds the history too (decode-side reuse): the follow-up's push carries only
-the new blocks (asserted in bytes)."""
+"""KV-aware routing in a running cluster (`pdserve up --prefill 2 --decode 2`, tiny model, real
+Redis): the workers publish their prefix caches into Redis, a follow-up turn goes to the prefill
+worker holding its history (asserted from the gateway's routing metrics and that worker's
+prefix-cache hits) and to the decode worker holding it, which is pushed only the new blocks
+(decode-side reuse, asserted in bytes); an unrelated prompt is routed by load, and an evicted
+prefix stops attracting requests."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 from cluster import run_cluster
-from live_checks import metric, worker_metrics_url
+from live_checks import metric
 
 from engine.block_manager import prefix_hashes
 from pdserve.cluster.prefix_index import PrefixIndex
@@ -29,9 +29,9 @@ def _complete(url: str, token_ids: list[int]) -> None:
     assert r.status_code == 200, r.text
 
 
-def _holders(c, token_ids: list[int]) -> dict[str, int]:
-    """Per prefill worker, the leading blocks of `token_ids` Redis says it holds."""
-    ids = [w.worker_id for w in c.workers("prefill")]
+def _holders(c, token_ids: list[int], role: str = "prefill") -> dict[str, int]:
+    """Per worker of `role`, the leading blocks of `token_ids` Redis says it holds."""
+    ids = [w.worker_id for w in c.workers(role)]
 
     async def go() -> dict[str, int]:
         client = connect(c.redis_url)
@@ -52,18 +52,23 @@ def _until(fn, timeout_s: float = 15.0):
     raise AssertionError("timed out")
 
 
-def _labelled(c, reason: str) -> float:
+def _labelled(c, reason: str, role: str = "prefill") -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{c.url}/metrics").text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "pdserve:routing_decisions_total"
-               and s.labels == {"role": "prefill", "reason": reason})
+               and s.labels == {"role": role, "reason": reason})
+
+
+def _decode_sum(c, name: str) -> float:
+    """`name` summed over the decode workers' /metrics pages."""
+    return sum(metric(f"http://{w.metrics_address}/metrics", name) for w in c.workers("decode"))
 
 
 def test_a_follow_up_turn_goes_to_the_worker_holding_its_history(tiny_llama_dir, tmp_path):
     # 40 KV blocks of 16 tokens per worker: enough for a 512-token context, few enough to evict
-    with run_cluster(tmp_path, "--model", tiny_llama_dir, "--prefill", "2", "--decode", "1",
+    with run_cluster(tmp_path, "--model", tiny_llama_dir, "--prefill", "2", "--decode", "2",
                      "--kv-cache-memory", str(40 * 8192), "--dtype", "float32") as c:
         turn1 = list(range(1000, 1200))  # 12 full blocks
         _complete(c.url, turn1)
@@ -73,19 +78,19 @@ def test_a_follow_up_turn_goes_to_the_worker_holding_its_history(tiny_llama_dir,
         metrics = {w.worker_id: f"http://{w.metrics_address}/metrics" for w in c.workers("prefill")}
         hits_before = metric(metrics[holder], "pdserve:prefix_cache_hits_total")
         assert _labelled(c, "prefix_hit") == 0
-        decode = worker_metrics_url(c, "decode")
-        bytes1 = _until(lambda: metric(decode, "pdserve:kv_transfer_bytes_total"))
+        bytes1 = _until(lambda: _decode_sum(c, "pdserve:kv_transfer_bytes_total"))
         assert bytes1 % 13 == 0  # 200 tokens: 13 blocks pushed
+        _until(lambda: any(_holders(c, turn1, "decode").values()))  # the decode worker's too
 
         _complete(c.url, turn1 + list(range(3000, 3040)))  # the next turn: history + 40 tokens
-        assert _labelled(c, "prefix_hit") == 1
+        assert _labelled(c, "prefix_hit") == 1 and _labelled(c, "prefix_hit", "decode") == 1
         # the worker's counters are its last heartbeat's snapshot
         _until(lambda: metric(metrics[holder], "pdserve:prefix_cache_hits_total")
                - hits_before == 192)
         # the decode worker held turn 1's 12 full blocks (it computed the first answer token
         # after them): of the 15 blocks of 240 tokens only the last 3 were pushed
-        _until(lambda: metric(decode, "pdserve:kv_transfer_skipped_blocks_total") == 12)
-        assert metric(decode, "pdserve:kv_transfer_bytes_total") - bytes1 == bytes1 // 13 * 3
+        _until(lambda: _decode_sum(c, "pdserve:kv_transfer_skipped_blocks_total") == 12)
+        assert _decode_sum(c, "pdserve:kv_transfer_bytes_total") - bytes1 == bytes1 // 13 * 3
 
         loads = _labelled(c, "load")
         _complete(c.url, list(range(5000, 5100)))  # unrelated: by load
