@@ -36,6 +36,7 @@ from gateway.serving import (
     ServingContext,
     UsageCount,
     check_prompt_ids,
+    check_token_controls,
     check_unknown_fields,
     clamp_logprob,
     common_sampling_fields,
@@ -150,6 +151,7 @@ def _sampling_params(
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         prompt_logprobs=req.prompt_logprobs,
     )
+    check_token_controls(base, facts)
     return fit_context(base, prompt_len, facts.max_model_len, "messages", renames)
 
 

@@ -29,6 +29,7 @@ from gateway.serving import (
     ServingContext,
     UsageCount,
     check_prompt_ids,
+    check_token_controls,
     check_unknown_fields,
     clamp_logprob,
     common_sampling_fields,
@@ -145,6 +146,7 @@ def _sampling_params(
         **common_sampling_fields(req), max_tokens=1 if _echo_only(req) else req.max_tokens,
         logprobs=req.logprobs, prompt_logprobs=_prompt_logprobs(req),
     )
+    check_token_controls(base, facts)
     return [fit_context(base, len(p.token_ids), facts.max_model_len, "prompt") for p in prompts]
 
 

@@ -5,7 +5,7 @@ structured-output fields `structured_outputs`, `guided_*`: gateway/structured.py
 Tool calling's own models are gateway/tools/protocol.py's.
 
 Requests accept unknown fields and keep them in `model_extra`: the serving layer answers 400 for
-the OpenAI fields pdserve cannot honour (logit_bias, functions, ...: `serving.UNSUPPORTED_FIELDS`)
+the OpenAI fields pdserve cannot honour (functions, ...: `serving.UNSUPPORTED_FIELDS`)
 and logs the rest as ignored, as vLLM does (OpenAI itself answers 400 "Unrecognized request
 argument"): clients send vendor fields through `extra_body`, and one gateway serves them all.
 Range checks live in `SamplingParams`, the one place that knows them; these models check types,
@@ -137,6 +137,11 @@ class OpenAIRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    # token controls: OpenAI's logit_bias (token id -> bias), vLLM's allowed_token_ids and
+    # bad_words (checked against the vocabulary by the gateway, applied by the engine)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] | None = None
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_STOP)
 
     @field_validator(
         "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",

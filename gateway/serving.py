@@ -54,7 +54,6 @@ UNSUPPORTED_FIELDS = {
     "parallel_tool_calls": "tool calling is served by /v1/chat/completions",
     "functions": "deprecated function calling is not served: use tools",
     "function_call": "deprecated function calling is not served: use tools and tool_choice",
-    "logit_bias": "pdserve applies no logit bias",
 }
 _ASKS_NOTHING = (None, [], {}, "none")
 
@@ -132,6 +131,9 @@ def common_sampling_fields(req: OpenAIRequest) -> dict[str, Any]:
         "skip_special_tokens": req.skip_special_tokens,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "structured_outputs": structured_outputs_of(req),
+        "logit_bias": req.logit_bias or None,
+        "allowed_token_ids": req.allowed_token_ids,
+        "bad_words": req.bad_words,
     }
 
 
@@ -157,6 +159,16 @@ def fit_context(
         )
     fields = {f: getattr(params, f) for f in _SAMPLING_FIELDS}
     return sampling_params(renames, **{**fields, "max_tokens": completion})
+
+
+def check_token_controls(params: SamplingParams, facts: ModelFacts) -> None:
+    """400 naming the field when logit_bias or allowed_token_ids holds an id outside the
+    vocabulary (the engine would refuse it at the worker; this says which field)."""
+    for name in ("logit_bias", "allowed_token_ids"):
+        bad = [t for t in getattr(params, name) or () if not 0 <= t < facts.vocab_size]
+        if bad:
+            raise OpenAIError(f"{name} holds token id {bad[0]}, out of vocabulary (size "
+                              f"{facts.vocab_size}).", param=name)
 
 
 def check_prompt_ids(token_ids: list[int], facts: ModelFacts, param: str) -> None:

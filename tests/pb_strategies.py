@@ -1,6 +1,6 @@
 """Hypothesis strategies for any protobuf message, read off its descriptor: every field present
 or not, each value anywhere in its wire type's range (NaN and inf floats, ids up to 2**32 - 1,
-any text, any bytes), small values drawn often so that some messages are also valid. A message
+any text, any bytes; maps as dicts), small values drawn often so that some messages are also valid. A message
 whose valid values random text would almost never hit (a StructuredOutput's kind and spec) or
 whose fields belong together (a PromptTokenLogprob's paired top ids and logprobs) is drawn valid
 half the time (`_VALID`)."""
@@ -88,6 +88,10 @@ def messages(cls: type[Message], depth: int = 3) -> st.SearchStrategy[Message]:
 
 
 def _field(f: FieldDescriptor, depth: int) -> st.SearchStrategy[Any]:
+    entry = f.message_type if f.type == _T.TYPE_MESSAGE else None
+    if entry is not None and entry.GetOptions().map_entry:  # map<K, V>: a dict
+        key, value = (_value(entry.fields_by_name[n], depth) for n in ("key", "value"))
+        return st.dictionaries(key, value, max_size=6)
     value = _value(f, depth)
     return st.lists(value, max_size=6) if _is_repeated(f) else value
 

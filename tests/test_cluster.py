@@ -319,6 +319,27 @@ def test_tokenize_and_detokenize_through_the_tokenizer_service(cluster, client,
     assert http.get(f"{url}/version").json() == {"version": __version__}
 
 
+def test_token_controls_reach_both_workers(client, colocated_llm, bundled_tokenizer):
+    """logit_bias, allowed_token_ids and bad_words travel with the request to the prefill
+    worker (the first token) and the decode worker (the rest): equal to colocated."""
+    from pdserve import SamplingParams
+
+    yes, no = (bundled_tokenizer.encode(w)[0] for w in (" yes", " no"))
+    cases = [dict(logit_bias={yes: 100.0}), dict(allowed_token_ids=[yes, no]),
+             dict(bad_words=[" the", " of"])]
+    for fields in cases:
+        params = SamplingParams(temperature=0, max_tokens=8, **fields)
+        expected = colocated_llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+        body = {k: ({str(t): b for t, b in v.items()} if k == "logit_bias" else v)
+                for k, v in fields.items()}
+        r = client.completions.create(model=None, prompt=PROMPTS[1], max_tokens=8,
+                                      temperature=0, **({"logit_bias": body.pop("logit_bias")}
+                                                        if "logit_bias" in body else {}),
+                                      extra_body=body)
+        assert r.choices[0].text == expected.text, fields
+    assert set(expected.token_ids).isdisjoint(bundled_tokenizer.encode(" the of"))
+
+
 def test_32_concurrent_streams_complete(cluster, colocated_texts):
     aclient = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
 

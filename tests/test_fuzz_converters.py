@@ -60,6 +60,9 @@ def test_sampling_params_from_pb(msg: common_pb2.SamplingParams) -> None:
     again = sampling_params_from_pb(sampling_params_to_pb(params, params.max_tokens))
     assert again.max_tokens == params.max_tokens  # a worker can pass it on
     assert again.structured_outputs == params.structured_outputs
+    assert again.logit_bias == params.logit_bias == (dict(msg.logit_bias) or None)
+    assert again.allowed_token_ids == params.allowed_token_ids
+    assert again.bad_words == params.bad_words == (list(msg.bad_words) or None)
     assert again.prompt_logprobs == params.prompt_logprobs == (
         msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None)
     so = params.structured_outputs

@@ -41,6 +41,9 @@ def sampling_params_to_pb(p: SamplingParams, max_tokens: int) -> common_pb2.Samp
         msg.prompt_logprobs = p.prompt_logprobs
     if p.structured_outputs is not None:
         msg.structured_output.CopyFrom(structured_output_to_pb(p.structured_outputs))
+    msg.logit_bias.update(p.logit_bias or {})
+    msg.allowed_token_ids.extend(p.allowed_token_ids or [])
+    msg.bad_words.extend(p.bad_words or [])
     return msg
 
 
@@ -67,6 +70,9 @@ def sampling_params_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         output_kind=RequestOutputKind.DELTA,
         structured_outputs=(structured_output_from_pb(msg.structured_output)
                             if msg.HasField("structured_output") else None),
+        logit_bias=dict(msg.logit_bias) or None,
+        allowed_token_ids=list(msg.allowed_token_ids) or None,
+        bad_words=list(msg.bad_words) or None,
     )
 
 
