@@ -4,10 +4,9 @@ min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in
 structured-output fields `structured_outputs`, `guided_*`: gateway/structured.py maps them).
 Tool calling's own models are gateway/tools/protocol.py's.
 
-Requests accept unknown fields and keep them in `model_extra`: the serving layer answers 400 for
-the OpenAI fields pdserve cannot honour (functions, ...: `serving.UNSUPPORTED_FIELDS`)
-and logs the rest as ignored, as vLLM does (OpenAI itself answers 400 "Unrecognized request
-argument"): clients send vendor fields through `extra_body`, and one gateway serves them all.
+Requests accept unknown fields and keep them in `model_extra`: the serving layer answers 400
+naming any that asks for something (`serving.check_unknown_fields`; OpenAI too answers 400
+"Unrecognized request argument") and logs those whose value asks for nothing.
 Range checks live in `SamplingParams`, the one place that knows them; these models check types,
 the OpenAI-specific bounds (logprobs 0..20, n up to 128) and the wire's: finite numbers, integers
 that fit the workers' protobuf fields, and list lengths that keep one request from fanning out

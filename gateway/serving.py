@@ -45,9 +45,10 @@ logger = logging.getLogger("pdserve.gateway")
 T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
-# OpenAI fields whose meaning pdserve cannot honour: ignoring them would answer something other
-# than what was asked. A value that asks for nothing is accepted (some clients send it always).
-# Chat requests declare the tool fields (gateway/tools/): these are refused on completions.
+# A request field the gateway does not know is refused by name unless its value asks for
+# nothing (null, false, empty, "none", or the default below: clients send some always); never
+# dropped silently. Why some known OpenAI fields are refused; chat requests declare the tool
+# fields (gateway/tools/): these are refused on completions.
 UNSUPPORTED_FIELDS = {
     "tools": "tool calling is served by /v1/chat/completions",
     "tool_choice": "tool calling is served by /v1/chat/completions",
@@ -56,6 +57,9 @@ UNSUPPORTED_FIELDS = {
     "function_call": "deprecated function calling is not served: use tools and tool_choice",
 }
 _ASKS_NOTHING = (None, [], {}, "none")
+# Unknown fields whose value here asks for nothing more than what pdserve does anyway.
+_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {"best_of": (1,), "service_tier": ("auto", "default")}
+_ANY_VALUE = ("metadata",)  # tags for the caller's records: they change no output
 
 
 @dataclass
@@ -232,15 +236,27 @@ def _prompt_logprob(tokenizer: Any, token_id: int, logprob: float, rank: int) ->
 
 
 def check_unknown_fields(request_id: str, req: OpenAIRequest) -> None:
-    """400 for an OpenAI field pdserve cannot honour (`UNSUPPORTED_FIELDS`) unless its value
-    asks for nothing; the other unknown fields are logged and ignored, as vLLM does."""
+    """400 naming the first field the gateway does not know whose value asks for something
+    (`UNSUPPORTED_FIELDS` says why for OpenAI's); the rest (values asking for nothing) are
+    logged as ignored."""
     extra = req.model_extra or {}
-    for name, why in UNSUPPORTED_FIELDS.items():
-        if extra.get(name) not in _ASKS_NOTHING:
-            raise OpenAIError(f"{name} is not supported: {why}.", param=name)
-    ignored = [name for name in req.ignored_fields() if name not in UNSUPPORTED_FIELDS]
-    if ignored:
-        logger.warning("%s: ignoring unknown fields %s", request_id, ignored)
+    for name in sorted(extra):
+        value = extra[name]
+        if _asks_nothing(name, value):
+            continue
+        why = UNSUPPORTED_FIELDS.get(name, "pdserve does not implement this field")
+        raise OpenAIError(f"{name} is not supported: {why}.", param=name)
+    if extra:
+        logger.info("%s: ignoring fields that ask for nothing: %s", request_id, sorted(extra))
+
+
+def _asks_nothing(name: str, value: Any) -> bool:
+    """An unknown field's value that changes nothing pdserve does (see `_NO_OP_VALUES`)."""
+    if name in _ANY_VALUE or value is None or value is False:
+        return True
+    if isinstance(value, bool):
+        return False
+    return value in _ASKS_NOTHING or value in _NO_OP_VALUES.get(name, ())
 
 
 async def generate_outputs(

@@ -209,8 +209,20 @@ def test_oversized_bodies_get_413_declared_or_not(http: TestClient) -> None:
     assert len(just_fits) <= LIMIT and post_raw(http, CMPL, just_fits).status_code != 413
 
 
-def test_unknown_fields_are_ignored_as_vllm_does(http: TestClient) -> None:
-    r = http.post(CMPL, json=cmpl(best_of=2, frobnicate=True))
+def test_unknown_fields_asking_for_something_are_refused_by_name(http: TestClient) -> None:
+    """Never dropped silently: a field the gateway does not know is a 400 naming it, unless
+    its value asks for nothing (then the request is served)."""
+    for body, param in ((cmpl(frobnicate=True), "frobnicate"), (cmpl(best_of=2), "best_of"),
+                        (chat(store=True), "store"), (chat(service_tier="flex"), "service_tier"),
+                        (chat(frobnicate=0), "frobnicate")):
+        r = http.post(CHAT if "messages" in body else CMPL, json=body)
+        assert r.status_code == 400, r.text
+        assert error_of(r)["param"] == param
+        assert error_of(r)["message"] == f"{param} is not supported: pdserve does not " \
+                                         "implement this field."
+    quiet = cmpl(best_of=1, frobnicate=None, extra=[], service_tier="auto",
+                 metadata={"team": "a"})
+    r = http.post(CMPL, json=quiet)
     assert r.status_code == 200 and r.json()["choices"][0]["text"]
 
 
