@@ -51,9 +51,12 @@ def test_langchain_chat_invoke_stream_tools_and_structured_output(server: Cluste
     assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
     assert get_weather.invoke(call["args"]).startswith("sunny in ")
 
-    city = llm.with_structured_output(City, method="json_schema").invoke(
-        "Name a city in Italy.")
-    assert isinstance(city, City) and city.name
+    for method in ("json_schema", "function_calling"):  # a response_format; a named tool
+        city = llm.with_structured_output(City, method=method).invoke("Name a city in Italy.")
+        assert isinstance(city, City) and city.name, method
+    as_json = llm.with_structured_output(method="json_mode").invoke(
+        "Name a city in Italy, as a JSON object with keys name and country.")
+    assert isinstance(as_json, dict)  # json_object: any object, parsed
 
 
 def test_agents_sdk_calls_a_tool_and_returns_a_typed_output(server: Cluster) -> None:
