@@ -32,6 +32,9 @@ from gateway.protocol import (
     ModelCard,
     ModelList,
 )
+from gateway.responses.protocol import ResponseObject, ResponsesRequest
+from gateway.responses.serving import ResponsesServing
+from gateway.responses.store import MemoryResponses, ResponseStore
 from gateway.resume import StreamResumer
 from gateway.serving import ServingContext, StateStore, run_until_disconnect
 from gateway.tokenize_api import (
@@ -62,6 +65,7 @@ def build_app(
     metrics: GatewayMetrics | None = None,
     events: EventLog | None = None,
     tool_calls: ToolCallConfig | None = None,
+    responses: ResponseStore | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `backend`'s model as `served_model_name` (default:
     the backend's model name). With `store`, every admitted request gets a state record. With
@@ -73,15 +77,18 @@ def build_app(
     `metrics`: the registry /metrics renders, when the backend counts into it too. With
     `events`, streams are recorded there and can be resumed (GET /v1/streams/{request_id}).
     `tool_calls`: whether tool_choice "auto" is served, and with which parser (default: not;
-    "required" and a named function always are)."""
+    "required" and a named function always are). `responses`: where /v1/responses keeps
+    stored responses (default: in this process, an hour each)."""
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None)
     ctx = ServingContext(backend, metrics or GatewayMetrics(), store, served_model_name, events,
                          (tool_calls or ToolCallConfig()).auto_parser)
     app.state.serving = ctx
     install_error_handlers(app)
     _add_openai_routes(app, ctx, api_key, max_body_bytes, trust_request_chat_template)
+    _add_responses_routes(app, ResponsesServing(ctx, responses or MemoryResponses()),
+                          api_key, max_body_bytes)
     _add_ops_routes(app, ctx)
-    install_request_schemas(app, [CompletionRequest, ChatCompletionRequest,
+    install_request_schemas(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest,
                                   TokenizeCompletionRequest, TokenizeChatRequest,
                                   DetokenizeRequest])
     if max_concurrent_requests > 0:
@@ -175,6 +182,25 @@ def _add_tokenizer_routes(
         """The text of token ids."""
         req = _validate(await read_json_body(raw, max_body_bytes), DetokenizeRequest)
         return JSONResponse((await serving.detokenize(req)).model_dump())
+
+
+def _add_responses_routes(app: FastAPI, serving: ResponsesServing, api_key: str | None,
+                          max_body_bytes: int) -> None:
+    auth = [Depends(_bearer_auth(api_key))]
+
+    @app.post("/v1/responses", dependencies=auth, openapi_extra=json_body(ResponsesRequest),
+              responses=_generation_responses(ResponseObject))
+    async def create_response(raw: Request) -> Response:
+        """The Responses API (gateway/responses/): a conversation's next response, whole or
+        streamed as typed events; function tools; `previous_response_id`."""
+        req = _validate(await read_json_body(raw, max_body_bytes), ResponsesRequest)
+        return await run_until_disconnect(raw, serving.create(req))
+
+    @app.get("/v1/responses/{response_id}", dependencies=auth,
+             responses={200: {"model": ResponseObject, "description": "A stored response"},
+                        **error_responses(401, 404)})
+    async def retrieve_response(response_id: str) -> Response:
+        return await serving.retrieve(response_id)
 
 
 def _add_resume_route(app: FastAPI, ctx: ServingContext, auth: list[Any]) -> None:

@@ -72,7 +72,7 @@ class ChatServing:
         facts = await self.ctx.backend.model_info()
         prompt = await self._render(req, tools)
         check_prompt_ids(prompt, facts, "messages")
-        params = _sampling_params(req, len(prompt), facts, tools)
+        params = chat_sampling_params(req, len(prompt), facts, tools)
         specs = fan_out(request_id, [prompt], [params])
         tracker = self.ctx.tracker(request_id, model, arrival, len(prompt), len(specs), req.stream)
         view = _ChatView(request_id, model, req, prompt, self.ctx.backend.get_tokenizer(),
@@ -129,9 +129,11 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
     return message
 
 
-def _sampling_params(
+def chat_sampling_params(
     req: ChatCompletionRequest, prompt_len: int, facts: ModelFacts, tools: ToolPlan | None
 ) -> SamplingParams:
+    """The request's sampling params (with the tool grammar of a required or named choice),
+    fitted to the context; 400 naming the field otherwise."""
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError(
             "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs"

@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--resume-ttl-seconds", 300, type=int,
              help="how long a streamed response's events stay in Redis after its last one, "
                   "for a client to resume it (GET /v1/streams/{id}, Last-Event-ID)")
+    add_flag(p, "--response-ttl-seconds", 3600, type=int,
+             help="how long a stored /v1/responses response stays in Redis (for "
+                  "previous_response_id and GET /v1/responses/{id})")
     add_tls_flags(p)
 
 
@@ -103,6 +106,7 @@ async def serve_disaggregated(args: argparse.Namespace) -> None:
     from gateway.remote_backend import RemoteBackend
     from pdserve.cluster.event_log import EventLog
     from pdserve.cluster.registry import WorkerRegistry
+    from pdserve.cluster.response_store import RedisResponses
     from pdserve.cluster.state import RequestStore, connect
     from pdserve.cluster.tls import tls_from_args
 
@@ -123,7 +127,9 @@ async def serve_disaggregated(args: argparse.Namespace) -> None:
                     max_concurrent_requests=args.max_concurrent_requests,
                     max_body_bytes=args.max_body_bytes,
                     trust_request_chat_template=args.trust_request_chat_template,
-                    metrics=metrics, events=events, tool_calls=tool_calls)
+                    metrics=metrics, events=events, tool_calls=tool_calls,
+                    responses=RedisResponses(client, prefix=args.redis_namespace,
+                                             ttl_s=args.response_ttl_seconds))
     await _serve_app(app, args)
     await backend.close()
 

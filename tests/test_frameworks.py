@@ -1,7 +1,8 @@
 """Agent frameworks, unchanged, against a running gateway (`pdserve up --colocated` on the
 bundled model, its default hermes tool parser): LangChain's ChatOpenAI (invoke, stream, tools,
-structured output) and the OpenAI Agents SDK over chat completions (a function tool, a typed
-final output). They send what they send: no field is stripped for them."""
+structured output) and the OpenAI Agents SDK over chat completions and over the Responses API
+(a function tool, a typed final output). They send what they send: no field is stripped for
+them."""
 
 from __future__ import annotations
 
@@ -59,11 +60,13 @@ def test_langchain_chat_invoke_stream_tools_and_structured_output(server: Cluste
     assert isinstance(as_json, dict)  # json_object: any object, parsed
 
 
-def test_agents_sdk_calls_a_tool_and_returns_a_typed_output(server: Cluster) -> None:
+@pytest.mark.parametrize("api", ["chat_completions", "responses"])
+def test_agents_sdk_calls_a_tool_and_returns_a_typed_output(server: Cluster, api: str) -> None:
     from agents import (
         Agent,
         ModelSettings,
         OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
         Runner,
         function_tool,
         set_tracing_disabled,
@@ -72,7 +75,8 @@ def test_agents_sdk_calls_a_tool_and_returns_a_typed_output(server: Cluster) -> 
 
     set_tracing_disabled(True)  # no network here: traces would go to OpenAI
     client = AsyncOpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
-    model = OpenAIChatCompletionsModel(model=MODEL, openai_client=client)
+    kind = OpenAIChatCompletionsModel if api == "chat_completions" else OpenAIResponsesModel
+    model = kind(model=MODEL, openai_client=client)
     asked: list[str] = []
 
     @function_tool

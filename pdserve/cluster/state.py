@@ -157,6 +157,10 @@ class Keys:
     def owner(self, request_id: str) -> str:
         return f"{self.prefix}:owner:{request_id}"
 
+    def response(self, response_id: str) -> str:
+        """A stored Responses API response (pdserve/cluster/response_store.py)."""
+        return f"{self.prefix}:response:{response_id}"
+
 
 def allowed_transition(src: str, dst: str) -> bool:
     """Whether the state machine allows ``src -> dst`` (a repeat of a terminal status is not

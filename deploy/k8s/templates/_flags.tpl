@@ -6,8 +6,8 @@ parsers, so a new flag fails CI until it is added here. */}}
 {{- define "pdserve.knownFlags" -}}
 gateway: [port, log-level, drain-timeout, served-model-name, local-prefill-max-tokens,
   max-concurrent-requests, max-body-bytes, trust-request-chat-template, redis-namespace,
-  max-migrations, resume-ttl-seconds, keep-alive-seconds, tls-cert, tls-key, tls-ca,
-  tls-server-name, enable-auto-tool-choice, tool-call-parser, routing]
+  max-migrations, resume-ttl-seconds, response-ttl-seconds, keep-alive-seconds, tls-cert,
+  tls-key, tls-ca, tls-server-name, enable-auto-tool-choice, tool-call-parser, routing]
 tokenizer: [port, log-level, drain-timeout, model, served-model-name, max-model-len,
   redis-namespace, tls-cert, tls-key, tls-ca, tls-server-name, chat-template]
 prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
