@@ -340,6 +340,36 @@ def test_token_controls_reach_both_workers(client, colocated_llm, bundled_tokeni
     assert set(expected.token_ids).isdisjoint(bundled_tokenizer.encode(" the of"))
 
 
+def test_responses_continue_a_conversation_stored_in_redis(cluster, client):
+    """/v1/responses through the workers; the stored response lives in the cluster's Redis
+    (any gateway continues it)."""
+    from pdserve.cluster.response_store import RedisResponses
+    from pdserve.cluster.state import connect
+
+    first = client.responses.create(model=None, temperature=0, max_output_tokens=8,
+                                    input="My name is Ada. Say hello.")
+    second = client.responses.create(model=None, temperature=0, max_output_tokens=8,
+                                     previous_response_id=first.id, input="What is my name?")
+    replay = client.chat.completions.create(
+        model=None, temperature=0, max_tokens=8,
+        messages=[{"role": "user", "content": "My name is Ada. Say hello."},
+                  {"role": "assistant", "content": first.output_text},
+                  {"role": "user", "content": "What is my name?"}])
+    assert second.output_text == replay.choices[0].message.content
+
+    async def stored():
+        redis = connect(cluster.redis_url)
+        try:
+            return await RedisResponses(redis).get(second.id)
+        finally:
+            await redis.aclose()
+
+    kept = asyncio.run(stored())
+    assert kept is not None and kept.response["output"][0]["content"][0]["text"] == \
+        second.output_text
+    assert [m["role"] for m in kept.messages] == ["user", "assistant", "user", "assistant"]
+
+
 def test_32_concurrent_streams_complete(cluster, colocated_texts):
     aclient = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
 
