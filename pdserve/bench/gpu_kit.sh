@@ -23,7 +23,8 @@ LIMIT_MIB=40
 # pyproject.toml's dependencies that the services and the load generator import, and theirs,
 # at the versions installed here (the ones the tests pass with). Not carried: torch, triton,
 # transformers, numpy, safetensors, tokenizers, accelerate, sentencepiece, tqdm, jinja2 (in the
-# device image); gguf (only read for .gguf models); grpcio-tools (only regenerates protos/).
+# device image); grpcio-tools (only regenerates protos/). gguf is carried: the quantized layers
+# read its block formats whatever the checkpoint.
 # Carried although the image may hold them: grpcio and protobuf (protos/*_pb2*.py refuse a
 # runtime older than 1.85.1 / 7.35.1), typing-extensions (anyio needs >= 4.16), and the small
 # HTTP stack (httpx, httpcore, anyio, h11, idna, certifi, click, prometheus-client).
@@ -34,6 +35,7 @@ WHEELS=(
     httpx httpcore anyio idna certifi
     grpcio grpcio-health-checking protobuf
     xgrammar apache-tvm-ffi
+    gguf
 )
 # ldd names never carried: glibc's own (they must match the machine's loader), the C++ runtime
 SKIP_LIBS='^(linux-vdso|ld-linux|libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s)\.so'
