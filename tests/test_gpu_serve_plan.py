@@ -124,19 +124,21 @@ def test_rows_and_ratios_over_colocated() -> None:
     ]
     summary = summarize(results)
     assert summary["ratios"] == {"grpc": {
-        "saturation_rate": math.inf, "ttft_rate": 16.0, "out_tok_s": 0.5, "goodput": 0.2,
-        "ttft_p50": 2.5}}
+        "baseline": "colocated", "saturation_rate": math.inf, "ttft_rate": 16.0,
+        "out_tok_s": 0.5, "goodput": 0.2, "ttft_p50": 2.5, "tpot_p99": 1.0}}
     grpc = summary["systems"][1]
     assert grpc["rows"][0] == {
         "rate": 16.0, "done": 96, "fail": 0, "req_s": 13.0, "goodput": 13.0, "out_tok_s": 1600.0,
         "ttft_p50_ms": 40.0, "ttft_p99_ms": 80.0, "tpot_p50_ms": 2.0, "tpot_p99_ms": 4.0,
-        "itl_p50_ms": 1.0}
+        "itl_p50_ms": 1.0, "itl_p99_ms": 2.0, "second_token_p50_ms": None, "handover_ms": None,
+        "kv_share": None}
     assert summary["systems"][2]["rows"] == []
     table = format_table(summary).splitlines()
     assert table[0].startswith("| system | rate | done | fail | req/s | goodput | out tok/s |")
-    assert "| grpc | inf | 96 | 0 | 30.00 | 5.00 | 3200 | 1000.0 | 2000.0 | 2.0 | 4.0 | 1.0 |" \
-        in table
-    assert "  grpc: out tok/s at inf 0.50x, goodput at inf 0.20x, TTFT p50 at 16 2.50x" in table
+    assert "| grpc | inf | 96 | 0 | 30.00 | 5.00 | 3200 | 1000.0 | 2000.0 | 2.0 | 4.0 | 1.0 | 2.0 " \
+        "| - | - | - |" in table
+    assert "  grpc over colocated: out tok/s at inf 0.50x, goodput at inf 0.20x, TTFT p50 at " \
+        "16 2.50x, TPOT p99 at inf 1.00x" in table
     assert "  grpc decode: grpc 3.0 MiB" in table
     assert table[-1] == ("cuda_ipc: RuntimeError: pdserve up exited with code 1 "
                          "(log: /o/cluster_cuda_ipc.log)")
@@ -146,3 +148,41 @@ def test_no_ratios_without_the_colocated_server() -> None:
     systems = summarize([{"system": "grpc", "runs": [_run(16.0, 13.0, 13.0, 1.0, 0.01)]}])
     assert systems["ratios"] == {} and ratios(systems["systems"]) == {}
     assert "over colocated" not in format_table(systems)
+
+
+def test_two_gpu_systems_and_mixes() -> None:
+    """split_*: prefill on GPU 0, decode on GPU 1; replicas: colocated servers (one per GPU,
+    by CUDA_VISIBLE_DEVICES, set where they start); a mix sets the lengths and the context."""
+    cfg = _config("--systems", "replicas,split_cuda_ipc,split_grpc", "--mix", "prefill_heavy",
+                  "--work-dir", "/w")
+    assert cfg.systems == ("replicas", "split_cuda_ipc", "split_grpc")
+    assert (cfg.load.input_len, cfg.load.output_len, cfg.max_model_len) == (
+        (1024, 4096), (64, 256), 4608)
+    assert cfg.work_dir == Path("/w")
+    split = up_argv(cfg, "split_cuda_ipc", 8000, "redis://r")
+    assert split[split.index("--kv-transport") + 1] == "cuda_ipc"
+    assert split[split.index("--prefill-gpus") + 1] == "0"
+    assert split[split.index("--decode-gpus") + 1] == "1"
+    assert "--colocated" in up_argv(cfg, "replicas", 8000, "")
+    decode = _config("--mix", "decode_heavy")
+    assert (decode.load.input_len, decode.load.output_len) == ((128, 512), (256, 512))
+
+
+def test_split_rows_report_the_handover_against_the_replicas() -> None:
+    def with_handover(run: dict, seconds: float, second_token: float) -> dict:
+        return {**run, "second_token_p50_s": second_token, "server_counters": {
+            "http://p/metrics": {"pdserve:kv_transfer_first_token_to_commit_seconds_total":
+                                 seconds}}}
+
+    results = [
+        {"system": "replicas", "runs": [_run(4.0, 4.0, 4.0, 900.0, 0.2),
+                                        _run(math.inf, 8.0, 2.0, 1800.0, 0.9)]},
+        {"system": "split_cuda_ipc", "runs": [
+            with_handover(_run(4.0, 4.0, 4.0, 900.0, 0.1), 0.192, 0.02),
+            with_handover(_run(math.inf, 9.0, 4.0, 2000.0, 0.6), 0.96, 0.05)]},
+    ]
+    summary = summarize(results)
+    row = summary["systems"][1]["rows"][0]
+    assert row["handover_ms"] == pytest.approx(2.0) and row["kv_share"] == pytest.approx(0.1)
+    assert summary["ratios"]["split_cuda_ipc"]["baseline"] == "replicas"
+    assert summary["ratios"]["split_cuda_ipc"]["goodput"] == 2.0

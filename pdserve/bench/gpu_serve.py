@@ -60,6 +60,7 @@ from typing import IO, Any
 
 from pdserve.bench.gpu_model import ModelShape, log
 from pdserve.bench.gpu_serve_plan import (
+    REPLICAS,
     LoadConfig,
     ServeConfig,
     add_arguments,
@@ -121,19 +122,18 @@ def check_tokenizer(load: LoadConfig, vocab: int) -> None:
 # ---- one system ----------------------------------------------------------------------------------
 def run_system(cfg: ServeConfig, system: str) -> dict[str, Any]:
     """Start `system`, load it, read its transfer counters, stop it. Its summary entry."""
-    port, report = free_port(), cfg.out_dir / f"loadtest_{system}.json"
-    base_url = f"http://127.0.0.1:{port}"
+    work = cfg.work_dir or cfg.out_dir
+    report = work / f"loadtest_{system}.json"
     procs: list[subprocess.Popen] = []
-    with open(cfg.out_dir / f"cluster_{system}.log", "w") as out, \
+    with open(work / f"cluster_{system}.log", "w") as out, \
             tempfile.TemporaryDirectory(prefix="pdserve-gpu-serve-") as tmp:
         try:
-            redis_url = "" if system == "colocated" else start_redis(cfg, Path(tmp), out, procs)
-            env = {**os.environ, "PDSERVE_CLUSTER_FILE": str(Path(tmp) / "cluster.json")}
-            procs.append(subprocess.Popen(up_argv(cfg, system, port, redis_url), stdout=out,
-                                          stderr=subprocess.STDOUT, env=env, **own_group()))
-            wait_healthy(Service("pdserve up", [], f"http:{base_url}/ready", procs[-1]),
-                         time.monotonic() + cfg.startup_timeout_s)
-            workers = worker_metrics(base_url) if redis_url else {}
+            redis_url = "" if system in ("colocated", "replicas") else start_redis(
+                cfg, Path(tmp), out, procs)
+            gpus = [str(i) for i in range(REPLICAS)] if system == "replicas" else [None]
+            urls = [start_up(cfg, system, redis_url, Path(tmp), out, procs, gpu) for gpu in gpus]
+            base_url = ",".join(urls)
+            workers = worker_metrics(urls[0]) if redis_url else {}
             log(f"{system}: up at {base_url}; workers' metrics {workers or '-'}")
             argv = loadtest_argv(cfg.load, system, base_url,
                                  [f"http://{a}/metrics" for a in workers.values()], report)
@@ -145,7 +145,32 @@ def run_system(cfg: ServeConfig, system: str) -> dict[str, Any]:
         return {"system": system, "error": f"loadtest exited with code {code}"}
     runs = json.loads(report.read_text())["runs"]
     return {"system": system, "report": str(report), "kv_bytes_by_transport": transfers,
-            "runs": [{k: v for k, v in r.items() if k != "requests"} for r in runs]}
+            "runs": [{**{k: v for k, v in r.items() if k != "requests"},
+                      "second_token_p50_s": second_token_p50(r["requests"])} for r in runs]}
+
+
+def start_up(cfg: ServeConfig, system: str, redis_url: str, tmp: Path, out: IO[str],
+             procs: list[subprocess.Popen], gpu: str | None) -> str:
+    """`pdserve up` for `system` on a free port (on GPU `gpu` alone, when given), once ready;
+    its URL."""
+    port = free_port()
+    env = {**os.environ, "PDSERVE_CLUSTER_FILE": str(tmp / f"cluster-{port}.json")}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    procs.append(subprocess.Popen(up_argv(cfg, system, port, redis_url), stdout=out,
+                                  stderr=subprocess.STDOUT, env=env, **own_group()))
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(Service("pdserve up", [], f"http:{url}/ready", procs[-1]),
+                 time.monotonic() + cfg.startup_timeout_s)
+    return url
+
+
+def second_token_p50(requests: list[dict[str, Any]]) -> float | None:
+    """The median time from sending a request to its second streamed chunk: what a KV
+    handover delays (the first token comes from the prefill worker)."""
+    times = sorted(r["chunk_at"][1] - r["sent_at"] for r in requests
+                   if len(r.get("chunk_at") or []) > 1)
+    return times[len(times) // 2] if times else None
 
 
 def start_redis(cfg: ServeConfig, workdir: Path, out: IO[str],
@@ -218,6 +243,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = config_of(args)
     signal.signal(signal.SIGTERM, _interrupt)  # a killed call still stops its servers
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.work_dir or cfg.out_dir).mkdir(parents=True, exist_ok=True)
     check_tokenizer(cfg.load, cfg.shape.vocab)
     ensure_model(cfg.shape, cfg.model_dir, cfg.load.seed)
     results, path = [], str(cfg.out_dir / "gpu_serve.json")
@@ -229,7 +255,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except (RuntimeError, TimeoutError, OSError) as exc:
             result = {"system": system, "error": f"{type(exc).__name__}: {exc}"}
         result["elapsed_s"] = time.perf_counter() - start
-        result["log"] = str(cfg.out_dir / f"cluster_{system}.log")
+        result["log"] = str((cfg.work_dir or cfg.out_dir) / f"cluster_{system}.log")
         log(f"== {system}: {result.get('error') or 'done'} in {result['elapsed_s']:.0f} s")
         results.append(result)
         summary = summarize(results)

@@ -16,7 +16,16 @@ from pathlib import Path
 from loadtest.cli import parse_len, parse_rates
 from pdserve.bench.gpu_model import ModelShape
 
-SYSTEMS = ("colocated", "grpc", "cuda_ipc")
+# One GPU: the colocated server, or 1 prefill + 1 decode worker sharing it (KV over grpc or
+# cuda_ipc). Two GPUs: two colocated replicas (GPU 0 and GPU 1, the load alternating between
+# them), or prefill on GPU 0 and decode on GPU 1 (split_grpc, split_cuda_ipc).
+SYSTEMS = ("colocated", "grpc", "cuda_ipc", "replicas", "split_grpc", "split_cuda_ipc")
+DEFAULT_SYSTEMS = ("colocated", "grpc", "cuda_ipc")
+# Load mixes (--mix): prompt and output lengths, and the context they need
+MIXES = {
+    "prefill_heavy": ((1024, 4096), (64, 256), 4608),
+    "decode_heavy": ((128, 512), (256, 512), 1280),
+}
 SHAPES = {
     "full": ModelShape(),  # the 1B shape of the kernels issue
     # vocab 49152: the SmolLM2 tokenizer's, whose ids the load generator sends
@@ -57,6 +66,7 @@ class ServeConfig:
     out_dir: Path
     startup_timeout_s: float
     load: LoadConfig
+    work_dir: Path | None = None  # the load generator's reports and the logs (None: out_dir)
 
     def __post_init__(self) -> None:
         if not self.systems or set(self.systems) - set(SYSTEMS):
@@ -68,7 +78,13 @@ class ServeConfig:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The command's options; the defaults are docs/loadtest.md's GPU run."""
     load = LoadConfig()
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="in this order")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"in this order, of {','.join(SYSTEMS)}")
+    p.add_argument("--work-dir", default=None, help="the load generator's reports and the "
+                   "servers' logs (default: --out-dir; the summary always goes there)")
+    p.add_argument("--mix", default=None, choices=sorted(MIXES),
+                   help="prompt/output lengths and max model len of a load mix (overrides "
+                        "--input-len, --output-len, --max-model-len)")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or "bench_results/gpu_serve",
                    help="reports, logs and the summary (default: $OUT, else bench_results/)")
     p.add_argument("--redis-server", default="redis-server", help="the binary (default: PATH)")
@@ -98,6 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_of(args: argparse.Namespace) -> ServeConfig:
     """The run's config from parsed `args`. Raises ValueError."""
+    if args.mix is not None:
+        args.input_len, args.output_len, args.max_model_len = MIXES[args.mix]
     given = {n: getattr(args, n) for n in SHAPE_FLAGS if getattr(args, n) is not None}
     shape = dataclasses.replace(SHAPES[args.shape], max_positions=args.max_model_len, **given)
     load = LoadConfig(args.request_rate, args.num_prompts, args.input_len, args.output_len,
@@ -106,7 +124,8 @@ def config_of(args: argparse.Namespace) -> ServeConfig:
     model_dir = Path(args.model_dir or Path(tempfile.gettempdir()) / f"pdserve-{shape_tag(shape)}")
     return ServeConfig(tuple(s.strip() for s in args.systems.split(",") if s.strip()), shape,
                        model_dir, args.kv_cache_memory, args.max_model_len, args.redis_server,
-                       Path(args.out_dir), args.startup_timeout, load)
+                       Path(args.out_dir), args.startup_timeout, load,
+                       Path(args.work_dir) if args.work_dir else None)
 
 
 def shape_tag(shape: ModelShape) -> str:
@@ -116,13 +135,20 @@ def shape_tag(shape: ModelShape) -> str:
 
 # ---- the command lines ---------------------------------------------------------------------------
 def up_argv(cfg: ServeConfig, system: str, port: int, redis_url: str) -> list[str]:
-    """`pdserve up` for `system`: colocated, or 1 prefill + 1 decode with that KV transport."""
+    """`pdserve up` for `system`: colocated (also each of the replicas, whose GPU is its
+    CUDA_VISIBLE_DEVICES), or 1 prefill + 1 decode with that KV transport, on one GPU or
+    (split_*) prefill on GPU 0 and decode on GPU 1."""
     argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(cfg.model_dir),
             "--kv-cache-memory", str(cfg.kv_cache_memory), "--max-model-len",
             str(cfg.max_model_len), "--port", str(port)]
-    if system == "colocated":
+    if system in ("colocated", "replicas"):
         return [*argv, "--colocated"]
-    return [*argv, "--redis-url", redis_url, "--kv-transport", system]
+    transport = system.removeprefix("split_")
+    gpus = ["--prefill-gpus", "0", "--decode-gpus", "1"] if system.startswith("split_") else []
+    return [*argv, "--redis-url", redis_url, "--kv-transport", transport, *gpus]
+
+
+REPLICAS = 2  # "replicas": one colocated server per GPU
 
 
 def redis_argv(binary: str, port: int, workdir: Path) -> list[str]:

@@ -2,9 +2,15 @@
 each disaggregated system against the colocated server. Pure functions of the load generator's
 runs (loadtest's report, `runs`), so they are tested without a server.
 
-Ratios are disaggregated / colocated: output tokens/s and goodput at the highest request rate
+Ratios are disaggregated / the baseline (the colocated server on one GPU; the two colocated
+replicas when the run has them): output tokens/s and goodput at the highest request rate
 (saturation, `inf` by default; above 1 the split serves more) and the median TTFT at the lowest
-(16 req/s by default; above 1 the split answers later).
+(16 req/s by default; above 1 the split answers later), TPOT p99 at the highest.
+
+A split's KV handover: the prefill worker's seconds from the first token to its push's commit
+(`kv_transfer_first_token_to_commit_seconds`) per completed request, and its share of the
+median time to the second token (the first comes from the prefill worker, the second needs the
+KV on the decode worker).
 """
 
 from __future__ import annotations
@@ -13,9 +19,12 @@ import math
 from typing import Any
 
 COLUMNS = ("system", "rate", "done", "fail", "req/s", "goodput", "out tok/s", "TTFT p50",
-           "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50")
-LATENCY_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms")
-BASELINE = "colocated"
+           "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99", "2nd tok p50",
+           "handover", "KV share")
+LATENCY_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms",
+                "itl_p99_ms", "second_token_p50_ms", "handover_ms")
+BASELINES = ("replicas", "colocated")  # the first the run has
+HANDOVER = "pdserve:kv_transfer_first_token_to_commit_seconds_total"
 
 
 def run_row(run: dict[str, Any]) -> dict[str, Any]:
@@ -30,8 +39,20 @@ def run_row(run: dict[str, Any]) -> dict[str, Any]:
         "out_tok_s": run["output_token_throughput"],
         "ttft_p50_ms": ms("ttft_s", "median"), "ttft_p99_ms": ms("ttft_s", "p99"),
         "tpot_p50_ms": ms("tpot_s", "median"), "tpot_p99_ms": ms("tpot_s", "p99"),
-        "itl_p50_ms": ms("itl_s", "median"),
+        "itl_p50_ms": ms("itl_s", "median"), "itl_p99_ms": ms("itl_s", "p99"),
+        **handover(run),
     }
+
+
+def handover(run: dict[str, Any]) -> dict[str, float | None]:
+    """The KV handover per completed request (ms) and its share of the time to the second
+    token; None where the run has no transfers (colocated)."""
+    second = run.get("second_token_p50_s")
+    pushed = sum(page.get(HANDOVER, 0.0) for page in (run.get("server_counters") or {}).values())
+    ms = 1e3 * pushed / run["completed"] if pushed and run["completed"] else None
+    share = ms / (1e3 * second) if ms is not None and second else None
+    return {"second_token_p50_ms": None if second is None else 1e3 * second,
+            "handover_ms": ms, "kv_share": share}
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -48,21 +69,28 @@ def ratios(systems: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """system -> its figures over the colocated server's (see the module docstring); {} when
     the colocated server has no rows."""
     rows = {s["system"]: {r["rate"]: r for r in s["rows"]} for s in systems if s["rows"]}
-    base = rows.get(BASELINE)
-    if not base:
+    baseline = baseline_of(rows)
+    if baseline is None:
         return {}
+    base = rows[baseline]
     high, low = max(base), min(base)
     out = {}
     for system, mine in rows.items():
-        if system == BASELINE or high not in mine or low not in mine:
+        if system == baseline or high not in mine or low not in mine:
             continue
         out[system] = {
-            "saturation_rate": high, "ttft_rate": low,
+            "baseline": baseline, "saturation_rate": high, "ttft_rate": low,
             "out_tok_s": _ratio(mine[high]["out_tok_s"], base[high]["out_tok_s"]),
             "goodput": _ratio(mine[high]["goodput"], base[high]["goodput"]),
             "ttft_p50": _ratio(mine[low]["ttft_p50_ms"], base[low]["ttft_p50_ms"]),
+            "tpot_p99": _ratio(mine[high]["tpot_p99_ms"], base[high]["tpot_p99_ms"]),
         }
     return out
+
+
+def baseline_of(rows: dict[str, Any]) -> str | None:
+    """The system the others are compared with: the first of BASELINES the run has."""
+    return next((b for b in BASELINES if rows.get(b)), None)
 
 
 def _ratio(mine: float | None, base: float | None) -> float | None:
@@ -77,7 +105,8 @@ def format_table(summary: dict[str, Any]) -> str:
         for r in s["rows"]:
             cells = [s["system"], _rate(r["rate"]), str(r["done"]), str(r["fail"]),
                      _num(r["req_s"], ".2f"), _num(r["goodput"], ".2f"),
-                     _num(r["out_tok_s"], ".0f"), *(_num(r[k], ".1f") for k in LATENCY_KEYS)]
+                     _num(r["out_tok_s"], ".0f"), *(_num(r.get(k), ".1f") for k in LATENCY_KEYS),
+                     _num(r.get("kv_share"), ".2f")]
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "(ms; goodput: requests/s meeting both SLOs)", *_ratio_lines(summary["ratios"]),
               *_transfer_lines(summary["systems"])]
@@ -89,11 +118,12 @@ def format_table(summary: dict[str, Any]) -> str:
 def _ratio_lines(table: dict[str, dict[str, Any]]) -> list[str]:
     if not table:
         return []
-    lines = ["", f"over {BASELINE}:"]
+    lines = [""]
     for system, r in table.items():
         sat, low = _rate(r["saturation_rate"]), _rate(r["ttft_rate"])
-        lines.append(f"  {system}: out tok/s at {sat} {_x(r['out_tok_s'])}, goodput at {sat} "
-                     f"{_x(r['goodput'])}, TTFT p50 at {low} {_x(r['ttft_p50'])}")
+        lines.append(f"  {system} over {r['baseline']}: out tok/s at {sat} "
+                     f"{_x(r['out_tok_s'])}, goodput at {sat} {_x(r['goodput'])}, TTFT p50 at "
+                     f"{low} {_x(r['ttft_p50'])}, TPOT p99 at {sat} {_x(r.get('tpot_p99'))}")
     return lines
 
 

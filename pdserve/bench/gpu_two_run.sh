@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The two-GPU run (docs/benchmarks.md, "Two GPUs"): on a lent machine of two GPUs, from the
+# checkout, with .gpu-kit carried (built here by pdserve/bench/gpu_kit.sh), one part per call:
+#
+#   run(kind="nvidia-h200-x2", carry=[".gpu-kit"],
+#       command="bash pdserve/bench/gpu_two_run.sh prefill_heavy")    # then decode_heavy, tp
+#
+#   prefill_heavy, decode_heavy   does disaggregation pay? The 1B-shaped random model in bf16:
+#       two colocated replicas (one per GPU, the load alternating between them) against one
+#       prefill worker on GPU 0 and one decode worker on GPU 1, the KV over cuda_ipc and over
+#       grpc; the mix's prompts and outputs (prefill_heavy: 1k-4k in, 64-256 out; decode_heavy:
+#       128-512 in, 256-512 out) at three request rates up to saturation; SLOs TTFT <= 1 s and
+#       TPOT <= 50 ms. The summary ($OUT/<mix>/gpu_serve.json and the table) gives goodput,
+#       TTFT/TPOT/ITL p50/p99, output tok/s and the KV handover's share of the time to the
+#       second token; the load generator's reports and the servers' logs stay on the machine.
+#   tp  tensor parallelism on two GPUs against one: `python -m pdserve.bench.gpu --parts tp`.
+#
+# Arguments after the part go on to the command (e.g. `--request-rate 2,6,inf`).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PART=${1:?usage: gpu_two_run.sh prefill_heavy|decode_heavy|tp [FLAGS]}
+shift
+KIT=${KIT:-.gpu-kit}
+# shellcheck source=pdserve/bench/gpu_kit_env.sh
+source pdserve/bench/gpu_kit_env.sh
+export PYTHONPATH
+OUT=${OUT:-bench_results/gpu_two}
+case "$PART" in
+    prefill_heavy) RATES=4,12,inf ;;
+    decode_heavy) RATES=8,24,inf ;;
+    tp) exec python3 -m pdserve.bench.gpu --parts tp --json "$OUT/gpu_tp.json" "$@" ;;
+    *) echo "gpu_two_run.sh: unknown part $PART" >&2; exit 2 ;;
+esac
+exec python3 -m pdserve.bench.gpu_serve --systems replicas,split_cuda_ipc,split_grpc \
+    --mix "$PART" --request-rate "$RATES" --num-prompts 32 --num-warmups 2 --max-duration 30 \
+    --slo-ttft-ms 1000 --slo-tpot-ms 50 --redis-server "$KIT/redis-server" \
+    --tokenizer "$KIT/tokenizer" --out-dir "$OUT/$PART" --work-dir "/tmp/gpu_two/$PART" "$@"
