@@ -67,35 +67,6 @@ def test_bitmask_unpacks_to_exactly_the_allowed_tokens():
     assert [set(torch.nonzero(r).flatten().tolist()) for r in allowed] == sets
 
 
-def test_parallel_bitmask_fill_equals_one_row_at_a_time(bundled_tokenizer):
-    """xgrammar's threads fill a step's rows (engine/structured/xgrammar_backend.py) exactly as
-    the per-row fill does, rows in any order and matchers in different states."""
-    import xgrammar as xgr
-
-    from engine.structured.xgrammar_backend import PARALLEL_FILL_ROWS, XGrammarBackend
-
-    vocab = len(bundled_tokenizer)
-    backend = XGrammarBackend(bundled_tokenizer, vocab, [bundled_tokenizer.eos_token_id])
-    backend._batch = xgr.BatchGrammarMatcher(2)  # the CI box has no thread to spare
-    compiled = backend.compile(StructuredOutputsParams(json=SCHEMA))
-    matchers = []
-    for i in range(2 * PARALLEL_FILL_ROWS):  # matcher i walks i steps: each an allowed token
-        m = backend.matcher(compiled)
-        for step in range(i):
-            mask = torch.full((1, bitmask_words(vocab)), -1, dtype=torch.int32)
-            m.fill_bitmask(mask, 0)
-            allowed = torch.nonzero(allowed_tokens(mask, vocab)[0]).flatten().tolist()
-            assert m.accept(allowed[(7 * step + i) % len(allowed)])
-        matchers.append(m)
-    rows = list(reversed(range(len(matchers))))
-    one, many = (torch.full((len(rows), bitmask_words(vocab)), -1, dtype=torch.int32)
-                 for _ in range(2))
-    for m, row in zip(matchers, rows):
-        m.fill_bitmask(one, row)
-    backend.fill_bitmasks(matchers, rows, many)
-    assert torch.equal(one, many) and not torch.equal(one[0], one[1])
-
-
 @pytest.mark.parametrize("mode", MODES, ids=[",".join(map(str, m.items())) for m in MODES])
 def test_sampler_never_leaves_the_bitmask(mode):
     gen = torch.Generator().manual_seed(0)

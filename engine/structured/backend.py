@@ -36,8 +36,3 @@ class GrammarBackend(Protocol):
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of the output."""
-
-    def fill_bitmasks(self, matchers: list[GrammarMatcher], rows: list[int],
-                      bitmask: torch.Tensor) -> None:
-        """`matchers[i].fill_bitmask(bitmask, rows[i])` for every i, in parallel where the
-        backend can (one step's constrained rows)."""

@@ -80,9 +80,8 @@ class StructuredOutputs:
             return None
         start = time.perf_counter()
         mask = torch.full((len(matchers), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
-        live = [(row, m) for row, m in enumerate(matchers)
-                if m is not None and not m.is_terminated()]
-        if live:
-            self.backend.fill_bitmasks([m for _, m in live], [row for row, _ in live], mask)
+        for row, m in enumerate(matchers):
+            if m is not None and not m.is_terminated():
+                m.fill_bitmask(mask, row)
         self.stats.bitmask_seconds += time.perf_counter() - start
         return mask

@@ -8,7 +8,6 @@ choice is an EBNF alternation of the literal strings.
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Any
 
@@ -18,10 +17,6 @@ import xgrammar as xgr
 from engine.structured.params import StructuredOutputsParams
 
 _SOURCE = re.compile(r"\[[0-9:]+\] \S+\.cc:\d+: ")
-# A step's rows are filled by xgrammar's C++ threads (GIL released) from this many rows on; below
-# it, or with one thread to spare, a loop costs less than starting them.
-PARALLEL_FILL_ROWS = 8
-FILL_THREADS = min(8, (os.cpu_count() or 1) // 2)
 
 
 class XGrammarMatcher:
@@ -46,7 +41,6 @@ class XGrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=4, cache_enabled=False)
-        self._batch = xgr.BatchGrammarMatcher(FILL_THREADS) if FILL_THREADS > 1 else None
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         try:
@@ -73,11 +67,3 @@ class XGrammarBackend:
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
         return XGrammarMatcher(compiled)
-
-    def fill_bitmasks(self, matchers: list[XGrammarMatcher], rows: list[int],
-                      bitmask: torch.Tensor) -> None:
-        if self._batch is None or len(rows) < PARALLEL_FILL_ROWS:
-            for m, row in zip(matchers, rows, strict=True):
-                m.fill_bitmask(bitmask, row)
-            return
-        self._batch.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, rows)
