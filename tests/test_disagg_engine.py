@@ -165,3 +165,27 @@ def test_second_turn_reuses_the_decode_workers_prefix(engines):
     got = disaggregated(prefill, decode, [turn2], params)[0]
     assert got[:1] + got[2:] == expected
     assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+
+
+def test_a_prefix_evicted_before_the_reservation_is_pushed_whole(engines):
+    """Held blocks cannot be evicted (the reservation holds them); a prefix evicted before the
+    reservation is simply not held: the whole KV is pushed, and the tokens still equal
+    colocated."""
+    colocated, prefill, decode = engines
+    tok = colocated.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    turn1 = tok.encode("A history the decode worker will have to forget again " * 3)
+    disaggregated(prefill, decode, [turn1], params)
+    for i in range(2):  # other requests take all 40 blocks: turn 1's cached ones too
+        decode.reserve_request(f"fill{i}", list(range(1000 + 400 * i, 1000 + 400 * i + 319)),
+                               SamplingParams(max_tokens=1))
+    assert decode.block_manager.num_free_blocks == 0
+    for i in range(2):
+        decode.abort_request(f"fill{i}")
+    turn2 = turn1 + tok.encode(" and more")
+    assert decode.reserve_request("peek", turn2, params).num_cached_blocks == 0
+    decode.abort_request("peek")
+    colocated.add_request("t2", turn2, params)
+    expected = run_all(colocated)["t2"].outputs[0].token_ids
+    got = disaggregated(prefill, decode, [turn2], params)[0]
+    assert got[:1] + got[2:] == expected
