@@ -141,6 +141,29 @@ class BlockManager:
             req.block_ids.append(block_id)
         return True
 
+    def rollback_slots(self, req: Request, num_tokens: int) -> None:
+        """Speculative decoding: keep only the blocks holding `req`'s first `num_tokens` slots
+        (its computed tokens once rejected drafts are rolled back) and free the tail blocks,
+        which held only rejected drafts' K/V; they go to the front of the free queue.
+
+        A rejected draft's block is never registered in the prefix cache: only blocks full of
+        computed tokens that are the request's own (appended) are, and the slots past
+        `num_tokens` in the kept last block are written again before anything reads them.
+        ValueError, changing nothing, if a block to free is shared or registered.
+        """
+        keep = self.blocks_needed(num_tokens)
+        tail = req.block_ids[keep:]
+        for block_id in tail:
+            block = self.blocks[block_id]
+            if block.ref_count != 1 or block.block_hash is not None:
+                raise ValueError(f"block {block_id} of {req.request_id!r} is shared or cached: "
+                                 "it holds no rejected draft")
+        for block_id in reversed(tail):
+            self.blocks[block_id].ref_count = 0
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
+        del req.block_ids[keep:]
+
     def cache_full_blocks(self, req: Request) -> None:
         """Register `req`'s newly full and computed blocks in the prefix cache.
 

@@ -5,10 +5,18 @@ Torch-free: dtypes and devices are names here; the model runner turns them into 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROLES = ("colocated", "prefill", "decode")
+# vLLM's names; engine/quant/ implements "gguf" (kept quantized, CPU). None: unquantized weights.
+QUANTIZATIONS = ("fp8", "awq", "gptq", "compressed-tensors", "gguf")
+IMPLEMENTED_QUANTIZATIONS = ("gguf",)
+QUANTIZATION_CHOICES = ("none", *QUANTIZATIONS)  # the user's: "none" de-quantizes a GGUF
+QUANTIZATION_HELP = (
+    "weights kept quantized, vLLM's names (only gguf implemented so far); none de-quantizes a "
+    "GGUF; default: from the checkpoint (a GGUF on the CPU with dtype auto stays quantized)"
+)
 
 
 @dataclass(frozen=True)
@@ -84,10 +92,12 @@ NO_KV_WAIT = KVWaitConfig()  # a full cache fails a reservation at once
 class ParallelConfig:
     """Tensor parallelism: one process per rank (engine/distributed/). Rank r runs on device
     `cuda:r` of the visible ones (`cuda:N` starts at N) or on the CPU (gloo). A collective that
-    waits longer than `timeout_s` (a rank died or hangs) fails the step and the engine."""
+    waits longer than `timeout_s` (a rank died or hangs) fails the step and the engine.
+    `enable_expert_parallel`: MoE experts whole on ranks (EP size = TP size), not sliced."""
 
     tensor_parallel_size: int = 1
     timeout_s: float = 60.0
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -96,6 +106,57 @@ class ParallelConfig:
             )
         if not self.timeout_s > 0:
             raise ValueError(f"distributed timeout must be > 0 seconds, got {self.timeout_s}")
+
+
+SPEC_METHODS = ("ngram",)  # implemented; vLLM's others are refused by name
+_LATER_SPEC_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec_decode/), with vLLM's names and defaults. "ngram"
+    (prompt lookup): each step proposes up to `num_speculative_tokens` tokens that followed the
+    most recent earlier occurrence of the sequence's longest suffix n-gram, n between
+    `prompt_lookup_min` and `prompt_lookup_max` (one given: both; neither: 5)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method in _LATER_SPEC_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not implemented yet; "
+                             f"use one of {SPEC_METHODS}")
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if self.num_speculative_tokens is None:
+            raise ValueError("num_speculative_tokens is required for the ngram method")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = 5
+        low = high if low is None else low
+        high = low if high is None else high
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        if low < 1:
+            raise ValueError(f"prompt_lookup_min must be >= 1, got {low}")
+        if high < low:
+            raise ValueError(f"prompt_lookup_max must be >= prompt_lookup_min ({low}), got {high}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> SpeculativeConfig:
+        """From `LLM(speculative_config={...})` or `--speculative-config JSON`; ValueError on
+        keys it does not know."""
+        if not isinstance(values, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(values) - known):
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -114,16 +175,31 @@ class EngineConfig:
     # Schedule and launch step N+1 before waiting for step N's tokens (see engine.llm_engine);
     # colocated and decode roles. False waits for every step (vLLM's --async-scheduling off).
     async_scheduling: bool = True
+    # Weights kept quantized (engine/quant/): None (plain or de-quantized) or one of
+    # QUANTIZATIONS; `engine.quant.resolve_quantization` picks it from the user's choice.
+    quantization: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # None: no speculative decoding. On: steps do not overlap (async_scheduling is ignored).
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        if self.quantization is not None and self.quantization not in IMPLEMENTED_QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r} is not implemented yet "
+                             f"(implemented: {IMPLEMENTED_QUANTIZATIONS})")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}"
             )
+        if self.speculative is not None and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not "
+                             "supported yet")

@@ -7,6 +7,9 @@ metadata in Python), so the first load converts and every later one reads the ca
         config.json  generation_config.json  model.safetensors   (fp32, tied lm_head omitted)
         tokenizer.json  tokenizer_config.json  chat_template.jinja
 
+A model kept quantized (engine/quant/) needs no de-quantized weights, only the config and the
+tokenizer: `ensure_gguf_metadata` writes those alone, once, into `<...>-<mtime_ns>-meta/`.
+
 The cache root is `$PDSERVE_CACHE_DIR`, else `~/.cache/pdserve`, read when called. The folder
 name changes whenever the GGUF file is replaced, so a stale entry is never read. A conversion is
 written into a temporary sibling folder and renamed into place: other processes see either no
@@ -71,6 +74,41 @@ def ensure_gguf_converted(gguf_path: str | Path, cache_root: str | Path | None =
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def gguf_metadata_dir(gguf_path: str | Path, cache_root: str | Path | None = None) -> Path:
+    """The metadata-only cache folder for `gguf_path` (config and tokenizer, no weights)."""
+    folder = gguf_cache_dir(gguf_path, cache_root)
+    return folder.with_name(folder.name + "-meta")
+
+
+def ensure_gguf_metadata(gguf_path: str | Path, cache_root: str | Path | None = None) -> Path:
+    """The folder holding `gguf_path`'s config and tokenizer as transformers saves them,
+    written once (parsing the GGUF's metadata in Python takes seconds), atomically like the
+    full cache."""
+    folder = gguf_metadata_dir(gguf_path, cache_root)
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        _convert_metadata(Path(gguf_path), tmp)
+        _publish(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _convert_metadata(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_path.name, "local_files_only": True}
+    AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs).save_pretrained(out_dir)
+    config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out_dir)  # last: its config.json marks the folder complete
 
 
 def _convert(gguf_path: Path, out_dir: Path) -> None:

@@ -31,7 +31,8 @@ class ModelInput:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     order: list[ScheduledRequest]  # the scheduled requests in batch order
-    sample_rows: torch.Tensor  # [N] int64: index into T of the last token of each sampling seq
+    # [N] int64: index into T of the last token of each sampling seq (and of its drafts, if any)
+    sample_rows: torch.Tensor
     sampling: list[ScheduledRequest]  # the N sequences that sample, in row order
 
 
@@ -126,14 +127,17 @@ def pack_step(
                 input_ids.append(0)
             positions.append(start)
             slots.append(table[start // block_size] * block_size + start % block_size)
-        else:
-            input_ids += req.token_ids_slice(start, end)
+        else:  # a prefill chunk, or a decode with draft tokens (speculative decoding)
+            input_ids += req.token_ids_slice(start, end - len(s.spec_token_ids))
+            input_ids += s.spec_token_ids
             positions += range(start, end)
             slots += [table[p // block_size] * block_size + p % block_size
                       for p in range(start, end)]
         query_start.append(query_start[-1] + s.num_new_tokens)
         seq_lens.append(end)
-        if s.samples:
+        if s.spec_token_ids:  # the rows of the last token and of the drafts
+            sample_rows += range(query_start[-1] - 1 - len(s.spec_token_ids), query_start[-1])
+        elif s.samples:
             sample_rows.append(query_start[-1] - 1)
     # Rows of the block table padded to a multiple of 4 entries, so every row starts 16-byte
     # aligned (see `_pack`).

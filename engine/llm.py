@@ -10,10 +10,17 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from engine.llm_engine import LLMEngine, PromptInput
 from engine.model_loader import load_hf_config, resolve_model
 from engine.outputs import RequestOutput
+from engine.quant import resolve_quantization
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -39,9 +46,17 @@ def build_engine_config(
     async_scheduling: bool = True,
     tensor_parallel_size: int = 1,
     distributed_timeout_s: float = 60.0,
+    enable_expert_parallel: bool = False,
+    speculative_config: dict | None = None,
+    quantization: str | None = None,
 ) -> EngineConfig:
     """Resolve the model and turn user-facing arguments into an `EngineConfig` (ValueError on
-    bad values). `max_model_len` defaults to the model's context length."""
+    bad values). `max_model_len` defaults to the model's context length. `speculative_config`:
+    vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3} (`SpeculativeConfig`).
+    `quantization`: vLLM's names, None to pick from the checkpoint, "none" to de-quantize a
+    GGUF (`engine.quant.resolve_quantization`)."""
+    speculative = None if speculative_config is None else SpeculativeConfig.from_dict(
+        speculative_config)
     path = resolve_model(model)
     model_len = getattr(load_hf_config(path), "max_position_embeddings", 2048)
     if max_model_len is None:
@@ -50,6 +65,7 @@ def build_engine_config(
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context {model_len}")
     if max_num_batched_tokens is None:
         max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, max_model_len)
+    quantization = resolve_quantization(quantization, path, device, dtype, tensor_parallel_size)
     return EngineConfig(
         model=path,
         dtype=dtype,
@@ -59,6 +75,7 @@ def build_engine_config(
         attention_backend=attention_backend,
         enforce_eager=enforce_eager,
         async_scheduling=async_scheduling,
+        quantization=quantization,
         cache=CacheConfig(
             block_size=block_size,
             kv_cache_memory=kv_cache_memory,
@@ -73,8 +90,10 @@ def build_engine_config(
             enable_chunked_prefill=enable_chunked_prefill,
         ),
         parallel=ParallelConfig(
-            tensor_parallel_size=tensor_parallel_size, timeout_s=distributed_timeout_s
+            tensor_parallel_size=tensor_parallel_size, timeout_s=distributed_timeout_s,
+            enable_expert_parallel=enable_expert_parallel,
         ),
+        speculative=speculative,
     )
 
 

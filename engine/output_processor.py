@@ -17,7 +17,7 @@ from engine.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.sampling_params import RequestOutputKind
 from engine.stop_checker import StopStringMatcher
 
@@ -43,25 +43,52 @@ class SequenceState:
         When the request finished on a token (eos, length), flushes everything held back."""
         if self.closed or (self.lazy and not self.req.is_finished):
             return None
-        new = self.req.output_token_ids[self.seen_tokens :]
+        start = self.seen_tokens
+        new = self.req.output_token_ids[start:]
         self.seen_tokens = len(self.req.output_token_ids)
         self.closed = self.req.is_finished
         if self.closed and new and self.req.stop_reason == new[-1]:
             new = new[:-1]  # a stop token ends the sequence; its text is not output (vLLM)
         if self.detok is None:
             return None
+        if self.matcher is not None and len(new) > 1:  # several tokens in a step: spec decoding
+            for i in range(len(new) - 1):  # token by token, as if each came in its own step
+                match = self._feed(self.detok.step(new[i : i + 1]))
+                if match is not None:
+                    self._cut(start + i + 1)
+                    return match
+            new = new[-1:]
         delta = self.detok.step(new) if new else ""
         if self.req.is_finished:
             delta += self.detok.flush()
         if self.matcher is None:
             self.text += delta
             return None
-        emitted, match = self.matcher.feed(delta)
-        self.text += emitted
-        self.closed = self.closed or match is not None
+        match = self._feed(delta)
         if match is None and self.req.is_finished:
             self.text += self.matcher.flush()
         return match
+
+    def _feed(self, delta: str) -> str | None:
+        assert self.matcher is not None
+        emitted, match = self.matcher.feed(delta)
+        self.text += emitted
+        self.closed = self.closed or match is not None
+        return match
+
+    def _cut(self, num_tokens: int) -> None:
+        """A stop string ended at output token `num_tokens - 1`, before the last one appended
+        (speculative decoding appends several a step): drop the tokens after it, as if the
+        sequence had stopped there. A request already finished by a later token (eos, length)
+        ends by the stop string instead."""
+        req = self.req
+        cut = len(req.output_token_ids) - num_tokens
+        del req.output_token_ids[num_tokens:]
+        if req.output_logprobs:
+            del req.output_logprobs[len(req.output_logprobs) - cut :]
+        self.seen_tokens = num_tokens
+        if req.is_finished:
+            req.status = RequestStatus.FINISHED_STOPPED
 
 
 @dataclass

@@ -65,7 +65,7 @@ class RequestMetrics:
 class Request:
     """One sequence: prompt, generated tokens and how much of it has KV in the cache.
 
-    Invariant: `num_computed_tokens <= num_tokens + num_pending`; the tokens
+    Invariant (between steps): `num_computed_tokens <= num_tokens + num_pending`; the tokens
     `[num_computed_tokens, num_tokens + num_pending)` still need a forward pass. The scheduler
     advances `num_computed_tokens` when it schedules a chunk; a chunk that reaches the end samples
     a token, counted in `num_pending` until it is appended (with asynchronous scheduling the next
@@ -101,6 +101,9 @@ class Request:
     prompt_logprobs: list[tuple[float, int, dict[int, float]]] = field(default_factory=list)
     # Structured outputs: the grammar's matcher (engine/structured/backend.py), fed every token
     grammar: GrammarMatcher | None = None
+    # Speculative decoding: tokens proposed to follow this request's last one (engine/spec_decode/),
+    # set by the engine before each step; the scheduler verifies them with its next decode.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.parent_id:

@@ -98,10 +98,8 @@ class Sampler:
             raise ValueError(f"logits must be [{len(rows)}, V], got {list(logits.shape)}")
         if bitmask is not None:
             logits = mask_logits(logits, bitmask)
-        raw = _RawLogprobs.compute(logits, rows)
-        logits = apply_token_controls(logits, rows)
-        logits = _apply_penalties_to_rows(_apply_min_tokens(logits, rows), rows)
-        token_ids = pick_tokens(logits, rows, default_generator)  # [N] long
+        raw = RawLogprobs.compute(logits, rows)
+        token_ids = pick_tokens(process_logits(logits, rows), rows, default_generator)  # [N] long
         return SampledTokens(token_ids, raw)
 
 
@@ -109,7 +107,7 @@ class SampledTokens:
     """One step's sampled tokens on the device. `to_host` is the step's only synchronisation;
     on CUDA the ids are already being copied into pinned memory when this is made."""
 
-    def __init__(self, token_ids: torch.Tensor, raw: _RawLogprobs | None) -> None:
+    def __init__(self, token_ids: torch.Tensor, raw: RawLogprobs | None) -> None:
         self.token_ids = token_ids  # [N] long, on the logits' device
         self._raw = raw
         self._host = token_ids
@@ -129,7 +127,7 @@ class SampledTokens:
 
 
 @dataclass
-class _RawLogprobs:
+class RawLogprobs:
     """Log-probabilities of the raw logits, for the rows that asked for them."""
 
     rows: list[int]
@@ -139,7 +137,7 @@ class _RawLogprobs:
     top_ids: torch.Tensor  # [L, max k]
 
     @classmethod
-    def compute(cls, logits: torch.Tensor, rows: list[SamplingRow]) -> _RawLogprobs | None:
+    def compute(cls, logits: torch.Tensor, rows: list[SamplingRow]) -> RawLogprobs | None:
         idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if not idx:
             return None
@@ -160,6 +158,13 @@ class _RawLogprobs:
 
 
 # ---- logits processing ------------------------------------------------------------------------
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """`logits` [N, V] with each row's token controls, min_tokens and penalties applied (a copy
+    where any row has one): what temperature, top-k/p and min-p then shape."""
+    logits = apply_token_controls(logits, rows)
+    return _apply_penalties_to_rows(_apply_min_tokens(logits, rows), rows)
+
+
 def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Forbid eos and stop_token_ids in rows still short of min_tokens (a copy when any)."""
     vocab = logits.shape[1]

@@ -12,7 +12,14 @@ from collections.abc import Mapping
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.request import Request, RequestStatus
-from engine.scheduler_output import Sample, ScheduledRequest, SchedulerOutput, SchedulerStats
+from engine.scheduler_output import (
+    Sample,
+    Samples,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+    SpecDecodeCounts,
+)
 from engine.stop_checker import check_token_stop
 
 
@@ -35,6 +42,7 @@ class Scheduler:
         self.reserved: dict[str, Request] = {}
         # Decode role: reservations waiting, first come first served, for their blocks to free up.
         self.awaiting_blocks: deque[Request] = deque()
+        self.spec_decode = SpecDecodeCounts()
 
     # ---- queues --------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -138,6 +146,10 @@ class Scheduler:
             prefix_cache_hits=bm.prefix_cache_hits,
             num_waiting_for_blocks=len(self.awaiting_blocks),
             num_cached_blocks=bm.num_cached_blocks,
+            spec_decode_num_drafts=self.spec_decode.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_decode.num_draft_tokens,
+            spec_decode_num_accepted_tokens=sum(self.spec_decode.accepted_per_pos),
+            spec_decode_num_accepted_tokens_per_pos=tuple(self.spec_decode.accepted_per_pos),
         )
 
     # ---- one step ------------------------------------------------------------------------
@@ -150,6 +162,8 @@ class Scheduler:
              (1 for a decode, a chunk for an unfinished prefill). When the blocks it needs are
              not free, the most recently admitted running request is preempted (blocks freed,
              recomputed later from scratch) until they are — possibly the request itself.
+             A decode with draft tokens (speculative decoding) gets 1 + k: its last token and
+             the k drafts, verified in one forward; without the blocks for them, a plain decode.
           2. Then waiting requests in FCFS order, as long as budget, seats and blocks last; none
              is admitted in a step that preempted (it would only be preempted back).
         A prefix-cache hit (or a sibling's prompt blocks, for `n` > 1) is skipped, not computed.
@@ -170,6 +184,12 @@ class Scheduler:
                 i += 1  # its last token is on its way: nothing more to compute
                 continue
             num_new = min(req.num_tokens_to_compute, budget)
+            drafts = self._drafts(req, budget)
+            if drafts and self.block_manager.allocate_slots(req, 1 + len(drafts)):
+                self._take(out, req, 1 + len(drafts), drafts)
+                budget -= 1 + len(drafts)
+                i += 1
+                continue
             while not self.block_manager.allocate_slots(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -226,15 +246,28 @@ class Scheduler:
         shared = leader.block_ids[:shareable]
         return shared if len(shared) > len(hits) else hits
 
-    def _take(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
-        """Schedule `num_new` tokens of `req`: they count as computed from now on, and a chunk
-        that reaches the end adds a pending token (appended by `update_from_output`).
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """The draft tokens to verify with `req`'s next decode: its proposal, cut to the budget
+        and to what max_tokens leaves (the accepted drafts and one more token must fit)."""
+        if not req.spec_token_ids or req.num_tokens_to_compute != 1 or req.num_pending:
+            return []
+        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1)
+        return req.spec_token_ids[:max(room, 0)]
+
+    def _take(
+        self, out: SchedulerOutput, req: Request, num_new: int, drafts: list[int] | None = None
+    ) -> None:
+        """Schedule `num_new` tokens of `req` (`drafts` last, if any): they count as computed from
+        now on, and a chunk that reaches the end adds a pending token (appended by
+        `update_from_output`; with drafts, it may append several and roll the rejected back).
 
         Blocks filled by earlier steps are registered in the prefix cache first, even while
         such a step is still running on the device: a request admitted now reads them in a
         later step, which the device runs after it."""
         self.block_manager.cache_full_blocks(req)
-        scheduled = ScheduledRequest(req, num_new)
+        scheduled = ScheduledRequest(req, num_new, drafts or [])
+        if req.spec_token_ids:
+            req.spec_token_ids = []  # a proposal serves one step
         out.scheduled.append(scheduled)
         req.num_computed_tokens += num_new
         if scheduled.samples:
@@ -251,14 +284,17 @@ class Scheduler:
 
     # ---- after the forward pass ----------------------------------------------------------
     def update_from_output(
-        self, out: SchedulerOutput, samples: Mapping[str, Sample]
+        self, out: SchedulerOutput, samples: Mapping[str, Sample | Samples]
     ) -> list[Request]:
         """Append the tokens a launched step sampled, and register newly full blocks.
 
         `samples` maps the request id of every scheduled request whose chunk `samples` to what
-        was sampled. Applies token-level stops (eos, stop token ids, max_tokens); returns the
-        requests that finished. Requests that finished meanwhile (aborted, or stopped by the
-        step before when steps overlap) are skipped: their token is discarded.
+        was sampled: one `Sample`, or for a request verified with drafts the `Samples` it emits
+        (the accepted drafts, then the token sampled after them); the rejected drafts' slots
+        are rolled back. Applies token-level stops (eos, stop token ids, max_tokens) after each
+        token, dropping those after a stop; returns the requests that finished. Requests that
+        finished meanwhile (aborted, or stopped by the step before when steps overlap) are
+        skipped: their token is discarded.
         """
         finished: list[Request] = []
         for s in out.scheduled:
@@ -270,20 +306,34 @@ class Scheduler:
             self.block_manager.cache_full_blocks(req)
             if not s.samples:
                 continue
-            token_id, logprobs = samples[req.request_id]
-            req.append_token(token_id, logprobs)
-            reason, stop_reason = self._check_stop(req, token_id)
-            if reason is None and req.grammar is not None and req.grammar.is_terminated():
-                reason = "stop"  # the grammar is complete (it accepted a stop token)
-            if reason is not None:
-                req.stop_reason = stop_reason
-                status = (
-                    RequestStatus.FINISHED_STOPPED if reason == "stop"
-                    else RequestStatus.FINISHED_LENGTH
-                )
-                self.finish(req, status, hold=self.hold_finished)
-                finished.append(req)
+            sampled = samples[req.request_id]
+            emitted = sampled if s.spec_token_ids else [sampled]
+            if s.spec_token_ids:
+                self.spec_decode.count(len(s.spec_token_ids), len(emitted) - 1)
+            for token_id, logprobs in emitted:
+                if self._append(req, token_id, logprobs):
+                    finished.append(req)
+                    break
+            else:
+                if s.spec_token_ids:  # the rejected drafts' K/V: computed again later
+                    req.num_computed_tokens = req.num_tokens - 1
+                    self.block_manager.rollback_slots(req, req.num_computed_tokens)
         return finished
+
+    def _append(self, req: Request, token_id: int, logprobs: tuple | None) -> bool:
+        """Append one token and apply token-level stops; True if `req` finished."""
+        req.append_token(token_id, logprobs)
+        reason, stop_reason = self._check_stop(req, token_id)
+        if reason is None and req.grammar is not None and req.grammar.is_terminated():
+            reason = "stop"  # the grammar is complete (it accepted a stop token)
+        if reason is None:
+            return False
+        req.stop_reason = stop_reason
+        status = (
+            RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
+        )
+        self.finish(req, status, hold=self.hold_finished)
+        return True
 
     @staticmethod
     def _check_stop(req: Request, token_id: int) -> tuple[str | None, int | None]:

@@ -12,12 +12,17 @@ from engine.request import Request
 
 # What the model runner sampled for one request: the token and, if asked for, its logprobs.
 Sample = tuple[int, "tuple[float, dict[int, float]] | None"]
+# A request verified with draft tokens emits several: the accepted drafts, then one more.
+Samples = list[Sample]
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens [start, start + num_new_tokens) of the request
+    # Tokens [start, start + num_new_tokens) of the request, the draft tokens last.
+    num_new_tokens: int
+    # Speculative decoding: draft tokens, beyond the request's tokens, verified in this step.
+    spec_token_ids: list[int] = field(default_factory=list)
     start: int = field(init=False)  # num_computed_tokens when scheduled
     # The chunk reaches the end of the sequence, so its logits are sampled.
     samples: bool = field(init=False)
@@ -25,7 +30,8 @@ class ScheduledRequest:
     def __post_init__(self) -> None:
         r = self.request
         self.start = r.num_computed_tokens
-        self.samples = self.start + self.num_new_tokens == r.num_tokens + r.num_pending
+        end = self.start + self.num_new_tokens - len(self.spec_token_ids)
+        self.samples = end == r.num_tokens + r.num_pending
 
 
 @dataclass
@@ -56,3 +62,33 @@ class SchedulerStats:
     grammar_cache_hits: int = 0
     grammar_compile_seconds: float = 0.0
     grammar_bitmask_seconds: float = 0.0
+    # speculative decoding (vLLM's names): verifications with drafts, draft tokens, accepted ones
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # draft j accepted, per j
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification with drafts (accepted + the one sampled); 0: none."""
+        if not self.spec_decode_num_drafts:
+            return 0.0
+        return 1.0 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
+
+
+@dataclass
+class SpecDecodeCounts:
+    """The scheduler's speculative-decoding counters since it started."""
+
+    num_drafts: int = 0  # verifications of a request's drafts (vLLM's "num_drafts")
+    num_draft_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [j]: times draft j was accepted
+
+    def count(self, num_drafts: int, num_accepted: int) -> None:
+        """One verification of `num_drafts` drafts, of which the first `num_accepted` passed."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        if len(self.accepted_per_pos) < num_drafts:
+            self.accepted_per_pos += [0] * (num_drafts - len(self.accepted_per_pos))
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1

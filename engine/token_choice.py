@@ -60,6 +60,13 @@ def _sample(
     logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None
 ) -> torch.Tensor:
     """[M] sampled ids from `logits` [M, V] (a copy is processed, never the argument)."""
+    return _invert_cdf(target_probs(logits, rows), [r.generator for r in rows], default_generator)
+
+
+def target_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """[M, V] the distribution each row samples from, unnormalised (min-p zeroes tokens without
+    renormalising): `logits` [M, V] ÷ temperature, top-k, top-p, softmax, min-p. `logits` is
+    not modified."""
     params = [r.params for r in rows]
     vocab, device = logits.shape[1], logits.device
     knobs = to_device(
@@ -76,7 +83,7 @@ def _sample(
     probs = logits.softmax(dim=-1)  # [M, V]
     if any(p.min_p > 0.0 for p in params):
         probs = apply_min_p(probs, knobs[:, 3].to(probs.dtype))
-    return _invert_cdf(probs, [r.generator for r in rows], default_generator)
+    return probs
 
 
 def _num_candidates(params: list[SamplingParams], vocab: int, device: torch.device) -> int:
@@ -157,13 +164,29 @@ def _invert_cdf(
     interval holds a uniform draw; zero-probability tokens have empty intervals. Two levels in
     float64 (which block of tokens, then which token in it): one float32 cumsum over V would
     round the intervals of the least likely tokens to nothing."""
-    m, vocab = probs.shape
-    uniform = torch.empty(m, 1, dtype=torch.float64, device=probs.device)  # [M, 1]
+    uniform = draw_uniforms(probs.shape[0], 1, generators, default_generator, probs.device)
+    return invert_cdf_at(probs, uniform)
+
+
+def draw_uniforms(
+    m: int, per_row: int, generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None, device: torch.device,
+) -> torch.Tensor:
+    """[m, per_row] float64 uniforms in [0, 1): row i's from `generators[i]` (its request's own,
+    seeded) or, where that is None, from `default_generator`."""
+    uniform = torch.empty(m, per_row, dtype=torch.float64, device=device)
     if any(g is None for g in generators):
         uniform.uniform_(generator=default_generator)
     for i, generator in enumerate(generators):
         if generator is not None:
             uniform[i].uniform_(generator=generator)
+    return uniform
+
+
+def invert_cdf_at(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """[M] the token of each row of `probs` [M, V] (unnormalised, some mass) whose CDF interval
+    holds `uniform` [M, 1] float64 (see `_invert_cdf`)."""
+    m, vocab = probs.shape
     full = vocab - vocab % CDF_BLOCK
     block_mass = [probs[:, :full].reshape(m, -1, CDF_BLOCK).sum(dim=-1)]  # [M, V // BLOCK]
     if full < vocab:

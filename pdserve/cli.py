@@ -11,6 +11,7 @@
     pdserve bench transfer|pipeline       KV transfer throughput; handover and gateway overhead
     pdserve bench gpu                     ceilings, kernels vs peers, throughput, batch-1 latency
     pdserve bench serve                   load test an OpenAI endpoint (loadtest/)
+    pdserve bench spec                    speculative decoding (ngram) vs plain decoding
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+
+from engine.config import QUANTIZATION_CHOICES, QUANTIZATION_HELP
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -30,13 +33,21 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks (processes) the model is sharded over")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                   help=QUANTIZATION_HELP)
+    p.add_argument("--speculative-config", default="",
+                   help='speculative decoding as JSON, e.g. {"method": "ngram", '
+                        '"num_speculative_tokens": 3}')
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
+    from pdserve.cluster.worker import speculative_config
+
     return dict(
         dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        speculative_config=speculative_config(args.speculative_config),
     )
 
 
@@ -103,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_arguments(tp)
     tp.set_defaults(func=lambda a: 0 if throughput.run(a) else 1)
     import loadtest.cli as serve
-    from pdserve.bench import gpu, kv_routing, pipeline, transfer
+    from pdserve.bench import cpu_gguf, gpu, kv_routing, pipeline, spec_decode, transfer
 
     for name, module, text in (
         ("transfer", transfer, "KV transfer throughput over gRPC vs raw grpcio"),
@@ -111,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("gpu", gpu, "the GPU benchmark: ceilings, kernels vs peers, throughput, latency"),
         ("serve", serve, "load test an OpenAI endpoint: TTFT, TPOT, ITL, goodput (loadtest)"),
         ("kv-routing", kv_routing, "kv_aware vs load routing on a multi-turn load"),
+        ("spec", spec_decode, "speculative decoding (ngram) vs plain decoding: tok/s"),
+        ("cpu-gguf", cpu_gguf, "CPU decode: a GGUF kept quantized vs de-quantized fp32"),
     ):
         p = bench_sub.add_parser(name, help=text)
         module.add_arguments(p)

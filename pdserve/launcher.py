@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from engine.config import QUANTIZATION_CHOICES, QUANTIZATION_HELP
 from pdserve.cluster.flags import (
     add_chat_template_flag,
     add_flag,
@@ -80,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--kv-cache-memory", 512 << 20, type=int, help="KV cache bytes per worker")
     add_flag(p, "--max-model-len", None, type=int, help="context length served")
     add_flag(p, "--dtype", "auto", help="auto, float32, bfloat16, float16")
+    add_flag(p, "--quantization", None, choices=QUANTIZATION_CHOICES, help=QUANTIZATION_HELP)
+    add_flag(p, "--speculative-config", "",
+             help='speculative decoding as JSON, handed to the decode workers (with --colocated, '
+                  'the engine): {"method": "ngram", "num_speculative_tokens": 3}')
     add_flag(p, "--local-prefill-max-tokens", 0, type=int,
              help="prompts up to this many tokens prefill on the decode worker (0: never)")
     add_flag(p, "--routing", "kv_aware", choices=["kv_aware", "load", "round_robin"],
@@ -106,13 +111,16 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     if args.max_model_len:
         common += ["--max-model-len", str(args.max_model_len)]
     engine = ["--dtype", args.dtype, "--kv-cache-memory", str(args.kv_cache_memory)]
+    if args.quantization:
+        engine += ["--quantization", args.quantization]
     workers = ["--kv-transport", args.kv_transport]  # prefill and decode only
     cluster = _cluster_flags(args)  # what every disaggregated service must agree on
     internal = ["--host", "127.0.0.1"]  # only the gateway listens on --host; workers: loopback
     gateway_url = f"http://{args.host}:{args.port}"
     template = ["--chat-template", args.chat_template] if args.chat_template else []
+    spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
     if args.colocated:
-        argv = [*py, "serve", *common, *engine, *template, *_tool_flags(args)]
+        argv = [*py, "serve", *common, *engine, *spec, *template, *_tool_flags(args)]
         return [_colocated(args, argv, gateway_url)]
     services = []
     if redis_port is not None:
@@ -127,6 +135,7 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
             port = free_port()
             argv = [*py, role, *common, *engine, *workers, *tp, *cluster, *internal, "--port",
                     str(port), "--redis-url", redis_url, "--metrics-port", str(free_port())]
+            argv += spec if role == "decode" else []
             services.append(Service(f"{role}-{i}", argv, f"grpc:127.0.0.1:{port}", env=env))
     argv = [*py, "gateway", *cluster, "--host", args.host, "--port", str(args.port),
             "--redis-url", redis_url, "--tokenizer-address", f"127.0.0.1:{tok_port}", "--log-level",

@@ -1,9 +1,9 @@
 """Hypothesis strategies for any protobuf message, read off its descriptor: every field present
 or not, each value anywhere in its wire type's range (NaN and inf floats, ids up to 2**32 - 1,
-any text, any bytes; maps as dicts), small values drawn often so that some messages are also valid. A message
-whose valid values random text would almost never hit (a StructuredOutput's kind and spec) or
-whose fields belong together (a PromptTokenLogprob's paired top ids and logprobs) is drawn valid
-half the time (`_VALID`)."""
+any text, any bytes; maps as dicts), small values drawn often so that some messages are also
+valid. A message whose valid values random text would almost never hit (a StructuredOutput's
+kind and spec) or whose fields belong together (a PromptTokenLogprob's paired top ids and
+logprobs) is drawn valid half the time (`_VALID`)."""
 
 from __future__ import annotations
 

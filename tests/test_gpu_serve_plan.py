@@ -135,8 +135,8 @@ def test_rows_and_ratios_over_colocated() -> None:
     assert summary["systems"][2]["rows"] == []
     table = format_table(summary).splitlines()
     assert table[0].startswith("| system | rate | done | fail | req/s | goodput | out tok/s |")
-    assert "| grpc | inf | 96 | 0 | 30.00 | 5.00 | 3200 | 1000.0 | 2000.0 | 2.0 | 4.0 | 1.0 | 2.0 " \
-        "| - | - | - |" in table
+    assert "| grpc | inf | 96 | 0 | 30.00 | 5.00 | 3200 | 1000.0 | 2000.0 | 2.0 | 4.0 | 1.0 | " \
+        "2.0 | - | - | - |" in table
     assert "  grpc over colocated: out tok/s at inf 0.50x, goodput at inf 0.20x, TTFT p50 at " \
         "16 2.50x, TPOT p99 at inf 1.00x" in table
     assert "  grpc decode: grpc 3.0 MiB" in table

@@ -57,7 +57,8 @@ class TPExecutor:
         self._failure: RankFailure | None = None
         self._on_failure: Callable[[RankFailure], None] | None = None
         self._stopping = False
-        self.group = TPGroup(0, self.world_size, store, device, par.timeout_s)
+        self.group = TPGroup(0, self.world_size, store, device, par.timeout_s,
+                             par.enable_expert_parallel)
         threading.Thread(target=self._watch, name="pdserve-tp-watch", daemon=True).start()
         self._finalizer = weakref.finalize(self, _stop, self.group, self.conns, self.procs)
 

@@ -28,6 +28,7 @@ def connect(port: int, world_size: int, timeout_s: float) -> dist.Store:
 class SingleRank:
     rank = 0
     world_size = 1
+    expert_parallel = False  # MoE experts whole on ranks instead of sliced (engine/models/moe.py)
 
     def min_host(self, value: int) -> int:
         return value
@@ -51,11 +52,12 @@ class SingleRank:
 class TPGroup(SingleRank):
     def __init__(
         self, rank: int, world_size: int, store: dist.Store, device: torch.device,
-        timeout_s: float,
+        timeout_s: float, expert_parallel: bool = False,
     ) -> None:
         """Join the group (blocks until every rank has, or `timeout_s`). `store`: rank 0's
         TCP store, or a client of it (`connect`)."""
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.expert_parallel = expert_parallel
         timeout = datetime.timedelta(seconds=timeout_s)
         self._store = store
         self.host = dist.ProcessGroupGloo(dist.PrefixStore("host/", self._store), rank,

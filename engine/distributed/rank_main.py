@@ -29,7 +29,8 @@ def run_rank(config: EngineConfig, rank: int, port: int, conn: Connection) -> No
     if device.type == "cpu":  # share the cores with the other ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
-        group = TPGroup(rank, world, connect(port, world, timeout), device, timeout)
+        group = TPGroup(rank, world, connect(port, world, timeout), device, timeout,
+                        config.parallel.enable_expert_parallel)
         runner = ModelRunner(config, group=group)
         if config.role != "colocated":  # rank 0 moves KV in and out of this rank's pool
             conn.send(runner.kv_pool)

@@ -9,7 +9,11 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from engine.models.granitemoe import GraniteMoeForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.mixtral import MixtralForCausalLM
+from engine.models.qwen2_moe import Qwen2MoeForCausalLM
+from engine.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -19,10 +23,24 @@ MODEL_CLASSES: Mapping[str, type[nn.Module]] = MappingProxyType(
         "LlamaForCausalLM": LlamaForCausalLM,
         "MistralForCausalLM": LlamaForCausalLM,
         "Qwen2ForCausalLM": LlamaForCausalLM,
+        "MixtralForCausalLM": MixtralForCausalLM,
+        "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+        "Qwen3ForCausalLM": Qwen3ForCausalLM,
+        "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+        "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     }
 )
 MODEL_TYPES: Mapping[str, str] = MappingProxyType(
-    {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "mixtral": "MixtralForCausalLM",
+        "qwen2_moe": "Qwen2MoeForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "granitemoe": "GraniteMoeForCausalLM",
+    }
 )
 
 

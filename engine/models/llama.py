@@ -25,14 +25,8 @@ from engine.distributed.group import SingleRank
 from engine.distributed.sharding import even_split, head_shard
 from engine.models.layers import RMSNorm, silu_and_mul
 from engine.models.rotary import RopeInputs, RotaryEmbedding, rope_parameters
-from engine.models.tp_layers import (
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    WeightLoader,
-    copy_rows,
-    slice_loader,
-    vocab_parallel_logits,
-)
+from engine.models.tp_layers import WeightLoader, copy_rows, slice_loader
+from engine.quant.layers import linear, row_parallel_linear, vocab_embedding, vocab_logits
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -60,8 +54,10 @@ def qkv_has_bias(config: PretrainedConfig) -> bool:
 class LlamaAttention(nn.Module):
     def __init__(
         self, config: PretrainedConfig, layer_idx: int, attn_backend: AttentionBackend,
-        tp: SingleRank,
+        tp: SingleRank, *, qkv_bias: bool | None = None, o_bias: bool | None = None,
+        scale: float | None = None,
     ) -> None:
+        """`qkv_bias`, `o_bias`, `scale` override what `config` implies (other families)."""
         super().__init__()
         self.layer_idx = layer_idx
         self.attn_backend = attn_backend
@@ -72,7 +68,7 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = len(heads.kv_heads)
         self.q_size = self.num_heads * d
         self.kv_size = self.num_kv_heads * d
-        self.scale = d**-0.5
+        self.scale = d**-0.5 if scale is None else scale
         sharded = tp.world_size > 1
         q_rows = range(heads.q_heads.start * d, heads.q_heads.stop * d)
         kv_rows = range(heads.kv_heads.start * d, heads.kv_heads.stop * d)
@@ -82,11 +78,12 @@ class LlamaAttention(nn.Module):
             "k": slice_loader(0, kv_rows if sharded else None, full_kv),
             "v": slice_loader(0, kv_rows if sharded else None, full_kv),
         }
-        o_bias = config.model_type == "llama" and bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_has_bias(config)
-        )
-        self.o_proj = RowParallelLinear(full_q, config.hidden_size, q_rows, o_bias, tp)
+        if o_bias is None:
+            o_bias = config.model_type == "llama" and bool(getattr(config, "attention_bias", False))
+        if qkv_bias is None:
+            qkv_bias = qkv_has_bias(config)
+        self.qkv_proj = linear(config, config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias)
+        self.o_proj = row_parallel_linear(config, full_q, config.hidden_size, q_rows, o_bias, tp)
 
     def shard_slices(self) -> dict[str, slice]:
         """Rows of `qkv_proj` holding each of the HF q/k/v projections (this rank's heads)."""
@@ -116,17 +113,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: SingleRank) -> None:
+    def __init__(
+        self, config: PretrainedConfig, tp: SingleRank, intermediate_size: int | None = None
+    ) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         bias = bool(getattr(config, "mlp_bias", False))
-        full = config.intermediate_size
+        full = config.intermediate_size if intermediate_size is None else intermediate_size
         rows = even_split(full, tp.world_size, tp.rank)  # this rank's intermediate rows
         self.intermediate_size = len(rows)
         self._source = slice_loader(0, rows if tp.world_size > 1 else None, full)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * len(rows), bias=bias)
-        self.down_proj = RowParallelLinear(full, config.hidden_size, rows, bias, tp)
+        self.gate_up_proj = linear(config, config.hidden_size, 2 * len(rows), bias)
+        self.down_proj = row_parallel_linear(config, full, config.hidden_size, rows, bias, tp)
 
     def shard_slices(self) -> dict[str, slice]:
         """Rows of `gate_up_proj` holding the HF gate and up projections (this rank's rows)."""
@@ -146,10 +145,21 @@ class LlamaDecoderLayer(nn.Module):
         tp: SingleRank,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, attn_backend, tp)
-        self.mlp = LlamaMLP(config, tp)
+        self.self_attn = self.build_attention(config, layer_idx, attn_backend, tp)
+        self.mlp = self.build_mlp(config, layer_idx, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def build_attention(
+        self, config: PretrainedConfig, layer_idx: int, attn_backend: AttentionBackend,
+        tp: SingleRank,
+    ) -> nn.Module:
+        """The attention sublayer (other families override: biases, q/k norms, scale)."""
+        return LlamaAttention(config, layer_idx, attn_backend, tp)
+
+    def build_mlp(self, config: PretrainedConfig, layer_idx: int, tp: SingleRank) -> nn.Module:
+        """The MLP sublayer (MoE families override it with their sparse blocks)."""
+        return LlamaMLP(config, tp)
 
     def forward(
         self,
@@ -171,13 +181,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
     def __init__(
         self, config: PretrainedConfig, attn_backend: AttentionBackend, tp: SingleRank
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.embed_tokens = vocab_embedding(config, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attn_backend, tp)
+            self.layer_cls(config, i, attn_backend, tp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -208,6 +220,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Causal LM over packed tokens and a paged KV cache (one cache tensor per layer)."""
 
+    model_cls: type[LlamaModel] = LlamaModel  # other families subclass both
+
     def __init__(
         self, config: PretrainedConfig, attn_backend: AttentionBackend,
         tp: SingleRank | None = None,
@@ -218,12 +232,12 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp = tp or SingleRank()
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(config, attn_backend, tp)
+        self.model = self.model_cls(config, attn_backend, tp)
         # lm_head: this rank's rows of the vocabulary, like the embedding (which it may be)
         self.lm_head = (
             None
             if self.tie_word_embeddings
-            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+            else vocab_embedding(config, tp)
         )
 
     def forward(
@@ -242,8 +256,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """[N, hidden] -> [N, V] logits, in fp32 (`upcast`) or the model's dtype. With tensor
         parallelism every rank calls it with the same rows; rank 0 gets the logits."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        logits = vocab_logits(hidden, head, self.config.vocab_size, self.tp)
         return logits.float() if upcast else logits
 
     @torch.no_grad()
@@ -269,7 +283,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _loader(self, name: str, shard: str | None, param: nn.Parameter) -> WeightLoader:
         """What copies this rank's part of an HF tensor into `param` (tp_layers.py)."""
-        if shard is None:
+        if shard is None or getattr(param, "loads_shards", False):  # quantized: all rows
             return getattr(param, "weight_loader", copy_rows)
         return self.get_submodule(name.rsplit(".", 2)[0]).shard_loader(shard)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterator
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.config import QUANTIZATION_CHOICES, QUANTIZATION_HELP
 from engine.kv_events import KVEventBatch
 from engine.scheduler_output import SchedulerStats
 from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
@@ -43,6 +45,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The model and engine flags (also those of the colocated `pdserve serve`)."""
     add_model_flags(parser)
     add_flag(parser, "--dtype", "auto", help="auto, float32, bfloat16, float16")
+    add_flag(parser, "--quantization", None, choices=QUANTIZATION_CHOICES, help=QUANTIZATION_HELP)
     add_flag(parser, "--device", "auto", help="auto, cpu, cuda, cuda:N")
     add_flag(parser, "--block-size", 16, type=int, help="tokens per KV block")
     add_flag(parser, "--kv-cache-memory", None, type=int, help="KV cache bytes")
@@ -58,6 +61,22 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                   "the visible GPUs, or the CPU")
     add_flag(parser, "--distributed-timeout-seconds", 60.0, type=float,
              help="seconds a collective may wait for a rank before the worker fails")
+    add_flag(parser, "--speculative-config", "",
+             help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", '
+                  '"num_speculative_tokens": 3, "prompt_lookup_max": 4} (prefill role: ignored)')
+
+
+def speculative_config(text: str) -> dict | None:
+    """--speculative-config's JSON object (None when empty); ValueError if it is not one."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    return value
 
 
 def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
@@ -71,6 +90,8 @@ def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_timeout_s=args.distributed_timeout_seconds,
+        speculative_config=speculative_config(args.speculative_config),
+        quantization=args.quantization,
     )
 
 
@@ -209,8 +230,17 @@ class _StatsCollector(Collector):
                 ("grammar_compile_cache_hits", s.grammar_cache_hits),
                 ("grammar_compile_seconds", s.grammar_compile_seconds),
                 ("grammar_bitmask_seconds", s.grammar_bitmask_seconds),
+                ("spec_decode_num_drafts", s.spec_decode_num_drafts),  # speculative decoding
+                ("spec_decode_num_draft_tokens", s.spec_decode_num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", s.spec_decode_num_accepted_tokens),
             ):
                 yield _counter(f"pdserve:{name}", value, role)
+            per_pos = CounterMetricFamily(
+                "pdserve:spec_decode_num_accepted_tokens_per_pos",
+                "accepted draft tokens by position", labels=["role", "position"])
+            for position, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([role, str(position)], value)
+            yield per_pos
         for name, value in self.monitor.counters().items():
             yield _counter(f"pdserve:{name}", value, role)
         for name, values in self.monitor.by_transport().items():

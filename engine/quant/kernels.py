@@ -1,0 +1,181 @@
+"""CPU matmuls over GGUF weights in the unpacked layout of `blocks.py`, each beside its reference.
+
+    Int4PackKernel  Q4_0 / Q4_1 / Q4_K: torch's packed int4 CPU GEMM, bf16 activations. torch's
+                    group convention is w = (nibble - 8) * s + z, so a block with w = s * code + b
+                    and nibble = code + offset (offset 8 for Q4_0, else 0) has
+                    z = b + s * (8 - offset). Scales and zeros are held in bf16.
+    SplitInt8Kernel Q8_0 with bf16 activations: an int8 code is 16 * hi + lo with hi in -8..7,
+                    lo in 0..15, so the matmul is two int4 GEMMs (hi with scale 16 s, lo with s).
+    DequantKernel   any format, any dtype: de-quantizes `tile_rows` rows at a time into the
+                    activations' dtype and multiplies (exact in fp32; never the whole matrix).
+    DenseKernel     F32/F16/BF16 GGUF tensors: a plain F.linear.
+
+Every kernel maps x [T, K] to [T, N] in x's dtype. `reference_linear` is the slow, obviously
+correct version: gguf's own de-quantization of the raw blocks, then a matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from engine.quant.blocks import FOUR_BIT, QuantWeight, dequantize
+
+Q = GGMLQuantizationType
+_GROUP = 32  # the int4 kernels' group size (one GGUF block)
+_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu wants N % 16 == 0
+_TILE_ELEMENTS = 1 << 18  # DequantKernel: ~1 MiB of fp32 weights per tile
+
+
+def reference_linear(
+    x: torch.Tensor, raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]
+) -> torch.Tensor:  # [T, K] x raw blocks of a [N, K] matrix -> [T, N] fp32
+    from gguf.quants import dequantize as gguf_dequantize
+
+    w = torch.from_numpy(gguf_dequantize(raw, qtype).reshape(shape).astype(np.float32))
+    return x.float() @ w.t()
+
+
+def int4pack_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+class Int4PackKernel:
+    """nibbles [N, K] in 0..15, scale and zero [N, K / 32]: y = x @ ((nib - 8) * s + z)^T.
+    The GEMM rounds activations, scales, zeros and outputs to bf16 (accumulating in fp32)."""
+
+    def __init__(self, nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        self.out_features = nibbles.shape[0]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.int(), 1)
+        # [K / 32, N, 2]: torch's qScaleAndZeros layout
+        self.scales_and_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
+        self.scales_and_zeros = self.scales_and_zeros.to(torch.bfloat16)
+
+    @classmethod
+    def from_quant(cls, w: QuantWeight) -> Int4PackKernel:
+        if w.qtype not in FOUR_BIT or w.group != _GROUP:
+            raise ValueError(f"{w.qtype.name} does not fit an int4 group of {_GROUP}")
+        offset = 8 if w.qtype == Q.Q4_0 else 0
+        zero = w.scale * (8 - offset)
+        if w.bias is not None:
+            zero = w.bias + zero
+        return cls(w.codes.int() + offset, w.scale, zero)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.packed, _GROUP, self.scales_and_zeros
+        )
+        return y.to(x.dtype)
+
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+
+class SplitInt8Kernel:
+    """Q8_0 (codes -128..127, group 32, no bias) as two int4 GEMMs summed in fp32."""
+
+    def __init__(self, w: QuantWeight) -> None:
+        if w.qtype != Q.Q8_0:
+            raise ValueError(f"SplitInt8Kernel takes Q8_0, got {w.qtype.name}")
+        codes = w.codes.int()
+        hi, lo = codes >> 4, codes & 15  # codes == 16 * hi + lo, hi in -8..7
+        zeros = torch.zeros_like(w.scale)
+        self.high = Int4PackKernel(hi + 8, w.scale * 16, zeros)
+        self.low = Int4PackKernel(lo, w.scale, w.scale * 8)
+        self.out_features = w.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.high(x).float() + self.low(x).float()).to(x.dtype)
+
+    def nbytes(self) -> int:
+        return self.high.nbytes() + self.low.nbytes()
+
+    def codes(self, rows: torch.Tensor) -> torch.Tensor:  # [R] row ids -> [R, K] int8
+        """The int8 codes of some rows, read back from the two packed nibble tensors (so an
+        embedding table needs no other copy of them); see `_packed_positions`."""
+        k = self.high.packed.shape[1] * 2
+        pos = (
+            _packed_positions(k)[rows % _PACK_ROWS] + (rows // _PACK_ROWS * _PACK_ROWS * k)[:, None]
+        )  # [R, K] nibble index into the flattened packed bytes
+
+        def nibbles(kernel: Int4PackKernel) -> torch.Tensor:
+            data = kernel.packed.view(-1)[pos // 2].int()
+            return (data >> ((pos & 1) * 4)) & 15
+
+        return (16 * (nibbles(self.high) - 8) + nibbles(self.low)).to(torch.int8)
+
+
+_PACK_ROWS = 64  # _convert_weight_to_int4pack_for_cpu keeps rows in blocks of 64
+
+
+@functools.cache
+def _packed_positions(k: int) -> torch.Tensor:
+    """[64, k]: where torch's CPU int4 packing puts nibble (row, col) of a block of 64 rows
+    (index into the block's bytes, two nibbles each, low first). The layout is torch's
+    private business: found by packing the bits of each element's index, one bit per
+    packing, and checked by `SplitInt8Kernel` users against the codes before trusting it."""
+    index = torch.arange(_PACK_ROWS * k).view(_PACK_ROWS, k)
+    source = torch.zeros(_PACK_ROWS * k, dtype=torch.int64)
+    for bit in range((_PACK_ROWS * k - 1).bit_length()):
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(((index >> bit) & 1).int(), 1)
+        source |= torch.stack([packed & 15, packed >> 4], -1).flatten().long() << bit
+    positions = torch.empty_like(source)
+    positions[source] = torch.arange(source.numel())
+    return positions.view(_PACK_ROWS, k)
+
+
+class DequantKernel:
+    """Any format: per tile of rows, de-quantize into x's dtype and F.linear."""
+
+    def __init__(self, w: QuantWeight) -> None:
+        self.weight = w
+        self.out_features = w.shape[0]
+        self.tile_rows = max(1, _TILE_ELEMENTS // w.shape[1])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.out_features
+        if n <= self.tile_rows:
+            return F.linear(x, dequantize(self.weight, x.dtype))
+        out = x.new_empty(*x.shape[:-1], n)
+        for start in range(0, n, self.tile_rows):
+            rows = slice(start, min(start + self.tile_rows, n))
+            out[..., rows] = F.linear(x, dequantize(self.weight.rows(rows), x.dtype))
+        return out
+
+    def nbytes(self) -> int:
+        w = self.weight
+        extra = 0 if w.bias is None else w.bias.nbytes
+        return w.codes.nbytes + w.scale.nbytes + extra
+
+
+class DenseKernel:
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+
+Kernel = Int4PackKernel | SplitInt8Kernel | DequantKernel | DenseKernel
+
+
+def make_kernel(w: QuantWeight | torch.Tensor, dtype: torch.dtype) -> Kernel:
+    """The fastest kernel for `w` with activations in `dtype`: the packed int4 GEMMs need bf16
+    (torch's fp32 variant is a slow reference loop), else the tiled de-quantizing matmul."""
+    if isinstance(w, torch.Tensor):
+        return DenseKernel(w.to(dtype))
+    rows_fit = w.shape[0] % _ROW_MULTIPLE == 0
+    if dtype == torch.bfloat16 and int4pack_available() and w.group == _GROUP and rows_fit:
+        if w.qtype in FOUR_BIT:
+            return Int4PackKernel.from_quant(w)
+        if w.qtype == Q.Q8_0:
+            return SplitInt8Kernel(w)
+    return DequantKernel(w)

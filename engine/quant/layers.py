@@ -1,0 +1,274 @@
+"""Modules holding GGUF weights kept quantized: the linear layers and the (tied) embedding.
+
+They stand where `nn.Linear` / `RowParallelLinear` / `VocabParallelEmbedding` stand in a
+Llama-family model (engine/models/llama.py builds them when `is_gguf_quantized(config)`), with
+one rank only. Each has an empty `weight` parameter (its dtype: the model's, set by `.to`)
+whose `weight_loader` takes a `QuantWeight` (or a dense tensor for
+F32/F16 GGUF tensors) for rows `rows` of the whole matrix. Fused q/k/v and gate/up arrive as
+row ranges; once every row is in, the kernels are built and the unpacked codes dropped.
+Adjacent shards of the same format share one kernel; others get their own, outputs concatenated.
+
+The kernels compute with activations in `activation_dtype` (the config's quantization_config
+says it; default the model's dtype): bfloat16 takes torch's packed int4 kernels, the residual
+stream, norms, attention and KV cache staying in the model's dtype; float32 de-quantizes
+exactly (kernels.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.quant.blocks import QuantWeight, dequantize
+from engine.quant.kernels import (
+    DenseKernel,
+    DequantKernel,
+    Int4PackKernel,
+    Kernel,
+    SplitInt8Kernel,
+    make_kernel,
+)
+
+_ROUNDING_KERNELS = (Int4PackKernel, SplitInt8Kernel)  # outputs rounded to bf16
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from engine.distributed.group import SingleRank
+
+# engine.models.tp_layers is imported where used: engine/models/llama.py imports this module
+
+GGUF_METHOD = "gguf"
+
+
+def is_gguf_quantized(config: PretrainedConfig) -> bool:
+    """Whether the model runner asked for GGUF weights kept quantized (it sets the config's
+    `quantization_config`, as HF quantized checkpoints carry it)."""
+    qc = getattr(config, "quantization_config", None)
+    return isinstance(qc, dict) and qc.get("quant_method") == GGUF_METHOD
+
+
+def _activation_dtype(config: PretrainedConfig) -> torch.dtype | None:
+    name = config.quantization_config.get("activation_dtype")
+    return None if name is None else getattr(torch, name)
+
+
+def _check_one_rank(tp: SingleRank) -> None:
+    if tp.world_size > 1:
+        raise ValueError("GGUF weights kept quantized run on one rank (tensor_parallel_size 1)")
+
+
+def linear(config: PretrainedConfig, in_features: int, out_features: int, bias: bool) -> nn.Module:
+    """A column-parallel (or one-rank) projection: `nn.Linear`, or `GGUFLinear` when the
+    config asks for GGUF kept quantized."""
+    if is_gguf_quantized(config):
+        return GGUFLinear(in_features, out_features, bias, _activation_dtype(config))
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def row_parallel_linear(
+    config: PretrainedConfig,
+    in_features: int,
+    out_features: int,
+    cols: range,
+    bias: bool,
+    tp: SingleRank,
+) -> nn.Module:
+    """`RowParallelLinear`, or `GGUFLinear` (one rank) for GGUF kept quantized."""
+    if is_gguf_quantized(config):
+        _check_one_rank(tp)
+        return GGUFLinear(in_features, out_features, bias, _activation_dtype(config))
+    from engine.models.tp_layers import RowParallelLinear
+
+    return RowParallelLinear(in_features, out_features, cols, bias, tp)
+
+
+def vocab_embedding(config: PretrainedConfig, tp: SingleRank) -> nn.Module:
+    """The token embedding (or an untied lm_head): vocab-parallel, or `GGUFEmbedding`."""
+    if is_gguf_quantized(config):
+        _check_one_rank(tp)
+        return GGUFEmbedding(config.vocab_size, config.hidden_size, _activation_dtype(config))
+    from engine.models.tp_layers import VocabParallelEmbedding
+
+    return VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+
+
+def vocab_logits(
+    hidden: torch.Tensor, head: nn.Module, vocab_size: int, tp: SingleRank
+) -> torch.Tensor:  # [N, hidden] -> [N, V] in the model's dtype
+    if isinstance(head, GGUFEmbedding):
+        return head.logits(hidden)
+    from engine.models.tp_layers import vocab_parallel_logits
+
+    return vocab_parallel_logits(hidden, head.weight, vocab_size, tp)
+
+
+Part = QuantWeight | torch.Tensor
+
+
+def _concat(parts: list[Part]) -> Part:
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts)
+    bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+    return QuantWeight(
+        parts[0].qtype,
+        torch.cat([p.codes for p in parts]),
+        torch.cat([p.scale for p in parts]),
+        bias,
+        parts[0].group,
+    )
+
+
+def _same_kind(a: Part, b: Part) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    return (a.qtype, a.group, a.bias is None) == (b.qtype, b.group, b.bias is None)
+
+
+class _RowCollector:
+    """Rows of a [out, in] matrix arriving in pieces; `complete()` once all are in."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        self.shape = (out_features, in_features)
+        self.parts: dict[int, Part] = {}
+
+    def add(self, rows: slice, part: Part, name: str) -> None:
+        start, stop, _ = rows.indices(self.shape[0])
+        if tuple(part.shape) != (stop - start, self.shape[1]):
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(part.shape)}, expected "
+                f"{(stop - start, self.shape[1])}"
+            )
+        self.parts[start] = part
+
+    def complete(self) -> bool:
+        return sum(p.shape[0] for p in self.parts.values()) == self.shape[0]
+
+    def segments(self) -> list[Part]:
+        """The parts in row order, adjacent ones of one kind concatenated."""
+        merged: list[list[Part]] = []
+        for start in sorted(self.parts):
+            part = self.parts[start]
+            if merged and _same_kind(merged[-1][-1], part):
+                merged[-1].append(part)
+            else:
+                merged.append([part])
+        self.parts = {}
+        return [_concat(group) for group in merged]
+
+
+class GGUFLinear(nn.Module):
+    """y = x W^T (+ b), W [out, in] in GGUF blocks."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        activation_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.activation_dtype = activation_dtype
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.weight.weight_loader = self._load
+        self.weight.loads_shards = True  # takes fused q/k/v and gate/up rows itself
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self._rows = _RowCollector(out_features, in_features)
+        self.kernels: list[Kernel] = []
+
+    def _load(self, param: nn.Parameter, rows: slice, tensor: Part, name: str) -> None:
+        self._rows.add(rows, tensor, name)
+        if self._rows.complete():
+            dtype = self.activation_dtype or self.weight.dtype
+            self.kernels = [make_kernel(p, dtype) for p in self._rows.segments()]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if len(self.kernels) == 1:
+            y = self.kernels[0](x)
+        else:
+            y = torch.cat([k(x) for k in self.kernels], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    def weight_bytes(self) -> int:
+        return sum(k.nbytes() for k in self.kernels)
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embeddings [V, hidden] in GGUF blocks. A lookup de-quantizes the rows it gathers,
+    exactly. `logits` (the tied lm_head) reads the quantized table too, no de-quantized copy:
+    with bf16 kernels and fp32 hidden states it refines the `REFINE` highest logits of each row
+    exactly in fp32 from the table's codes, so that greedy choices do not turn on bf16
+    rounding (the int4 kernels round their outputs to bf16: ~0.4% of a logit). With the
+    split-int8 lm_head kernel, lookups read the codes back from its packed nibbles: the table
+    is held once."""
+
+    REFINE = 8
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, activation_dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.activation_dtype = activation_dtype
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.weight.weight_loader = self._load
+        self.table: Part | None = None  # codes dropped (empty) when the head holds them
+        self.head: Kernel | None = None
+
+    def _load(self, param: nn.Parameter, rows: slice, tensor: Part, name: str) -> None:
+        if tuple(tensor.shape) != (self.vocab_size, self.hidden_size):
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                f"{(self.vocab_size, self.hidden_size)}"
+            )
+        dtype = self.weight.dtype
+        self.table = tensor.to(dtype) if isinstance(tensor, torch.Tensor) else tensor
+        self.head = make_kernel(self.table, self.activation_dtype or dtype)
+        if isinstance(self.head, SplitInt8Kernel) and _codes_read_back(self.head, self.table):
+            self.table.codes = self.table.codes[:0]
+
+    def _rows(self, ids: torch.Tensor) -> QuantWeight:
+        table = self.table
+        if table.codes.shape[0] == self.vocab_size:
+            return table.rows(ids)
+        return QuantWeight(table.qtype, self.head.codes(ids), table.scale[ids], None, table.group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if isinstance(self.table, torch.Tensor):
+            return F.embedding(ids, self.table)
+        return dequantize(self._rows(ids), self.weight.dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
+        logits = self.head(hidden)
+        rounded = isinstance(self.head, _ROUNDING_KERNELS) and hidden.dtype == torch.float32
+        if isinstance(self.table, QuantWeight) and rounded:
+            top = logits.topk(min(self.REFINE, self.vocab_size), dim=-1).indices  # [N, R]
+            rows = dequantize(self._rows(top.flatten()))  # [N * R, hidden] fp32
+            exact = (rows.view(*top.shape, -1) @ hidden.unsqueeze(-1)).squeeze(-1)
+            logits = logits.scatter(-1, top, exact)
+        return logits
+
+    def weight_bytes(self) -> int:
+        """Bytes held: the table the lookups read, plus the lm_head kernel's own copy if any."""
+        table, head = self.table, self.head
+        if isinstance(table, torch.Tensor):
+            return table.nbytes
+        held = table.codes.nbytes + table.scale.nbytes
+        held += 0 if table.bias is None else table.bias.nbytes
+        return held if isinstance(head, (DequantKernel, DenseKernel)) else held + head.nbytes()
+
+
+def _codes_read_back(head: SplitInt8Kernel, table: QuantWeight) -> bool:
+    """Whether the head's packed nibbles give back the table's codes (whole 64-row blocks only;
+    checked on the first and last blocks and a spread of rows)."""
+    rows = table.shape[0]
+    if rows % 64:
+        return False
+    ids = torch.cat([torch.arange(64), torch.arange(rows - 64, rows), torch.arange(0, rows, 997)])
+    return torch.equal(head.codes(ids), table.codes[ids])

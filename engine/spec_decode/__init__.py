@@ -1,0 +1,11 @@
+"""Speculative decoding: propose draft tokens cheaply, verify them all in one forward pass of the
+target model, keep the target's distribution exactly.
+
+    ngram.py       the n-gram (prompt lookup) proposer: drafts copied from the sequence itself
+    rejection.py   verification: rejection sampling over the k + 1 positions' logits
+
+The engine proposes before each step (`LLMEngine._propose`); the scheduler schedules a decode
+with drafts as 1 + k query tokens and, after the step, appends the emitted tokens and rolls the
+rejected drafts' KV slots back (`Scheduler.update_from_output`, `BlockManager.rollback_slots`);
+the model runner verifies (`ModelRunner._launch`).
+"""

@@ -1,0 +1,224 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, in one run.
+
+    python -m pdserve.bench.spec_decode [--model PATH] [--device cpu] [--k 3] [--batches 1,8]
+                                        [--tokens 256] [--rounds 2] [--json PATH]
+
+Two workloads, chat-templated, greedy: "copy" (rewrite a given code snippet or text with a
+small change: the answer copies most of the prompt) and "free" (open questions: little to copy).
+Each (workload, batch size) runs the same requests on a plain engine and on an ngram engine per
+`--k`, alternating for `--rounds` rounds; tok/s is output tokens over wall time (prefill
+included; also per CPU-second of this process, steadier where other work shares the cores),
+and the acceptance length is tokens emitted per verification with drafts (1 + the
+accepted drafts), from the engine's counters. The outputs of both must be equal (greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pdserve import LLM, SamplingParams
+
+INVENTORY = """import json
+
+
+class Inventory:
+    def __init__(self, path):
+        self.path = path
+        self.items = {}
+
+    def load(self):
+        with open(self.path) as f:
+            self.items = json.load(f)
+
+    def save(self):
+        with open(self.path, "w") as f:
+            json.dump(self.items, f, indent=2)
+
+    def add(self, name, count):
+        self.items[name] = self.items.get(name, 0) + count
+
+    def remove(self, name, count):
+        if self.items.get(name, 0) < count:
+            raise ValueError("not enough " + name)
+        self.items[name] -= count
+
+    def total(self):
+        return sum(self.items.values())
+"""
+STATS = """def mean(values):
+    if not values:
+        raise ValueError("no values")
+    return sum(values) / len(values)
+
+
+def variance(values):
+    m = mean(values)
+    return sum((v - m) ** 2 for v in values) / len(values)
+
+
+def median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[middle]
+    return (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def summary(values):
+    return {"mean": mean(values), "variance": variance(values), "median": median(values)}
+"""
+COPY = [
+    "Rename the method `total` to `count_all` in this code. Output the whole code.\n\n"
+    "```python\n" + INVENTORY + "```",
+    "Rename the function `mean` to `average` in this code. Output the whole code.\n\n"
+    "```python\n" + STATS + "```",
+    "Add type hints to this code. Output the whole code.\n\n```python\n" + INVENTORY + "```",
+    "Add a docstring to each function. Output the whole code.\n\n```python\n" + STATS + "```",
+]
+FREE = [
+    "Write a short story about a dragon who learns to cook.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give three tips for learning a new language.",
+    "What are the pros and cons of working from home?",
+]
+
+
+@dataclass
+class Row:
+    workload: str
+    batch: int
+    config: str  # "off" or "ngram k=K"
+    tokens: int
+    seconds: float  # wall time
+    cpu_seconds: float  # this process's CPU time (all threads): steadier on a shared box
+    acceptance_length: float | None
+    same_output: bool
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def tok_cpu_s(self) -> float:
+        return self.tokens / self.cpu_seconds
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model folder or .gguf (default: bundled)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", help="float32: exact, outputs equal token for token")
+    p.add_argument("--k", default="3", help="num_speculative_tokens values, comma-separated")
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--tokens", type=int, default=256, help="max output tokens per request")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--json", default=None, help="write the rows here")
+
+
+def conversations(workload: str, batch: int) -> list[list[dict[str, str]]]:
+    prompts = COPY if workload == "copy" else FREE
+    texts = [prompts[i % len(prompts)] for i in range(batch)]
+    return [[{"role": "user", "content": t}] for t in texts]
+
+
+def run_once(llm: LLM, convs: list, params: SamplingParams) -> tuple[list, float, float]:
+    start, cpu = time.perf_counter(), time.process_time()
+    outs = llm.chat(convs, params, use_tqdm=False)
+    took = time.perf_counter() - start, time.process_time() - cpu
+    return [o.outputs[0].token_ids for o in outs], *took
+
+
+def measure(
+    engines: dict[str, LLM], workload: str, batch: int, args: argparse.Namespace
+) -> list[Row]:
+    params = SamplingParams(temperature=0, max_tokens=args.tokens)
+    convs = conversations(workload, batch)
+    for llm in engines.values():  # warm-up: first-call costs out of the timings
+        llm.chat(convs[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    seconds = dict.fromkeys(engines, 0.0)
+    cpu_seconds = dict.fromkeys(engines, 0.0)
+    tokens = dict.fromkeys(engines, 0)
+    outputs: dict[str, list] = {}
+    before = {name: llm.llm_engine.stats() for name, llm in engines.items()}
+    for _ in range(args.rounds):
+        for name, llm in engines.items():
+            ids, took, cpu = run_once(llm, convs, params)
+            seconds[name] += took
+            cpu_seconds[name] += cpu
+            tokens[name] += sum(len(t) for t in ids)
+            outputs[name] = ids
+    rows = []
+    for name, llm in engines.items():
+        s, b = llm.llm_engine.stats(), before[name]
+        drafts = s.spec_decode_num_drafts - b.spec_decode_num_drafts
+        taken = s.spec_decode_num_accepted_tokens - b.spec_decode_num_accepted_tokens
+        rows.append(
+            Row(
+                workload,
+                batch,
+                name,
+                tokens[name],
+                seconds[name],
+                cpu_seconds[name],
+                1 + taken / drafts if drafts else None,
+                outputs[name] == outputs["off"],
+            )
+        )
+    return rows
+
+
+def run(args: argparse.Namespace) -> bool:
+    common: dict[str, Any] = dict(
+        device=args.device, dtype=args.dtype, max_model_len=2048, kv_cache_memory=256 << 20
+    )
+    engines = {"off": LLM(args.model, **common)}
+    for k in (int(x) for x in args.k.split(",")):
+        spec = {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_max": args.prompt_lookup_max,
+            "prompt_lookup_min": args.prompt_lookup_min,
+        }
+        engines[f"ngram k={k}"] = LLM(args.model, speculative_config=spec, **common)
+    rows: list[Row] = []
+    print(
+        f"{'workload':9} {'batch':>5} {'config':12} {'tokens':>7} {'tok/s':>8} {'speed-up':>8} "
+        f"{'tok/cpu-s':>9} {'speed-up':>8} {'accept len':>10} same"
+    )
+    for workload in ("copy", "free"):
+        for batch in (int(x) for x in args.batches.split(",")):
+            got = measure(engines, workload, batch, args)
+            base, cpu_base = got[0].tok_s, got[0].tok_cpu_s
+            for r in got:
+                acc = "-" if r.acceptance_length is None else f"{r.acceptance_length:.2f}"
+                cpu = f"{r.tok_cpu_s:>9.1f} {r.tok_cpu_s / cpu_base:>7.2f}x"
+                print(
+                    f"{r.workload:9} {r.batch:>5} {r.config:12} {r.tokens:>7} {r.tok_s:>8.1f} "
+                    f"{r.tok_s / base:>7.2f}x {cpu} {acc:>10} {r.same_output}"
+                )
+            rows += got
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                [asdict(r) | {"tok_s": r.tok_s, "tok_cpu_s": r.tok_cpu_s} for r in rows],
+                f,
+                indent=2,
+            )
+    return all(r.same_output for r in rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(parser)
+    raise SystemExit(0 if run(parser.parse_args()) else 1)
+
+
+if __name__ == "__main__":
+    main()
