@@ -12,14 +12,17 @@ tokenizer: [port, log-level, drain-timeout, model, served-model-name, max-model-
   redis-namespace, tls-cert, tls-key, tls-ca, tls-server-name, chat-template]
 prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
   tls-server-name, metrics-port, model, served-model-name, max-model-len,
-  dtype, device, block-size, kv-cache-memory, num-kv-blocks, gpu-memory-utilization,
+  dtype, quantization, device, block-size, kv-cache-memory, num-kv-blocks,
+  gpu-memory-utilization,
   max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, distributed-timeout-seconds,
-  kv-slab-bytes, kv-lease-seconds, kv-transport]
+  speculative-config, kv-slab-bytes, kv-lease-seconds, kv-transport]
 decode: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
   tls-server-name, metrics-port, model, served-model-name, max-model-len,
-  dtype, device, block-size, kv-cache-memory, num-kv-blocks, gpu-memory-utilization,
+  dtype, quantization, device, block-size, kv-cache-memory, num-kv-blocks,
+  gpu-memory-utilization,
   max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, distributed-timeout-seconds,
-  kv-timeout, kv-wait-seconds, kv-wait-max-requests, kv-transport, kv-write-grace-seconds]
+  speculative-config, kv-timeout, kv-wait-seconds, kv-wait-max-requests, kv-transport,
+  kv-write-grace-seconds]
 {{- end }}
 
 {{/* Flags that depend on where a pod runs, or on the pod's shape (tensor-parallel-size: its
