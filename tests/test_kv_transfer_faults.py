@@ -113,7 +113,9 @@ def workers(request: pytest.FixtureRequest, model_dir: str) -> Iterator[Workers]
               "--kv-transport", transport]
     prefill = spawn_worker("prefill", model_dir, pport, *common,
                            "--kv-slab-bytes", str(SLAB_BYTES))
-    decode = spawn_worker("decode", model_dir, dport, *common,
+    # no prefix caching on the decode worker: the cases resend the same prompts, and each push
+    # must carry all of it (decode-side reuse: test_kv_receiver, test_cluster_kv_routing)
+    decode = spawn_worker("decode", model_dir, dport, *common, "--no-prefix-caching",
                           "--kv-timeout", str(KV_TIMEOUT_S), "--metrics-port", str(mport),
                           "--kv-write-grace-seconds", str(WRITE_GRACE_S))
     try:
