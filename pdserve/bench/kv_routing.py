@@ -212,16 +212,19 @@ def row(routing: str, load: dict[str, Any], kv: dict[str, float], decisions: dic
 
 
 def ratios(rows: list[dict[str, Any]]) -> dict[str, float | None]:
-    """kv_aware against load: TTFT p50 (load / kv_aware: how many times lower) and hit rates."""
+    """kv_aware against each other routing: TTFT p50 (other / kv_aware: how many times lower)
+    and hit rates."""
     by = {r["routing"]: r for r in rows if "error" not in r}
-    if "kv_aware" not in by or "load" not in by:
+    if "kv_aware" not in by:
         return {}
-    kv, load = by["kv_aware"], by["load"]
-    return {
-        "ttft_p50_load_over_kv_aware": _div(load["ttft_p50_s"], kv["ttft_p50_s"]),
-        "hit_rate_kv_aware": kv["prefill_hit_rate"], "hit_rate_load": load["prefill_hit_rate"],
-        "kv_pushed_share_kv_aware": kv["kv_pushed_share"],
-    }
+    kv = by["kv_aware"]
+    out: dict[str, float | None] = {"hit_rate_kv_aware": kv["prefill_hit_rate"],
+                                    "kv_pushed_share_kv_aware": kv["kv_pushed_share"]}
+    for name, other in by.items():
+        if name != "kv_aware":
+            out[f"ttft_p50_{name}_over_kv_aware"] = _div(other["ttft_p50_s"], kv["ttft_p50_s"])
+            out[f"hit_rate_{name}"] = other["prefill_hit_rate"]
+    return out if len(by) > 1 else {}
 
 
 def _div(a: float | None, b: float | None) -> float | None:
