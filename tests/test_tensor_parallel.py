@@ -78,6 +78,7 @@ def test_a_dead_or_hung_rank_fails_the_engine_within_the_timeout(fault, tiny_lla
         if fault == "hang":
             os.kill(rank1.pid, signal.SIGKILL)
         engine.shutdown()
+    rank1.join(10)  # a signal is delivered asynchronously: give the kernel time to reap it
     assert not rank1.is_alive()
 
 
