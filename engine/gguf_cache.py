@@ -23,6 +23,7 @@ import copy
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,18 +63,7 @@ def ensure_gguf_converted(gguf_path: str | Path, cache_root: str | Path | None =
     tensors `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` holds) and writes the
     folder atomically under the cache root. Never touches the network.
     """
-    folder = gguf_cache_dir(gguf_path, cache_root)
-    if (folder / "config.json").is_file():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    try:
-        _convert(Path(gguf_path), tmp)
-        _publish(tmp, folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    return _build_once(gguf_cache_dir(gguf_path, cache_root), Path(gguf_path), _convert)
 
 
 def gguf_metadata_dir(gguf_path: str | Path, cache_root: str | Path | None = None) -> Path:
@@ -86,13 +76,19 @@ def ensure_gguf_metadata(gguf_path: str | Path, cache_root: str | Path | None = 
     """The folder holding `gguf_path`'s config and tokenizer as transformers saves them,
     written once (parsing the GGUF's metadata in Python takes seconds), atomically like the
     full cache."""
-    folder = gguf_metadata_dir(gguf_path, cache_root)
+    return _build_once(gguf_metadata_dir(gguf_path, cache_root), Path(gguf_path),
+                       _convert_metadata)
+
+
+def _build_once(folder: Path, gguf_path: Path, convert: Callable[[Path, Path], None]) -> Path:
+    """`folder` once its config.json exists; else `convert(gguf_path, tmp)` into a temporary
+    sibling, published atomically (`_publish`)."""
     if (folder / "config.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
-        _convert_metadata(Path(gguf_path), tmp)
+        convert(gguf_path, tmp)
         _publish(tmp, folder)
     finally:
         if tmp.exists():

@@ -1,4 +1,4 @@
-"""Quantized weights (issue 15). Implemented: GGUF kept quantized on the CPU.
+"""Quantized weights. Implemented: GGUF kept quantized on the CPU.
 
     gguf_file.py     a GGUF file's tensor table, memory-mapped, without parsing its metadata
     blocks.py        Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks -> codes, scales, biases
