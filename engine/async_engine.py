@@ -27,6 +27,7 @@ from engine.kv_handoff import KVCacheFullError, Reservation
 from engine.kv_progress import KVProgress, KVWatch
 from engine.llm import build_engine_config
 from engine.llm_engine import LLMEngine, PromptInput
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SchedulerStats
@@ -70,6 +71,7 @@ class AsyncLLMEngine:
     async def generate(
         self, prompt: PromptInput, sampling_params: SamplingParams | None, request_id: str,
         prior_output_token_ids: list[int] | None = None, kv_watch: KVWatch | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs for one prompt until it finishes.
 
@@ -78,11 +80,13 @@ class AsyncLLMEngine:
         Leaving the loop early (break, cancellation, a dropped client) aborts the request and
         frees its blocks. Bad input raises ValueError before anything is queued.
         `prior_output_token_ids`, `kv_watch`: see `LLMEngine.add_request` (a request resumed
-        from another worker; the prefill role's KV progress, from `watch_kv`).
+        from another worker; the prefill role's KV progress, from `watch_kv`); `lora_request`:
+        the LoRA adapter to run under (None: the base model).
         """
         self._open(request_id)
         add = functools.partial(self.engine.add_request,
-                                prior_output_token_ids=prior_output_token_ids, kv_watch=kv_watch)
+                                prior_output_token_ids=prior_output_token_ids, kv_watch=kv_watch,
+                                lora_request=lora_request)
         try:
             await self.call(add, request_id, prompt, sampling_params)
         except asyncio.CancelledError:
@@ -107,6 +111,7 @@ class AsyncLLMEngine:
     async def reserve_remote(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
         prior_output_token_ids: list[int] | None = None, wait: KVWaitConfig = NO_KV_WAIT,
+        lora_request: LoRARequest | None = None,
     ) -> Reservation | None:
         """Decode role: register a request prefilled on another worker and reserve its blocks
         (returned: in order, and how many leading ones this worker's prefix cache held). Its
@@ -120,7 +125,8 @@ class AsyncLLMEngine:
         granted = asyncio.get_running_loop().create_future()
         try:
             reservation = await self.call(self._reserve, request_id, prompt_token_ids,
-                                          sampling_params, prior_output_token_ids, wait, granted)
+                                          sampling_params, prior_output_token_ids, wait, granted,
+                                          lora_request)
             if reservation is None:
                 reservation = await asyncio.wait_for(granted, wait.seconds)
         except TimeoutError:
@@ -143,6 +149,18 @@ class AsyncLLMEngine:
     ) -> None:
         """Decode role: the request's KV is in place; queue it behind its first token."""
         await self.call(self.engine.commit_request, request_id, first_token_id, logprobs)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter now (`LLMEngine.add_lora`: ValueError if it is bad)."""
+        await self.call(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter (`LLMEngine.remove_lora`: KeyError, LoRAInUseError)."""
+        await self.call(self.engine.remove_lora, lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded now (read without waiting for the engine thread)."""
+        return self.engine.list_loras()
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of a request registered by `reserve_remote`; closing early aborts it."""
@@ -241,10 +259,12 @@ class AsyncLLMEngine:
     def _reserve(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         prior: list[int] | None, wait: KVWaitConfig, granted: asyncio.Future,
+        lora_request: LoRARequest | None,
     ) -> Reservation | None:
         """Reserve now (the blocks) or queue (None; `granted` gets the blocks later)."""
         reservation = self.engine.reserve_request(request_id, prompt_token_ids, params, prior,
-                                                  max_waiting=wait.max_waiting)
+                                                  max_waiting=wait.max_waiting,
+                                                  lora_request=lora_request)
         if reservation is None:
             self._granted[request_id] = granted
         return reservation

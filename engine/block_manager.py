@@ -41,12 +41,23 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
-def prefix_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+def chain_root(lora_name: str | None) -> bytes | None:
+    """The parent of a request's first block: None for the base model, a hash of the adapter's
+    name under a LoRA adapter, so that equal tokens under different adapters (whose K/V
+    differ) never share a block. The name, as vLLM keys it: stable across workers."""
+    if lora_name is None:
+        return None
+    return hashlib.blake2b(b"lora\0" + lora_name.encode(), digest_size=16).digest()
+
+
+def prefix_hashes(
+    token_ids: list[int], block_size: int, lora_name: str | None = None
+) -> list[bytes]:
     """The chain hashes of every full block of `token_ids` (a partial last block has none):
     what a worker's prefix cache registers for them. The gateway's router uses the same."""
     hashes: list[bytes] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        hashes.append(hash_block(hashes[-1] if hashes else None,
+        hashes.append(hash_block(hashes[-1] if hashes else chain_root(lora_name),
                                  token_ids[start:start + block_size]))
     return hashes
 
@@ -231,5 +242,5 @@ class BlockManager:
     def _extend_hashes(self, req: Request, num_blocks: int) -> None:
         bs = self.block_size
         for i in range(len(req.block_hashes), num_blocks):
-            parent = req.block_hashes[i - 1] if i else None
+            parent = req.block_hashes[i - 1] if i else chain_root(req.lora_name)
             req.block_hashes.append(hash_block(parent, req.token_ids_slice(i * bs, (i + 1) * bs)))

@@ -46,12 +46,14 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits. `max_num_batched_tokens` is the per-step token budget shared by
-    decodes (one token each) and prefill chunks."""
+    decodes (one token each) and prefill chunks. `max_loras`: at most that many distinct LoRA
+    adapters among the running requests (None: no adapters)."""
 
     max_model_len: int = 2048
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -160,6 +162,30 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA (engine/lora/), vLLM's names: up to `max_loras` adapters in one step (device
+    slots), each of rank <= `max_lora_rank`; up to `max_cpu_loras` adapters loaded in host
+    memory (default: max_loras), the least recently used idle one evicted for a new one."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs. `model` is a resolved local path (HF folder or .gguf)."""
 
@@ -183,6 +209,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # None: no speculative decoding. On: steps do not overlap (async_scheduling is ignored).
     speculative: SpeculativeConfig | None = None
+    # None: no adapters (vLLM's enable_lora=False).
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -200,6 +228,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}"
             )
+        if self.lora is not None and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
         if self.speculative is not None and self.parallel.tensor_parallel_size > 1:
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not "
                              "supported yet")

@@ -8,6 +8,7 @@ graph of the smallest size >= n. Padding rows have slot -1 (the KV store skips t
 0 (attention reads nothing and writes zeros), so they cost no memory traffic and touch no cache.
 
     buffers  input_ids [B]  positions [B]  slot_mapping [B]  seq_lens [B]  block_tables [B, W]
+             lora_slots [B] (multi-LoRA: each row's adapter slot, -1 for none)
              (B = largest size, W = blocks of a max_model_len sequence)
 
 The attention kernels read only these tensors on replay; the decode split count is fixed per
@@ -23,6 +24,7 @@ import time
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.lora.layers import LoRAContext
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +44,10 @@ class DecodeGraphs:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        lora: LoRAContext | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_batch)
         self.max_model_len = max_model_len
@@ -56,6 +60,8 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_batch, width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        # multi-LoRA: each row's adapter slot (-1: none); the LoRA layers read it on replay
+        self.lora_slots = torch.full((max_batch,), -1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0  # steps served by a graph (stats, tests)
@@ -81,7 +87,13 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         meta = self._meta(size)
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
+        if self.lora is not None:
+            self.lora.slots = self.lora_slots[:size]
+        try:
+            return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
+        finally:
+            if self.lora is not None:
+                self.lora.slots = None
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -118,6 +130,12 @@ class DecodeGraphs:
         self.seq_lens[n:size].fill_(0)
         # columns past `width` keep older ids: never read, each row's length bounds its reads
         self.block_tables[:n, :width].copy_(meta.block_tables[:, :width])
+        if self.lora is not None:
+            if self.lora.slots is None:
+                self.lora_slots[:size].fill_(-1)
+            else:
+                self.lora_slots[:n].copy_(self.lora.slots)
+                self.lora_slots[n:size].fill_(-1)
         self.graphs[size].replay()
         self.replays += 1
         return self.outputs[size][:n]

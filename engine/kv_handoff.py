@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
+from engine.lora.request import LoRARequest
 from engine.output_processor import RequestGroup, mark_progress
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -52,10 +53,12 @@ class KVHandoffMixin:
     def reserve_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         prior_output_token_ids: list[int] | None = None, max_waiting: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> Reservation | None:
         """Decode role: register a request whose prompt KV (and that of its prior outputs, see
         `add_request`) another worker computes, and reserve its blocks, sharing the leading
         ones the prefix cache holds (returned: the sender sends only the blocks after those).
+        `lora_request`: the adapter the request decodes under (the prefill worker's too).
 
         When they are not free, or earlier reservations still wait for theirs, the request
         queues (None returned) if fewer than `max_waiting` do: `grant_reservations` reserves
@@ -65,7 +68,8 @@ class KVHandoffMixin:
         if params.n != 1:
             raise ValueError("n must be 1 for a request prefilled elsewhere")
         self.add_request(request_id, prompt_token_ids, params, queue=False,
-                         prior_output_token_ids=prior_output_token_ids)
+                         prior_output_token_ids=prior_output_token_ids,
+                         lora_request=lora_request)
         req = self._groups[request_id].seqs[0].req
         num_queued = len(self.scheduler.awaiting_blocks)
         try:

@@ -13,11 +13,13 @@ from tqdm.auto import tqdm
 from engine.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
 from engine.llm_engine import LLMEngine, PromptInput
+from engine.lora.request import LoRARequest
 from engine.model_loader import load_hf_config, resolve_model
 from engine.outputs import RequestOutput
 from engine.quant import resolve_quantization
@@ -49,12 +51,17 @@ def build_engine_config(
     enable_expert_parallel: bool = False,
     speculative_config: dict | None = None,
     quantization: str | None = None,
+    enable_lora: bool = False,
+    max_loras: int = 1,
+    max_lora_rank: int = 16,
+    max_cpu_loras: int | None = None,
 ) -> EngineConfig:
     """Resolve the model and turn user-facing arguments into an `EngineConfig` (ValueError on
     bad values). `max_model_len` defaults to the model's context length. `speculative_config`:
     vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3} (`SpeculativeConfig`).
     `quantization`: vLLM's names, None to pick from the checkpoint, "none" to de-quantize a
-    GGUF (`engine.quant.resolve_quantization`)."""
+    GGUF (`engine.quant.resolve_quantization`). `enable_lora`: serve PEFT LoRA adapters, up to
+    `max_loras` in one batch, of rank <= `max_lora_rank`, `max_cpu_loras` loaded (`LoRAConfig`)."""
     speculative = None if speculative_config is None else SpeculativeConfig.from_dict(
         speculative_config)
     path = resolve_model(model)
@@ -66,6 +73,7 @@ def build_engine_config(
     if max_num_batched_tokens is None:
         max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, max_model_len)
     quantization = resolve_quantization(quantization, path, device, dtype, tensor_parallel_size)
+    lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
     return EngineConfig(
         model=path,
         dtype=dtype,
@@ -88,12 +96,14 @@ def build_engine_config(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
+            max_loras=None if lora is None else lora.max_loras,
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=tensor_parallel_size, timeout_s=distributed_timeout_s,
             enable_expert_parallel=enable_expert_parallel,
         ),
         speculative=speculative,
+        lora=lora,
     )
 
 
@@ -116,22 +126,25 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput] | dict | Sequence[dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         A prompt is a string, a list of token ids, or `{"prompt": ...}` /
-        `{"prompt_token_ids": [...]}`. One `SamplingParams` serves all, or give one per prompt.
-        Bad input raises ValueError before anything runs.
+        `{"prompt_token_ids": [...]}`. One `SamplingParams` serves all, or give one per prompt;
+        the same for `lora_request` (None: the base model). Bad input raises ValueError before
+        anything runs.
         """
         prompt_list = _as_prompt_list(prompts)
+        loras = _per_prompt_lora(lora_request, len(prompt_list))
         # Only finished outputs are returned: ask for nothing else (vLLM's LLM does the same),
         # which also lets the engine detokenize each sequence once, at its end.
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                   for p in _per_prompt(sampling_params, len(prompt_list))]
         ids = [str(next(self._ids)) for _ in prompt_list]
         try:
-            for request_id, prompt, p in zip(ids, prompt_list, params):
-                self.llm_engine.add_request(request_id, prompt, p)
+            for request_id, prompt, p, lora in zip(ids, prompt_list, params, loras):
+                self.llm_engine.add_request(request_id, prompt, p, lora_request=lora)
         except Exception:
             self.llm_engine.abort_request(ids)
             raise
@@ -144,6 +157,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate. One conversation
         (a list of `{"role", "content"}` dicts) gives a list of one output."""
@@ -161,7 +175,7 @@ class LLM:
                 chat_template=chat_template, return_dict=False,
             )
             prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -221,6 +235,21 @@ def _per_prompt(
     if not all(isinstance(p, SamplingParams) for p in params):
         raise ValueError("sampling_params must be SamplingParams objects")
     return params
+
+
+def _per_prompt_lora(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    if not isinstance(lora, (list, tuple)):
+        raise ValueError(f"lora_request must be a LoRARequest or a list of them, got "
+                         f"{type(lora).__name__}")
+    if len(lora) != n:
+        raise ValueError(f"lora_request has {len(lora)} entries for {n} prompts")
+    if not all(r is None or isinstance(r, LoRARequest) for r in lora):
+        raise ValueError("lora_request entries must be LoRARequest objects or None")
+    return list(lora)
 
 
 def _check_conversation(conv: Any) -> None:

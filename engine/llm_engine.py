@@ -34,6 +34,8 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_handoff import KVHandoffMixin
 from engine.kv_progress import KVWatch, StepNotes
+from engine.lora.request import LoRAInUseError, LoRARequest
+from engine.lora.slots import LoRASlots
 from engine.model_loader import load_tokenizer
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.output_processor import RequestGroup, SequenceState, mark_progress
@@ -99,6 +101,7 @@ class LLMEngine(KVHandoffMixin):
         queue: bool = True,
         prior_output_token_ids: list[int] | None = None,
         kv_watch: KVWatch | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate and queue one prompt (`params.n` sequences). Raises ValueError on bad input,
         queueing nothing. In the prefill role a request stops after its next token and keeps
@@ -109,7 +112,10 @@ class LLMEngine(KVHandoffMixin):
         min_tokens, penalties, seeded draws) but are never output again.
 
         `kv_watch` (prefill role, n = 1): report the progress of the request's KV to it while
-        its prompt is computed (see `engine.kv_progress`)."""
+        its prompt is computed (see `engine.kv_progress`).
+
+        `lora_request`: run under that LoRA adapter (loaded from its path if it is not yet;
+        needs `enable_lora`), None for the base model."""
         params = params or SamplingParams()
         prior = list(prior_output_token_ids or [])
         if request_id in self._groups:
@@ -130,6 +136,7 @@ class LLMEngine(KVHandoffMixin):
             raise ValueError(f"prompt_logprobs must be <= the vocabulary size {self.vocab_size}")
         if self.config.role == "prefill":
             max_tokens = len(prior) + 1
+        lora_name = self._load_lora(lora_request)
         group = RequestGroup(
             request_id, text, token_ids, params.output_kind, tokenizer=self.tokenizer
         )
@@ -147,6 +154,7 @@ class LLMEngine(KVHandoffMixin):
                 index=index,
                 prompt=text,
                 output_token_ids=list(prior),
+                lora_name=lora_name,
             )
             if arrival_time is not None:
                 req.metrics.arrival_time = arrival_time
@@ -164,6 +172,46 @@ class LLMEngine(KVHandoffMixin):
         if queue:
             for s in group.seqs:
                 self.scheduler.add_request(s.req)
+
+    # ---- LoRA adapters ---------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter into the host cache now (ValueError if it is bad; a no-op if it is
+        loaded from the same path)."""
+        self._load_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter: KeyError if it is not loaded, LoRAInUseError (nothing changes)
+        while requests of it are queued or running."""
+        slots = self._lora_slots()
+        if lora_name not in slots.cache:
+            raise KeyError(f"LoRA adapter {lora_name!r} is not loaded")
+        users = sum(1 for g in self._groups.values() for s in g.seqs
+                    if s.req.lora_name == lora_name)
+        if users:
+            raise LoRAInUseError(f"LoRA adapter {lora_name!r} is in use by {users} "
+                                 f"request{'s' if users > 1 else ''}")
+        slots.remove(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded now (host cache); safe to call from any thread."""
+        if self.runner.lora is None:
+            return []
+        return list(self.runner.lora.loaded)
+
+    def _lora_slots(self) -> LoRASlots:
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters need enable_lora=True")
+        return self.runner.lora
+
+    def _load_lora(self, lora_request: LoRARequest | None) -> str | None:
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got "
+                             f"{type(lora_request).__name__}")
+        in_use = {s.req.lora_name for g in self._groups.values() for s in g.seqs}
+        self._lora_slots().add(lora_request, in_use)
+        return lora_request.lora_name
 
     def structured(self) -> StructuredOutputs:
         """The structured-output manager, made at the first constrained request."""

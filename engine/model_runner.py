@@ -17,6 +17,7 @@ from engine.distributed.group import SingleRank
 from engine.distributed.kv_shards import ShardedKVLayer, sharded_layers
 from engine.distributed.sharding import check_heads, head_shard, kv_head_owners
 from engine.input_batch import HostStep, PendingTokens, pack_step, step_tensors
+from engine.lora.slots import LoRASlots
 from engine.model_loader import iter_model_weights, load_hf_config
 from engine.models import get_model_class
 from engine.prompt_logprobs import add_chunk_prompt_logprobs
@@ -118,6 +119,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.backend = make_attention_backend(config.attention_backend, self.device)
         self.model = self._load_model()
+        self.lora: LoRASlots | None = None  # multi-LoRA: the adapters' slots and host cache
+        if config.lora is not None:
+            self.lora = LoRASlots(self.model, config.lora, self.device, self.dtype)
         self.block_size = config.cache.block_size
         self.num_blocks = self._decide_num_blocks()
         # One allocation for all layers [L, 2, num_blocks, block_size, Hkv, D], so that one CUDA
@@ -237,6 +241,7 @@ class ModelRunner:
         graphs = DecodeGraphs(
             self.model, self.kv_caches, min(sched.max_num_seqs, _MAX_GRAPH_BATCH),
             sched.max_model_len, self.block_size, self.device,
+            lora=None if self.lora is None else self.lora.ctx,
         )
         graphs.capture()
         return graphs
@@ -293,6 +298,8 @@ class ModelRunner:
     ) -> LaunchedStep:
         pending = self._pending.token_ids if self._pending is not None else None
         inp = step_tensors(host, self.block_size, self.device, pending)
+        if self.lora is not None:
+            self.lora.prepare(order)
         hidden = self._forward(inp.input_ids, inp.positions, inp.meta, on_layer)
         for i, s in enumerate(order):
             if s.request.sampling_params.prompt_logprobs is not None:

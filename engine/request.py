@@ -104,6 +104,9 @@ class Request:
     # Speculative decoding: tokens proposed to follow this request's last one (engine/spec_decode/),
     # set by the engine before each step; the scheduler verifies them with its next decode.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Multi-LoRA: the adapter this request runs under (engine/lora/), None for the base model.
+    # It also keys the request's prefix-cache hashes (engine/block_manager.py).
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if not self.parent_id:

@@ -150,6 +150,9 @@ class Scheduler:
             spec_decode_num_draft_tokens=self.spec_decode.num_draft_tokens,
             spec_decode_num_accepted_tokens=sum(self.spec_decode.accepted_per_pos),
             spec_decode_num_accepted_tokens_per_pos=tuple(self.spec_decode.accepted_per_pos),
+            running_lora_adapters=tuple(sorted(self.running_loras())),
+            waiting_lora_adapters=tuple(sorted(
+                {r.lora_name for r in self.waiting if r.lora_name is not None})),
         )
 
     # ---- one step ------------------------------------------------------------------------
@@ -204,8 +207,12 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Request] = []
+        loras = self.running_loras()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if not self._lora_fits(req, loras):  # its adapter would exceed max_loras: later
+                skipped.append(self.waiting.popleft())
+                continue
             if req.block_ids:  # imported KV (decode role): computed up to num_computed_tokens
                 computed, num_cached = [], req.num_computed_tokens
             else:
@@ -226,9 +233,22 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.lora_name is not None:
+                loras.add(req.lora_name)
             self._take(out, req, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+
+    def running_loras(self) -> set[str]:
+        """The LoRA adapters of the running requests."""
+        return {r.lora_name for r in self.running if r.lora_name is not None}
+
+    def _lora_fits(self, req: Request, loras: set[str]) -> bool:
+        """Whether admitting `req` keeps at most `max_loras` adapters running (vLLM's rule: the
+        device has that many slots; a request of another adapter waits for one to drain)."""
+        limit = self.config.max_loras
+        return (req.lora_name is None or limit is None or req.lora_name in loras
+                or len(loras) < limit)
 
     def _computed_blocks(self, req: Request, out: SchedulerOutput) -> list[int] | None:
         """Blocks `req` can reuse: its prefix-cache hits or, for a later sibling of an `n` > 1

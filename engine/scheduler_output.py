@@ -67,6 +67,9 @@ class SchedulerStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # draft j accepted, per j
+    # multi-LoRA (vLLM's lora_requests_info): adapters of running / waiting requests
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def spec_decode_mean_acceptance_length(self) -> float:

@@ -19,6 +19,7 @@ _EXPORTS = {
     "LLM": "engine.llm",
     "AsyncLLMEngine": "engine.async_engine",
     "CompletionOutput": "engine.outputs",
+    "LoRARequest": "engine.lora.request",
     "RequestOutput": "engine.outputs",
     "RequestOutputKind": "engine.sampling_params",
     "SamplingParams": "engine.sampling_params",
