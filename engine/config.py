@@ -110,33 +110,48 @@ class ParallelConfig:
             raise ValueError(f"distributed timeout must be > 0 seconds, got {self.timeout_s}")
 
 
-SPEC_METHODS = ("ngram",)  # implemented; vLLM's others are refused by name
-_LATER_SPEC_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+SPEC_METHODS = ("ngram", "draft_model")  # implemented; vLLM's others are refused by name
+_LATER_SPEC_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (engine/spec_decode/), with vLLM's names and defaults. "ngram"
-    (prompt lookup): each step proposes up to `num_speculative_tokens` tokens that followed the
-    most recent earlier occurrence of the sequence's longest suffix n-gram, n between
-    `prompt_lookup_min` and `prompt_lookup_max` (one given: both; neither: 5)."""
+    """Speculative decoding (engine/spec_decode/), with vLLM's names and defaults. Each step
+    proposes up to `num_speculative_tokens` tokens per decoding request, verified in one forward.
 
-    method: str = "ngram"
+    "ngram" (prompt lookup): the tokens that followed the most recent earlier occurrence of the
+    sequence's longest suffix n-gram, n between `prompt_lookup_min` and `prompt_lookup_max` (one
+    given: both; neither: 5). "draft_model": the greedy guesses of the smaller model at `model`
+    (the target's tokenizer; the default method when `model` is given)."""
+
+    method: str | None = None
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    model: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method in _LATER_SPEC_METHODS:
-            raise ValueError(f"speculative method {self.method!r} is not implemented yet; "
+        method = self.method or ("draft_model" if self.model is not None else "ngram")
+        object.__setattr__(self, "method", method)
+        if method in _LATER_SPEC_METHODS:
+            raise ValueError(f"speculative method {method!r} is not implemented yet; "
                              f"use one of {SPEC_METHODS}")
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"method must be one of {SPEC_METHODS}, got {method!r}")
         if self.num_speculative_tokens is None:
-            raise ValueError("num_speculative_tokens is required for the ngram method")
+            raise ValueError(f"num_speculative_tokens is required for the {method} method")
         if self.num_speculative_tokens < 1:
             raise ValueError(
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if method == "draft_model":
+            if not self.model:
+                raise ValueError("speculative_config.model (the draft's path) is required for "
+                                 "the draft_model method")
+            if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+                raise ValueError("prompt_lookup_min/max apply to the ngram method only")
+            return
+        if self.model is not None:
+            raise ValueError("speculative_config.model applies to the draft_model method only")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
             low = high = 5

@@ -52,6 +52,7 @@ from engine.request_checks import (
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput, SchedulerStats
+from engine.spec_decode.draft_model import DraftModel
 from engine.spec_decode.ngram import NgramProposer
 from engine.stop_checker import StopStringMatcher
 from engine.structured.manager import StructuredOutputs
@@ -82,8 +83,8 @@ class LLMEngine(KVHandoffMixin):
         self.eos_token_ids = eos_token_ids(self.runner.hf_config, self.tokenizer)
         self.vocab_size = self.runner.hf_config.vocab_size
         self._groups: dict[str, RequestGroup] = {}
-        self.proposer = None
-        if config.speculative is not None and config.role != "prefill":
+        self.proposer: NgramProposer | DraftModel | None = self.runner.drafter
+        if config.speculative is not None and config.role != "prefill" and self.proposer is None:
             self.proposer = NgramProposer(config.speculative)
         self._overlap = (config.async_scheduling and config.role != "prefill"
                          and self.proposer is None)
@@ -278,6 +279,8 @@ class LLMEngine(KVHandoffMixin):
         if self.proposer is not None:
             self._propose()
         out = self.scheduler.schedule()
+        if self.runner.drafter is not None:  # the step placed: the draft model guesses
+            self.runner.drafter.fill(out, self.config.cache.block_size)
         notes = self._kv_notes(out) if self._kv_watches else None
         if notes is None:
             launched = None if out.is_empty else self.runner.launch(out)

@@ -26,6 +26,7 @@ from engine.request import Request
 from engine.request_checks import reads_history
 from engine.sampler import SampledTokens, Sampler, SamplingRow, argmax_suffices
 from engine.scheduler_output import Sample, Samples, ScheduledRequest, SchedulerOutput
+from engine.spec_decode.draft_model import DraftModel
 from engine.spec_decode.rejection import verify
 from engine.structured.backend import GrammarMatcher
 from engine.structured.manager import StructuredOutputs
@@ -122,6 +123,13 @@ class ModelRunner:
         self.lora: LoRASlots | None = None  # multi-LoRA: the adapters' slots and host cache
         if config.lora is not None:
             self.lora = LoRASlots(self.model, config.lora, self.device, self.dtype)
+        # speculative decoding with a draft model: it shares the block tables, not the cache
+        self.drafter: DraftModel | None = None
+        spec = config.speculative
+        if spec is not None and spec.method == "draft_model" and config.role != "prefill":
+            self.drafter = DraftModel(config, self.hf_config, self.device, self.dtype,
+                                      make_attention_backend(config.attention_backend,
+                                                             self.device))
         self.block_size = config.cache.block_size
         self.num_blocks = self._decide_num_blocks()
         # One allocation for all layers [L, 2, num_blocks, block_size, Hkv, D], so that one CUDA
@@ -131,6 +139,8 @@ class ModelRunner:
         if self._shares_pool and self.device.type == "cpu":
             self.kv_pool.share_memory_()  # rank 0 maps it (engine/distributed/kv_shards.py)
         self.kv_caches = list(self.kv_pool.unbind(0))
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_blocks, self.block_size)
         self.graphs = self._capture_graphs()
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -177,10 +187,13 @@ class ModelRunner:
         budget = cache.kv_cache_memory
         if budget is None:
             budget = self._cuda_free_bytes() if self.device.type == "cuda" else _CPU_KV_CACHE_BYTES
-        num_blocks = budget // self.block_bytes()
+        per_block = self.block_bytes()
+        if self.drafter is not None:  # each block also holds the draft model's K/V
+            per_block += self.drafter.block_bytes(self.block_size)
+        num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory of {budget} bytes holds no KV block ({self.block_bytes()} bytes)"
+                f"kv_cache_memory of {budget} bytes holds no KV block ({per_block} bytes)"
             )
         return int(num_blocks)
 

@@ -14,8 +14,9 @@ ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 
 def make_adapter(
-    base: str | torch.nn.Module, out_dir: Path, *, rank: int = 8, targets: tuple[str, ...] = ALL_PROJECTIONS,
-    seed: int = 1, alpha: int | None = None, use_rslora: bool = False, scale: float = 1.0,
+    base: str | torch.nn.Module, out_dir: Path, *, rank: int = 8,
+    targets: tuple[str, ...] = ALL_PROJECTIONS, seed: int = 1, alpha: int | None = None,
+    use_rslora: bool = False, scale: float = 1.0,
 ) -> str:
     """Save a random LoRA adapter of `base` (a HF folder or a HF model, left unchanged) into
     `out_dir` and return its path. `scale` multiplies B after PEFT's random init (a strong

@@ -62,7 +62,11 @@ def test_config_defaults_follow_vllm():
         ({"num_speculative_tokens": 2, "lookahead": 1}, "unknown keys \\['lookahead'\\]"),
         (
             {"method": "draft_model", "num_speculative_tokens": 2},
-            "'draft_model' is not implemented",
+            "speculative_config.model .* is required",
+        ),
+        (
+            {"model": "/d", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+            "ngram method only",
         ),
         ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' is not implemented"),
         ({"method": "magic", "num_speculative_tokens": 2}, "method must be one of"),
