@@ -54,6 +54,7 @@ from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput, SchedulerStats
 from engine.spec_decode.draft_model import DraftModel
 from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.policy import draft_limit
 from engine.stop_checker import StopStringMatcher
 from engine.structured.manager import StructuredOutputs
 from engine.token_controls import bad_words_token_ids
@@ -303,7 +304,8 @@ class LLMEngine(KVHandoffMixin):
         assert self.proposer is not None
         for req in self.scheduler.running:
             if req.num_tokens_to_compute == 1 and not req.num_pending and req.grammar is None:
-                req.spec_token_ids = self.proposer.propose(req)
+                limit = draft_limit(req, self.proposer.k)  # fewer where drafts keep failing
+                req.spec_token_ids = self.proposer.propose(req)[:limit] if limit else []
 
     def _kv_notes(self, out: SchedulerOutput) -> StepNotes | None:
         """The KV notes of this step's watched requests; first, the preempted ones' earlier

@@ -20,6 +20,7 @@ from engine.scheduler_output import (
     SchedulerStats,
     SpecDecodeCounts,
 )
+from engine.spec_decode import policy as spec_policy
 from engine.stop_checker import check_token_stop
 
 
@@ -330,6 +331,7 @@ class Scheduler:
             emitted = sampled if s.spec_token_ids else [sampled]
             if s.spec_token_ids:
                 self.spec_decode.count(len(s.spec_token_ids), len(emitted) - 1)
+                spec_policy.observe(req, len(s.spec_token_ids), len(emitted) - 1)
             for token_id, logprobs in emitted:
                 if self._append(req, token_id, logprobs):
                     finished.append(req)

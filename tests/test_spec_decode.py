@@ -586,3 +586,22 @@ def test_decode_role_speculates_after_imported_kv(copy_llama_dir, pair):
     decoded = disaggregated(prefill, decode, prompts, params)
     assert [d[:1] + d[2:] for d in decoded] == want  # the imported first token comes twice
     assert decode.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_policy_turns_drafts_down_as_they_fail_and_probes_again():
+    from engine.spec_decode.policy import PROBE_EVERY, draft_limit, observe
+
+    req = make_req("p", [1, 2, 3])
+    assert draft_limit(req, 5) == 5  # no evidence yet: all k
+    observe(req, 5, 5)
+    assert draft_limit(req, 5) == 5
+    for _ in range(10):
+        observe(req, 4, 1)  # one of two judged drafts passes: a -> 0.5
+    assert draft_limit(req, 5) == 1  # 0.5^2 < 0.3: only the first is worth verifying
+    for _ in range(6):
+        observe(req, 1, 0)
+    limits = [draft_limit(req, 5) for _ in range(2 * PROBE_EVERY)]
+    assert limits.count(1) == 2 and limits.count(0) == 2 * PROBE_EVERY - 2  # a probe each 8
+    for _ in range(8):
+        observe(req, 1, 1)  # predictable again: back up
+    assert draft_limit(req, 5) >= 3
