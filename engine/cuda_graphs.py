@@ -62,8 +62,11 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         # multi-LoRA: each row's adapter slot (-1: none); the LoRA layers read it on replay
         self.lora_slots = torch.full((max_batch,), -1, dtype=torch.int32, device=device)
+        # per size, the graph (and its output) without adapters, and with them (multi-LoRA)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.lora_outputs: dict[int, torch.Tensor] = {}
         self.replays = 0  # steps served by a graph (stats, tests)
 
     @property
@@ -85,31 +88,37 @@ class DecodeGraphs:
             block_size=self.block_size,
         )
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int, with_lora: bool) -> torch.Tensor:
         meta = self._meta(size)
-        if self.lora is not None:
+        if with_lora:
+            assert self.lora is not None
             self.lora.slots = self.lora_slots[:size]
         try:
             return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
         finally:
-            if self.lora is not None:
-                self.lora.slots = None
+            if with_lora:
+                self.lora.slots = None  # type: ignore[union-attr]
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first (smaller graphs reuse the shared memory pool)."""
+        """Capture every size, largest first (smaller graphs reuse the shared memory pool); with
+        LoRA, each size twice: steps without an adapter replay a graph without the LoRA kernels."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        kinds = [(False, self.graphs, self.outputs)]
+        if self.lora is not None:
+            kinds.append((True, self.lora_graphs, self.lora_outputs))
         for size in reversed(self.sizes):
-            self._forward(size)  # warm-up: compiles the kernels for this shape outside capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
-            self.graphs[size] = graph
+            for with_lora, graphs, outputs in kinds:
+                self._forward(size, with_lora)  # warm-up: compiles the kernels outside capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    outputs[size] = self._forward(size, with_lora)
+                graphs[size] = graph
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s",
-                    len(self.sizes), self.max_batch, time.perf_counter() - start)
+                    len(self.sizes) * len(kinds), self.max_batch, time.perf_counter() - start)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         return bool(self.graphs) and meta.num_prefills == 0 and 0 < meta.num_decodes <= \
@@ -130,12 +139,11 @@ class DecodeGraphs:
         self.seq_lens[n:size].fill_(0)
         # columns past `width` keep older ids: never read, each row's length bounds its reads
         self.block_tables[:n, :width].copy_(meta.block_tables[:, :width])
-        if self.lora is not None:
-            if self.lora.slots is None:
-                self.lora_slots[:size].fill_(-1)
-            else:
-                self.lora_slots[:n].copy_(self.lora.slots)
-                self.lora_slots[n:size].fill_(-1)
-        self.graphs[size].replay()
+        graphs, outputs = self.graphs, self.outputs
+        if self.lora is not None and self.lora.slots is not None:  # a step with adapters
+            self.lora_slots[:n].copy_(self.lora.slots)
+            self.lora_slots[n:size].fill_(-1)
+            graphs, outputs = self.lora_graphs, self.lora_outputs
+        graphs[size].replay()
         self.replays += 1
-        return self.outputs[size][:n]
+        return outputs[size][:n]

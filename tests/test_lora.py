@@ -249,4 +249,7 @@ def test_mixed_batch_on_cuda_with_graphs_like_peft(tiny_llama_dir, adapters):
     for j, name in enumerate(names):
         want = _oracle(tiny_llama_dir, None if name is None else adapters[name])
         assert got[j::len(names)] == want, name
-    assert llm.llm_engine.runner.graphs.replays > 0
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs.replays > 0 and graphs.lora_graphs and graphs.graphs
+    # base-only steps replay the graphs without the LoRA kernels
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == got[0::len(names)]

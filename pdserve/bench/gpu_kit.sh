@@ -24,7 +24,7 @@ LIMIT_MIB=40
 # at the versions installed here (the ones the tests pass with). Not carried: torch, triton,
 # transformers, numpy, safetensors, tokenizers, accelerate, sentencepiece, tqdm, jinja2 (in the
 # device image); grpcio-tools (only regenerates protos/). gguf is carried: the quantized layers
-# read its block formats whatever the checkpoint.
+# read its block formats whatever the checkpoint. peft: the LoRA tests' oracle (pure Python).
 # Carried although the image may hold them: grpcio and protobuf (protos/*_pb2*.py refuse a
 # runtime older than 1.85.1 / 7.35.1), typing-extensions (anyio needs >= 4.16), and the small
 # HTTP stack (httpx, httpcore, anyio, h11, idna, certifi, click, prometheus-client).
@@ -36,6 +36,7 @@ WHEELS=(
     grpcio grpcio-health-checking protobuf
     xgrammar apache-tvm-ffi
     gguf
+    peft
 )
 # ldd names never carried: glibc's own (they must match the machine's loader), the C++ runtime
 SKIP_LIBS='^(linux-vdso|ld-linux|libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s)\.so'

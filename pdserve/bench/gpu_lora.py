@@ -151,6 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["systems"]["base"] = {
             **run_workload(llm, workload.prompts, sizes.output_len, none),
             "batch1_ms_per_token": batch1_ms_per_token(llm, latency_prompts, n, None)}
+        del llm  # the only other reference: close_llm frees its weights and KV cache
         models.close_llm()
         log("LoRA engine")
         models.llm_kwargs = {**base_kwargs, "enable_lora": True, "max_loras": NUM_ADAPTERS,
@@ -164,6 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "batch1_ms_per_token": batch1_ms_per_token(llm, latency_prompts, n, adapters[0])}
         graphs = llm.llm_engine.runner.graphs
         report["cuda_graph_replays"] = None if graphs is None else graphs.replays
+        del llm, graphs
         models.close_llm()
         base = report["systems"]["base"]
         report["ratios"] = {
