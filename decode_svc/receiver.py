@@ -53,6 +53,7 @@ from decode_svc.pool import PoolExporter
 from engine.async_engine import AsyncLLMEngine
 from engine.config import NO_KV_WAIT, KVWaitConfig
 from engine.kv_transfer import KVLayout, KVSlab, KVSlabWriter, layout_of
+from engine.lora import LoRARequest
 from engine.sampling_params import SamplingParams
 from pdserve.cluster.grpc_server import NotFoundError, PreconditionError
 from pdserve.cluster.worker import TransferStats
@@ -106,17 +107,19 @@ class KVReceiver:
 
     async def expect(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        prior_output_token_ids: list[int] | None = None,
+        prior_output_token_ids: list[int] | None = None, lora: LoRARequest | None = None,
     ) -> bool:
         """Reserve the blocks of the prompt and of any prior output tokens, waiting for them as
         `kv_wait` allows when the cache is full. False if the request was dropped before they
-        were reserved (nothing stays reserved); KVCacheFullError / ValueError if impossible."""
+        were reserved (nothing stays reserved); KVCacheFullError / ValueError if impossible
+        (also: `lora`, the request's adapter, fails to load: nothing is reserved)."""
         if request_id in self.pending:
             raise ValueError(f"request_id {request_id!r} is already in use")
         pending = self.pending[request_id] = Pending()
         try:
             reservation = await self.engine.reserve_remote(
-                request_id, prompt_token_ids, params, prior_output_token_ids, self.kv_wait)
+                request_id, prompt_token_ids, params, prior_output_token_ids, self.kv_wait,
+                lora_request=lora)
         except BaseException:
             self.pending.pop(request_id, None)
             raise

@@ -15,13 +15,14 @@ from decode_svc.convert import chunk_from_wire, delta_to_pb, pool_info_to_pb
 from decode_svc.receiver import KVReceiver
 from engine.async_engine import AsyncLLMEngine
 from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
-from pdserve.cluster.convert import load_to_pb, sampling_params_from_pb
+from pdserve.cluster.convert import load_to_pb, request_lora, sampling_params_from_pb
+from pdserve.cluster.lora_service import LoRARpcs
 from protos import common_pb2, decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+class DecodeServicer(LoRARpcs, decode_pb2_grpc.DecodeServicer):
     def __init__(
         self, engine: AsyncLLMEngine, receiver: KVReceiver, kv_timeout_s: float,
         cancels: CancelWatch | NoCancelWatch,
@@ -37,11 +38,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         params = sampling_params_from_pb(request.params)
         request_id, prompt = request.request_id, list(request.prompt_token_ids)
         prior = list(request.prior_output_token_ids)
+        lora = request_lora(request)  # loaded on demand by the engine (ValueError: bad)
         await self.cancels.check(request_id)
         if request.prefill_locally:
-            outputs = self.engine.generate(prompt, params, request_id, prior)
+            outputs = self.engine.generate(prompt, params, request_id, prior, lora_request=lora)
         else:
-            if not await self.receiver.expect(request_id, prompt, params, prior):
+            if not await self.receiver.expect(request_id, prompt, params, prior, lora):
                 logger.info("[%s] aborted while waiting for free KV blocks", request_id)
                 yield decode_pb2.GenerateResponse(finish_reason="abort")
                 return

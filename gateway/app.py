@@ -22,6 +22,7 @@ from gateway.body import DEFAULT_MAX_BODY_BYTES, read_json_body
 from gateway.chat import ChatServing
 from gateway.completions import CompletionServing
 from gateway.errors import OpenAIError, from_validation_error, install_error_handlers
+from gateway.lora import LoRAModels
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import error_responses, install_request_schemas, json_body
 from gateway.protocol import (
@@ -29,8 +30,10 @@ from gateway.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    UnloadLoRAAdapterRequest,
 )
 from gateway.responses.protocol import ResponseObject, ResponsesRequest
 from gateway.responses.serving import ResponsesServing
@@ -66,6 +69,7 @@ def build_app(
     events: EventLog | None = None,
     tool_calls: ToolCallConfig | None = None,
     responses: ResponseStore | None = None,
+    loras: LoRAModels | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `backend`'s model as `served_model_name` (default:
     the backend's model name). With `store`, every admitted request gets a state record. With
@@ -78,19 +82,24 @@ def build_app(
     `events`, streams are recorded there and can be resumed (GET /v1/streams/{request_id}).
     `tool_calls`: whether tool_choice "auto" is served, and with which parser (default: not;
     "required" and a named function always are). `responses`: where /v1/responses keeps
-    stored responses (default: in this process, an hour each)."""
+    stored responses (default: in this process, an hour each). `loras`: the LoRA adapters served
+    (--enable-lora): `model` may name one, /v1/models lists them, and POST
+    /v1/load_lora_adapter and /v1/unload_lora_adapter change them (gateway/lora.py)."""
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None)
     ctx = ServingContext(backend, metrics or GatewayMetrics(), store, served_model_name, events,
-                         (tool_calls or ToolCallConfig()).auto_parser)
+                         (tool_calls or ToolCallConfig()).auto_parser, loras)
     app.state.serving = ctx
     install_error_handlers(app)
     _add_openai_routes(app, ctx, api_key, max_body_bytes, trust_request_chat_template)
     _add_responses_routes(app, ResponsesServing(ctx, responses or MemoryResponses()),
                           api_key, max_body_bytes)
     _add_ops_routes(app, ctx)
+    if loras is not None:
+        _add_lora_routes(app, ctx, loras, api_key, max_body_bytes)
     install_request_schemas(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest,
                                   TokenizeCompletionRequest, TokenizeChatRequest,
-                                  DetokenizeRequest])
+                                  DetokenizeRequest, LoadLoRAAdapterRequest,
+                                  UnloadLoRAAdapterRequest])
     if max_concurrent_requests > 0:
         app.add_middleware(AdmissionLimit, limit=max_concurrent_requests,
                            on_reject=ctx.metrics.requests_rejected.inc)
@@ -142,8 +151,33 @@ def _add_openai_routes(
     async def list_models() -> Response:
         facts = await ctx.backend.model_info()
         name = await ctx.model_name()
-        card = ModelCard(id=name, root=facts.model_name, max_model_len=facts.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        cards = [ModelCard(id=name, root=facts.model_name, max_model_len=facts.max_model_len)]
+        for m in await ctx.loras.modules() if ctx.loras is not None else []:
+            cards.append(ModelCard(id=m.name, root=m.path, parent=m.base_model_name or name,
+                                   max_model_len=facts.max_model_len))
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+
+def _add_lora_routes(app: FastAPI, ctx: ServingContext, loras: LoRAModels,
+                     api_key: str | None, max_body_bytes: int) -> None:
+    """vLLM's runtime LoRA routes (gateway/lora.py), behind the API key; plain-text answers."""
+    auth = [Depends(_bearer_auth(api_key))]
+    errors = error_responses(400, 401, 404, 409, 413, 503)
+
+    @app.post("/v1/load_lora_adapter", dependencies=auth, response_class=PlainTextResponse,
+              openapi_extra=json_body(LoadLoRAAdapterRequest), responses=errors)
+    async def load_lora_adapter(raw: Request) -> Response:
+        """Load a LoRA adapter (on every worker) and serve it as model `lora_name`."""
+        req = _validate(await read_json_body(raw, max_body_bytes), LoadLoRAAdapterRequest)
+        message = await loras.load(req.lora_name, req.lora_path, await ctx.model_name())
+        return PlainTextResponse(message)
+
+    @app.post("/v1/unload_lora_adapter", dependencies=auth, response_class=PlainTextResponse,
+              openapi_extra=json_body(UnloadLoRAAdapterRequest), responses=errors)
+    async def unload_lora_adapter(raw: Request) -> Response:
+        """Stop serving a LoRA adapter; 409 while requests of it run or wait."""
+        req = _validate(await read_json_body(raw, max_body_bytes), UnloadLoRAAdapterRequest)
+        return PlainTextResponse(await loras.unload(req.lora_name))
 
 
 def _check_request_template(template: str | None, trusted: bool) -> None:
@@ -257,6 +291,7 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
+        await ctx.metrics.refresh()
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from engine.lora import LoRARequest
 from engine.sampling_params import SamplingParams
 
 # (chosen token's logprob, {top token id: logprob}) at one position
@@ -89,9 +90,11 @@ class Backend(Protocol):
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        prior_output_token_ids: list[int] | None = None,
+        prior_output_token_ids: list[int] | None = None, lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[TokenDelta, None]:
-        """Generate one sequence (`params.n` is 1; stop strings are the gateway's job).
+        """Generate one sequence (`params.n` is 1; stop strings are the gateway's job), under
+        the LoRA adapter `lora_request` (None: the base model; the gateway passes it only when
+        set, so a backend serving no adapters may leave the argument out).
 
         `prior_output_token_ids`: tokens this sequence generated before (a resumed stream); it
         continues after them, and they count as output (max_tokens, min_tokens, penalties,

@@ -66,14 +66,14 @@ class ChatServing:
         """Serve one chat request: validate, apply the chat template, generate the `n`
         sequences concurrently, and answer with SSE or one JSON body. Raises OpenAIError."""
         arrival, request_id = time.monotonic(), random_id("chatcmpl")
-        model = await self.ctx.check_model(req.model)
+        model, lora = await self.ctx.resolve_model(req.model)
         check_unknown_fields(request_id, req)
         tools = plan_tools(req, self.ctx.tool_parser)
         facts = await self.ctx.backend.model_info()
         prompt = await self._render(req, tools)
         check_prompt_ids(prompt, facts, "messages")
         params = chat_sampling_params(req, len(prompt), facts, tools)
-        specs = fan_out(request_id, [prompt], [params])
+        specs = fan_out(request_id, [prompt], [params], lora)
         tracker = self.ctx.tracker(request_id, model, arrival, len(prompt), len(specs), req.stream)
         view = _ChatView(request_id, model, req, prompt, self.ctx.backend.get_tokenizer(),
                          tools)

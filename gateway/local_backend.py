@@ -8,6 +8,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.lora import LoRARequest
 from engine.outputs import CompletionOutput, Logprob, prompt_logprob_entries
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from gateway.backend import (
@@ -72,17 +73,19 @@ class LocalBackend:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        prior_output_token_ids: list[int] | None = None,
+        prior_output_token_ids: list[int] | None = None, lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[TokenDelta, None]:
         """Token deltas of one sequence from the engine, after `prior_output_token_ids` when
-        given. Closing this generator closes the engine's stream, which aborts the request and
-        frees its KV blocks."""
+        given, under the LoRA adapter `lora_request` (loaded on demand; None: the base model).
+        Closing this generator closes the engine's stream, which aborts the request and frees
+        its KV blocks."""
         engine_params = params.clone(
             n=1, output_kind=RequestOutputKind.DELTA, detokenize=False, stop=None,
             include_stop_str_in_output=False,
         )
         stream = self.engine.generate(list(prompt_token_ids), engine_params, request_id,
-                                      prior_output_token_ids=prior_output_token_ids)
+                                      prior_output_token_ids=prior_output_token_ids,
+                                      lora_request=lora_request)
         first = True
         try:
             async for out in stream:
@@ -108,6 +111,7 @@ class LocalBackend:
             "num_running": s.num_running, "num_waiting": s.num_waiting,
             "num_free_blocks": s.num_free_blocks, "num_total_blocks": s.num_total_blocks,
             "num_cached_blocks": s.num_cached_blocks,
+            "lora_adapters": [r.lora_name for r in self.engine.list_loras()],
         }]
 
     async def ready(self) -> bool:

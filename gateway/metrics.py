@@ -6,7 +6,14 @@ Latencies are seen from the gateway: time to first token counts from the request
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.scheduler_output import SchedulerStats
+from pdserve.cluster.lora_metrics import lora_requests_info
 
 _LABELS = ["model_name"]
 _TTFT_BUCKETS = [
@@ -71,7 +78,8 @@ class GatewayMetrics:
         )
         self.routing_decisions = Counter(
             "pdserve:routing_decisions", "Workers picked, by role and reason: prefix_hit (its "
-            "cached prefix won), load, round_robin (pdserve/cluster/routing.py).",
+            "cached prefix won), lora_hit (it held the request's LoRA adapter), load, "
+            "round_robin (pdserve/cluster/routing.py).",
             ["role", "reason"], registry=r,
         )
         self.stream_resumes = Counter(
@@ -79,6 +87,34 @@ class GatewayMetrics:
             "(their sequences re-prefilled with the tokens already sent).", registry=r,
         )
 
+        self._refreshers: list[Callable[[], Awaitable[None]]] = []
+
+    def watch_engine(self, stats: Callable[[], Awaitable[SchedulerStats]], max_loras: int
+                     ) -> None:
+        """Render an in-process engine's vLLM `lora_requests_info` (the colocated `pdserve
+        serve` with --enable-lora), from `stats` read before each render."""
+        collector = _EngineLoRACollector(stats, max_loras)
+        self.registry.register(collector)
+        self._refreshers.append(collector.refresh)
+
+    async def refresh(self) -> None:
+        """Read what the collectors render (call before `render`)."""
+        for refresh in self._refreshers:
+            await refresh()
+
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format."""
         return generate_latest(self.registry)
+
+
+class _EngineLoRACollector(Collector):
+    def __init__(self, stats: Callable[[], Awaitable[SchedulerStats]], max_loras: int) -> None:
+        self.stats, self.max_loras = stats, max_loras
+        self.latest: SchedulerStats | None = None
+
+    async def refresh(self) -> None:
+        self.latest = await self.stats()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        if self.latest is not None:
+            yield lora_requests_info(self.latest, self.max_loras)

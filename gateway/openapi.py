@@ -20,6 +20,7 @@ _ERRORS = {
     400: "Malformed or out-of-range request (the error's `param` names the field)",
     401: "Missing or wrong bearer API key",
     404: "Unknown model",
+    409: "The LoRA adapter is in use: requests of it run or wait",
     413: "Request body larger than --max-body-bytes",
     429: "Too many requests queued: retry after the Retry-After header's seconds",
     500: "The server failed the request",

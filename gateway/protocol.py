@@ -405,9 +405,25 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pdserve"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model; None for the base model itself
     max_model_len: int
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's): serve the PEFT adapter at `lora_path` (a folder
+    every worker can read) as model `lora_name`."""
+
+    lora_name: str | None = None
+    lora_path: str | None = None
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's); vLLM's `lora_int_id` is accepted and unused."""
+
+    lora_name: str | None = None
+    lora_int_id: int | None = None

@@ -27,6 +27,7 @@ from typing import Any
 
 import grpc
 
+from engine.lora import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.stop_checker import check_token_stop
 from gateway.backend import (
@@ -41,6 +42,7 @@ from gateway.remote_tokenizer import RemoteTokenizer
 from gateway.worker_pool import WorkerPool
 from pdserve.cluster.convert import (
     logprobs_from_pb,
+    lora_to_pb,
     prompt_logprobs_from_pb,
     sampling_params_to_pb,
 )
@@ -126,9 +128,11 @@ class RemoteBackend:
     # ---- generation ----------------------------------------------------------------------
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        prior_output_token_ids: list[int] | None = None,
+        prior_output_token_ids: list[int] | None = None, lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        """Stream one sequence, after `prior_output_token_ids` when given (a resumed stream).
+        """Stream one sequence, after `prior_output_token_ids` when given (a resumed stream),
+        under the LoRA adapter `lora_request` (None: the base model), which travels with the
+        request to both workers; each loads it on demand.
         A decode worker lost mid-stream (UNAVAILABLE: killed, cut off) hands the request to
         another one, which re-prefills the prompt plus the tokens already generated and
         continues where it stopped: the client sees no gap, no repeat, no error. At most
@@ -138,7 +142,8 @@ class RemoteBackend:
         finished = False
         try:
             while True:
-                attempt = self._attempt(request_id, prompt_token_ids, params, generated, lost)
+                attempt = self._attempt(request_id, prompt_token_ids, params, generated, lost,
+                                        lora_request)
                 try:
                     async with aclosing(attempt) as deltas:
                         async for delta in deltas:
@@ -154,7 +159,7 @@ class RemoteBackend:
 
     async def _attempt(
         self, request_id: str, prompt: list[int], params: SamplingParams,
-        prior: list[int], lost: set[str],
+        prior: list[int], lost: set[str], lora: LoRARequest | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """One try on one decode worker, continuing after `prior` (tokens already streamed).
         A prefill worker that dies is replaced here; a dead decode worker raises WorkerLost.
@@ -166,7 +171,9 @@ class RemoteBackend:
             params = params.clone(prompt_logprobs=None)
         wants_prompt = params.prompt_logprobs is not None
         local = len(prompt) + len(prior) <= self.local_prefill_max_tokens and not wants_prompt
-        decode, prefill = await self.pool.route(local, lost, prompt + prior)
+        name = None if lora is None else lora.lora_name
+        decode, prefill = await self.pool.route(local, lost, prompt + prior, name)
+        lora_pb = None if lora is None else lora_to_pb(lora)
         pb_params = sampling_params_to_pb(params, params.max_tokens or 1)
         decode_params = pb_params
         if wants_prompt:
@@ -176,7 +183,7 @@ class RemoteBackend:
             call = decode_pb2_grpc.DecodeStub(channel).Generate(
                 decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
                                            params=decode_params, prefill_locally=local,
-                                           prior_output_token_ids=prior),
+                                           prior_output_token_ids=prior, lora=lora_pb),
                 timeout=self.timeout_s,
             )
             prefill_done = local
@@ -187,7 +194,7 @@ class RemoteBackend:
                     reserved = await self._read(call, decode)  # blocks reserved there
                     cached = 0 if reserved is None else reserved.cached_blocks
                     first = await self._prefill_retrying(request_id, prompt, pb_params, prior,
-                                                         decode, prefill, lost, cached)
+                                                         decode, prefill, lost, cached, lora_pb)
                     prefill_done = True
                     finished = bool(first.finish_reason)
                     yield first
@@ -207,6 +214,7 @@ class RemoteBackend:
     async def _prefill_retrying(
         self, request_id: str, prompt: list[int], pb_params: Any, prior: list[int],
         decode: WorkerInfo, prefill: WorkerInfo | None, lost: set[str], decode_cached: int,
+        lora: common_pb2.LoRAAdapter | None = None,
     ) -> TokenDelta:
         """Prefill on `prefill`; if it dies, on another one, while the request's move budget
         lasts. The decode worker's reservation stays: a push cut off by the dead worker leaves
@@ -218,10 +226,11 @@ class RemoteBackend:
                                    decode_worker=decode.address)
             try:
                 return await self._prefill(prefill, request_id, prompt, pb_params, prior,
-                                           decode.address, decode_cached)
+                                           decode.address, decode_cached, lora)
             except WorkerLost as exc:
                 self._count_move(request_id, exc, lost)
-            prefill = pick_prefill(await self.pool.list("prefill", lost))
+            prefill = pick_prefill(await self.pool.list("prefill", lost),
+                                   lora=lora.name if lora is not None else None)
             if prefill is None:
                 raise BackendError("no prefill worker is available", retryable=True)
 
@@ -242,11 +251,12 @@ class RemoteBackend:
     async def _prefill(
         self, prefill: WorkerInfo, request_id: str, prompt: list[int],
         params: Any, prior: list[int], decode_address: str, decode_cached: int = 0,
+        lora: common_pb2.LoRAAdapter | None = None,
     ) -> TokenDelta:
         request = prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt,
                                              params=params, decode_address=decode_address,
                                              prior_output_token_ids=prior,
-                                             decode_cached_blocks=decode_cached)
+                                             decode_cached_blocks=decode_cached, lora=lora)
         async with self.pool.channel(prefill.address) as channel:
             try:
                 r = await prefill_pb2_grpc.PrefillStub(channel).Prefill(request,

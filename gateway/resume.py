@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from fastapi import Response
 
+from engine.lora import LoRARequest
 from gateway import chat, completions
 from gateway.backend import resumed_request_id
 from gateway.errors import OpenAIError
@@ -120,7 +121,9 @@ class StreamResumer:
             if meta is None or meta.done:
                 return
             recorder = StreamRecorder(log, request_id, owner=owner, next_id=len(logged))
-            events = self._continue(StreamRecord.from_json(meta.spec), logged, recorder)
+            record = StreamRecord.from_json(meta.spec)
+            _, lora = await self.ctx.resolve_model(record.model)  # its LoRA adapter, if any
+            events = self._continue(record, logged, recorder, lora)
             async with contextlib.aclosing(recorder.record(events, after)) as rest:
                 async for text in rest:
                     yield text
@@ -129,13 +132,14 @@ class StreamResumer:
                 await log.release(request_id, owner)
 
     def _continue(self, record: StreamRecord, logged: list[LogEvent],
-                  recorder: StreamRecorder) -> AsyncGenerator[str, None]:
+                  recorder: StreamRecorder, lora: LoRARequest | None = None,
+                  ) -> AsyncGenerator[str, None]:
         """The stream's SSE events after the `logged` ones: the view renders the logged outputs
         (its events dropped), then those of the unfinished choices, generated on."""
         tokenizer = self.ctx.backend.get_tokenizer()
         view = VIEWS[record.kind](record, tokenizer)
         replayed = [out for event in logged for out in decode_outputs(event.out)]
-        specs = fan_out(record.request_id, record.prompts, record.sampling_params())
+        specs = fan_out(record.request_id, record.prompts, record.sampling_params(), lora)
         tracker = self.ctx.tracker(record.request_id, record.model, time.monotonic(),
                                    sum(len(p) for p in record.prompts), len(specs), True)
         tracker.resume_after(replayed)

@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.lora import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.stop_checker import StopStringMatcher
 from gateway.backend import Backend, PromptTokenLogprobs, TokenDelta, TokenLogprobs
@@ -36,6 +37,7 @@ class SequenceSpec:
     prompt_token_ids: list[int]
     params: SamplingParams  # n == 1
     prior_token_ids: list[int] = field(default_factory=list)  # output before (stream resumed)
+    lora: LoRARequest | None = None  # the LoRA adapter it runs under; None: the base model
 
 
 @dataclass
@@ -151,7 +153,8 @@ async def generate_sequence(
     prior = (spec.prior_token_ids,) if spec.prior_token_ids else ()  # only when resumed
     if prior:  # the first stream had the prompt's logprobs
         params = params.clone(prompt_logprobs=None)
-    stream = backend.generate(spec.request_id, spec.prompt_token_ids, params, *prior)
+    adapter = {"lora_request": spec.lora} if spec.lora is not None else {}
+    stream = backend.generate(spec.request_id, spec.prompt_token_ids, params, *prior, **adapter)
     try:
         async for delta in stream:
             out = decoder.decode(delta)

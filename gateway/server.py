@@ -7,7 +7,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import uvicorn
 
@@ -17,8 +17,12 @@ from pdserve.cluster.flags import (
     add_redis_namespace_flag,
     add_tls_flags,
 )
+from pdserve.cluster.lora import add_lora_flags, parse_lora_modules
 
 if TYPE_CHECKING:
+    from engine.async_engine import AsyncLLMEngine
+    from gateway.lora import LoRAModels
+    from gateway.remote_backend import RemoteBackend
     from gateway.tools.plan import ToolCallConfig
 
 logger = logging.getLogger(__name__)
@@ -81,6 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              help="how long a stored /v1/responses response stays in Redis (for "
                   "previous_response_id and GET /v1/responses/{id})")
     add_tls_flags(p)
+    add_lora_flags(p, engine=False)  # the workers hold the adapters; Redis, their names
 
 
 async def _serve_app(app: object, args: argparse.Namespace) -> None:
@@ -111,6 +116,8 @@ async def serve_disaggregated(args: argparse.Namespace) -> None:
     from pdserve.cluster.tls import tls_from_args
 
     tool_calls = tool_call_config(args)
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     client = connect(args.redis_url)
     store = RequestStore(client, prefix=args.redis_namespace)
     events = EventLog(client, prefix=args.redis_namespace, ttl_s=args.resume_ttl_seconds)
@@ -122,6 +129,7 @@ async def serve_disaggregated(args: argparse.Namespace) -> None:
                             tls=tls_from_args(args), max_migrations=args.max_migrations,
                             metrics=metrics, routing=args.routing)
     await _until(backend.start, "the tokenizer service")
+    loras = await _cluster_loras(args, client, backend) if args.enable_lora else None
     app = build_app(backend, store=store, served_model_name=args.served_model_name or None,
                     api_key=args.api_key or None,
                     max_concurrent_requests=args.max_concurrent_requests,
@@ -129,9 +137,23 @@ async def serve_disaggregated(args: argparse.Namespace) -> None:
                     trust_request_chat_template=args.trust_request_chat_template,
                     metrics=metrics, events=events, tool_calls=tool_calls,
                     responses=RedisResponses(client, prefix=args.redis_namespace,
-                                             ttl_s=args.response_ttl_seconds))
+                                             ttl_s=args.response_ttl_seconds), loras=loras)
     await _serve_app(app, args)
     await backend.close()
+
+
+async def _cluster_loras(args: argparse.Namespace, client: Any, backend: RemoteBackend
+                         ) -> LoRAModels:
+    """The cluster's LoRA adapters: names in Redis (seeded from --lora-modules), loaded on
+    every registered worker."""
+    from gateway.lora import LoRAModels
+    from gateway.remote_lora import WorkerAdapters
+    from pdserve.cluster.lora_catalog import RedisCatalog
+
+    loras = LoRAModels(RedisCatalog(client, prefix=args.redis_namespace),
+                       WorkerAdapters(backend.pool))
+    await loras.seed(parse_lora_modules(args.lora_modules))
+    return loras
 
 
 async def _registered_tokenizer(registry: object) -> str:
@@ -162,23 +184,38 @@ def add_colocated_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def serve_colocated(args: argparse.Namespace) -> None:
-    from gateway.app import build_app
-    from gateway.local_backend import LocalBackend
     from pdserve.cluster.worker import build_engine
     from tokenizer_svc.chat_template import read_template
 
     tool_calls, template = tool_call_config(args), read_template(args.chat_template)
     engine = build_engine(args, "colocated")
     name = args.served_model_name or args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
+    try:
+        asyncio.run(_serve_colocated(args, engine, name, template, tool_calls))
+    finally:
+        engine.shutdown()
+
+
+async def _serve_colocated(args: argparse.Namespace, engine: AsyncLLMEngine, name: str,
+                           template: str | None, tool_calls: ToolCallConfig) -> None:
+    from gateway.app import build_app
+    from gateway.local_backend import LocalBackend
+    from gateway.lora import EngineAdapters, LoRAModels, MemoryCatalog
+    from gateway.metrics import GatewayMetrics
+    from pdserve.cluster.lora_service import preload_loras
+
+    metrics, loras = GatewayMetrics(), None
+    if args.enable_lora:  # --lora-modules loaded now: a bad adapter fails the start
+        await preload_loras(engine, args)
+        loras = LoRAModels(MemoryCatalog(), EngineAdapters(engine))
+        await loras.seed(parse_lora_modules(args.lora_modules))
+        metrics.watch_engine(engine.stats, args.max_loras)
     app = build_app(LocalBackend(engine, name, template), api_key=args.api_key or None,
                     max_concurrent_requests=args.max_concurrent_requests,
                     max_body_bytes=args.max_body_bytes,
                     trust_request_chat_template=args.trust_request_chat_template,
-                    tool_calls=tool_calls)
-    try:
-        asyncio.run(_serve_app(app, args))
-    finally:
-        engine.shutdown()
+                    tool_calls=tool_calls, metrics=metrics, loras=loras)
+    await _serve_app(app, args)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -18,6 +18,7 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from engine.lora import LoRARequest
 from engine.sampling_params import SamplingParams
 from gateway.backend import (
     Backend,
@@ -27,6 +28,7 @@ from gateway.backend import (
     RequestRejected,
 )
 from gateway.errors import OpenAIError, from_backend_error
+from gateway.lora import LoRAModels
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import (
     ErrorResponse,
@@ -70,6 +72,7 @@ class ServingContext:
     served_model_name: str | None = None
     events: EventLog | None = None  # where streams are recorded, to be resumed (Redis)
     tool_parser: str | None = None  # the parser of tool_choice "auto"; None: not enabled
+    loras: LoRAModels | None = None  # the LoRA adapters served (--enable-lora); None: none
 
     async def model_name(self) -> str:
         if self.served_model_name is not None:
@@ -77,13 +80,22 @@ class ServingContext:
         return (await self.backend.model_info()).model_name
 
     async def check_model(self, requested: str | None) -> str:
-        """The served model's name; 404 when the request names another model."""
+        """The name of the model a request names (the served model when it names none); 404
+        when it is neither the served model nor one of its LoRA adapters."""
+        return (await self.resolve_model(requested))[0]
+
+    async def resolve_model(self, requested: str | None) -> tuple[str, LoRARequest | None]:
+        """The model a request names and, for a LoRA adapter's name, the adapter (None: the
+        served model itself); 404 model_not_found for any other name."""
         name = await self.model_name()
-        if requested is not None and requested != name:
+        if requested is None or requested == name:
+            return name, None
+        lora = None if self.loras is None else await self.loras.resolve(requested)
+        if lora is None:
             raise OpenAIError(
                 f"The model `{requested}` does not exist.", 404, "model", "model_not_found"
             )
-        return name
+        return requested, lora
 
     def tracker(
         self, request_id: str, model: str, arrival: float, prompt_tokens: int,
@@ -186,10 +198,12 @@ def check_prompt_ids(token_ids: list[int], facts: ModelFacts, param: str) -> Non
 
 
 def fan_out(
-    request_id: str, prompts: list[list[int]], params: list[SamplingParams]
+    request_id: str, prompts: list[list[int]], params: list[SamplingParams],
+    lora: LoRARequest | None = None,
 ) -> list[SequenceSpec]:
     """One sequence per (prompt, sample): choice index `j * n + i`, backend request id
-    `{request_id}-{index}` (the bare id when there is a single sequence), seed + i."""
+    `{request_id}-{index}` (the bare id when there is a single sequence), seed + i; each under
+    the LoRA adapter `lora` (None: the base model)."""
     total = sum(p.n for p in params)
     specs: list[SequenceSpec] = []
     for token_ids, p in zip(prompts, params):
@@ -197,7 +211,8 @@ def fan_out(
             index = len(specs)
             backend_id = request_id if total == 1 else f"{request_id}-{index}"
             seed = None if p.seed is None else p.seed + i
-            specs.append(SequenceSpec(index, backend_id, token_ids, p.clone(n=1, seed=seed)))
+            specs.append(SequenceSpec(index, backend_id, token_ids, p.clone(n=1, seed=seed),
+                                      lora=lora))
     return specs
 
 

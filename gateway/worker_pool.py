@@ -61,11 +61,14 @@ class WorkerPool:
                 if (role is None or w.role == role) and w.address not in (lost or ())]
 
     async def route(
-        self, local: bool, lost: set[str], token_ids: list[int] | None = None
+        self, local: bool, lost: set[str], token_ids: list[int] | None = None,
+        lora: str | None = None,
     ) -> tuple[WorkerInfo, WorkerInfo | None]:
         """The decode worker for a request and, unless it prefills locally, its prefill worker,
         avoiding `lost` workers, by the `routing` policy (pdserve/cluster/routing.py; kv_aware
-        scores prefill workers by the prompt's (`token_ids`) blocks they hold)."""
+        scores prefill workers by the prompt's (`token_ids`) blocks they hold, hashed under the
+        request's LoRA adapter `lora` as the workers hash them; kv_aware and load favour
+        workers holding `lora`)."""
         workers = await self.list(lost=lost)
         self._turn += 1
         if self.routing == "round_robin":
@@ -73,10 +76,10 @@ class WorkerPool:
             prefill = None if local else pick_round_robin(workers, "prefill", self._turn)
             reasons = ("round_robin", "round_robin")
         else:
-            hits, blocks = await self._hits(workers, token_ids)
-            decode = pick_decode(workers, hits, blocks)
-            prefill = None if local else pick_prefill(workers, hits, blocks)
-            reasons = (_reason(decode, hits), _reason(prefill, hits))
+            hits, blocks = await self._hits(workers, token_ids, lora)
+            decode = pick_decode(workers, hits, blocks, lora)
+            prefill = None if local else pick_prefill(workers, hits, blocks, lora)
+            reasons = (_reason(decode, hits, lora), _reason(prefill, hits, lora))
         if decode is None:
             raise BackendError("no decode worker is available", retryable=True)
         self._count("decode", reasons[0])
@@ -88,7 +91,7 @@ class WorkerPool:
         return decode, prefill
 
     async def _hits(
-        self, workers: list[WorkerInfo], token_ids: list[int] | None
+        self, workers: list[WorkerInfo], token_ids: list[int] | None, lora: str | None = None,
     ) -> tuple[dict[str, int], int]:
         """kv_aware: per worker, the leading blocks of `token_ids` its prefix cache holds, and
         the prompt's full blocks (the largest count over the workers' block sizes); ({}, 0)
@@ -98,7 +101,7 @@ class WorkerPool:
         hits: dict[str, int] = {}
         blocks = 0
         for size in {w.block_size for w in workers if w.block_size > 0}:
-            hashes = prefix_hashes(token_ids, size)
+            hashes = prefix_hashes(token_ids, size, lora)
             blocks = max(blocks, len(hashes))
             same = [w.worker_id for w in workers if w.block_size == size]
             try:
@@ -145,6 +148,11 @@ class WorkerPool:
             await self.retire(address)
 
 
-def _reason(chosen: WorkerInfo | None, hits: dict[str, int]) -> str:
-    """Why `chosen` was picked, for the routing metrics."""
-    return "prefix_hit" if chosen is not None and hits.get(chosen.worker_id, 0) > 0 else "load"
+def _reason(chosen: WorkerInfo | None, hits: dict[str, int], lora: str | None = None) -> str:
+    """Why `chosen` was picked, for the routing metrics: its cached prefix, the request's LoRA
+    adapter it holds, or its load."""
+    if chosen is not None and hits.get(chosen.worker_id, 0) > 0:
+        return "prefix_hit"
+    if chosen is not None and lora is not None and lora in chosen.lora_adapters:
+        return "lora_hit"
+    return "load"

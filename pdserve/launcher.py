@@ -36,6 +36,7 @@ from pdserve.cluster.flags import (
     add_redis_namespace_flag,
     add_tls_flags,
 )
+from pdserve.cluster.lora import add_lora_flags, lora_argv
 from pdserve.cluster.tls import PLAINTEXT, TLSConfig, tls_from_args
 from pdserve.ports import free_port
 
@@ -99,6 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              help='serve no tool_choice "auto" (tools then need "required" or a named one)')
     add_flag(p, "--api-key", "", help="the gateway requires this bearer key on /v1 routes, "
              "/tokenize, /detokenize and /workers (handed over in its environment, not argv)")
+    add_lora_flags(p)  # every worker (the colocated engine) and the gateway get them
     add_flag(p, "--startup-timeout", 300.0, type=float, help="seconds to wait for health")
     add_flag(p, "--log-level", "info", help="debug, info, warning, error")
 
@@ -119,6 +121,7 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     gateway_url = f"http://{args.host}:{args.port}"
     template = ["--chat-template", args.chat_template] if args.chat_template else []
     spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
+    engine += lora_argv(args)  # LoRA: the engines' flags and --lora-modules (they preload them)
     if args.colocated:
         argv = [*py, "serve", *common, *engine, *spec, *template, *_tool_flags(args)]
         return [_colocated(args, argv, gateway_url)]
@@ -140,7 +143,7 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     argv = [*py, "gateway", *cluster, "--host", args.host, "--port", str(args.port),
             "--redis-url", redis_url, "--tokenizer-address", f"127.0.0.1:{tok_port}", "--log-level",
             args.log_level, "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
-            "--routing", args.routing, *_tool_flags(args)]
+            "--routing", args.routing, *_tool_flags(args), *lora_argv(args, engine=False)]
     services.append(Service("gateway", argv, f"http:{gateway_url}/ready", env=_key_env(args)))
     return services
 

@@ -1,5 +1,5 @@
 """`pdserve status`: every registered worker with its role, address, load, prefix-cache blocks, KV
-transport and tensor-parallel size."""
+transport, tensor-parallel size and LoRA adapters."""
 
 from __future__ import annotations
 
@@ -56,16 +56,19 @@ def render(workers: list[dict]) -> str:
     """One row per worker. CACHED counts the blocks in its prefix cache (what KV-aware routing
     can hit), TRANSPORT is its --kv-transport and TP its --tensor-parallel-size:
     "-" for a tokenizer, the colocated engine, or a worker (or gateway, with --gateway) too old
-    to publish them."""
+    to publish them. LORAS lists the LoRA adapters it holds ("-": none), a column shown once
+    any worker holds one."""
+    loras = any(w.get("lora_adapters") for w in workers)
     rows = [("ROLE", "ADDRESS", "RUNNING", "WAITING", "KV BLOCKS USED/TOTAL", "CACHED",
-             "TRANSPORT", "TP")]
+             "TRANSPORT", "TP", *(["LORAS"] if loras else []))]
     for w in workers:
         total = w["num_total_blocks"]
         used = f"{total - w['num_free_blocks']}/{total}" if total else "-"
         cached = str(w.get("num_cached_blocks", 0)) if total else "-"
         rows.append((w["role"], w["address"], str(w["num_running"]), str(w["num_waiting"]), used,
                      cached, w.get("kv_transport") or "-",
-                     str(w.get("tensor_parallel_size") or "-")))
+                     str(w.get("tensor_parallel_size") or "-"),
+                     *([",".join(w.get("lora_adapters") or []) or "-"] if loras else [])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 

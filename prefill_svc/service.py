@@ -19,9 +19,11 @@ from typing import Any
 import grpc
 
 from engine.async_engine import AsyncLLMEngine
+from engine.lora import LoRARequest
 from engine.outputs import RequestOutput
 from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
-from pdserve.cluster.convert import load_to_pb, sampling_params_from_pb
+from pdserve.cluster.convert import load_to_pb, request_lora, sampling_params_from_pb
+from pdserve.cluster.lora_service import LoRARpcs
 from prefill_svc.convert import first_logprobs, response_to_pb
 from prefill_svc.push import KVPush
 from prefill_svc.sender import KVSender
@@ -31,7 +33,7 @@ logger = logging.getLogger(__name__)
 NOTES_PER_STEP = 8  # KV progress notes per step and request: layer groups of L / 8 layers
 
 
-class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
     def __init__(
         self, engine: AsyncLLMEngine, sender: KVSender, cancels: CancelWatch | NoCancelWatch
     ):
@@ -46,13 +48,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         params = sampling_params_from_pb(request.params)
         request_id, prompt = request.request_id, list(request.prompt_token_ids)
         prior = list(request.prior_output_token_ids)  # a migrated request's earlier outputs
+        lora = request_lora(request)  # loaded on demand by the engine (ValueError: bad)
         await self.cancels.check(request_id)
         push = None
         if request.decode_address and params.max_tokens != len(prior) + 1:  # else: no KV to ship
             push = self._start_push(request_id, len(prompt) + len(prior), request.decode_address,
                                     request.decode_cached_blocks)
         try:
-            out = await self._first_token(request_id, prompt, params, prior, push)
+            out = await self._first_token(request_id, prompt, params, prior, push, lora)
         except BaseException:
             self._stop_push(request_id)  # the engine freed the blocks
             raise
@@ -92,12 +95,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def _first_token(
         self, request_id: str, prompt: list[int], params: Any, prior: list[int],
-        push: KVPush | None,
+        push: KVPush | None, lora: LoRARequest | None = None,
     ) -> RequestOutput:
         final = None
         watch = None if push is None else push.watch
         async with aclosing(self.engine.generate(prompt, params, request_id, prior,
-                                                 kv_watch=watch)) as outs:
+                                                 kv_watch=watch, lora_request=lora)) as outs:
             async for out in outs:
                 final = out
         assert final is not None and final.finished

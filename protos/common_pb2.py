@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\npdserve.v1\"\xc1\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\x37\n\x11structured_output\x18\x0e \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x02\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x12\x11\n\tbad_words\x18\x12 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"w\n\nWorkerLoad\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\r\"\x10\n\x0eGetLoadRequest\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\npdserve.v1\"\xc1\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\x37\n\x11structured_output\x18\x0e \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x02\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x12\x11\n\tbad_words\x18\x12 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"w\n\nWorkerLoad\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\r\"\x10\n\x0eGetLoadRequest\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"9\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06int_id\x18\x02 \x01(\r\x12\x0c\n\x04path\x18\x03 \x01(\t\";\n\x0fLoadLoRARequest\x12(\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.LoRAAdapter\"\x12\n\x10LoadLoRAResponse\"!\n\x11UnloadLoRARequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x14\n\x12UnloadLoRAResponse\"\x12\n\x10ListLoRAsRequest\">\n\x11ListLoRAsResponse\x12)\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.LoRAAdapterb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,4 +49,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ABORTREQUEST']._serialized_end=915
   _globals['_ABORTRESPONSE']._serialized_start=917
   _globals['_ABORTRESPONSE']._serialized_end=947
+  _globals['_LORAADAPTER']._serialized_start=949
+  _globals['_LORAADAPTER']._serialized_end=1006
+  _globals['_LOADLORAREQUEST']._serialized_start=1008
+  _globals['_LOADLORAREQUEST']._serialized_end=1067
+  _globals['_LOADLORARESPONSE']._serialized_start=1069
+  _globals['_LOADLORARESPONSE']._serialized_end=1087
+  _globals['_UNLOADLORAREQUEST']._serialized_start=1089
+  _globals['_UNLOADLORAREQUEST']._serialized_end=1122
+  _globals['_UNLOADLORARESPONSE']._serialized_start=1124
+  _globals['_UNLOADLORARESPONSE']._serialized_end=1144
+  _globals['_LISTLORASREQUEST']._serialized_start=1146
+  _globals['_LISTLORASREQUEST']._serialized_end=1164
+  _globals['_LISTLORASRESPONSE']._serialized_start=1166
+  _globals['_LISTLORASRESPONSE']._serialized_end=1228
 # @@protoc_insertion_point(module_scope)

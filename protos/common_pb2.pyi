@@ -100,3 +100,43 @@ class AbortResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "int_id", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INT_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    int_id: int
+    path: str
+    def __init__(self, name: _Optional[str] = ..., int_id: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadLoRARequest(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoRAAdapter
+    def __init__(self, adapter: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
+
+class LoadLoRAResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnloadLoRARequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLoRAsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLoRAsResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...

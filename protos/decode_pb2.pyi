@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_locally", "prior_output_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_locally", "prior_output_token_ids", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
     PRIOR_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     prefill_locally: bool
     prior_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., prior_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora: _common_pb2.LoRAAdapter
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., prior_output_token_ids: _Optional[_Iterable[int]] = ..., lora: _Optional[_Union[_common_pb2.LoRAAdapter, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "num_cached_tokens", "cached_blocks")

@@ -65,6 +65,21 @@ class DecodeStub:
                 request_serializer=protos_dot_common__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=protos_dot_common__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/pdserve.v1.Decode/LoadLoRA',
+                request_serializer=protos_dot_common__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=protos_dot_common__pb2.LoadLoRAResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/pdserve.v1.Decode/UnloadLoRA',
+                request_serializer=protos_dot_common__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=protos_dot_common__pb2.UnloadLoRAResponse.FromString,
+                _registered_method=True)
+        self.ListLoRAs = channel.unary_unary(
+                '/pdserve.v1.Decode/ListLoRAs',
+                request_serializer=protos_dot_common__pb2.ListLoRAsRequest.SerializeToString,
+                response_deserializer=protos_dot_common__pb2.ListLoRAsResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -142,6 +157,30 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Load a LoRA adapter (enable_lora workers only; else INVALID_ARGUMENT). The gateway sends it
+        to every worker on POST /v1/load_lora_adapter and unloads it again where it succeeded when
+        any worker fails.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Drop a LoRA adapter from the host cache (POST /v1/unload_lora_adapter); refused while
+        requests of it run or wait, never waited for.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoRAs(self, request, context):
+        """The LoRA adapters this worker holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +213,21 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=protos_dot_common__pb2.GetLoadRequest.FromString,
                     response_serializer=protos_dot_common__pb2.WorkerLoad.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=protos_dot_common__pb2.LoadLoRARequest.FromString,
+                    response_serializer=protos_dot_common__pb2.LoadLoRAResponse.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=protos_dot_common__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=protos_dot_common__pb2.UnloadLoRAResponse.SerializeToString,
+            ),
+            'ListLoRAs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoRAs,
+                    request_deserializer=protos_dot_common__pb2.ListLoRAsRequest.FromString,
+                    response_serializer=protos_dot_common__pb2.ListLoRAsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -338,6 +392,87 @@ class Decode:
             '/pdserve.v1.Decode/GetLoad',
             protos_dot_common__pb2.GetLoadRequest.SerializeToString,
             protos_dot_common__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/LoadLoRA',
+            protos_dot_common__pb2.LoadLoRARequest.SerializeToString,
+            protos_dot_common__pb2.LoadLoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/UnloadLoRA',
+            protos_dot_common__pb2.UnloadLoRARequest.SerializeToString,
+            protos_dot_common__pb2.UnloadLoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoRAs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/ListLoRAs',
+            protos_dot_common__pb2.ListLoRAsRequest.SerializeToString,
+            protos_dot_common__pb2.ListLoRAsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "decode_address", "prior_output_token_ids", "decode_cached_blocks")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "decode_address", "prior_output_token_ids", "decode_cached_blocks", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PRIOR_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     decode_address: str
     prior_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     decode_cached_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., prior_output_token_ids: _Optional[_Iterable[int]] = ..., decode_cached_blocks: _Optional[int] = ...) -> None: ...
+    lora: _common_pb2.LoRAAdapter
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., prior_output_token_ids: _Optional[_Iterable[int]] = ..., decode_cached_blocks: _Optional[int] = ..., lora: _Optional[_Union[_common_pb2.LoRAAdapter, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprobs", "num_cached_tokens", "finish_reason", "prompt_logprobs")

@@ -50,6 +50,21 @@ class PrefillStub:
                 request_serializer=protos_dot_common__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=protos_dot_common__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/pdserve.v1.Prefill/LoadLoRA',
+                request_serializer=protos_dot_common__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=protos_dot_common__pb2.LoadLoRAResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/pdserve.v1.Prefill/UnloadLoRA',
+                request_serializer=protos_dot_common__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=protos_dot_common__pb2.UnloadLoRAResponse.FromString,
+                _registered_method=True)
+        self.ListLoRAs = channel.unary_unary(
+                '/pdserve.v1.Prefill/ListLoRAs',
+                request_serializer=protos_dot_common__pb2.ListLoRAsRequest.SerializeToString,
+                response_deserializer=protos_dot_common__pb2.ListLoRAsResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -78,6 +93,30 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Load a LoRA adapter (enable_lora workers only; else INVALID_ARGUMENT). The gateway sends it
+        to every worker on POST /v1/load_lora_adapter and unloads it again where it succeeded when
+        any worker fails.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Drop a LoRA adapter from the host cache (POST /v1/unload_lora_adapter); refused while
+        requests of it run or wait, never waited for.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoRAs(self, request, context):
+        """The LoRA adapters this worker holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +134,21 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=protos_dot_common__pb2.GetLoadRequest.FromString,
                     response_serializer=protos_dot_common__pb2.WorkerLoad.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=protos_dot_common__pb2.LoadLoRARequest.FromString,
+                    response_serializer=protos_dot_common__pb2.LoadLoRAResponse.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=protos_dot_common__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=protos_dot_common__pb2.UnloadLoRAResponse.SerializeToString,
+            ),
+            'ListLoRAs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoRAs,
+                    request_deserializer=protos_dot_common__pb2.ListLoRAsRequest.FromString,
+                    response_serializer=protos_dot_common__pb2.ListLoRAsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +232,87 @@ class Prefill:
             '/pdserve.v1.Prefill/GetLoad',
             protos_dot_common__pb2.GetLoadRequest.SerializeToString,
             protos_dot_common__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/LoadLoRA',
+            protos_dot_common__pb2.LoadLoRARequest.SerializeToString,
+            protos_dot_common__pb2.LoadLoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/UnloadLoRA',
+            protos_dot_common__pb2.UnloadLoRARequest.SerializeToString,
+            protos_dot_common__pb2.UnloadLoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoRAs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/ListLoRAs',
+            protos_dot_common__pb2.ListLoRAsRequest.SerializeToString,
+            protos_dot_common__pb2.ListLoRAsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -58,7 +58,7 @@ class ResponsesServing:
         """Serve one Responses request. Raises OpenAIError (400 naming the field, 404 for an
         unknown previous_response_id)."""
         arrival, response_id = time.monotonic(), random_id("resp")
-        model = await self.ctx.check_model(req.model)
+        model, lora = await self.ctx.resolve_model(req.model)
         check_unknown_fields(response_id, req)  # type: ignore[arg-type]
         history = await self._history(req.previous_response_id)
         chat = chat_request(req, history)
@@ -68,7 +68,7 @@ class ResponsesServing:
                                    tools.tools if tools is not None else None)
         check_prompt_ids(prompt, facts, "input")
         params = chat_sampling_params(chat, len(prompt), facts, tools)
-        specs = fan_out(response_id, [prompt], [params])
+        specs = fan_out(response_id, [prompt], [params], lora)
         tracker = self.ctx.tracker(response_id, model, arrival, len(prompt), 1, req.stream)
         field = "tools" if tools is not None and tools.constrained else "text"
         events = generate_outputs(self.ctx, tracker, specs, field)

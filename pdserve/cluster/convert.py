@@ -7,7 +7,9 @@ share (sampling parameters, logprobs, load) convert here, once.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
+from engine.lora import LoRARequest
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler_output import SchedulerStats
 from engine.structured.params import StructuredOutputsParams
@@ -129,3 +131,21 @@ def load_to_pb(role: str, stats: SchedulerStats) -> common_pb2.WorkerLoad:
         num_free_blocks=stats.num_free_blocks,
         num_total_blocks=stats.num_total_blocks,
     )
+
+
+def lora_to_pb(lora: LoRARequest) -> common_pb2.LoRAAdapter:
+    return common_pb2.LoRAAdapter(name=lora.lora_name, int_id=lora.lora_int_id,
+                                  path=lora.lora_path)
+
+
+def lora_from_pb(msg: common_pb2.LoRAAdapter) -> LoRARequest:
+    """The adapter a message names (ValueError for an empty name or path); an int_id of 0
+    (a client that left it out) gets the name's own id."""
+    from pdserve.cluster.lora import lora_int_id
+
+    return LoRARequest(msg.name, msg.int_id or lora_int_id(msg.name), msg.path)
+
+
+def request_lora(request: Any) -> LoRARequest | None:
+    """A PrefillRequest's or GenerateRequest's adapter; None for the base model."""
+    return lora_from_pb(request.lora) if request.HasField("lora") else None

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
@@ -41,6 +41,8 @@ class WorkerInfo:
     tensor_parallel_size: int = 0  # the worker's --tensor-parallel-size; 0 as for kv_transport
     block_size: int = 0  # tokens per KV block (the prefix hashes' unit); 0 as for kv_transport
     num_cached_blocks: int = 0  # blocks in its prefix cache (what KV-aware routing can hit)
+    # LoRA adapters in its host cache (routing prefers a worker holding a request's adapter)
+    lora_adapters: list[str] = field(default_factory=list)
     updated_at: float = 0.0  # time.time() of the last registry write
 
     def __post_init__(self) -> None:

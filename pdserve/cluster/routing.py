@@ -20,6 +20,19 @@ weighs less and the load is the KV cache's fill:
 
 (a full hit is worth half the cache: it never sends a request to a worker 60% fuller than an
 empty peer). With no hits anywhere it is the `load` policy: most free KV blocks.
+
+NOTE (LoRA, kv_aware and load): a request under a LoRA adapter prefers workers whose registry
+entry lists the adapter (WorkerInfo.lora_adapters): the others would first read it from disk
+(and may evict another adapter for it). Each score above gains
+
+    prefill:  + PREFILL_LORA_WEIGHT * held(w)     held(w) = 1 if w holds the adapter, else 0
+    decode:   + DECODE_LORA_WEIGHT  * held(w)
+
+PREFILL_LORA_WEIGHT = 0.5 is what a queue of QUEUE_HALF requests costs (an idle worker without
+the adapter wins over one holding it with 5 queued: 0.5 - 5/9 < 0); DECODE_LORA_WEIGHT = 0.25 is
+a quarter of the cache. Prefix hits are per adapter already (a block's hash chain starts from
+the adapter's name, engine/block_manager.py), so a hit implies the adapter was there. A request
+of the base model scores as before.
 """
 
 from __future__ import annotations
@@ -31,23 +44,27 @@ from pdserve.cluster.registry import WorkerInfo
 ROUTING = ("kv_aware", "load", "round_robin")
 QUEUE_HALF = 4
 DECODE_HIT_WEIGHT = 0.5
+PREFILL_LORA_WEIGHT = 0.5
+DECODE_LORA_WEIGHT = 0.25
 
 
 def pick_decode(
     workers: Iterable[WorkerInfo], hit_blocks: Mapping[str, int] | None = None,
-    prompt_blocks: int = 0,
+    prompt_blocks: int = 0, lora: str | None = None,
 ) -> WorkerInfo | None:
-    """The decode worker by the NOTE's score; without hits, the one with the most free KV
-    blocks. Ties go to more free blocks, fewer running requests, then the smaller worker_id.
-    Workers of other roles are ignored; None if there is none."""
+    """The decode worker by the NOTE's score (`lora`: the request's adapter); without hits or
+    adapter, the one with the most free KV blocks. Ties go to more free blocks, fewer running
+    requests, then the smaller worker_id. Workers of other roles are ignored; None if there is
+    none."""
     decode = [w for w in workers if w.role == "decode"]
     hits = hit_blocks if prompt_blocks and any((hit_blocks or {}).values()) else {}
 
     def key(w: WorkerInfo) -> tuple:
         score = 0.0
-        if hits:
+        if hits or lora is not None:
             used = 1.0 - w.num_free_blocks / w.num_total_blocks if w.num_total_blocks else 1.0
-            score = DECODE_HIT_WEIGHT * hits.get(w.worker_id, 0) / prompt_blocks - used
+            hit = hits.get(w.worker_id, 0) / prompt_blocks if hits else 0.0
+            score = DECODE_HIT_WEIGHT * hit - used + DECODE_LORA_WEIGHT * _held(w, lora)
         return (-score, -w.num_free_blocks, w.num_running, w.worker_id)
 
     return min(decode, key=key, default=None)
@@ -55,12 +72,13 @@ def pick_decode(
 
 def pick_prefill(
     workers: Iterable[WorkerInfo], hit_blocks: Mapping[str, int] | None = None,
-    prompt_blocks: int = 0,
+    prompt_blocks: int = 0, lora: str | None = None,
 ) -> WorkerInfo | None:
     """The prefill worker by the NOTE's score (`hit_blocks`: worker_id -> leading prompt blocks
     it holds, of `prompt_blocks`); without hits, the shortest queue (num_waiting +
-    num_running), ties to more free KV blocks, then the smaller worker_id. Workers of other
-    roles are ignored; None if there is none."""
+    num_running), ties to more free KV blocks, then the smaller worker_id; `lora`, the
+    request's adapter, favours the workers holding it. Workers of other roles are ignored; None
+    if there is none."""
     prefill = [w for w in workers if w.role == "prefill"]
     if not prefill:
         return None
@@ -68,9 +86,15 @@ def pick_prefill(
     def key(w: WorkerInfo) -> tuple:
         queue = w.num_waiting + w.num_running
         hit = (hit_blocks or {}).get(w.worker_id, 0) / prompt_blocks if prompt_blocks else 0.0
-        return (-(hit - queue / (queue + QUEUE_HALF)), queue, -w.num_free_blocks, w.worker_id)
+        score = hit - queue / (queue + QUEUE_HALF) + PREFILL_LORA_WEIGHT * _held(w, lora)
+        return (-score, queue, -w.num_free_blocks, w.worker_id)
 
     return min(prefill, key=key)
+
+
+def _held(w: WorkerInfo, lora: str | None) -> int:
+    """1 when `w` lists the adapter `lora` among those it holds, else 0 (also for no adapter)."""
+    return int(lora is not None and lora in w.lora_adapters)
 
 
 def pick_round_robin(workers: Iterable[WorkerInfo], role: str, turn: int) -> WorkerInfo | None:

@@ -14,6 +14,9 @@ Key schema (``{p}`` is the cluster prefix, default ``pdserve``; two clusters may
     {p}:events:{request_id}          stream  its SSE events (entry ``0-{n+1}`` is event n), same TTL
     {p}:owner:{request_id}           string  the gateway generating it, a lease of
                                              ``EventLog.lease_ms``
+    {p}:lora                         hash    LoRA adapter name -> JSON ``LoRAModule``, the
+                                             adapters every gateway serves; no TTL
+                                             (pdserve.cluster.lora_catalog)
 
 Request status machine (forward along the chain, skipping allowed; any non-terminal status may
 also go to ``failed`` or ``cancelled``; terminal statuses are final):
@@ -156,6 +159,11 @@ class Keys:
 
     def owner(self, request_id: str) -> str:
         return f"{self.prefix}:owner:{request_id}"
+
+    @property
+    def lora_modules(self) -> str:
+        """The served LoRA adapters (pdserve/cluster/lora_catalog.py)."""
+        return f"{self.prefix}:lora"
 
     def response(self, response_id: str) -> str:
         """A stored Responses API response (pdserve/cluster/response_store.py)."""

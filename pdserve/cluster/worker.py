@@ -24,6 +24,9 @@ from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
 from pdserve.cluster.drain import DrainGate, drain
 from pdserve.cluster.flags import add_common_flags, add_flag, add_model_flags
 from pdserve.cluster.grpc_server import make_server, set_serving, wait_for_signal
+from pdserve.cluster.lora import add_lora_flags, lora_engine_kwargs
+from pdserve.cluster.lora_metrics import lora_requests_info
+from pdserve.cluster.lora_service import preload_loras
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from pdserve.cluster.state import connect
@@ -64,6 +67,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--speculative-config", "",
              help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", '
                   '"num_speculative_tokens": 3, "prompt_lookup_max": 4} (prefill role: ignored)')
+    add_lora_flags(parser)
 
 
 def speculative_config(text: str) -> dict | None:
@@ -91,7 +95,7 @@ def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_timeout_s=args.distributed_timeout_seconds,
         speculative_config=speculative_config(args.speculative_config),
-        quantization=args.quantization,
+        quantization=args.quantization, **lora_engine_kwargs(args),
     )
 
 
@@ -191,6 +195,9 @@ class WorkerMonitor:
     # Redis after each heartbeat for KV-aware routing; None: nothing to publish
     prefix_events: Callable[[bool], Awaitable[KVEventBatch]] | None = None
     stats: SchedulerStats | None = None
+    max_loras: int = 0  # --max-loras (0: LoRA off), the lora_requests_info metric's label
+    # The names of the LoRA adapters the engine holds, published in the registry
+    loras: Callable[[], list[str]] = field(default=lambda: [])
 
     async def info(self) -> WorkerInfo:
         self.stats = s = await self.engine.stats()
@@ -201,14 +208,17 @@ class WorkerMonitor:
             metrics_address=self.metrics_address, kv_transport=self.kv_transport,
             tensor_parallel_size=self.tensor_parallel_size,
             block_size=self.block_size, num_cached_blocks=s.num_cached_blocks,
+            lora_adapters=self.loras(),
         )
 
 
 class _StatsCollector(Collector):
-    """Renders a WorkerMonitor's latest snapshot with vLLM's metric names."""
+    """Renders a WorkerMonitor's latest snapshot with vLLM's metric names; with `max_loras`
+    (--enable-lora's --max-loras), vLLM's lora_requests_info too."""
 
-    def __init__(self, monitor: WorkerMonitor):
+    def __init__(self, monitor: WorkerMonitor, max_loras: int = 0):
         self.monitor = monitor
+        self.max_loras = max_loras
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s, role = self.monitor.stats, self.monitor.role
@@ -235,6 +245,8 @@ class _StatsCollector(Collector):
                 ("spec_decode_num_accepted_tokens", s.spec_decode_num_accepted_tokens),
             ):
                 yield _counter(f"pdserve:{name}", value, role)
+            if self.max_loras:
+                yield lora_requests_info(s, self.max_loras, role)
             per_pos = CounterMetricFamily(
                 "pdserve:spec_decode_num_accepted_tokens_per_pos",
                 "accepted draft tokens by position", labels=["role", "position"])
@@ -282,6 +294,7 @@ async def run_worker(
     """Serve a worker's gRPC service until SIGTERM: health NOT_SERVING until it listens, then
     metrics and registry heartbeat; on SIGTERM the graceful stop of `pdserve.cluster.drain`
     (`busy`: work in flight that no call accounts for), then engine shutdown."""
+    await preload_loras(engine, args)
     service = f"pdserve.v1.{role.capitalize()}"
     gate = DrainGate()
     server, health = await make_server(service, add_servicer, [gate])
@@ -292,7 +305,9 @@ async def run_worker(
                             kv_transport=getattr(args, "kv_transport", ""),
                             tensor_parallel_size=args.tensor_parallel_size,
                             block_size=args.block_size,
-                            prefix_events=lambda full: prefix_events(engine, full))
+                            prefix_events=lambda full: prefix_events(engine, full),
+                            max_loras=args.max_loras if args.enable_lora else 0,
+                            loras=lambda: [r.lora_name for r in engine.list_loras()])
     heartbeat = await start_monitoring(args, monitor)
     await set_serving(health, service)
     logger.info("%s worker serving on %s", role, monitor.address)
@@ -355,7 +370,7 @@ async def start_monitoring(args: argparse.Namespace, monitor: WorkerMonitor) -> 
     """Serve /metrics (when --metrics-port) and heartbeat into the registry (when --redis-url)."""
     if args.metrics_port:
         registry = CollectorRegistry()
-        registry.register(_StatsCollector(monitor))
+        registry.register(_StatsCollector(monitor, monitor.max_loras))
         start_http_server(args.metrics_port, addr=args.host, registry=registry)
         monitor.metrics_address = f"{advertise_address(args).rsplit(':', 1)[0]}:{args.metrics_port}"
     await monitor.info()

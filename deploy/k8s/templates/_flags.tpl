@@ -7,7 +7,8 @@ parsers, so a new flag fails CI until it is added here. */}}
 gateway: [port, log-level, drain-timeout, served-model-name, local-prefill-max-tokens,
   max-concurrent-requests, max-body-bytes, trust-request-chat-template, redis-namespace,
   max-migrations, resume-ttl-seconds, response-ttl-seconds, keep-alive-seconds, tls-cert,
-  tls-key, tls-ca, tls-server-name, enable-auto-tool-choice, tool-call-parser, routing]
+  tls-key, tls-ca, tls-server-name, enable-auto-tool-choice, tool-call-parser, routing,
+  enable-lora, lora-modules]
 tokenizer: [port, log-level, drain-timeout, model, served-model-name, max-model-len,
   redis-namespace, tls-cert, tls-key, tls-ca, tls-server-name, chat-template]
 prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
@@ -15,14 +16,15 @@ prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tl
   dtype, quantization, device, block-size, kv-cache-memory, num-kv-blocks,
   gpu-memory-utilization,
   max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, distributed-timeout-seconds,
-  speculative-config, kv-slab-bytes, kv-lease-seconds, kv-transport]
+  speculative-config, kv-slab-bytes, kv-lease-seconds, kv-transport,
+  enable-lora, lora-modules, max-loras, max-lora-rank, max-cpu-loras]
 decode: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
   tls-server-name, metrics-port, model, served-model-name, max-model-len,
   dtype, quantization, device, block-size, kv-cache-memory, num-kv-blocks,
   gpu-memory-utilization,
   max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, distributed-timeout-seconds,
   speculative-config, kv-timeout, kv-wait-seconds, kv-wait-max-requests, kv-transport,
-  kv-write-grace-seconds]
+  kv-write-grace-seconds, enable-lora, lora-modules, max-loras, max-lora-rank, max-cpu-loras]
 {{- end }}
 
 {{/* Flags that depend on where a pod runs, or on the pod's shape (tensor-parallel-size: its
@@ -38,9 +40,9 @@ pdserve.checkTensorParallel. (dict "root" $ "role" "decode") */}}
 
 {{/* The values maps a role's flags come from, later ones winning. */}}
 {{- define "pdserve.flagSources" -}}
-{{- if eq .role "gateway" }}flags gateway.flags
+{{- if eq .role "gateway" }}flags lora.flags gateway.flags
 {{- else if eq .role "tokenizer" }}flags model.flags tokenizer.flags
-{{- else }}flags model.flags engine.flags {{ .role }}.flags
+{{- else }}flags model.flags engine.flags lora.flags {{ .role }}.flags
 {{- end }}
 {{- end }}
 
