@@ -243,8 +243,6 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}"
             )
-        if self.lora is not None and self.parallel.tensor_parallel_size > 1:
-            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
         if self.speculative is not None and self.parallel.tensor_parallel_size > 1:
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not "
                              "supported yet")

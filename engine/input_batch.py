@@ -16,6 +16,7 @@ other ranks (engine/distributed/step_channel.py); every rank turns it into its d
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ class HostStep:
         longs (int64): input_ids [T] | positions [T] | slots [T] | sample_rows [N] |
                        late_dst [L] | late_src [L]
         ints  (int32): query_start [S+1] | seq_lens [S] | block_tables [S * max_blocks]
+                       [| lora_slots [T]: each token's LoRA adapter slot, when `has_lora`]
     """
 
     longs: array
@@ -54,6 +56,7 @@ class HostStep:
     num_samples: int  # N
     num_late: int  # L: decode inputs read from the previous step's samples on the device
     max_blocks: int
+    has_lora: bool = False
 
     def long_sizes(self) -> list[int]:
         t, n, late = self.num_tokens, self.num_samples, self.num_late
@@ -61,7 +64,7 @@ class HostStep:
 
     def int_sizes(self) -> list[int]:
         s = self.num_seqs
-        return [s + 1, s, s * self.max_blocks]
+        return [s + 1, s, s * self.max_blocks] + ([self.num_tokens] if self.has_lora else [])
 
 
 @dataclass
@@ -70,6 +73,7 @@ class StepTensors:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [N] int64
+    lora_slots: torch.Tensor | None = None  # [T] int32: each token's adapter slot (-1: none)
 
 
 @dataclass
@@ -101,9 +105,11 @@ def build_model_input(
 
 
 def pack_step(
-    out: SchedulerOutput, block_size: int, pending: PendingTokens | None = None
+    out: SchedulerOutput, block_size: int, pending: PendingTokens | None = None,
+    lora_slots: Callable[[list[ScheduledRequest]], list[int] | None] | None = None,
 ) -> tuple[HostStep, list[ScheduledRequest]]:
-    """The step's inputs in host buffers, and the scheduled requests in batch order."""
+    """The step's inputs in host buffers, and the scheduled requests in batch order.
+    `lora_slots(order)`: each token's LoRA slot for requests in that order (None: no adapter)."""
     order = order_for_batch(out)
     input_ids: list[int] = []
     positions: list[int] = []
@@ -144,12 +150,14 @@ def pack_step(
     max_blocks = -(-max(len(s.request.block_ids) for s in order) // 4) * 4
     tables = (x for s in order
               for x in s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids)))
+    token_loras = None if lora_slots is None else lora_slots(order)
     host = HostStep(
         longs=_pack("q", [input_ids, positions, slots, sample_rows, late_dst, late_src]),
-        ints=_pack("i", [query_start, seq_lens, tables]),
+        ints=_pack("i", [query_start, seq_lens, tables]
+                   + ([token_loras] if token_loras is not None else [])),
         num_prefills=sum(1 for s in order if s.num_new_tokens > 1),
         num_seqs=len(order), num_tokens=len(input_ids), num_samples=len(sample_rows),
-        num_late=len(late_dst), max_blocks=max_blocks,
+        num_late=len(late_dst), max_blocks=max_blocks, has_lora=token_loras is not None,
     )
     return host, order
 
@@ -164,7 +172,7 @@ def step_tensors(
     longs = to_device(host.longs, torch.int64, device)
     ints = to_device(host.ints, torch.int32, device)
     ids_t, pos_t, slots_t, rows_t, dst_t, src_t = _views(longs, host.long_sizes(), 2)
-    qstart_t, lens_t, tables_t = _views(ints, host.int_sizes(), 4)
+    qstart_t, lens_t, tables_t, *lora_t = _views(ints, host.int_sizes(), 4)
     if host.num_late:
         assert pending_ids is not None, "a pending input token needs the step in flight"
         ids_t.index_copy_(0, dst_t, pending_ids[src_t])
@@ -185,7 +193,8 @@ def step_tensors(
         max_seq_len=max(seq_lens),
         block_size=block_size,
     )
-    return StepTensors(input_ids=ids_t, positions=pos_t, meta=meta, sample_rows=rows_t)
+    return StepTensors(input_ids=ids_t, positions=pos_t, meta=meta, sample_rows=rows_t,
+                       lora_slots=lora_t[0] if lora_t else None)
 
 
 def _pack(typecode: str, parts: list) -> array:

@@ -185,7 +185,7 @@ class LLMEngine(KVHandoffMixin):
         """Unload an adapter: KeyError if it is not loaded, LoRAInUseError (nothing changes)
         while requests of it are queued or running."""
         slots = self._lora_slots()
-        if lora_name not in slots.cache:
+        if lora_name not in slots.known:
             raise KeyError(f"LoRA adapter {lora_name!r} is not loaded")
         users = sum(1 for g in self._groups.values() for s in g.seqs
                     if s.req.lora_name == lora_name)
@@ -195,7 +195,7 @@ class LLMEngine(KVHandoffMixin):
         slots.remove(lora_name)
 
     def list_loras(self) -> list[LoRARequest]:
-        """The adapters loaded now (host cache); safe to call from any thread."""
+        """The adapters registered now; safe to call from any thread."""
         if self.runner.lora is None:
             return []
         return list(self.runner.lora.loaded)
@@ -211,8 +211,7 @@ class LLMEngine(KVHandoffMixin):
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got "
                              f"{type(lora_request).__name__}")
-        in_use = {s.req.lora_name for g in self._groups.values() for s in g.seqs}
-        self._lora_slots().add(lora_request, in_use)
+        self._lora_slots().add(lora_request)
         return lora_request.lora_name
 
     def structured(self) -> StructuredOutputs:

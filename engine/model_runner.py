@@ -297,10 +297,21 @@ class ModelRunner:
         Input tokens still pending (sampled by the previous launch, not appended yet) are read
         from that launch's results on the device. `on_layer`: see `LlamaForCausalLM.forward`
         (not called for a step replayed from a CUDA graph)."""
-        host, order = pack_step(out, self.block_size, self._pending)
+        loads: list = []  # LoRA adapters to put into device slots before the step
+        token_loras = None
+        if self.lora is not None:
+            def token_loras(order: list[ScheduledRequest]) -> list[int] | None:
+                planned, per_token = self.lora.plan(order)  # type: ignore[union-attr]
+                loads.extend(planned)
+                return per_token
+        host, order = pack_step(out, self.block_size, self._pending, token_loras)
+        for slot, request in loads:
+            self.lora.place(slot, request)  # type: ignore[union-attr]
         if self.executor is None:
             return self._launch(host, order, on_layer)
         try:
+            for slot, request in loads:
+                self.executor.send_lora(slot, request)
             self.executor.send_step(host)
             return self._launch(host, order, on_layer)
         except (RuntimeError, OSError) as exc:  # a collective failed, a rank's pipe broke
@@ -312,7 +323,7 @@ class ModelRunner:
         pending = self._pending.token_ids if self._pending is not None else None
         inp = step_tensors(host, self.block_size, self.device, pending)
         if self.lora is not None:
-            self.lora.prepare(order)
+            self.lora.ctx.slots = inp.lora_slots
         hidden = self._forward(inp.input_ids, inp.positions, inp.meta, on_layer)
         for i, s in enumerate(order):
             if s.request.sampling_params.prompt_logprobs is not None:
@@ -392,6 +403,8 @@ class ModelRunner:
         """Ranks > 0: run the step rank 0 sent, in lockstep with it (the same collectives in
         the same order); keep rank 0's sampled tokens for the next step's pending inputs."""
         inp = step_tensors(host, self.block_size, self.device, self._pending_ids)
+        if self.lora is not None:
+            self.lora.ctx.slots = inp.lora_slots
         hidden = self._forward(inp.input_ids, inp.positions, inp.meta, None)
         if not host.num_samples:
             self._pending_ids = None

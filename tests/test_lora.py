@@ -202,19 +202,20 @@ def test_bundled_model_with_an_adapter_matches_peft(bundled_hf_model, tmp_path):
     assert want_lora != _greedy(bundled_hf_model, prompts[:1])
 
 
-def test_host_cache_evicts_idle_adapters_only(tiny_llama_dir, adapters):
+def test_host_cache_reloads_evicted_adapters(tiny_llama_dir, adapters):
+    """max_cpu_loras=1 with two adapters in flight: the weights of one are evicted while its
+    requests wait, and read again from disk when their step comes; outputs equal PEFT's."""
     llm = LLM(tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=8 << 20,
               enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=16)
     engine = llm.llm_engine
-    engine.add_lora(_req(adapters, "all4"))
-    engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=3),
-                       lora_request=_req(adapters, "all4"))
-    with pytest.raises(ValueError, match="all 1 adapters held .* are in use"):
-        engine.add_lora(_req(adapters, "qv8", 2))
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.add_lora(_req(adapters, "qv8", 2))  # all4 is idle now: evicted for it
-    assert [r.lora_name for r in engine.list_loras()] == ["qv8"]
+    names = ["all4", "qv8"]
+    loras = [_req(adapters, n, i + 1) for i, n in enumerate(names)]
+    got = _tokens(llm.generate(PROMPTS[:2] * 2, GREEDY, use_tqdm=False,
+                               lora_request=[loras[0], loras[0], loras[1], loras[1]]))
+    for i, name in enumerate(names):
+        assert got[2 * i:2 * i + 2] == _oracle(tiny_llama_dir, adapters[name])[:2], name
+    assert [r.lora_name for r in engine.list_loras()] == names  # both still registered
+    assert list(engine.runner.lora.cache) == ["qv8"]  # the weights of one
 
 
 def test_scheduler_runs_at_most_max_loras_adapters():
@@ -253,3 +254,23 @@ def test_mixed_batch_on_cuda_with_graphs_like_peft(tiny_llama_dir, adapters):
     assert graphs.replays > 0 and graphs.lora_graphs and graphs.graphs
     # base-only steps replay the graphs without the LoRA kernels
     assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == got[0::len(names)]
+
+
+def test_tensor_parallel_lora_equals_peft(tiny_llama_dir, adapters):
+    """Two ranks (gloo): column-parallel slices keep their rows of B, row-parallel ones their
+    columns of A and add their delta before the all-reduce; the placements reach rank 1 over
+    the step channel. max_loras=2 for three adapters: slots are reloaded on both ranks."""
+    llm = LLM(tiny_llama_dir, dtype="float32", device="cpu", num_kv_blocks=64,
+              tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=16,
+              max_cpu_loras=2)
+    try:
+        names = [None, "all4", "qv8", "mlp16"]
+        reqs = [None if n is None else _req(adapters, n, i + 1) for i, n in enumerate(names)]
+        prompts = [p for p in PROMPTS[:2] for _ in names]
+        loras = [r for _ in PROMPTS[:2] for r in reqs]
+        got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+        for j, name in enumerate(names):
+            want = _oracle(tiny_llama_dir, None if name is None else adapters[name])[:2]
+            assert got[j::len(names)] == want, name
+    finally:
+        llm.llm_engine.shutdown()

@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.distributed import step_channel
 from engine.distributed.group import TPGroup
 from engine.input_batch import HostStep
+from engine.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,9 @@ class TPExecutor:
 
     def send_step(self, host: HostStep) -> None:
         step_channel.send_step(self.conns, host)
+
+    def send_lora(self, slot: int, request: LoRARequest) -> None:
+        step_channel.send_lora(self.conns, slot, request)
 
     def stop(self) -> None:
         """Tell the ranks to exit and wait for them (killing any that do not)."""

@@ -34,8 +34,11 @@ def run_rank(config: EngineConfig, rank: int, port: int, conn: Connection) -> No
         runner = ModelRunner(config, group=group)
         if config.role != "colocated":  # rank 0 moves KV in and out of this rank's pool
             conn.send(runner.kv_pool)
-        while (host := step_channel.receive(conn)) is not None:
-            runner.follow(host)
+        while (item := step_channel.receive(conn)) is not None:
+            if isinstance(item, tuple):  # a LoRA adapter for a device slot
+                runner.lora.place(*item)  # type: ignore[union-attr]
+            else:
+                runner.follow(item)
     except EOFError:
         logger.error("tensor-parallel rank 0 is gone; rank %d exits", rank)
         sys.exit(1)

@@ -1,20 +1,22 @@
 """Where adapters live at run time: a host cache of loaded adapters and the device slots.
 
-    host cache    up to max_cpu_loras adapters read from disk (engine/lora/adapter.py), least
-                  recently used first out; an adapter some request still uses is never evicted
+    host cache    the weights of up to max_cpu_loras adapters read from disk
+                  (engine/lora/adapter.py), least recently used first out; every adapter stays
+                  registered (name -> path) and is read again when a step needs it
     device slots  max_loras of them in every wrapped projection (engine/lora/layers.py); an
                   adapter is copied into a free or least recently used slot the first step that
                   needs it, and stays there until another adapter needs the slot
 
 The scheduler admits at most max_loras distinct adapters among running requests, so one step's
-adapters always fit the slots. The runner calls `prepare(order)` before each forward: it places
-the step's adapters and sets each token's slot in the shared `LoRAContext`.
+adapters always fit the slots. Before each step rank 0's runner plans it (`plan`: which adapter
+goes into which slot, each token's slot); every rank places the new adapters (`place`) and
+reads the token slots from the step's inputs (engine/input_batch.py) into its `LoRAContext`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,67 +48,69 @@ class LoRASlots:
         # (layer, our module name) -> the wrapped projection
         self.modules: dict[tuple[int, str], LoRALinear] = {}
         self._wrap(model, dtype)
-        self.cache: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recent first
+        self.known: dict[str, LoRARequest] = {}  # registered adapters, by name
+        self.cache: OrderedDict[str, LoRAAdapter] = OrderedDict()  # their weights, LRU first
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, least recent first
-        # the cached adapters' requests, replaced whole on each change: other threads read it
+        # the registered adapters, replaced whole on each change: other threads read it
         self.loaded: tuple[LoRARequest, ...] = ()
 
     # ---- model -----------------------------------------------------------------------------
     def _wrap(self, model: nn.Module, dtype: torch.dtype) -> None:
         """Replace each layer's dense projections by LoRALinear wrappers (after the weights are
         loaded: the base keeps its parameters and their names)."""
-        cfg = self.config
+        cfg, hidden = self.config, model.config.hidden_size
+        sharded = model.tp.world_size > 1
         layers = model.model.layers
         self.num_layers = len(layers)
+        whole = range(hidden)
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            parts = [(attn, "qkv_proj", model.config.hidden_size, attn.shard_slices()),
-                     (attn, "o_proj", attn.q_size, {"o": model.config.hidden_size})]
+            q_rows, q_full = attn.shard_rows["q"]
+            parts = [(attn, "qkv_proj", hidden, attn.shard_rows, None),
+                     (attn, "o_proj", q_full, {"o": (whole, hidden)},
+                      q_rows if sharded else None)]
             if hasattr(mlp, "gate_up_proj"):  # dense MLP; a mixture of experts has none
-                parts += [(mlp, "gate_up_proj", model.config.hidden_size, mlp.shard_slices()),
-                          (mlp, "down_proj", mlp.intermediate_size,
-                           {"down": model.config.hidden_size})]
-            for owner, name, in_features, slices in parts:
-                widths = {k: (v.stop - v.start if isinstance(v, slice) else v)
-                          for k, v in slices.items()}
-                wrapped = LoRALinear(getattr(owner, name), in_features, widths, cfg.max_loras,
-                                     cfg.max_lora_rank, self.ctx, dtype, self.device)
+                rows, full = mlp.shard_rows["gate"]
+                parts += [(mlp, "gate_up_proj", hidden, mlp.shard_rows, None),
+                          (mlp, "down_proj", full, {"down": (whole, hidden)},
+                           rows if sharded else None)]
+            for owner, name, in_features, slices, cols in parts:
+                wrapped = LoRALinear(getattr(owner, name), in_features, slices, cfg.max_loras,
+                                     cfg.max_lora_rank, self.ctx, dtype, self.device, cols)
                 setattr(owner, name, wrapped)
                 self.modules[(i, name)] = wrapped
 
     # ---- host cache ------------------------------------------------------------------------
-    def add(self, request: LoRARequest, in_use: Collection[str] = ()) -> LoRAAdapter:
-        """Load `request`'s adapter into the host cache (a no-op if it is there, from the same
-        path), evicting the least recently used adapter not in `in_use` when the cache is full.
-        ValueError, changing nothing: a bad adapter, the name taken by another path, or every
-        cached adapter in use."""
+    def add(self, request: LoRARequest) -> LoRAAdapter:
+        """Register `request`'s adapter and hold its weights in the host cache (read from disk
+        if they are not there), evicting the least recently used weights when the cache is full:
+        an evicted adapter stays registered and is read again when a step needs it. ValueError,
+        changing nothing: a bad adapter, or the name registered with another path."""
         name = request.lora_name
-        cached = self.cache.get(name)
-        if cached is not None:
-            if cached.request.lora_path != request.lora_path:
-                raise ValueError(f"LoRA adapter {name!r} is loaded from "
-                                 f"{cached.request.lora_path}, not {request.lora_path}")
+        known = self.known.get(name)
+        if known is not None and known.lora_path != request.lora_path:
+            raise ValueError(f"LoRA adapter {name!r} is loaded from {known.lora_path}, not "
+                             f"{request.lora_path}")
+        adapter = self.cache.get(name)
+        if adapter is None:
+            adapter = load_adapter(request, self.config.max_lora_rank)
+            self._check_fits(adapter)
+            while len(self.cache) >= self.config.cpu_capacity:
+                self.cache.popitem(last=False)
+            self.cache[name] = adapter
+        else:
             self.cache.move_to_end(name)
-            return cached
-        adapter = load_adapter(request, self.config.max_lora_rank)
-        self._check_fits(adapter)
-        if len(self.cache) >= self.config.cpu_capacity:
-            idle = [n for n in self.cache if n not in in_use]
-            if not idle:
-                raise ValueError(
-                    f"cannot load LoRA adapter {name!r}: all {len(self.cache)} adapters held "
-                    f"(max_cpu_loras) are in use by requests"
-                )
-            self.remove(idle[0])
-        self.cache[name] = adapter
-        self.loaded = tuple(a.request for a in self.cache.values())
+        if known is None:
+            self.known[name] = request
+            self.loaded = tuple(self.known.values())
         return adapter
 
     def remove(self, name: str) -> None:
-        """Forget adapter `name` (KeyError if not loaded); its device slot is free again."""
-        del self.cache[name]
+        """Forget adapter `name` (KeyError if not registered); its device slot is free again."""
+        del self.known[name]
+        self.cache.pop(name, None)
         self.slot_of.pop(name, None)
-        self.loaded = tuple(a.request for a in self.cache.values())
+        self.loaded = tuple(self.known.values())
 
     def _check_fits(self, adapter: LoRAAdapter) -> None:
         for (layer, proj), (a, b) in adapter.weights.items():
@@ -117,46 +121,54 @@ class LoRASlots:
             if module is None:
                 raise ValueError(f"{where}: this model has no dense {proj} there (a "
                                  f"mixture-of-experts layer): only attention can be adapted")
-            want = (module.slice_width(_SLICE[proj]), module.in_features)
+            want = (module.full_out[_SLICE[proj]], module.in_features)
             if (b.shape[0], a.shape[1]) != want:
                 raise ValueError(f"{where} maps {a.shape[1]} -> {b.shape[0]} features, the "
                                  f"model's {want[1]} -> {want[0]}")
 
     # ---- one step ----------------------------------------------------------------------------
-    def prepare(self, order: Sequence[ScheduledRequest]) -> None:
-        """Place this step's adapters in device slots and set every token's slot (None when no
-        request of the step has an adapter)."""
+    def plan(self, order: Sequence[ScheduledRequest]) -> tuple[list[tuple[int, LoRARequest]],
+                                                               list[int] | None]:
+        """Rank 0: the device slot of each adapter of this step (a free one, or the least
+        recently used one no adapter of the step needs) and each token's slot; returns the
+        (slot, adapter) placements to make before the step (`place`, on every rank) and the
+        per-token slots (None: no adapter this step)."""
         names = {s.request.lora_name for s in order if s.request.lora_name is not None}
         if not names:
-            self.ctx.slots = None
-            return
-        slots = {name: self._slot(name, names) for name in names}
+            return [], None
+        loads = []
+        for name in names:
+            if name in self.slot_of:
+                self.slot_of.move_to_end(name)
+                continue
+            taken = set(self.slot_of.values())
+            free = [s for s in range(self.config.max_loras) if s not in taken]
+            if free:
+                slot = free[0]
+            else:  # fits: the scheduler runs at most max_loras adapters
+                victim = next(n for n in self.slot_of if n not in names)
+                slot = self.slot_of.pop(victim)
+            self.slot_of[name] = slot
+            loads.append((slot, self.known[name]))
         per_token: list[int] = []
         for s in order:
-            slot = -1 if s.request.lora_name is None else slots[s.request.lora_name]
+            slot = -1 if s.request.lora_name is None else self.slot_of[s.request.lora_name]
             per_token += [slot] * s.num_new_tokens
-        self.ctx.slots = torch.tensor(per_token, dtype=torch.int32).to(self.device,
-                                                                        non_blocking=True)
+        return loads, per_token
 
-    def _slot(self, name: str, step: Collection[str]) -> int:
-        """The device slot holding `name`, loading it into a free slot or the least recently
-        used one no adapter of this step needs."""
-        slot = self.slot_of.get(name)
-        if slot is not None:
-            self.slot_of.move_to_end(name)
-            return slot
-        taken = set(self.slot_of.values())
-        free = [s for s in range(self.config.max_loras) if s not in taken]
-        if free:
-            slot = free[0]
-        else:
-            victim = next(n for n in self.slot_of if n not in step)  # fits: <= max_loras a step
-            slot = self.slot_of.pop(victim)
-        adapter = self.cache[name]
+    def place(self, slot: int, request: LoRARequest) -> None:
+        """Copy an adapter's weights (this rank's part) into device slot `slot`; a rank other
+        than 0 reads it from disk first if its host cache lacks it."""
+        known = self.known.get(request.lora_name)
+        if known is not None and known != request:  # ranks > 0: removed and added anew
+            self.remove(request.lora_name)
+        adapter = self.add(request)
         per_module: dict[tuple[int, str], dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         for (layer, proj), ab in adapter.weights.items():
             per_module.setdefault((layer, _FUSED[proj]), {})[_SLICE[proj]] = ab
         for key, module in self.modules.items():
             module.set_slot(slot, per_module.get(key, {}))
-        self.slot_of[name] = slot
-        return slot
+        for name, held in list(self.slot_of.items()):  # other ranks: the slot's old adapter
+            if held == slot and name != request.lora_name:
+                del self.slot_of[name]
+        self.slot_of[request.lora_name] = slot

@@ -73,7 +73,10 @@ class LlamaAttention(nn.Module):
         q_rows = range(heads.q_heads.start * d, heads.q_heads.stop * d)
         kv_rows = range(heads.kv_heads.start * d, heads.kv_heads.stop * d)
         full_q, full_kv = config.num_attention_heads * d, config.num_key_value_heads * d
-        self._sources = {  # rows of each HF projection this rank holds
+        # rows of each HF projection this rank holds, out of how many (also LoRA's slices)
+        self.shard_rows = {"q": (q_rows, full_q), "k": (kv_rows, full_kv),
+                           "v": (kv_rows, full_kv)}
+        self._sources = {
             "q": slice_loader(0, q_rows if sharded else None, full_q),
             "k": slice_loader(0, kv_rows if sharded else None, full_kv),
             "v": slice_loader(0, kv_rows if sharded else None, full_kv),
@@ -123,6 +126,7 @@ class LlamaMLP(nn.Module):
         full = config.intermediate_size if intermediate_size is None else intermediate_size
         rows = even_split(full, tp.world_size, tp.rank)  # this rank's intermediate rows
         self.intermediate_size = len(rows)
+        self.shard_rows = {"gate": (rows, full), "up": (rows, full)}  # (also LoRA's slices)
         self._source = slice_loader(0, rows if tp.world_size > 1 else None, full)
         self.gate_up_proj = linear(config, config.hidden_size, 2 * len(rows), bias)
         self.down_proj = row_parallel_linear(config, full, config.hidden_size, rows, bias, tp)

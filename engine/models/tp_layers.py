@@ -70,7 +70,15 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
             return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return self.reduce(F.linear(x, self.weight))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the sum, before the all-reduce (what LoRA adds its own to)."""
+        return F.linear(x, self.weight)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `partial`, plus the bias."""
+        out = self.tp.all_reduce(partial)
         return out if self.bias is None else out + self.bias
 
 
