@@ -33,6 +33,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks (processes) the model is sharded over")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts models: whole experts per tensor-parallel rank")
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
                    help=QUANTIZATION_HELP)
     p.add_argument("--speculative-config", default="",
@@ -47,6 +49,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        enable_expert_parallel=args.enable_expert_parallel,
         speculative_config=speculative_config(args.speculative_config),
     )
 

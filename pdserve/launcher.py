@@ -68,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              help="tensor-parallel ranks of each prefill worker (one GPU each)")
     add_flag(p, "--decode-tp", 1, type=int, help="tensor-parallel ranks of each decode worker; "
              "with --colocated, of the one engine")
+    add_flag(p, "--enable-expert-parallel", False, action="store_true",
+             help="mixture-of-experts models: whole experts per tensor-parallel rank")
     add_flag(p, "--prefill-gpus", "", help="GPUs of the prefill workers, e.g. 0 or 0,1: worker i "
              "gets the --prefill-tp of them from position i*tp on, wrapping around the list, as "
              "its visible devices (default: what the shell sees)")
@@ -115,6 +117,8 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     engine = ["--dtype", args.dtype, "--kv-cache-memory", str(args.kv_cache_memory)]
     if args.quantization:
         engine += ["--quantization", args.quantization]
+    if args.enable_expert_parallel:
+        engine += ["--enable-expert-parallel"]
     workers = ["--kv-transport", args.kv_transport]  # prefill and decode only
     cluster = _cluster_flags(args)  # what every disaggregated service must agree on
     internal = ["--host", "127.0.0.1"]  # only the gateway listens on --host; workers: loopback

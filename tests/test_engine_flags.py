@@ -17,7 +17,8 @@ from pdserve.cli import _engine_kwargs, build_parser
 from pdserve.cluster.registry import WorkerInfo
 from pdserve.cluster.worker import WorkerMonitor, build_engine
 
-ENV = ("PDSERVE_TENSOR_PARALLEL_SIZE", "PDSERVE_DISTRIBUTED_TIMEOUT_SECONDS")
+ENV = ("PDSERVE_TENSOR_PARALLEL_SIZE", "PDSERVE_DISTRIBUTED_TIMEOUT_SECONDS",
+       "PDSERVE_ENABLE_EXPERT_PARALLEL")
 
 
 @pytest.fixture(autouse=True)
@@ -49,6 +50,9 @@ def test_service_flags_reach_the_engine(command: str, monkeypatch: pytest.Monkey
                                       "--distributed-timeout-seconds", "7.5"])
     seen = _engine_args(monkeypatch, args)
     assert (seen["tensor_parallel_size"], seen["distributed_timeout_s"]) == (2, 7.5)
+    assert seen["enable_expert_parallel"] is False
+    args = build_parser().parse_args([command, "--enable-expert-parallel"])
+    assert _engine_args(monkeypatch, args)["enable_expert_parallel"] is True
 
 
 def test_service_defaults_and_env_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -68,6 +72,7 @@ def test_service_defaults_and_env_fallbacks(monkeypatch: pytest.MonkeyPatch) -> 
 def test_offline_commands_take_the_tp_size(argv: list[str], expected: int) -> None:
     kwargs = _engine_kwargs(build_parser().parse_args(argv))
     assert kwargs["tensor_parallel_size"] == expected
+    assert kwargs["enable_expert_parallel"] is False
     inspect.signature(build_engine_config).bind(None, **kwargs)
 
 

@@ -17,7 +17,7 @@ def _up(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
     for name in ("HOST", "REDIS_NAMESPACE", "TLS_CERT", "TLS_KEY", "TLS_CA", "PREFILL_GPUS",
                  "DECODE_GPUS", "KV_TRANSPORT", "PREFILL_TP", "DECODE_TP", "COLOCATED",
                  "CHAT_TEMPLATE", "TOOL_CALL_PARSER", "NO_AUTO_TOOL_CHOICE",
-                 "ENABLE_AUTO_TOOL_CHOICE", "API_KEY"):
+                 "ENABLE_AUTO_TOOL_CHOICE", "API_KEY", "ENABLE_EXPERT_PARALLEL"):
         monkeypatch.delenv(f"PDSERVE_{name}", raising=False)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -185,3 +185,16 @@ def test_api_key_reaches_the_gateway_in_its_environment(monkeypatch: pytest.Monk
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert parser.parse_args([]).api_key == "from-env"
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_expert_parallel_reaches_every_engine(monkeypatch: pytest.MonkeyPatch,
+                                              colocated: bool) -> None:
+    argv = ["--enable-expert-parallel", "--decode-tp", "2"] + (["--colocated"] if colocated
+                                                                else [])
+    services = plan(_up(argv, monkeypatch), "redis://127.0.0.1:6379/0", None)
+    engines = [s for s in services if s.name != "tokenizer" and
+               (colocated or s.name != "gateway")]
+    assert engines
+    for s in engines:
+        assert build_parser().parse_args(s.argv[3:]).enable_expert_parallel, s.name

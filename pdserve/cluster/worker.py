@@ -62,6 +62,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--tensor-parallel-size", 1, type=int,
              help="ranks (processes) the model is sharded over: rank r uses device cuda:r of "
                   "the visible GPUs, or the CPU")
+    add_flag(parser, "--enable-expert-parallel", False, action="store_true",
+             help="mixture-of-experts models: whole experts per tensor-parallel rank (expert "
+                  "parallelism, EP size = TP size) instead of every expert sliced across them")
     add_flag(parser, "--distributed-timeout-seconds", 60.0, type=float,
              help="seconds a collective may wait for a rank before the worker fails")
     add_flag(parser, "--speculative-config", "",
@@ -93,6 +96,7 @@ def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         distributed_timeout_s=args.distributed_timeout_seconds,
         speculative_config=speculative_config(args.speculative_config),
         quantization=args.quantization, **lora_engine_kwargs(args),
