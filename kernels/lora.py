@@ -1,35 +1,16 @@
 """Batched multi-LoRA (Punica's BGMV/SGMV): y[t] += B_s (A_s x[t]), s = slots[t], in place.
 
-NOTE: two launches, a shrink then an expand, each over a grid whose third axis splits the
-slots into G groups (slot % G == group): G = S at decode sizes, G = 1 for prefill.
+The public entry is lora_apply; its kernels live in kernels/lora_kernels.py (whose NOTE draws
+both ways through): for one token (T <= FUSED_MAX_T) one fused launch that recomputes the
+shrink per column chunk, above that a shrink with split-K fp32 partials then an expand.
+Measured on an H100 in CUDA graphs (pdserve/bench/gpu_lora_kernels.py), at T = 1 the fused
+launch takes 4.6-5.8 us against the pair's 5.3-6.7 (qkv, o, down; gate_up ties at 6.5). From
+T = 8 with mixed slots the pair wins (fused: a serial shrink pass per slot in every chunk,
+gate_up 9.9 us against 7.7), and for prefill the redundant shrink costs far more than a launch.
 
-    shrink  grid (token tiles, K splits, G):  h[split, t, j] = x[t, K part] . A_s[j, K part]
-    expand  grid (token tiles, column chunks, G):  y[t, n] += sum_split h[., t, slice i] . B_s[n]
-
-A program walks the distinct slots of its tile that fall in its group, smallest first:
-
-    slots (BLOCK_M 8) = [2, 2, -1, 0, 2, 0, 3, pad]     G = 1; pad (past T) reads as -1
-    pass 1: cur = 0   rows {3, 5}      x rows of other slots load as 0 (masked, not read)
-    pass 2: cur = 2   rows {0, 1, 4}
-    pass 3: cur = 3   rows {6}         then no pending row: done; rows 2 and 7 add nothing
-
-Each pass reads slot cur's A (or B) once for the whole tile and runs one tl.dot on it, so a
-prefill tile (one adapter: a contiguous run) costs one pass. At decode a tile mixes adapters;
-with G = S every program has at most one pass and the passes run side by side (programs
-whose group has no row in the tile exit at once). A y element is written only by the program
-of its row's slot, so groups never race. The expand masks h to the pass's rows and accumulates
-every pass in fp32 before the one read-add-write of its y block (rounded once).
-
-Splitting K gives a few tokens enough programs to fill the GPU; the expand sums the fp32
-partials. Measured on an H100 in CUDA graphs (pdserve/bench/gpu_lora_kernels.py), this pair beat
-a fused single launch (shrink recomputed per column chunk) at every size tried, T = 1 included
-(qkv 5.7 us against 7.1, down 6.0 against 14.3): the fused kernel's serial K loop costs more
-than the second launch. Column chunks never straddle
-slices; a program finds its slice from the slice offsets passed as scalars (at most MAX_SLICES).
 Grids depend on shapes alone and slots are read on the device: no host sync, CUDA-graph safe.
-
-Without triton the module still imports: the @jit functions stay plain (never called) and
-lora_apply falls back to lora_apply_ref, the torch path the engine uses on the CPU.
+Without triton the module still imports and lora_apply falls back to lora_apply_ref, the torch
+path the engine uses on the CPU.
 """
 
 from __future__ import annotations
@@ -39,168 +20,15 @@ from dataclasses import dataclass
 import torch
 
 from kernels._common import INTERPRET, dot_precision
+from kernels.lora_kernels import (
+    MAX_SLICES,
+    _lora_expand_kernel,
+    _lora_fused_kernel,
+    _lora_shrink_kernel,
+    triton,
+)
 
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # a torch-only install: lora_apply runs lora_apply_ref
-    triton = tl = None
-
-    def jit(fn):  # type: ignore[no-redef]
-        return fn
-
-
-MAX_SLICES = 4
-_NO_SLOT = tl.constexpr(1 << 30) if tl else 0  # above every slot index: "no pending row"
 _NONE = 1 << 30  # first chunk of a missing slice: never reached
-
-
-# ---- device code -------------------------------------------------------------------------------
-@jit
-def _next_slot(slot_rows, pending):
-    return tl.min(tl.where(pending, slot_rows, _NO_SLOT), 0)
-
-
-@jit
-def _tile_rows(slots_ptr, T, S, BLOCK_M: tl.constexpr):
-    """The tile's rows, their slots, rows with an adapter, and those of this program's group."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot_rows = tl.load(slots_ptr + offs_m, mask=offs_m < T, other=-1)
-    active = (slot_rows >= 0) & (slot_rows < S)
-    return offs_m, slot_rows, active, active & (slot_rows % tl.num_programs(2) == tl.program_id(2))
-
-
-@jit
-def _shrink_tile(
-    x_ptr,  # [T, K]
-    a_ptr,  # [S, n_slices * R, K]
-    offs_m,  # [BLOCK_M] token rows of the tile
-    slot_rows,  # [BLOCK_M] their slots
-    mine,  # [BLOCK_M] rows this program serves
-    a_rows,  # [R_PAD] rows of A to read
-    a_rows_mask,  # [R_PAD]
-    k_lo,
-    k_hi,
-    stride_xm,
-    stride_as,
-    stride_ar,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    R_PAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """h[t, j] = sum_{k in [k_lo, k_hi)} x[t, k] A_slot(t)[a_rows[j], k] in fp32; 0 on rows
-    not `mine`."""
-    offs_k = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [M, 1]
-    h = tl.zeros([BLOCK_M, R_PAD], tl.float32)
-    pending = mine
-    cur = _next_slot(slot_rows, pending)
-    while cur < _NO_SLOT:
-        rows = slot_rows == cur
-        a_cols = a_ptr + cur.to(tl.int64) * stride_as + a_rows[None, :] * stride_ar  # [1, R]
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            kk = k0 + offs_k
-            k_mask = kk < k_hi
-            xt = tl.load(x_rows + kk[None, :], mask=rows[:, None] & k_mask[None, :], other=0.0)
-            at = tl.load(a_cols + kk[:, None], mask=k_mask[:, None] & a_rows_mask[None, :],
-                         other=0.0)  # [BK, R]
-            if UPCAST:
-                xt = xt.to(tl.float32)
-                at = at.to(tl.float32)
-            h += tl.dot(xt, at, input_precision=DOT_PRECISION)
-        pending = pending & (slot_rows != cur)
-        cur = _next_slot(slot_rows, pending)
-    return h
-
-
-@jit
-def _chunk_columns(pid, o1, o2, o3, o4, c1, c2, c3, chunk):
-    """Column chunk `pid` -> (its slice, first column, end column); c_i is slice i's first
-    chunk, o_i slice i's first column (o_n = N)."""
-    sl = (pid >= c1).to(tl.int32) + (pid >= c2).to(tl.int32) + (pid >= c3).to(tl.int32)
-    lo = tl.where(sl == 0, 0, tl.where(sl == 1, o1, tl.where(sl == 2, o2, o3)))
-    hi = tl.where(sl == 0, o1, tl.where(sl == 1, o2, tl.where(sl == 2, o3, o4)))
-    first = tl.where(sl == 0, 0, tl.where(sl == 1, c1, tl.where(sl == 2, c2, c3)))
-    start = lo + (pid - first) * chunk
-    return sl, start, tl.minimum(start + chunk, hi)
-
-
-@jit
-def _lora_shrink_kernel(
-    x_ptr,  # [T, K]
-    a_ptr,  # [S, n_slices * R, K]
-    slots_ptr,  # [T] int32, -1: no adapter
-    h_ptr,  # [split, T, n_slices * R] fp32 out: partial sums over K (split = grid axis 1)
-    T, K, S, R, rank, n_cols,  # rank <= R rows of each slice read; n_cols = n_slices * rank
-    stride_xm, stride_as, stride_ar, stride_hs, stride_hm,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    R_PAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    offs_m, slot_rows, active, mine = _tile_rows(slots_ptr, T, S, BLOCK_M)
-    j = tl.arange(0, R_PAD)  # column j: slice j // rank, rank row j % rank
-    a_rows = (j // rank) * R + j % rank
-    per_split = tl.cdiv(tl.cdiv(K, tl.num_programs(1)), BLOCK_K) * BLOCK_K
-    k_lo = tl.program_id(1) * per_split
-    h = _shrink_tile(x_ptr, a_ptr, offs_m, slot_rows, mine, a_rows, j < n_cols, k_lo,
-                     tl.minimum(k_lo + per_split, K), stride_xm, stride_as, stride_ar,
-                     BLOCK_M, BLOCK_K, R_PAD, DOT_PRECISION, UPCAST)
-    # group 0 also writes the zeros of rows without an adapter: every row of h is defined
-    zero_rows_end = tl.where(tl.program_id(2) == 0, T, 0)
-    rows = mine | (~active & (offs_m < zero_rows_end))
-    out = (h_ptr + tl.program_id(1) * stride_hs + offs_m.to(tl.int64)[:, None] * stride_hm
-           + a_rows[None, :])
-    tl.store(out, h, mask=rows[:, None] & (j < n_cols)[None, :])
-
-
-@jit
-def _lora_expand_kernel(
-    h_ptr,  # [split, T, n_slices * R] fp32: partial shrinks, summed here
-    b_ptr,  # [S, N, R]
-    slots_ptr,  # [T] int32
-    y_ptr,  # [T, N], accumulated in place
-    T, S, R, rank, split,
-    stride_hs, stride_hm, stride_bs, stride_bn, stride_ym,
-    o1, o2, o3, o4, c1, c2, c3,  # slice ends (o4 = N), first chunks of slices 1..3
-    chunk_blocks,  # BLOCK_N column blocks per program
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    R_PAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    offs_m, slot_rows, active, mine = _tile_rows(slots_ptr, T, S, BLOCK_M)
-    sl, col_lo, col_hi = _chunk_columns(tl.program_id(1), o1, o2, o3, o4, c1, c2, c3,
-                                        BLOCK_N * chunk_blocks)
-    offs_r = tl.arange(0, R_PAD)
-    r_mask = offs_r < rank
-    h_tile = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + sl * R + offs_r[None, :]
-    h = tl.zeros([BLOCK_M, R_PAD], tl.float32)
-    for s in range(split):
-        h += tl.load(h_tile + s * stride_hs, mask=mine[:, None] & r_mask[None, :], other=0.0)
-    y_rows = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym
-    for nb in range(chunk_blocks):
-        cols = col_lo + nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        c_mask = cols < col_hi
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        pending = mine
-        cur = _next_slot(slot_rows, pending)
-        while cur < _NO_SLOT:
-            rows = slot_rows == cur
-            b = tl.load(b_ptr + cur.to(tl.int64) * stride_bs + cols[None, :] * stride_bn
-                        + offs_r[:, None], mask=r_mask[:, None] & c_mask[None, :], other=0.0)
-            hs = tl.where(rows[:, None], h, 0.0)
-            acc += tl.dot(hs, b.to(tl.float32), input_precision=DOT_PRECISION)  # [M, BN]
-            pending = pending & (slot_rows != cur)
-            cur = _next_slot(slot_rows, pending)
-        mask = mine[:, None] & c_mask[None, :]
-        y = tl.load(y_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_rows + cols[None, :], (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # ---- launchers ---------------------------------------------------------------------------------
@@ -212,25 +40,58 @@ ExpandConfig = tuple[int, int, int, int, int]
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """Tiles of one lora_apply; by_slot: a grid axis over the S slots (G = S), else G = 1."""
+    """Tiles of a shrink-then-expand lora_apply; by_slot: a grid axis over the S slots (G = S),
+    else G = 1."""
 
     shrink: ShrinkConfig
     expand: ExpandConfig
     by_slot: bool
 
 
-# tiny tiles keep the interpreter's numpy arrays small; both slot groupings are tested
+@dataclass(frozen=True)
+class FusedConfig:
+    """Tiles of a one-launch lora_apply (_lora_fused_kernel); by_slot: a grid axis over the S
+    slots (G = S), else G = 1."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    by_slot: bool = False
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# tiny tiles keep the interpreter's numpy arrays small; every path is tested
 INTERPRET_CONFIGS = {
     by_slot: LoRAConfig((16, 16, 2, 1, 1), (16, 16, 2, 1, 1), by_slot) for by_slot in (False, True)
 }
+INTERPRET_FUSED = {
+    (split, by_slot): FusedConfig(16, 16, 16, split, by_slot, 1, 1)
+    for split in (1, 2) for by_slot in (False, True)
+}
+FUSED_MAX_T = 1  # up to this many tokens one fused launch
 BY_SLOT_MAX_T = 512  # up to this many tokens (the engine's decode batches) a grid axis per slot
 
 
-def choose_config(num_tokens: int, in_features: int, out_features: int) -> LoRAConfig:
+def choose_config(num_tokens: int, in_features: int,
+                  out_features: int) -> LoRAConfig | FusedConfig:
     """Tiles measured best on an H100 for a 1B Llama's projections (rank 16, 4 slots; tuned by
-    `python -m pdserve.bench.gpu_lora_kernels --tune`): 16-row shrink tiles up to 64 tokens
-    with K split into ~256-wide parts, 64-row tiles above with ~512-wide parts, fewer splits
-    once the token tiles alone fill the GPU; a grid axis per slot up to BY_SLOT_MAX_T tokens."""
+    `python -m pdserve.bench.gpu_lora_kernels --tune`): one fused launch up to FUSED_MAX_T
+    tokens, 128 columns a program, K whole for a wide output (gate_up), else in 4 parts (8 for
+    K > 2048); above, choose_two_pass's."""
+    if num_tokens > FUSED_MAX_T:
+        return choose_two_pass(num_tokens, in_features)
+    if INTERPRET:
+        return INTERPRET_FUSED[2, True]
+    split = 1 if out_features > 4096 else 4 if in_features <= 2048 else 8
+    return FusedConfig(16, 128, 256, split, False)
+
+
+def choose_two_pass(num_tokens: int, in_features: int) -> LoRAConfig:
+    """16-row shrink tiles up to 64 tokens with K split into ~256-wide parts, 64-row tiles
+    above with ~512-wide parts, fewer splits once the token tiles alone fill the GPU; a grid
+    axis per slot up to BY_SLOT_MAX_T tokens."""
     if INTERPRET:
         return INTERPRET_CONFIGS[num_tokens <= BY_SLOT_MAX_T]
     small = num_tokens <= 16
@@ -289,6 +150,41 @@ def _launch_expand(h: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor, y
     )
 
 
+_TICKETS: dict[torch.device, torch.Tensor] = {}  # per device: the fused kernel's counters
+_TICKET_COUNT = 1 << 16
+
+
+def _tickets(device: torch.device, needed: int) -> torch.Tensor:
+    """The device's [_TICKET_COUNT] int32 arrival counters, zeroed once and kept for the
+    process: every fused call leaves them 0."""
+    if needed > _TICKET_COUNT:
+        raise ValueError(f"{needed} fused blocks exceed the {_TICKET_COUNT} counters")
+    if device not in _TICKETS:
+        _TICKETS[device] = torch.zeros(_TICKET_COUNT, dtype=torch.int32, device=device)
+    return _TICKETS[device]
+
+
+def _launch_fused(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                  slots: torch.Tensor, y: torch.Tensor, offsets: tuple[int, ...], rank: int,
+                  cfg: FusedConfig) -> None:
+    (num_tokens, k), (slots_n, n, r) = x.shape, lora_b.shape
+    scalars, chunks = _slice_scalars(offsets, cfg.block_n)
+    groups = slots_n if cfg.by_slot else 1
+    grid = (triton.cdiv(num_tokens, cfg.block_m), chunks, groups * cfg.split_k)
+    parts = y  # never read with split_k 1
+    if cfg.split_k > 1:
+        parts = torch.empty(cfg.split_k, num_tokens, n, dtype=torch.float32, device=y.device)
+    tickets = _tickets(y.device, grid[0] * chunks * groups)
+    _lora_fused_kernel[grid](
+        x, lora_a, lora_b, slots, y, parts, tickets, num_tokens, k, slots_n, r, rank, groups,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(1),
+        y.stride(0), parts.stride(0) if cfg.split_k > 1 else 0, parts.stride(-2), *scalars,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, R_PAD=_r_pad(rank),
+        SPLIT_K=cfg.split_k, DOT_PRECISION=dot_precision(x.dtype), UPCAST=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
 def _check(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
            y: torch.Tensor, offsets: tuple[int, ...], max_rank: int | None) -> int:
     """Validates the shapes of a lora_apply call; returns the rank to read."""
@@ -324,13 +220,14 @@ def lora_apply(
     slice_offsets: tuple[int, ...],  # n_slices + 1 column offsets into y, 0 .. N
     *,
     max_rank: int | None = None,  # read only the first max_rank rows of each slice's R
-    config: LoRAConfig | None = None,  # tiles (None: choose_config's)
+    config: LoRAConfig | FusedConfig | None = None,  # tiles (None: choose_config's)
 ) -> None:
     """y[t] += B_s[slice cols] (A_s[slice rows] x[t]) for every slice, s = slots[t] >= 0, in
     place; rows of slot -1 (or any slot outside [0, S)) are left untouched.
 
-    On CUDA (or under TRITON_INTERPRET) a shrink and an expand launch, no host sync: CUDA-graph
-    safe. Elsewhere, or without triton, lora_apply_ref."""
+    On CUDA (or under TRITON_INTERPRET) one fused launch (FusedConfig) or a shrink and an
+    expand launch (LoRAConfig), no host sync: CUDA-graph safe. Elsewhere, or without triton,
+    lora_apply_ref."""
     rank = _check(x, lora_a, lora_b, slots, y, slice_offsets, max_rank)
     if triton is None or not (x.is_cuda or INTERPRET):
         lora_apply_ref(x, lora_a, lora_b, slots, y, slice_offsets, max_rank=max_rank)
@@ -338,6 +235,9 @@ def lora_apply(
     if x.shape[0] == 0:
         return
     cfg = config or choose_config(x.shape[0], x.shape[1], y.shape[1])
+    if isinstance(cfg, FusedConfig):
+        _launch_fused(x, lora_a, lora_b, slots, y, slice_offsets, rank, cfg)
+        return
     h = _shrink_partials(x, lora_a, slots, lora_b.shape[2], rank, cfg.shrink, cfg.by_slot)
     _launch_expand(h, lora_b, slots, y, slice_offsets, rank, cfg.expand, cfg.by_slot)
 
@@ -347,7 +247,7 @@ def lora_shrink(
     config: LoRAConfig | None = None,
 ) -> torch.Tensor:  # [T, n_slices * R] fp32
     """h[t] = A_s x[t] for s = slots[t] >= 0 (all n_slices * R rows), 0 on other rows."""
-    cfg = config or choose_config(x.shape[0], x.shape[1], 0)
+    cfg = config or choose_two_pass(x.shape[0], x.shape[1])
     n_rows = lora_a.shape[1]
     return _shrink_partials(x, lora_a, slots, n_rows, n_rows, cfg.shrink, cfg.by_slot).sum(0)
 
@@ -358,7 +258,7 @@ def lora_expand(
     *, config: LoRAConfig | None = None,
 ) -> None:
     """y[t, slice i] += h[t, i*R:(i+1)*R] . B_s[slice i]^T for s = slots[t] >= 0, in place."""
-    cfg = config or choose_config(y.shape[0], 0, y.shape[1])
+    cfg = config or choose_two_pass(y.shape[0], 0)
     _launch_expand(h.unsqueeze(0), lora_b, slots, y, slice_offsets, lora_b.shape[2],
                    cfg.expand, cfg.by_slot)
 
@@ -373,7 +273,7 @@ def lora_apply_ref(
     slice_offsets: tuple[int, ...],
     *,
     max_rank: int | None = None,
-    config: LoRAConfig | None = None,  # ignored: lora_apply's signature
+    config: LoRAConfig | FusedConfig | None = None,  # ignored: lora_apply's signature
 ) -> None:
     """lora_apply in torch, any device: fp32 math, y rounded once. Groups rows by slot (one
     host sync), so a batch of few adapters costs two matmuls per slice and adapter."""

@@ -10,8 +10,13 @@ import os
 import pytest
 import torch
 
+from kernels import lora
 from kernels.lora import (
+    FUSED_MAX_T,
     INTERPRET_CONFIGS,
+    INTERPRET_FUSED,
+    FusedConfig,
+    LoRAConfig,
     choose_config,
     lora_apply,
     lora_apply_ref,
@@ -22,8 +27,12 @@ from kernels.lora import (
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="the kernels need triton")
-# both slot groupings: one program walks every slot of its tile, or a grid axis per slot
-PATHS = {"walk": INTERPRET_CONFIGS[False], "by-slot": INTERPRET_CONFIGS[True]}
+# both slot groupings (one program walks every slot of its tile, or a grid axis per slot) of
+# two launches, and of one fused launch with K whole or split in two (summed by the last part)
+PATHS = {"walk": INTERPRET_CONFIGS[False], "by-slot": INTERPRET_CONFIGS[True],
+         "fused-walk": INTERPRET_FUSED[1, False], "fused-by-slot": INTERPRET_FUSED[1, True],
+         "fused-split-walk": INTERPRET_FUSED[2, False],
+         "fused-split-by-slot": INTERPRET_FUSED[2, True]}
 
 # name -> (in features, slice_offsets, rank R, slots S, per-token slots); -1: no adapter
 CASES = {
@@ -34,6 +43,8 @@ CASES = {
     # gate_up in contiguous runs (prefill: an adapter per sequence, one base-model sequence)
     "gate-up-runs": (32, (0, 20, 40), 16, 2, [1] * 9 + [-1] * 3 + [0] * 5),
     "all-base": (24, (0, 16, 28), 8, 2, [-1] * 5),
+    # decode: one adapter for the whole batch (one pass per tile), K 40 split 2 -> 32 + 8
+    "one-slot": (40, (0, 24, 40), 8, 3, [1] * 18),
 }
 
 
@@ -139,14 +150,34 @@ def test_empty_batch_and_bad_arguments() -> None:
         lora_apply(x, a, b, slots, y, offsets, max_rank=17)
 
 
+@needs_triton
+def test_fused_counters_survive_many_calls() -> None:
+    """The split fused path's arrival counters, shared by every call, are left 0: calls of
+    other splits after one another (4 parts of K 40: the last one empty) each finish every
+    block once, by its last K part."""
+    x, a, b, slots, y, offsets = make_case("qkv-mixed", torch.float32, seed=4)
+    expect = y.clone()
+    for split, by_slot in ((2, True), (4, False), (1, True), (2, False), (4, True)):
+        lora_apply_ref(x, a, b, slots, expect, offsets)
+        cfg = FusedConfig(16, 16, 16, split, by_slot, 1, 1)
+        lora_apply(x, a, b, slots, y, offsets, config=cfg)
+        assert not lora._TICKETS[y.device].any()
+    torch.testing.assert_close(y, expect, atol=1e-4, rtol=1e-5)
+
+
 def test_choose_config_by_batch_size() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
-        assert choose_config(1, 2048, 3072) == INTERPRET_CONFIGS[True]
+        assert choose_config(1, 2048, 3072) == INTERPRET_FUSED[2, True]
+        assert choose_config(300, 2048, 3072) == INTERPRET_CONFIGS[True]
         assert choose_config(8192, 2048, 3072) == INTERPRET_CONFIGS[False]
         return
-    decode, prefill = choose_config(1, 2048, 3072), choose_config(8192, 2048, 3072)
+    fused = choose_config(FUSED_MAX_T, 2048, 3072)
+    assert isinstance(fused, FusedConfig) and fused.split_k == 4  # K in 4 parts of 512
+    assert choose_config(1, 2048, 16384).split_k == 1  # gate_up: 128 chunks fill the GPU
+    decode, prefill = choose_config(300, 2048, 3072), choose_config(8192, 2048, 3072)
+    assert isinstance(decode, LoRAConfig) and isinstance(prefill, LoRAConfig)
     assert decode.by_slot and not prefill.by_slot
-    assert decode.shrink[:3] == (16, 128, 8)  # one 16-row tile, K split into 8 parts of 256
+    assert decode.shrink[:3] == (64, 128, 4)  # 5 64-row tiles, K split into 4 parts of 512
     assert prefill.shrink[:3] == (64, 128, 1)  # 128 tiles fill the GPU alone
     assert choose_config(256, 8192, 2048).shrink[2] == 16  # 4 tiles, parts of 512
 
@@ -170,9 +201,10 @@ def test_default_tiles_at_model_sizes(tokens: int) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("tokens", [3, 300])
+@pytest.mark.parametrize("tokens", [1, 3, 300])
 def test_replays_from_a_cuda_graph_with_new_slots(tokens: int) -> None:
-    """No host sync and shape-only grids: one capture serves any slot assignment."""
+    """No host sync and shape-only grids: one capture serves any slot assignment (T = 1: the
+    fused launch, its split-K counters left 0 replay after replay)."""
     x = torch.randn(tokens, 256, device=DEVICE, dtype=torch.bfloat16)
     a = torch.randn(3, 32, 256, device=DEVICE, dtype=torch.bfloat16) * 0.1
     b = torch.randn(3, 384, 16, device=DEVICE, dtype=torch.bfloat16) * 0.1
@@ -184,9 +216,10 @@ def test_replays_from_a_cuda_graph_with_new_slots(tokens: int) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         lora_apply(x, a, b, slots, y, offsets)
-    slots.copy_(torch.arange(tokens, device=DEVICE) % 4 - 1)
-    y.zero_()
-    graph.replay()
+    slots.copy_(torch.arange(tokens, device=DEVICE) % 4 - 1 if tokens > 1 else slots + 3)
     ref = torch.zeros_like(y)
     lora_apply_ref(x, a, b, slots, ref, offsets)
-    torch.testing.assert_close(y.float(), ref.float(), atol=3e-2, rtol=2e-2)
+    for _ in range(3):
+        y.zero_()
+        graph.replay()
+        torch.testing.assert_close(y.float(), ref.float(), atol=3e-2, rtol=2e-2)

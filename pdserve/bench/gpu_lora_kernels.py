@@ -35,7 +35,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.lora import LoRAConfig, choose_config, lora_apply, lora_apply_ref
+from kernels.lora import (
+    FUSED_MAX_T,
+    FusedConfig,
+    LoRAConfig,
+    choose_config,
+    lora_apply,
+    lora_apply_ref,
+)
 from pdserve.bench.report import bench_main
 
 L2_BYTES = 50 << 20  # an H100's L2; the graph's weight copies add up to twice this
@@ -150,7 +157,7 @@ def eager_ms(fn: Callable[[], object], reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def lora_ms(p: Problem, config: LoRAConfig | None = None) -> float:
+def lora_ms(p: Problem, config: LoRAConfig | FusedConfig | None = None) -> float:
     return graph_ms([
         (lambda a=a, b=b: lora_apply(p.x, a, b, p.slots, p.y, p.offsets, config=config))
         for a, b in zip(p.a, p.b)
@@ -172,29 +179,46 @@ def rel_err(p: Problem) -> float:
 def measure_row(p: Problem, module: str) -> dict[str, Any]:
     tokens = p.x.shape[0]
     config = choose_config(tokens, p.x.shape[1], p.y.shape[1])
+    shown = (list(vars(config).values()) if isinstance(config, FusedConfig) else
+             [config.shrink, config.expand, "by_slot" if config.by_slot else "walk"])
     ours = lora_ms(p)
     ref = eager_ms(lambda: lora_apply_ref(p.x, p.a[0], p.b[0], p.slots, p.y, p.offsets))
     base = base_ms(p)
     return {
         "module": module, "tokens": tokens,
-        "config": [config.shrink, config.expand, "by_slot" if config.by_slot else "walk"],
+        "config": ["fused", *shown] if isinstance(config, FusedConfig) else shown,
         "lora_ms": round(ours, 5), "ref_ms": round(ref, 5), "base_ms": round(base, 5),
         "lora/base": round(ours / base, 3), "ref/lora": round(ref / ours, 1),
         "rel_err": float(f"{rel_err(p):.2e}"),
     }
 
 
+def tune_fused(p: Problem) -> list[Any]:
+    """The fastest one-launch tiles: [ms, block_m, block_n, block_k, split_k, by_slot, warps,
+    stages]."""
+    tokens, k = p.x.shape
+    configs = [FusedConfig(bm, bn, 256, split, by_slot)
+               for bm in (16, 64) if bm <= max(16, tokens) for bn in (64, 128, 256)
+               for split in (1, 2, 4, 8) if split == 1 or k // split >= 256
+               for by_slot in (False, True)]
+    ms, best = min((lora_ms(p, c), i) for i, c in enumerate(configs))
+    return [round(ms, 5), *vars(configs[best]).values()]
+
+
 def tune_row(p: Problem, module: str) -> dict[str, Any]:
-    """Per slot grouping (a grid axis per slot, or one program walking its tile's slots), the
-    best shrink tiles under a default expand, then the best expand tiles under that shrink."""
+    """The best one-launch tiles (up to 16 tokens); then per slot grouping (a
+    grid axis per slot, or one program walking its tile's slots), the best shrink tiles under
+    a default expand, then the best expand tiles under that shrink."""
     tokens, k = p.x.shape
     row: dict[str, Any] = {"module": module, "tokens": tokens,
                            "default_ms": round(lora_ms(p), 5)}
+    if tokens <= 16:
+        row["fused"] = tune_fused(p)
     bms = (16, 64) if tokens <= 64 else (32, 64, 128)
     for by_slot in (False, True):
-        default = choose_config(tokens, k, p.y.shape[1])
+        default = choose_config(max(tokens, FUSED_MAX_T + 1), k, p.y.shape[1])
         shrinks = [(bm, bk, split, 4, 3) for bm in bms for bk in (64, 128)
-                   for split in (1, 2, 4, 8, 16, 32) if k // split >= 2 * bk]
+                   for split in (1, 2, 4, 8, 16, 32) if k // split >= 2 * bk or split == 1]
         shrink = min((lora_ms(p, LoRAConfig(s, default.expand, by_slot)), s) for s in shrinks)[1]
         expands = [(bm, bn, cb, 4, 3) for bm in bms for bn in (64, 128) for cb in (1, 2)]
         ms, expand = min((lora_ms(p, LoRAConfig(shrink, e, by_slot)), e) for e in expands)
