@@ -122,13 +122,17 @@ class SpeculativeConfig:
     "ngram" (prompt lookup): the tokens that followed the most recent earlier occurrence of the
     sequence's longest suffix n-gram, n between `prompt_lookup_min` and `prompt_lookup_max` (one
     given: both; neither: 5). "draft_model": the greedy guesses of the smaller model at `model`
-    (the target's tokenizer; the default method when `model` is given)."""
+    (the target's tokenizer; the default method when `model` is given). `disable_by_batch_size`:
+    no drafts while that many requests are running or waiting."""
 
     method: str | None = None
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     model: str | None = None
+    # no drafts in a step while this many requests or more are running or waiting (vLLM's
+    # name): where the forward is compute-bound, a verified draft costs a token's compute
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         method = self.method or ("draft_model" if self.model is not None else "ngram")
@@ -143,6 +147,9 @@ class SpeculativeConfig:
         if self.num_speculative_tokens < 1:
             raise ValueError(
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
         if method == "draft_model":
             if not self.model:
                 raise ValueError("speculative_config.model (the draft's path) is required for "

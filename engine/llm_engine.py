@@ -301,6 +301,10 @@ class LLMEngine(KVHandoffMixin):
         """Draft tokens for each running request whose next step is a decode (grammar-constrained
         ones excepted: their masks would need every draft's state)."""
         assert self.proposer is not None
+        limit = self.config.speculative.disable_by_batch_size  # type: ignore[union-attr]
+        sched = self.scheduler
+        if limit is not None and len(sched.running) + len(sched.waiting) >= limit:
+            return  # a batch this large is compute-bound: drafts would cost, not save
         for req in self.scheduler.running:
             if req.num_tokens_to_compute == 1 and not req.num_pending and req.grammar is None:
                 limit = draft_limit(req, self.proposer.k)  # fewer where drafts keep failing

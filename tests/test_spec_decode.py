@@ -50,6 +50,7 @@ def test_config_defaults_follow_vllm():
     "values, message",
     [
         ({"method": "ngram"}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         (
             {"num_speculative_tokens": 2, "prompt_lookup_min": 0, "prompt_lookup_max": 3},
@@ -605,3 +606,14 @@ def test_policy_turns_drafts_down_as_they_fail_and_probes_again():
     for _ in range(8):
         observe(req, 1, 1)  # predictable again: back up
     assert draft_limit(req, 5) >= 3
+
+
+def test_disable_by_batch_size_stops_drafts_in_large_batches(copy_llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = prompts_v64(5)
+    counts = {}
+    for limit in (5, 6):
+        llm = make_llm(copy_llama_dir, {**NGRAM, "disable_by_batch_size": limit})
+        llm.generate(prompts, params, use_tqdm=False)
+        counts[limit] = llm.llm_engine.stats().spec_decode_num_drafts
+    assert counts[5] == 0 < counts[6]  # five requests in flight the whole time

@@ -114,6 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", default="3", help="num_speculative_tokens values, comma-separated")
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--disable-by-batch-size", type=int, default=None,
+                   help="speculative_config's disable_by_batch_size (default: none)")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--tokens", type=int, default=256, help="max output tokens per request")
     p.add_argument("--rounds", type=int, default=2)
@@ -183,6 +185,7 @@ def run(args: argparse.Namespace) -> bool:
             "num_speculative_tokens": k,
             "prompt_lookup_max": args.prompt_lookup_max,
             "prompt_lookup_min": args.prompt_lookup_min,
+            "disable_by_batch_size": args.disable_by_batch_size,
         }
         engines[f"ngram k={k}"] = LLM(args.model, speculative_config=spec, **common)
     rows: list[Row] = []
