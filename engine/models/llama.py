@@ -107,12 +107,18 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.heads_qk(q, k, num_tokens)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         # the backend rotates q/k (fused with the KV store where it can), stores, attends
         out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, rope)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def heads_qk(
+        self, q: torch.Tensor, k: torch.Tensor, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H, D], [T, Hkv, D]
+        """q [T, q_size] and k [T, kv_size] split into heads (Qwen3 also norms each head)."""
+        return (q.view(num_tokens, self.num_heads, self.head_dim),
+                k.view(num_tokens, self.num_kv_heads, self.head_dim))
 
 
 class LlamaMLP(nn.Module):

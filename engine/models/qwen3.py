@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
-from engine.attention.metadata import AttentionMetadata
 from engine.distributed.group import SingleRank
 from engine.models.layers import RMSNorm
 from engine.models.llama import (
@@ -23,7 +22,6 @@ from engine.models.llama import (
 )
 from engine.models.moe import MoEWeightsMixin, is_sparse_layer
 from engine.models.qwen2_moe import qwen_moe_block
-from engine.models.rotary import RopeInputs
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -42,20 +40,13 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        rope: RopeInputs,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
-        num_tokens, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, d)).view(num_tokens, self.num_heads, d)
-        k = self.k_norm(k.reshape(-1, d)).view(num_tokens, self.num_kv_heads, d)
-        v = v.view(num_tokens, self.num_kv_heads, d)
-        out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, rope)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+    def heads_qk(
+        self, q: torch.Tensor, k: torch.Tensor, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split into heads, then RMSNorm each head of q and of k (before the rotary)."""
+        d = self.head_dim
+        return (self.q_norm(q.reshape(-1, d)).view(num_tokens, self.num_heads, d),
+                self.k_norm(k.reshape(-1, d)).view(num_tokens, self.num_kv_heads, d))
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
