@@ -219,6 +219,8 @@ class LLMEngine(KVHandoffMixin):
         if self.runner.structured is None:
             self.runner.structured = StructuredOutputs.for_tokenizer(
                 self.tokenizer, self.vocab_size, self.eos_token_ids)
+            if self.runner.drafter is not None:
+                self.runner.drafter.structured = self.runner.structured
         return self.runner.structured
 
     def _compile(self, params: SamplingParams) -> object | None:
@@ -298,15 +300,15 @@ class LLMEngine(KVHandoffMixin):
         return outputs
 
     def _propose(self) -> None:
-        """Draft tokens for each running request whose next step is a decode (grammar-constrained
-        ones excepted: their masks would need every draft's state)."""
+        """Draft tokens for each running request whose next step is a decode (a constrained
+        one's verification masks each position by its grammar after the drafts before it)."""
         assert self.proposer is not None
         limit = self.config.speculative.disable_by_batch_size  # type: ignore[union-attr]
         sched = self.scheduler
         if limit is not None and len(sched.running) + len(sched.waiting) >= limit:
             return  # a batch this large is compute-bound: drafts would cost, not save
         for req in self.scheduler.running:
-            if req.num_tokens_to_compute == 1 and not req.num_pending and req.grammar is None:
+            if req.num_tokens_to_compute == 1 and not req.num_pending:
                 limit = draft_limit(req, self.proposer.k)  # fewer where drafts keep failing
                 req.spec_token_ids = self.proposer.propose(req)[:limit] if limit else []
 

@@ -29,6 +29,7 @@ from engine.scheduler_output import Sample, Samples, ScheduledRequest, Scheduler
 from engine.spec_decode.draft_model import DraftModel
 from engine.spec_decode.rejection import verify
 from engine.structured.backend import GrammarMatcher
+from engine.structured.bitmask import mask_logits
 from engine.structured.manager import StructuredOutputs
 from engine.token_choice import skip_draws
 
@@ -369,6 +370,10 @@ class ModelRunner:
         rows = [r for s in spec for r in self._draft_rows(s)]
         logits = self.model.compute_logits(hidden[spec_rows], upcast=not argmax_suffices(rows))
         drafts = [s.spec_token_ids for s in spec]
+        matchers = [s.request.grammar for s in spec]
+        if any(m is not None for m in matchers):  # each position's grammar mask, drafts walked
+            mask = self.structured.draft_bitmask(matchers, drafts)  # type: ignore[union-attr]
+            logits = mask_logits(logits, mask)
         emitted = verify(logits, rows, drafts, self.default_generator)
         launched.verified = {s.request.request_id: e for s, e in zip(spec, emitted)}
         return launched

@@ -617,3 +617,32 @@ def test_disable_by_batch_size_stops_drafts_in_large_batches(copy_llama_dir):
         llm.generate(prompts, params, use_tqdm=False)
         counts[limit] = llm.llm_engine.stats().spec_decode_num_drafts
     assert counts[5] == 0 < counts[6]  # five requests in flight the whole time
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft_model"])
+def test_grammar_constrained_requests_speculate_and_equal_plain(tiny_llama_dir, spec):
+    """Drafts of constrained requests are verified under each position's grammar mask (the
+    matcher walks the drafts, then is rolled back): outputs equal plain decoding's, and follow
+    the grammar."""
+    import re
+
+    from engine.structured.params import StructuredOutputsParams
+
+    config = ({**NGRAM, "prompt_lookup_min": 1} if spec == "ngram"
+              else {"model": tiny_llama_dir, "num_speculative_tokens": 3})
+    on, off = make_llm(tiny_llama_dir, config), make_llm(tiny_llama_dir, None)
+    pattern = r"(ab|cd)+(x|y)+"
+    cases = [StructuredOutputsParams(regex=pattern),
+             StructuredOutputsParams(choice=["alpha beta gamma", "alpha beta delta"])]
+    for so in cases:
+        params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=so)
+        prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 5, 6, 7], [9, 10, 11])]
+        got, want = results(on, prompts, params), results(off, prompts, params)
+        assert got == want
+    assert all(re.fullmatch(pattern, r[1]) or r[2] == "length" for r in results(
+        on, prompts, SamplingParams(temperature=0, max_tokens=40,
+                                    structured_outputs=cases[0])))
+    stats = on.llm_engine.stats()
+    assert stats.spec_decode_num_drafts > 0
+    if spec == "draft_model":
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens

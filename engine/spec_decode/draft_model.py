@@ -16,11 +16,12 @@ requests that kept k' > 0 drafts, k' forward passes of the draft, batched over r
                 else the tokens accepted since), sampled greedily at the end -> d1
     pass j > 0  d_j at position n - 1 + j (read on the device from pass j - 1) -> d_{j+1}
 
-Draft tokens are greedy, a proposal of probability 1 (q = 1 on the token, like n-gram drafts), so
-the rejection sampler keeps the target's distribution exactly. Pass j wrote the draft's K/V of
-d_j at position n - 1 + j; after verification the draft's K/V is right up to the first position
-whose token differs from what it used: done = min(n + k' - 1, num_tokens - 1) (position
-num_tokens - 1 holds the token sampled by the target, which the draft has not seen).
+Draft tokens are greedy (a constrained request's within its grammar: one wait per pass then), a
+proposal of probability 1 (q = 1 on the token, like n-gram drafts), so the rejection sampler
+keeps the target's distribution exactly. Pass j wrote the draft's K/V of d_j at position
+n - 1 + j; after verification the draft's K/V is right up to the first position whose token
+differs from what it used: done = min(n + k' - 1, num_tokens - 1) (position num_tokens - 1
+holds the token sampled by the target, which the draft has not seen).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from engine.models import get_model_class
 from engine.quant import quantization_config, resolve_quantization
 from engine.request import Request
 from engine.scheduler_output import SchedulerOutput
+from engine.structured.bitmask import mask_logits
+from engine.structured.manager import StructuredOutputs
 
 
 @dataclass
@@ -79,6 +82,7 @@ class DraftModel:
         self.k = config.speculative.num_speculative_tokens or 0
         self.backend = backend
         self.kv_caches: list[torch.Tensor] = []
+        self.structured: StructuredOutputs | None = None  # the runner's, once constrained
         self._done: dict[str, tuple[int, int]] = {}  # request id -> (preemptions, done)
 
     def block_bytes(self, block_size: int) -> int:
@@ -110,6 +114,7 @@ class DraftModel:
         if not steps:
             return
         passes: list[PendingTokens] = []
+        walked: dict[str, int] = {}  # constrained requests: drafts their matcher accepted
         for j in range(max(len(s.spec_token_ids) for s in steps)):
             chunks = []
             for s in steps:
@@ -121,7 +126,11 @@ class DraftModel:
                     chunks.append(DraftChunk(req, done, n - done))
                 else:
                     chunks.append(DraftChunk(req, n - 1 + j, 1))
-            passes.append(self._pass(chunks, block_size, passes[-1] if passes else None))
+            passes.append(self._pass(chunks, block_size, passes[-1] if passes else None,
+                                     walked))
+        for s in steps:  # the matchers back where the requests' outputs end
+            if walked.get(s.request.request_id):
+                s.request.grammar.rollback(walked[s.request.request_id])  # type: ignore[union-attr]
         drafted: dict[str, list[int]] = {s.request.request_id: [] for s in steps}
         host = torch.cat([p.token_ids for p in passes]).tolist()  # the step's one wait
         offset = 0
@@ -142,9 +151,11 @@ class DraftModel:
             return 0  # its blocks were freed and filled again
         return min(done, req.num_tokens - 1)
 
-    def _pass(self, chunks: list[DraftChunk], block_size: int,
-              pending: PendingTokens | None) -> PendingTokens:
-        """One forward of the draft over `chunks`; its greedy tokens, still on the device."""
+    def _pass(self, chunks: list[DraftChunk], block_size: int, pending: PendingTokens | None,
+              walked: dict[str, int]) -> PendingTokens:
+        """One forward of the draft over `chunks`; its greedy tokens, still on the device. A
+        grammar-constrained request drafts within its grammar: its row is masked by its matcher,
+        which then accepts the draft (counted in `walked`; the caller rolls it back)."""
         host, order = pack_step(SchedulerOutput(scheduled=chunks), block_size,  # type: ignore[arg-type]
                                 pending)
         inp = step_tensors(host, block_size, self.device,
@@ -152,6 +163,14 @@ class DraftModel:
         self.backend.prepare(inp.meta)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         logits = self.model.compute_logits(hidden[inp.sample_rows], upcast=False)
-        ids = logits.argmax(dim=-1)
+        matchers = [c.request.grammar for c in order]
+        if self.structured is not None and any(m is not None for m in matchers):
+            logits = mask_logits(logits, self.structured.bitmask(matchers))
+            ids = logits.argmax(dim=-1)
+            for c, m, token in zip(order, matchers, ids.tolist(), strict=True):
+                if m is not None and not m.is_terminated() and m.accept(token):
+                    walked[c.request.request_id] = walked.get(c.request.request_id, 0) + 1
+        else:
+            ids = logits.argmax(dim=-1)
         return PendingTokens(ids, {c.request.request_id: i for i, c in enumerate(order)})
 

@@ -72,6 +72,33 @@ class StructuredOutputs:
                 raise ValueError(f"output token {i} ({token_id}) does not follow the grammar")
         return m
 
+    def draft_bitmask(
+        self, matchers: list[GrammarMatcher | None], drafts: list[list[int]]
+    ) -> torch.Tensor | None:
+        """int32 [sum(k + 1), words]: for a request verifying k drafts, the tokens allowed
+        after its output and after each prefix of its drafts (the matcher walks the drafts and
+        is rolled back); -1 (anything) for unconstrained requests and for the rows after a
+        draft the grammar refuses or after the grammar ends (never sampled: verification stops
+        at that draft). None when no request is constrained."""
+        if all(m is None for m in matchers):
+            return None
+        start = time.perf_counter()
+        rows = sum(len(d) + 1 for d in drafts)
+        mask = torch.full((rows, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+        row = 0
+        for m, d in zip(matchers, drafts, strict=True):
+            walked = 0
+            while m is not None and not m.is_terminated():
+                m.fill_bitmask(mask, row + walked)
+                if walked == len(d) or not m.accept(d[walked]):
+                    break
+                walked += 1
+            if walked:
+                m.rollback(walked)  # type: ignore[union-attr]
+            row += len(d) + 1
+        self.stats.bitmask_seconds += time.perf_counter() - start
+        return mask
+
     def bitmask(self, matchers: list[GrammarMatcher | None]) -> torch.Tensor | None:
         """int32 [rows, words]: each constrained row's allowed tokens, -1 for the others; None
         when no row is constrained. A finished grammar's row (its request ended with the step
