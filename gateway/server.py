@@ -215,7 +215,14 @@ async def _serve_colocated(args: argparse.Namespace, engine: AsyncLLMEngine, nam
                     max_body_bytes=args.max_body_bytes,
                     trust_request_chat_template=args.trust_request_chat_template,
                     tool_calls=tool_calls, metrics=metrics, loras=loras)
-    await _serve_app(app, args)
+    from pdserve.cluster.stats_log import start_stats_log
+
+    stats_log = start_stats_log(args, engine.stats)
+    try:
+        await _serve_app(app, args)
+    finally:
+        if stats_log is not None:
+            stats_log.cancel()
 
 
 def run(args: argparse.Namespace) -> None:

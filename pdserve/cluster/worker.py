@@ -30,6 +30,7 @@ from pdserve.cluster.lora_service import preload_loras
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from pdserve.cluster.state import connect
+from pdserve.cluster.stats_log import add_stats_log_flags, start_stats_log
 from pdserve.cluster.tls import listen, tls_from_args
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
              help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", '
                   '"num_speculative_tokens": 3, "prompt_lookup_max": 4} (prefill role: ignored)')
     add_lora_flags(parser)
+    add_stats_log_flags(parser)
 
 
 def speculative_config(text: str) -> dict | None:
@@ -313,6 +315,7 @@ async def run_worker(
                             max_loras=args.max_loras if args.enable_lora else 0,
                             loras=lambda: [r.lora_name for r in engine.list_loras()])
     heartbeat = await start_monitoring(args, monitor)
+    stats_log = start_stats_log(args, engine.stats)
     await set_serving(health, service)
     logger.info("%s worker serving on %s", role, monitor.address)
 
@@ -334,6 +337,8 @@ async def run_worker(
         engine.shutdown()
         raise SystemExit(1)
     died.cancel()
+    if stats_log is not None:
+        stats_log.cancel()
     logger.info("stopping: draining for up to %.0f s", args.drain_timeout)
     await drain(gate, server, args.drain_timeout, deregister, on_stop, busy)
     engine.shutdown()
