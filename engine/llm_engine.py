@@ -211,7 +211,8 @@ class LLMEngine(KVHandoffMixin):
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got "
                              f"{type(lora_request).__name__}")
-        self._lora_slots().add(lora_request)
+        in_use = {s.req.lora_name for g in self._groups.values() for s in g.seqs}
+        self._lora_slots().add(lora_request, in_use)
         return lora_request.lora_name
 
     def structured(self) -> StructuredOutputs:

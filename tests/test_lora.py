@@ -203,8 +203,9 @@ def test_bundled_model_with_an_adapter_matches_peft(bundled_hf_model, tmp_path):
 
 
 def test_host_cache_reloads_evicted_adapters(tiny_llama_dir, adapters):
-    """max_cpu_loras=1 with two adapters in flight: the weights of one are evicted while its
-    requests wait, and read again from disk when their step comes; outputs equal PEFT's."""
+    """max_cpu_loras=1 with two adapters in flight: both stay cached while their requests run
+    (a step never reads a disk); once idle, one is evicted for another and read again from disk
+    when named; outputs equal PEFT's."""
     llm = LLM(tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=8 << 20,
               enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=16)
     engine = llm.llm_engine
@@ -214,8 +215,12 @@ def test_host_cache_reloads_evicted_adapters(tiny_llama_dir, adapters):
                                lora_request=[loras[0], loras[0], loras[1], loras[1]]))
     for i, name in enumerate(names):
         assert got[2 * i:2 * i + 2] == _oracle(tiny_llama_dir, adapters[name])[:2], name
-    assert [r.lora_name for r in engine.list_loras()] == names  # both still registered
-    assert list(engine.runner.lora.cache) == ["qv8"]  # the weights of one
+    assert list(engine.runner.lora.cache) == names  # both in flight together: both kept
+    engine.add_lora(_req(adapters, "mlp16", 3))  # idle now: the least recent two make room
+    assert list(engine.runner.lora.cache) == ["mlp16"]
+    assert [r.lora_name for r in engine.list_loras()] == [*names, "mlp16"]  # all registered
+    again = _tokens(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=loras[0]))
+    assert again == got[:2]  # all4 read again from disk
 
 
 def test_scheduler_runs_at_most_max_loras_adapters():

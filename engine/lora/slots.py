@@ -1,8 +1,9 @@
 """Where adapters live at run time: a host cache of loaded adapters and the device slots.
 
     host cache    the weights of up to max_cpu_loras adapters read from disk
-                  (engine/lora/adapter.py), least recently used first out; every adapter stays
-                  registered (name -> path) and is read again when a step needs it
+                  (engine/lora/adapter.py), least recently used idle ones first out (the ones
+                  requests in flight use stay: more than max_cpu_loras while they do); every
+                  adapter stays registered (name -> path) and is read again when named
     device slots  max_loras of them in every wrapped projection (engine/lora/layers.py); an
                   adapter is copied into a free or least recently used slot the first step that
                   needs it, and stays there until another adapter needs the slot
@@ -16,7 +17,7 @@ reads the token slots from the step's inputs (engine/input_batch.py) into its `L
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -81,11 +82,13 @@ class LoRASlots:
                 self.modules[(i, name)] = wrapped
 
     # ---- host cache ------------------------------------------------------------------------
-    def add(self, request: LoRARequest) -> LoRAAdapter:
+    def add(self, request: LoRARequest, in_use: Collection[str] = ()) -> LoRAAdapter:
         """Register `request`'s adapter and hold its weights in the host cache (read from disk
-        if they are not there), evicting the least recently used weights when the cache is full:
-        an evicted adapter stays registered and is read again when a step needs it. ValueError,
-        changing nothing: a bad adapter, or the name registered with another path."""
+        if they are not there), evicting the least recently used weights not `in_use` when the
+        cache is full (none evictable: the cache holds one more for now). An evicted adapter
+        stays registered and is read again when a request names it; the adapters of requests
+        in flight stay cached, so a step never reads a disk. ValueError, changing nothing: a
+        bad adapter, or the name registered with another path."""
         name = request.lora_name
         known = self.known.get(name)
         if known is not None and known.lora_path != request.lora_path:
@@ -95,8 +98,9 @@ class LoRASlots:
         if adapter is None:
             adapter = load_adapter(request, self.config.max_lora_rank)
             self._check_fits(adapter)
-            while len(self.cache) >= self.config.cpu_capacity:
-                self.cache.popitem(last=False)
+            idle = [n for n in self.cache if n not in in_use]
+            for victim in idle[:max(len(self.cache) + 1 - self.config.cpu_capacity, 0)]:
+                del self.cache[victim]
             self.cache[name] = adapter
         else:
             self.cache.move_to_end(name)
