@@ -15,8 +15,9 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.distributed.group import SingleRank
 from engine.distributed.kv_shards import ShardedKVLayer, sharded_layers
-from engine.distributed.sharding import check_heads, head_shard, kv_head_owners
+from engine.distributed.sharding import check_heads, kv_head_owners
 from engine.input_batch import HostStep, PendingTokens, pack_step, step_tensors
+from engine.kv_cache_sizing import KVCacheSizingMixin
 from engine.lora.slots import LoRASlots
 from engine.model_loader import iter_model_weights, load_hf_config
 from engine.models import get_model_class
@@ -35,9 +36,7 @@ from engine.token_choice import skip_draws
 
 logger = logging.getLogger(__name__)
 
-_CPU_KV_CACHE_BYTES = 2 << 30  # default KV budget on CPU, like vLLM's CPU backend
 _MAX_GRAPH_BATCH = 512
-_GRAPH_RESERVE_BYTES = 512 << 20  # CUDA-graph pool and allocator slack, kept out of the KV budget
 
 
 def resolve_device(name: str, rank: int = 0) -> torch.device:
@@ -98,7 +97,7 @@ class LaunchedStep:
         return results
 
 
-class ModelRunner:
+class ModelRunner(KVCacheSizingMixin):
     """Rank 0's runner (`group` None) starts the other tensor-parallel ranks, if any, and sends
     them each step before running it (`launch`); theirs (`group` given) run what it sends
     (`follow`). Each holds its shard of the model and of the KV cache (its KV heads)."""
@@ -162,90 +161,6 @@ class ModelRunner:
                                               self.config.quantization, self.hf_config))
         return model.eval()
 
-    @property
-    def kv_shape_per_layer(self) -> tuple[int, int]:
-        """(KV heads of this rank, head dim)."""
-        cfg = self.hf_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        heads = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads,
-                           self.tp.world_size, self.tp.rank)
-        return len(heads.kv_heads), head_dim
-
-    def block_bytes(self) -> int:
-        """Bytes of one KV block over all layers (K and V)."""
-        kv_heads, head_dim = self.kv_shape_per_layer
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.hf_config.num_hidden_layers * self.block_size * kv_heads * head_dim * elem
-
-    def _decide_num_blocks(self) -> int:
-        """Every rank's cache has the same number of blocks: the fewest any rank can hold."""
-        return self.tp.min_host(self._num_blocks_here())
-
-    def _num_blocks_here(self) -> int:
-        cache = self.config.cache
-        if cache.num_blocks is not None:
-            return cache.num_blocks
-        budget = cache.kv_cache_memory
-        if budget is None:
-            budget = self._cuda_free_bytes() if self.device.type == "cuda" else _CPU_KV_CACHE_BYTES
-        per_block = self.block_bytes()
-        if self.drafter is not None:  # each block also holds the draft model's K/V
-            per_block += self.drafter.block_bytes(self.block_size)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory of {budget} bytes holds no KV block ({per_block} bytes)"
-            )
-        return int(num_blocks)
-
-    def _cuda_free_bytes(self) -> int:
-        """vLLM's rule: the KV cache gets gpu_memory_utilization of the card, less what is in
-        use now (weights, CUDA context, other processes) and the activation peak of the largest
-        step, measured by running one (`_profile_activation_bytes`)."""
-        peak = self._profile_activation_bytes()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * self.config.cache.gpu_memory_utilization - (total - free)
-        return int(max(budget - peak - _GRAPH_RESERVE_BYTES, 0))
-
-    @torch.inference_mode()
-    def _profile_activation_bytes(self) -> int:
-        """Peak bytes allocated by a forward over a full token budget plus a full batch of
-        logits. The dummy step reads one zeroed KV block and writes none (slots -1)."""
-        sched = self.config.scheduler
-        tokens = sched.max_num_batched_tokens
-        lens = [sched.max_model_len] * (tokens // sched.max_model_len)
-        lens += [tokens % sched.max_model_len] if tokens % sched.max_model_len else []
-        width = -(-max(lens) // self.block_size)
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
-        meta = AttentionMetadata(
-            num_prefills=len(lens), num_prefill_tokens=tokens, num_decodes=0,
-            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(len(lens), width, dtype=torch.int32, device=self.device),
-            query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens),
-            block_size=self.block_size,
-        )
-        cache = list(self._allocate_kv_pool(1, log=False).unbind(0))
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        self.backend.prepare(meta)
-        ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, ids, cache, meta)
-        spec = self.config.speculative
-        per_seq = 1 + (spec.num_speculative_tokens or 0) if spec is not None else 1
-        rows = min(sched.max_num_seqs * per_seq, tokens)  # a verification samples 1 + k rows
-        logits = self.model.compute_logits(hidden[:rows])
-        torch.log_softmax(logits, dim=-1).exp_()  # the sampler's largest temporaries
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        logger.info("activation peak of a %d-token step: %.0f MiB", tokens, peak / 2**20)
-        return int(peak)
-
     def _capture_graphs(self) -> DecodeGraphs | None:
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":
             return None
@@ -259,17 +174,6 @@ class ModelRunner:
         )
         graphs.capture()
         return graphs
-
-    def _allocate_kv_pool(self, num_blocks: int, log: bool = True) -> torch.Tensor:
-        kv_heads, head_dim = self.kv_shape_per_layer
-        shape = (2, num_blocks, self.block_size, kv_heads, head_dim)
-        layers = self.hf_config.num_hidden_layers
-        if log:
-            logger.info(
-                "KV cache: %d blocks of %d tokens, %.1f MiB",
-                num_blocks, self.block_size, num_blocks * self.block_bytes() / 2**20,
-            )
-        return torch.zeros((layers, *shape), dtype=self.dtype, device=self.device)
 
     @property
     def _shares_pool(self) -> bool:
