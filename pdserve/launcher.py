@@ -181,11 +181,15 @@ def _colocated(args: argparse.Namespace, argv: list[str], gateway_url: str) -> S
 def _gpu_envs(args: argparse.Namespace, role: str, count: int) -> list[dict[str, str]]:
     """Each of a role's `count` workers' CUDA_VISIBLE_DEVICES: worker i takes --<role>-tp GPUs
     of --<role>-gpus from position i*tp on, wrapping around; none (the shell's) without a list.
+    Its own come first (its ranks run on cuda:0..tp-1); the other GPUs the cluster lists follow,
+    visible so that the cuda_ipc data plane can map a peer's KV pool on them (a prefill worker
+    writes into a decode worker's blocks on another GPU over NVLink/PCIe, not through gRPC).
 
-        --decode-gpus 1,2,3 --decode-tp 2  ->  decode-0 "1,2"  decode-1 "3,1"  decode-2 "2,3"
+        --decode-gpus 1,2,3 --decode-tp 2  ->  decode-0 "1,2,3"  decode-1 "3,1,2"  decode-2 "2,3,1"
+        --prefill-gpus 0 --decode-gpus 1   ->  prefill-0 "0,1"  decode-0 "1,0"
     """
     flag, value, tp = f"--{role}-gpus", getattr(args, f"{role}_gpus"), getattr(args, f"{role}_tp")
-    gpus = [g.strip() for g in value.split(",") if g.strip()]
+    gpus = _gpu_list(value)
     if any(not g.isdigit() for g in gpus):
         raise SystemExit(f"pdserve up: {flag} takes GPU indices such as 0 or 0,1, got {value!r}")
     if tp < 1:
@@ -193,8 +197,18 @@ def _gpu_envs(args: argparse.Namespace, role: str, count: int) -> list[dict[str,
     if gpus and len(gpus) < tp:
         raise SystemExit(f"pdserve up: --{role}-tp {tp} needs {tp} GPUs per worker but {flag} "
                          f"lists {len(gpus)}: {','.join(gpus)}")
-    return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[(i * tp + k) % len(gpus)] for k in range(tp))}
-            if gpus else {} for i in range(count)]
+    if not gpus:
+        return [{} for _ in range(count)]
+    listed = list(dict.fromkeys(_gpu_list(args.prefill_gpus) + _gpu_list(args.decode_gpus)))
+    envs = []
+    for i in range(count):
+        own = list(dict.fromkeys(gpus[(i * tp + k) % len(gpus)] for k in range(tp)))
+        envs.append({"CUDA_VISIBLE_DEVICES": ",".join(own + [g for g in listed if g not in own])})
+    return envs
+
+
+def _gpu_list(value: str) -> list[str]:
+    return [g.strip() for g in value.split(",") if g.strip()]
 
 
 def _cluster_flags(args: argparse.Namespace) -> list[str]:

@@ -70,8 +70,9 @@ def test_gpus_are_dealt_to_the_workers_of_each_role(monkeypatch: pytest.MonkeyPa
     args = _up(["--prefill", "1", "--decode", "3", "--prefill-gpus", "0",
                 "--decode-gpus", "1, 2"], monkeypatch)
     env = {s.name: s.env.get("CUDA_VISIBLE_DEVICES") for s in plan(args, "redis://x:1/0", None)}
-    assert env == {"tokenizer": None, "prefill-0": "0", "decode-0": "1", "decode-1": "2",
-                   "decode-2": "1", "gateway": None}
+    # each worker's own GPU first, then the cluster's others (visible for cuda_ipc)
+    assert env == {"tokenizer": None, "prefill-0": "0,1,2", "decode-0": "1,0,2",
+                   "decode-1": "2,0,1", "decode-2": "1,0,2", "gateway": None}
     default = plan(_up([], monkeypatch), "redis://x:1/0", None)
     assert all("CUDA_VISIBLE_DEVICES" not in s.env for s in default)
     with pytest.raises(SystemExit, match="--decode-gpus takes GPU indices"):
@@ -119,12 +120,13 @@ def test_each_worker_gets_its_roles_tp_size_and_as_many_gpus(
     args = _up(["--prefill", "1", "--decode", "3", "--prefill-tp", "1", "--decode-tp", "2",
                 "--prefill-gpus", "0", "--decode-gpus", "1,2,3"], monkeypatch)
     assert _tp_and_gpus(plan(args, "redis://x:1/0", None)) == {
-        "prefill-0": (1, "0"), "decode-0": (2, "1,2"), "decode-1": (2, "3,1"),
-        "decode-2": (2, "2,3")}
+        "prefill-0": (1, "0,1,2,3"), "decode-0": (2, "1,2,0,3"), "decode-1": (2, "3,1,0,2"),
+        "decode-2": (2, "2,3,0,1")}
     exact = _up(["--prefill", "2", "--decode", "1", "--prefill-tp", "2", "--decode-tp", "4",
                  "--prefill-gpus", "0,1,2,3", "--decode-gpus", "4,5,6,7"], monkeypatch)
     assert _tp_and_gpus(plan(exact, "redis://x:1/0", None)) == {
-        "prefill-0": (2, "0,1"), "prefill-1": (2, "2,3"), "decode-0": (4, "4,5,6,7")}
+        "prefill-0": (2, "0,1,2,3,4,5,6,7"), "prefill-1": (2, "2,3,0,1,4,5,6,7"),
+        "decode-0": (4, "4,5,6,7,0,1,2,3")}
 
 
 def test_tp_without_a_gpu_list_inherits_the_shells_gpus(

@@ -86,7 +86,8 @@ class CudaIpcPlane:
             else:  # another GPU of this host: gather here, then one peer copy and a scatter
                 l0, l1 = layers
                 rows = self.pool[l0:l1].index_select(2, src).to(dst_pool.device)
-                dst_pool[l0:l1].index_copy_(2, dst, rows)
+                dst_pool[l0:l1].index_copy_(2, dst, rows)  # on that GPU's current stream
+                torch.cuda.current_stream(dst_pool.device).synchronize()  # written before acks
         self.stream.synchronize()
         return len(src_ids) * (layers[1] - layers[0]) * self.layout.cell_bytes()
 
