@@ -16,6 +16,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.distributed.sharding import head_shard
+from engine.models.llama import head_dim_of
 
 if TYPE_CHECKING:
     from engine.attention.backend import AttentionBackend
@@ -47,10 +48,9 @@ class KVCacheSizingMixin:
     def kv_shape_per_layer(self) -> tuple[int, int]:
         """(KV heads of this rank, head dim)."""
         cfg = self.hf_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         heads = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads,
                            self.tp.world_size, self.tp.rank)
-        return len(heads.kv_heads), head_dim
+        return len(heads.kv_heads), head_dim_of(cfg)
 
     def block_bytes(self) -> int:
         """Bytes of one KV block over all layers (K and V)."""

@@ -27,6 +27,7 @@ holds the token sampled by the target, which the draft has not seen).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,7 @@ from engine.config import EngineConfig
 from engine.input_batch import PendingTokens, pack_step, step_tensors
 from engine.model_loader import iter_model_weights, load_hf_config, resolve_model
 from engine.models import get_model_class
+from engine.models.llama import head_dim_of
 from engine.quant import quantization_config, resolve_quantization
 from engine.request import Request
 from engine.scheduler_output import SchedulerOutput
@@ -85,18 +87,19 @@ class DraftModel:
         self.structured: StructuredOutputs | None = None  # the runner's, once constrained
         self._done: dict[str, tuple[int, int]] = {}  # request id -> (preemptions, done)
 
+    def _pool_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """[layers, K/V, blocks, block_size, kv heads, head dim] of the draft's KV cache."""
+        cfg = self.hf_config
+        return (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads,
+                head_dim_of(cfg))
+
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one block of the draft's KV cache over its layers (K and V)."""
-        cfg = self.hf_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * elem
+        return math.prod(self._pool_shape(1, block_size)) * elem
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
-        cfg = self.hf_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads,
-                 head_dim)
+        shape = self._pool_shape(num_blocks, block_size)
         self.kv_caches = list(torch.zeros(shape, dtype=self.dtype, device=self.device).unbind(0))
 
     def propose(self, req: Request) -> list[int]:

@@ -13,7 +13,7 @@ after the other in the same process: `LLM(model)` (bf16) and `LLM(model, quantiz
   w1       the throughput workload (256 requests, prompts of 128-512 random tokens, 128 greedy
            output tokens each) in one `generate`: output tokens/s; the greedy tokens' agreement
 
-Then per GEMM of the model (qkv, o, gate_up, down) at M = 1, 64, 256 tokens, device time in a
+Then per GEMM of the model (qkv, o, gate_up, down) at M = 1, 64, 256 tokens, GPU time in a
 CUDA graph (as decode steps run) and host time to issue one call (what eager steps pay): bf16
 F.linear, the FP8 layer (its GEMV at M <= 4, else Triton per-token quantization +
 torch._scaled_mm), the parts (quantization alone, Triton and eager; _scaled_mm alone), the GEMV

@@ -233,7 +233,8 @@ def stop(procs: list[subprocess.Popen], grace_s: float = 120.0) -> None:
 
 def own_group() -> dict[str, Any]:
     """Popen arguments: the child leads a process group of its own (so `stop` can kill what it
-    started too) inside the caller's process session (so whatever ends the caller still ends it)."""
+    started too) without leaving the caller's terminal (setpgid, not setsid: whatever ends the
+    caller still ends it)."""
     return {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
 

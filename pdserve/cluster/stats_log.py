@@ -32,9 +32,11 @@ def add_stats_log_flags(parser: argparse.ArgumentParser) -> None:
 def stats_lines(before: SchedulerStats | None, now: SchedulerStats) -> list[str]:
     """The lines for the interval from `before` (None: since the start) to `now`; none when
     nothing ran, waited or was computed in it."""
-    queries = now.prefix_cache_queries - (before.prefix_cache_queries if before else 0)
-    hits = now.prefix_cache_hits - (before.prefix_cache_hits if before else 0)
-    drafts = now.spec_decode_num_drafts - (before.spec_decode_num_drafts if before else 0)
+    def since(name: str) -> int:  # the counter's growth over the interval
+        return getattr(now, name) - (getattr(before, name) if before else 0)
+
+    queries, hits = since("prefix_cache_queries"), since("prefix_cache_hits")
+    drafts = since("spec_decode_num_drafts")
     busy = now.num_running or now.num_waiting or queries or drafts
     if not busy and before is not None and not (before.num_running or before.num_waiting):
         return []
@@ -42,17 +44,15 @@ def stats_lines(before: SchedulerStats | None, now: SchedulerStats) -> list[str]
              f"{100 * now.kv_cache_usage:.1f}%, Prefix cache hit rate: "
              f"{100 * hits / queries if queries else 0.0:.1f}%"]
     if drafts:
-        drafted = now.spec_decode_num_draft_tokens - (
-            before.spec_decode_num_draft_tokens if before else 0)
-        accepted = now.spec_decode_num_accepted_tokens - (
-            before.spec_decode_num_accepted_tokens if before else 0)
+        accepted = since("spec_decode_num_accepted_tokens")
         old = before.spec_decode_num_accepted_tokens_per_pos if before else ()
         per_pos = [n - (old[j] if j < len(old) else 0)
                    for j, n in enumerate(now.spec_decode_num_accepted_tokens_per_pos)]
+        rates = ", ".join(f"{n / drafts:.3f}" for n in per_pos)
         lines.append(
             f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
-            f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position acceptance "
-            f"rate: {', '.join(f'{n / drafts:.3f}' for n in per_pos)}")
+            f"Accepted: {accepted} tokens, Drafted: {since('spec_decode_num_draft_tokens')} "
+            f"tokens, Per-position acceptance rate: {rates}")
     return lines
 
 
