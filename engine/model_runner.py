@@ -19,10 +19,9 @@ from engine.distributed.sharding import check_heads, kv_head_owners
 from engine.input_batch import HostStep, PendingTokens, pack_step, step_tensors
 from engine.kv_cache_sizing import KVCacheSizingMixin
 from engine.lora.slots import LoRASlots
-from engine.model_loader import iter_model_weights, load_hf_config
-from engine.models import get_model_class
+from engine.model_loader import load_hf_config
+from engine.models import load_model
 from engine.prompt_logprobs import add_chunk_prompt_logprobs
-from engine.quant import quantization_config
 from engine.request import Request
 from engine.request_checks import reads_history
 from engine.sampler import SampledTokens, Sampler, SamplingRow, argmax_suffices
@@ -119,7 +118,8 @@ class ModelRunner(KVCacheSizingMixin):
         self.tp: SingleRank = group or SingleRank()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.backend = make_attention_backend(config.attention_backend, self.device)
-        self.model = self._load_model()
+        self.model = load_model(config, self.hf_config, self.backend, self.device, self.dtype,
+                                self.tp)
         self.lora: LoRASlots | None = None  # multi-LoRA: the adapters' slots and host cache
         if config.lora is not None:
             self.lora = LoRASlots(self.model, config.lora, self.device, self.dtype)
@@ -151,16 +151,6 @@ class ModelRunner(KVCacheSizingMixin):
         self.structured: StructuredOutputs | None = None  # set by the engine when first used
 
     # ---- set-up --------------------------------------------------------------------------
-    def _load_model(self) -> torch.nn.Module:
-        cls = get_model_class(self.hf_config)
-        if self.config.quantization is not None:  # the model builds quantized layers
-            self.hf_config.quantization_config = quantization_config(self.config)
-        with torch.device(self.device):
-            model = cls(self.hf_config, self.backend, self.tp).to(self.dtype)
-        model.load_weights(iter_model_weights(self.config.model, self.dtype,
-                                              self.config.quantization, self.hf_config))
-        return model.eval()
-
     def _capture_graphs(self) -> DecodeGraphs | None:
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":
             return None

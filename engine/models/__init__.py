@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from engine.models.granitemoe import GraniteMoeForCausalLM
@@ -17,6 +18,10 @@ from engine.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from engine.attention.backend import AttentionBackend
+    from engine.config import EngineConfig
+    from engine.distributed.group import SingleRank
 
 MODEL_CLASSES: Mapping[str, type[nn.Module]] = MappingProxyType(
     {
@@ -60,3 +65,19 @@ def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
 
 
 __all__ = ["MODEL_CLASSES", "LlamaForCausalLM", "get_model_class"]
+
+
+def load_model(config: EngineConfig, hf_config: PretrainedConfig, backend: AttentionBackend,
+               device: torch.device, dtype: torch.dtype, tp: SingleRank | None = None
+               ) -> nn.Module:
+    """`config.model`'s weights in its family's module on `device`, built quantized as
+    `config.quantization` says (this rank's shard with `tp`), in eval mode."""
+    from engine.model_loader import iter_model_weights
+    from engine.quant import quantization_config
+
+    if config.quantization is not None:  # the model builds quantized layers
+        hf_config.quantization_config = quantization_config(config)
+    with torch.device(device):
+        model = get_model_class(hf_config)(hf_config, backend, tp).to(dtype)
+    model.load_weights(iter_model_weights(config.model, dtype, config.quantization, hf_config))
+    return model.eval()

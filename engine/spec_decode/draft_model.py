@@ -35,10 +35,10 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.config import EngineConfig
 from engine.input_batch import PendingTokens, pack_step, step_tensors
-from engine.model_loader import iter_model_weights, load_hf_config, resolve_model
-from engine.models import get_model_class
+from engine.model_loader import load_hf_config, resolve_model
+from engine.models import load_model
 from engine.models.llama import head_dim_of
-from engine.quant import quantization_config, resolve_quantization
+from engine.quant import resolve_quantization
 from engine.request import Request
 from engine.scheduler_output import SchedulerOutput
 from engine.structured.bitmask import mask_logits
@@ -74,13 +74,8 @@ class DraftModel:
         self.device, self.dtype = device, dtype
         # the draft is quantized as the checkpoint and the target's dtype say (a GGUF: kept)
         quant = resolve_quantization(None, path, config.device, config.dtype, 1)
-        if quant is not None:
-            draft = dataclasses.replace(config, model=path, quantization=quant)
-            self.hf_config.quantization_config = quantization_config(draft)
-        with torch.device(device):
-            model = get_model_class(self.hf_config)(self.hf_config, backend).to(dtype)
-        model.load_weights(iter_model_weights(path, dtype, quant, self.hf_config))
-        self.model = model.eval()
+        draft = dataclasses.replace(config, model=path, quantization=quant)
+        self.model = load_model(draft, self.hf_config, backend, device, dtype)
         self.k = config.speculative.num_speculative_tokens or 0
         self.backend = backend
         self.kv_caches: list[torch.Tensor] = []
