@@ -10,6 +10,10 @@ metadata in Python), so the first load converts and every later one reads the ca
 A model kept quantized (engine/quant/) needs no de-quantized weights, only the config and the
 tokenizer: `ensure_gguf_metadata` writes those alone, once, into `<...>-<mtime_ns>-meta/`.
 
+Mixtures of experts convert the same way where transformers reads them (Qwen2-MoE, Qwen3-MoE:
+their stacked experts arrive as transformers' fused expert tensors); other files with experts
+are refused before anything is written (engine/gguf_families.py).
+
 The cache root is `$PDSERVE_CACHE_DIR`, else `~/.cache/pdserve`, read when called. The folder
 name changes whenever the GGUF file is replaced, so a stale entry is never read. A conversion is
 written into a temporary sibling folder and renamed into place: other processes see either no
@@ -29,6 +33,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
+
+from engine.gguf_families import check_gguf_readable, config_overrides
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -60,8 +66,9 @@ def ensure_gguf_converted(gguf_path: str | Path, cache_root: str | Path | None =
     """Return the cache folder for `gguf_path`, converting the GGUF first if needed.
 
     Side effects: on a miss, de-quantizes the whole model in fp32 through transformers (the same
-    tensors `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` holds) and writes the
-    folder atomically under the cache root. Never touches the network.
+    tensors `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` holds, given the config
+    fields its GGUF mapping drops) and writes the folder atomically under the cache root. Never
+    touches the network. ValueError for a mixture of experts transformers does not read.
     """
     return _build_once(gguf_cache_dir(gguf_path, cache_root), Path(gguf_path), _convert)
 
@@ -96,12 +103,20 @@ def _build_once(folder: Path, gguf_path: Path, convert: Callable[[Path, Path], N
     return folder
 
 
+def _transformers_kwargs(gguf_path: Path) -> tuple[dict, dict[str, int]]:
+    """(from_pretrained's GGUF arguments, the config fields transformers' GGUF mapping drops);
+    ValueError naming the architecture for a file transformers does not read
+    (engine/gguf_families.py)."""
+    check_gguf_readable(gguf_path)
+    return {"gguf_file": gguf_path.name, "local_files_only": True}, config_overrides(gguf_path)
+
+
 def _convert_metadata(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
-    kwargs = {"gguf_file": gguf_path.name, "local_files_only": True}
+    kwargs, overrides = _transformers_kwargs(gguf_path)
     AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs).save_pretrained(out_dir)
-    config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
+    config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs, **overrides)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.save_pretrained(out_dir)  # last: its config.json marks the folder complete
@@ -111,8 +126,10 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     """Write transformers' de-quantized fp32 model and tokenizer for `gguf_path` into `out_dir`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {"gguf_file": gguf_path.name, "local_files_only": True}
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+    kwargs, overrides = _transformers_kwargs(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, dtype=torch.float32, **kwargs, **overrides
+    )
     _save_plain(model, out_dir)
     del model
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)

@@ -1,8 +1,9 @@
-"""A GGUF file's tensor table, read without parsing its metadata values.
+"""A GGUF file's tensor table and chosen metadata values, read without parsing the rest.
 
 `gguf.GGUFReader` builds a Python object for every metadata value (the bundled model's 49k-entry
-token list: ~2.3 s per open); the weights only need the tensor table, so this reads the header,
-skips the key/value section and memory-maps the data:
+token list: ~2.3 s per open); the weights only need the tensor table and the loaders a few
+scalars, so this reads the header, skips the key/value section but for the keys asked for, and
+memory-maps the data:
 
     "GGUF" u32 version  u64 n_tensors  u64 n_kv
     n_kv x (string key, u32 type, value)          arrays: u32 item type, u64 count, items
@@ -15,6 +16,7 @@ skips the key/value section and memory-maps the data:
 from __future__ import annotations
 
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +24,9 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                   10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
 
 
 @dataclass(frozen=True)
@@ -51,8 +55,11 @@ class _Cursor:
         self.pos += n
         return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8")
 
-    def skip_value(self, vtype: int) -> int | None:
-        """Skip one value; returns it when it is a u32 (for general.alignment)."""
+    def value(self, vtype: int) -> int | float | bool | str:
+        """Read one scalar or string value."""
+        return self.string() if vtype == _STRING else self.take(_SCALAR_FORMATS[vtype])[0]
+
+    def skip_value(self, vtype: int) -> None:
         if vtype == _STRING:
             (n,) = self.take("<Q")
             self.pos += n
@@ -63,16 +70,12 @@ class _Cursor:
             else:
                 for _ in range(count):
                     self.skip_value(item)
-        elif vtype == _UINT32:
-            return self.take("<I")[0]
         else:
             self.pos += _SCALAR_SIZES[vtype]
-        return None
 
 
-def read_tensors(path: str | Path) -> list[GGUFTensor]:
-    """The tensors of a GGUF file (v2/v3), in file order, their data memory-mapped.
-    Raises ValueError on a file that is not GGUF or names an unknown tensor type."""
+def _open(path: str | Path) -> tuple[np.ndarray, _Cursor, int, int]:
+    """(file bytes, a cursor at the key/value section, n_tensors, n_kv)."""
     buf = np.memmap(path, dtype=np.uint8, mode="r")
     cur = _Cursor(buf)
     if bytes(buf[:4]) != b"GGUF":
@@ -81,13 +84,34 @@ def read_tensors(path: str | Path) -> list[GGUFTensor]:
     version, n_tensors, n_kv = cur.take("<IQQ")
     if version < 2:
         raise ValueError(f"{path}: GGUF version {version} is not supported")
-    alignment = 32
+    return buf, cur, n_tensors, n_kv
+
+
+def _read_kv(cur: _Cursor, n_kv: int, keys: Collection[str]) -> dict[str, object]:
+    """The values of `keys` (scalars and strings; arrays are skipped), the cursor moved past
+    the key/value section."""
+    found: dict[str, object] = {}
     for _ in range(n_kv):
         key = cur.string()
         (vtype,) = cur.take("<I")
-        value = cur.skip_value(vtype)
-        if key == "general.alignment" and value is not None:
-            alignment = value
+        if key in keys and vtype != _ARRAY:
+            found[key] = cur.value(vtype)
+        else:
+            cur.skip_value(vtype)
+    return found
+
+
+def read_metadata(path: str | Path, keys: Collection[str]) -> dict[str, object]:
+    """The scalar and string values stored under `keys` (a key the file lacks is absent)."""
+    _, cur, _, n_kv = _open(path)
+    return _read_kv(cur, n_kv, keys)
+
+
+def read_tensors(path: str | Path) -> list[GGUFTensor]:
+    """The tensors of a GGUF file (v2/v3), in file order, their data memory-mapped.
+    Raises ValueError on a file that is not GGUF or names an unknown tensor type."""
+    buf, cur, n_tensors, n_kv = _open(path)
+    alignment = int(_read_kv(cur, n_kv, ("general.alignment",)).get("general.alignment", 32))
     infos = []
     for _ in range(n_tensors):
         name = cur.string()

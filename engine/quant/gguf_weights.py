@@ -58,12 +58,21 @@ def hf_name(gguf_name: str) -> str:
 
 
 def unsupported_tensors(path: str | Path) -> list[str]:
-    """'name (TYPE)' of every tensor pdserve cannot keep quantized (empty: all can)."""
-    return [
-        f"{t.name} ({t.qtype.name})"
-        for t in read_tensors(path)
-        if t.qtype not in (*SUPPORTED, *DENSE)
-    ]
+    """What pdserve cannot keep quantized (empty: all of it can): 'name (TYPE)' of each tensor of
+    another format, then 'blk.N.kind.weight (no Llama-family layer)' once per kind of tensor
+    without a dense Llama-family parameter (a mixture of experts' router and experts)."""
+    tensors = [t for t in read_tensors(path) if t.name not in _IGNORED]
+    bad = [f"{t.name} ({t.qtype.name})" for t in tensors if t.qtype not in (*SUPPORTED, *DENSE)]
+    kinds = {_LAYER_NAME.sub(r"blk.N.\2.\3", t.name) for t in tensors if not _has_hf_name(t.name)}
+    return bad + [f"{kind} (no Llama-family layer)" for kind in sorted(kinds)]
+
+
+def _has_hf_name(gguf_name: str) -> bool:
+    try:
+        hf_name(gguf_name)
+    except ValueError:
+        return False
+    return True
 
 
 def iter_gguf_weights(
