@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("serve", serve, "load test an OpenAI endpoint: TTFT, TPOT, ITL, goodput (loadtest)"),
         ("kv-routing", kv_routing, "kv_aware vs load routing on a multi-turn load"),
         ("spec", spec_decode, "speculative decoding (ngram) vs plain decoding: tok/s"),
-        ("cpu-gguf", cpu_gguf, "CPU decode: a GGUF kept quantized vs de-quantized fp32"),
+        ("cpu-gguf", cpu_gguf,
+         "CPU decode: a GGUF kept quantized vs de-quantized fp32 vs llama.cpp"),
     ):
         p = bench_sub.add_parser(name, help=text)
         module.add_arguments(p)
