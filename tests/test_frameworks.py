@@ -1,8 +1,13 @@
 """Agent frameworks, unchanged, against a running gateway (`pdserve up --colocated` on the
 bundled model, its default hermes tool parser): LangChain's ChatOpenAI (invoke, stream, tools,
-structured output) and the OpenAI Agents SDK over chat completions and over the Responses API
-(a function tool, a typed final output). They send what they send: no field is stripped for
-them."""
+structured output), the OpenAI Agents SDK over chat completions and over the Responses API
+(a function tool, a typed final output), and instructor (a pydantic model through a named tool
+and through a json_schema response_format, whole and streamed as partial objects). They
+send what they send: no field is stripped for them.
+
+instructor pins `jiter<0.15` while openai >= 3.4 needs jiter >= 0.16, so pip cannot install it
+beside the openai client with its dependencies: the README's test command installs it with
+`--no-deps` (its other dependencies are in the test extra), and it runs on the newer jiter."""
 
 from __future__ import annotations
 
@@ -100,3 +105,25 @@ def test_agents_sdk_calls_a_tool_and_returns_a_typed_output(server: Cluster, api
     weather, city = asyncio.run(both())
     assert len(asked) == 1 and weather == f"sunny in {asked[0]}"
     assert isinstance(city, City) and city.name
+
+
+# instructor's JSON mode (a json_object response_format, the schema only in the prompt) is as
+# good as the model: the bundled 135M model writes a JSON object of its own shape there.
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
+def test_instructor_returns_the_pydantic_model(server: Cluster, mode: str) -> None:
+    import instructor
+    from openai import OpenAI
+
+    client = instructor.from_openai(
+        OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0),
+        mode=getattr(instructor.Mode, mode),
+    )
+    ask = [{"role": "user", "content": "Name a city in Italy and its country."}]
+    city = client.chat.completions.create(model=MODEL, response_model=City, messages=ask,
+                                          temperature=0, max_tokens=128, max_retries=0)
+    assert isinstance(city, City) and city.name and city.country
+    partials = list(client.chat.completions.create_partial(
+        model=MODEL, response_model=City, messages=ask, temperature=0, max_tokens=128,
+        max_retries=0))
+    assert len(partials) > 1  # streamed: the object grows chunk by chunk
+    assert partials[-1].model_dump() == city.model_dump()  # greedy: the same object whole
