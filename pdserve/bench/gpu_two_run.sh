@@ -14,11 +14,13 @@
 #       TTFT/TPOT/ITL p50/p99, output tok/s and the KV handover's share of the time to the
 #       second token; the load generator's reports and the servers' logs stay on the machine.
 #   tp  tensor parallelism on two GPUs against one: `python -m pdserve.bench.gpu --parts tp`.
+#   ep  expert parallelism's communication, all-to-all against replicated tokens + all-reduce
+#       (`python -m pdserve.bench.ep_comm`), Mixtral-shaped: hidden 2048, 8 experts, top 2.
 #
 # Arguments after the part go on to the command (e.g. `--request-rate 2,6,inf`).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PART=${1:?usage: gpu_two_run.sh prefill_heavy|decode_heavy|tp [FLAGS]}
+PART=${1:?usage: gpu_two_run.sh prefill_heavy|decode_heavy|tp|ep [FLAGS]}
 shift
 KIT=${KIT:-.gpu-kit}
 # shellcheck source=pdserve/bench/gpu_kit_env.sh
@@ -29,6 +31,7 @@ case "$PART" in
     prefill_heavy) RATES=4,12,inf ;;
     decode_heavy) RATES=8,24,inf ;;
     tp) exec python3 -m pdserve.bench.gpu --parts tp --json "$OUT/gpu_tp.json" "$@" ;;
+    ep) exec python3 -m pdserve.bench.ep_comm --output-json "$OUT/ep_comm.json" "$@" ;;
     *) echo "gpu_two_run.sh: unknown part $PART" >&2; exit 2 ;;
 esac
 exec python3 -m pdserve.bench.gpu_serve --systems replicas,split_cuda_ipc,split_grpc \
