@@ -9,17 +9,24 @@ from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROLES = ("colocated", "prefill", "decode")
-# vLLM's names; engine/quant/ implements "fp8" (quantized on load, or FP8 checkpoints) and "gguf"
-# (kept quantized, CPU). None: unquantized weights. The user may also name "compressed-tensors"
-# for a compressed-tensors FP8 checkpoint: the engine serves it as "fp8".
+# vLLM's names: "auto" keeps K/V in the model's dtype; "fp8" (= "fp8_e4m3") stores them as
+# float8_e4m3fn with a per-tensor scale (kernels/kv_cache_fp8.py): half the bytes of bf16.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# vLLM's names; engine/quant/ implements "fp8" (quantized on load, or FP8 checkpoints), "awq",
+# "gptq" and "compressed-tensors" (4-bit W4A16 checkpoints) and "gguf" (kept quantized, CPU).
+# None: unquantized weights. A compressed-tensors FP8 checkpoint is served as "fp8".
 QUANTIZATIONS = ("fp8", "awq", "gptq", "compressed-tensors", "gguf")
-IMPLEMENTED_QUANTIZATIONS = ("fp8", "gguf")
+IMPLEMENTED_QUANTIZATIONS = QUANTIZATIONS
 QUANTIZATION_CHOICES = ("none", *QUANTIZATIONS)  # the user's: "none" de-quantizes a GGUF
+KV_CACHE_DTYPE_HELP = (
+    "KV cache storage, vLLM's names: auto (the model's dtype) or fp8 (= fp8_e4m3: "
+    "float8_e4m3fn, scale 1.0, half the bytes of bf16); prefill and decode workers must agree"
+)
 QUANTIZATION_HELP = (
-    "quantized weights, vLLM's names (implemented: fp8 -- quantizes a bf16/fp16/fp32 checkpoint "
-    "on load or reads an FP8 one, compressed-tensors FP8 too -- and gguf); none de-quantizes a "
-    "GGUF; default: from the checkpoint (FP8 checkpoints stay FP8, a GGUF on the CPU with dtype "
-    "auto stays quantized)"
+    "quantized weights, vLLM's names: fp8 (quantizes a bf16/fp16/fp32 checkpoint on load or "
+    "reads an FP8 one, compressed-tensors FP8 too), awq / gptq / compressed-tensors (4-bit "
+    "W4A16 checkpoints), gguf; none de-quantizes a GGUF; default: from the checkpoint (FP8 and "
+    "4-bit checkpoints stay quantized, a GGUF on the CPU with dtype auto too)"
 )
 
 
@@ -224,12 +231,17 @@ class EngineConfig:
     # CUDA only: False captures CUDA graphs of decode steps for batches up to
     # min(max_num_seqs, 512); True runs every step eagerly (vLLM's flag of the same name).
     enforce_eager: bool = False
+    # CUDA only: at load, time pdserve's Triton GEMV against cuBLAS for each dense projection
+    # shape at 1-4 tokens and use it where it measured faster (engine/models/gemv_plan.py);
+    # False: cuBLAS everywhere.
+    decode_gemv: bool = True
     # Schedule and launch step N+1 before waiting for step N's tokens (see engine.llm_engine);
     # colocated and decode roles. False waits for every step (vLLM's --async-scheduling off).
     async_scheduling: bool = True
     # Weights kept quantized (engine/quant/): None (plain or de-quantized) or one of
     # QUANTIZATIONS; `engine.quant.resolve_quantization` picks it from the user's choice.
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -250,6 +262,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in IMPLEMENTED_QUANTIZATIONS:
             raise ValueError(f"quantization {self.quantization!r} is not implemented yet "
                              f"(implemented: {IMPLEMENTED_QUANTIZATIONS})")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}"

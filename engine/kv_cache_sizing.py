@@ -5,6 +5,8 @@ On CUDA, vLLM's rule: the cache gets `gpu_memory_utilization` of the card, less 
 (weights, CUDA context, other processes) and the activation peak of the largest step, measured
 by running one dummy step; on the CPU a fixed default. Every tensor-parallel rank ends up with the
 fewest blocks any rank can hold; with a draft model each block also holds the draft's K/V.
+The cache's dtype is the model's, or fp8 with `kv_cache_dtype="fp8"`: 1 byte an element, so the
+same budget holds twice the blocks of a bf16 cache (the draft model keeps its own dtype).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from engine.attention.metadata import AttentionMetadata
 from engine.distributed.sharding import head_shard
 from engine.models.llama import head_dim_of
+from kernels.kv_cache_fp8 import KV_FP8
 
 if TYPE_CHECKING:
     from engine.attention.backend import AttentionBackend
@@ -28,6 +31,15 @@ logger = logging.getLogger("engine.model_runner")
 
 CPU_KV_CACHE_BYTES = 2 << 30  # default KV budget on CPU, like vLLM's CPU backend
 GRAPH_RESERVE_BYTES = 512 << 20  # CUDA-graph pool and allocator slack, kept out of the KV budget
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype for `EngineConfig.kv_cache_dtype` (KV_CACHE_DTYPES)."""
+    if name == "auto":
+        return model_dtype
+    if name in ("fp8", "fp8_e4m3"):
+        return KV_FP8
+    raise ValueError(f"kv_cache_dtype {name!r} is not implemented")
 
 
 class KVCacheSizingMixin:
@@ -45,6 +57,11 @@ class KVCacheSizingMixin:
     block_size: int
 
     @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The dtype of the KV pool: the model's, or fp8."""
+        return resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
+
+    @property
     def kv_shape_per_layer(self) -> tuple[int, int]:
         """(KV heads of this rank, head dim)."""
         cfg = self.hf_config
@@ -55,7 +72,7 @@ class KVCacheSizingMixin:
     def block_bytes(self) -> int:
         """Bytes of one KV block over all layers (K and V)."""
         kv_heads, head_dim = self.kv_shape_per_layer
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * self.hf_config.num_hidden_layers * self.block_size * kv_heads * head_dim * elem
 
     def _decide_num_blocks(self) -> int:
@@ -133,7 +150,8 @@ class KVCacheSizingMixin:
         layers = self.hf_config.num_hidden_layers
         if log:
             logger.info(
-                "KV cache: %d blocks of %d tokens, %.1f MiB",
-                num_blocks, self.block_size, num_blocks * self.block_bytes() / 2**20,
+                "KV cache: %d blocks of %d tokens, %s, %.1f MiB",
+                num_blocks, self.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
+                num_blocks * self.block_bytes() / 2**20,
             )
-        return torch.zeros((layers, *shape), dtype=self.dtype, device=self.device)
+        return torch.zeros((layers, *shape), dtype=self.kv_cache_dtype, device=self.device)

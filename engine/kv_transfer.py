@@ -9,7 +9,10 @@ them through its own block table.
     receiver cache (layer l) <--index_copy_(its own block ids)-- slab rows
 
 The receiver checks the sender's `KVLayout` before accepting anything, then checks every slab's
-range and byte count, and that the slabs cover every layer x block exactly once.
+range and byte count, and that the slabs cover every layer x block exactly once. The layout's
+dtype is the cache's (the model's, or "float8_e4m3fn" with `kv_cache_dtype="fp8"`: half the
+bytes of bf16 move); a push of another dtype is refused, never converted. Copies of a 1-byte
+cache go through uint8 views (kernels/kv_cache_fp8.py: torch lacks some fp8 copy kernels).
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.distributed.kv_shards import ShardedKVLayer
+from kernels.kv_cache_fp8 import KV_FP8, as_bytes, index_copy_kv
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float8_e4m3fn": KV_FP8}
 
 
 @dataclass(frozen=True)
@@ -30,7 +35,7 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # "float32" | "bfloat16" | "float16" | "float8_e4m3fn" (an fp8 KV cache)
     block_size: int
 
     @property
@@ -49,6 +54,9 @@ class KVLayout:
             for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
             if getattr(sender, name) != getattr(self, name)
         ]
+        if sender.dtype != self.dtype:  # the likeliest cause first
+            diffs.append("prefill and decode workers need the same --dtype and "
+                         "--kv-cache-dtype")
         if diffs:
             raise ValueError("KV layout mismatch: " + "; ".join(diffs))
 
@@ -58,7 +66,7 @@ def read_blocks(cache: torch.Tensor | ShardedKVLayer, ids: torch.Tensor, out: to
     if isinstance(cache, ShardedKVLayer):
         cache.read(ids, out)
     else:
-        torch.index_select(cache, 1, ids, out=out)
+        torch.index_select(as_bytes(cache), 1, ids, out=as_bytes(out))
 
 
 def write_blocks(
@@ -68,7 +76,7 @@ def write_blocks(
     if isinstance(cache, ShardedKVLayer):
         cache.write(ids, src)
     else:
-        cache.index_copy_(1, ids, src)
+        index_copy_kv(cache, 1, ids, src)
 
 
 def layout_of(kv_caches: list[torch.Tensor] | list[ShardedKVLayer]) -> KVLayout:

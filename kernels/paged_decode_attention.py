@@ -17,6 +17,10 @@ NOTE: flash-decoding over a paged cache.
 
 Page ids are widened to int64 before they scale a stride: a large cache overflows int32 offsets.
 Sequences of length 0 (padding rows of a CUDA-graph batch) produce zeros.
+
+An fp8 cache (kernels/kv_cache_fp8.py) is read as it is stored, widened to q's dtype in registers
+(exact): K's scale folds into the softmax scale, V's into the output (o = acc / l * v_scale), so
+the scales cost nothing per tile.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import INTERPRET, check_paged_layout, dot_precision
+from kernels.kv_cache_fp8 import check_scales, dequantize_kv
 
 LOG2E = 1.4426950408889634
 
@@ -35,7 +40,8 @@ LOG2E = 1.4426950408889634
 @triton.jit(do_not_specialize=["num_splits", "stride_tb"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
-    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    qk_scale,  # softmax scale * k_scale * log2(e): the kernel works in base 2
+    v_scale,  # fp32, an fp8 cache's V scale (1.0 otherwise)
     num_splits,  # a run-time value: a new split count must not cost a compile mid-serving
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,  # K and V caches share strides
@@ -73,22 +79,20 @@ def _decode_kernel(
         page = tl.load(table + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         rows = page * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt + kv_head * stride_kh  # [N]
         k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
+        k = k.to(q.dtype)  # an fp8 cache widens here (exact); fp32 when UPCAST
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
+        v = v.to(q.dtype)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / safe_l[:, None]
+    o = acc / safe_l[:, None] * v_scale  # exact when v_scale is 1
     if ONE_SPLIT:
         out = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
@@ -147,12 +151,15 @@ def paged_decode_attention(
     block_n: int = 128,
     num_warps: int = 4,
     num_stages: int = 3,
+    k_scale: float = 1.0,  # an fp8 cache's scales (kernels/kv_cache_fp8.py)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [B, H, D]
     """Attention of each sequence's one query token over its cached context (already holding
     the token's own K/V). Launches one kernel, plus a reduce when `num_splits` > 1."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_paged_layout(q, k_cache, v_cache)
+    check_scales("paged_decode_attention", k_cache.dtype, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
@@ -167,7 +174,7 @@ def paged_decode_attention(
         lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part, lse,
-        scale * LOG2E, num_splits,
+        scale * k_scale * LOG2E, v_scale, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -187,9 +194,10 @@ def paged_decode_attention(
 
 def paged_decode_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:  # [B, H, D], in fp32
-    """Reference: gather each sequence's tokens and run plain softmax attention in fp32."""
+    """Reference: gather each sequence's tokens (de-quantized, an fp8 cache) and run plain
+    softmax attention in fp32."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(batch, num_heads, head_dim, dtype=torch.float32, device=q.device)
@@ -199,8 +207,8 @@ def paged_decode_attention_ref(
             continue
         pos = torch.arange(n, device=q.device)
         pages = block_tables[b, pos // block_size].long()
-        k = k_cache[pages, pos % block_size].float()  # [n, Hkv, D]
-        v = v_cache[pages, pos % block_size].float()
+        k = dequantize_kv(k_cache[pages, pos % block_size], torch.float32, k_scale)  # [n, Hkv, D]
+        v = dequantize_kv(v_cache[pages, pos % block_size], torch.float32, v_scale)
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [n, H, D]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale

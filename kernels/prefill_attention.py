@@ -15,6 +15,9 @@ seq_len tokens, and query t (position p = seq_len - q_len + t) sees keys 0..p.
 
 Query tiles run longest-first (the tile index is reversed) so causal imbalance doesn't leave a
 long tail. Tiles past a sequence's q_len exit at once.
+
+An fp8 cache (kernels/kv_cache_fp8.py) is widened to q's dtype in registers (exact); K's scale
+folds into the softmax scale, V's into the output, as in the decode kernel.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import INTERPRET, check_paged_layout, dot_precision
+from kernels.kv_cache_fp8 import check_scales, dequantize_kv
 
 LOG2E = 1.4426950408889634
 
@@ -44,9 +48,8 @@ def _attend_tile(
                     other=0.0)
         v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=(offs_n < hi)[:, None],
                     other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = k.to(q.dtype)  # an fp8 cache widens here (exact); fp32 when UPCAST
+        v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
         if MASKED:
             s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
@@ -62,7 +65,8 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["stride_tb"])  # the block-table width changes between steps
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, qstart_ptr, lens_ptr, out_ptr,
-    qk_scale,
+    qk_scale,  # softmax scale * k_scale * log2(e)
+    v_scale,  # fp32, an fp8 cache's V scale (1.0 otherwise)
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_tb,
@@ -107,7 +111,7 @@ def _prefill_kernel(
         q, m_i, l_i, acc, k_ptr, v_ptr, table, kv_base, q_pos, full_end, hi, qk_scale,
         stride_kb, stride_kt, True, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST,
     )
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # exact when v_scale is 1
     tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
@@ -126,10 +130,13 @@ def prefill_attention(
     block_n: int = 64,
     num_warps: int = 8,
     num_stages: int = 3,
+    k_scale: float = 1.0,  # an fp8 cache's scales (kernels/kv_cache_fp8.py)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, H, D]
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_paged_layout(q, k_cache, v_cache)
+    check_scales("prefill_attention", k_cache.dtype, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
     num_seqs = seq_lens.shape[0]
@@ -140,7 +147,7 @@ def prefill_attention(
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * LOG2E,
+        scale * k_scale * LOG2E, v_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -155,9 +162,11 @@ def prefill_attention(
 
 def prefill_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, H, D] in fp32
-    """Reference: per sequence, gather its whole context and run masked softmax in fp32."""
+    """Reference: per sequence, gather its whole context (de-quantized, an fp8 cache) and run
+    masked softmax in fp32."""
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -166,10 +175,10 @@ def prefill_attention_ref(
         n, q_len = int(seq_lens[i]), end - start
         pos = torch.arange(n, device=q.device)
         pages = block_tables[i, pos // block_size].long()
-        k = k_cache[pages, pos % block_size].float().repeat_interleave(
-            num_heads // num_kv_heads, dim=1)  # [n, H, D]
-        v = v_cache[pages, pos % block_size].float().repeat_interleave(
-            num_heads // num_kv_heads, dim=1)
+        k = dequantize_kv(k_cache[pages, pos % block_size], torch.float32, k_scale)
+        v = dequantize_kv(v_cache[pages, pos % block_size], torch.float32, v_scale)
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [n, H, D]
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("thd,nhd->htn", q[start:end].float(), k) * scale  # [H, q_len, n]
         q_pos = torch.arange(n - q_len, n, device=q.device)
         scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))

@@ -21,7 +21,12 @@ import logging
 import sys
 from collections.abc import Callable
 
-from engine.config import QUANTIZATION_CHOICES, QUANTIZATION_HELP
+from engine.config import (
+    KV_CACHE_DTYPE_HELP,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_CHOICES,
+    QUANTIZATION_HELP,
+)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -37,6 +42,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="mixture-of-experts models: whole experts per tensor-parallel rank")
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
                    help=QUANTIZATION_HELP)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help=KV_CACHE_DTYPE_HELP)
     p.add_argument("--speculative-config", default="",
                    help='speculative decoding as JSON, e.g. {"method": "ngram", '
                         '"num_speculative_tokens": 3}')
@@ -49,6 +56,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_expert_parallel=args.enable_expert_parallel,
         speculative_config=speculative_config(args.speculative_config),
     )

@@ -28,7 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from engine.config import QUANTIZATION_CHOICES, QUANTIZATION_HELP
+from engine.config import (
+    KV_CACHE_DTYPE_HELP,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_CHOICES,
+    QUANTIZATION_HELP,
+)
 from pdserve.cluster.flags import (
     add_chat_template_flag,
     add_flag,
@@ -85,6 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--max-model-len", None, type=int, help="context length served")
     add_flag(p, "--dtype", "auto", help="auto, float32, bfloat16, float16")
     add_flag(p, "--quantization", None, choices=QUANTIZATION_CHOICES, help=QUANTIZATION_HELP)
+    add_flag(p, "--kv-cache-dtype", "auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_DTYPE_HELP)
     add_flag(p, "--speculative-config", "",
              help='speculative decoding as JSON, handed to the decode workers (with --colocated, '
                   'the engine): {"method": "ngram", "num_speculative_tokens": 3}')
@@ -117,6 +123,8 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     engine = ["--dtype", args.dtype, "--kv-cache-memory", str(args.kv_cache_memory)]
     if args.quantization:
         engine += ["--quantization", args.quantization]
+    if args.kv_cache_dtype != "auto":  # every worker alike: KV moves between them
+        engine += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.enable_expert_parallel:
         engine += ["--enable-expert-parallel"]
     workers = ["--kv-transport", args.kv_transport]  # prefill and decode only

@@ -93,6 +93,10 @@ def test_small_run_end_to_end(tmp_path: Path) -> None:
     assert set(t["ratios"]) == {"pdserve_over_hf_padded", "pdserve_over_hf_generate_batch"}
     _positive(t["ratios"], *t["ratios"])
     _positive(t["roofline"], "prefill_s", "decode_s", "output_tokens_per_s", "pdserve_fraction")
+    runs = t["systems"]["pdserve"]["runs"]  # three runs on fresh prompts, the first compared
+    assert len(runs) == 3 and runs[0]["wall_s"] == t["systems"]["pdserve"]["wall_s"]
+    for one in runs:
+        _positive(one, "wall_s", "output_tokens_per_s", "roofline_fraction")
 
     lat = report["latency"]
     assert "error" not in lat, lat.get("error")

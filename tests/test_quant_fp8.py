@@ -230,7 +230,8 @@ def test_quantization_option_resolves(tiny_llama_dir: str, tmp_path: Path) -> No
         assert cfg.quantization == expected, (model, quantization)
     bad = [((tiny_llama_dir, "compressed-tensors", 1), "needs a compressed-tensors"),
            ((ct, "none", 1), "GGUF files only"), ((ct, "gguf", 1), "needs a .gguf"),
-           ((tiny_llama_dir, "fp8", 2), "one rank"), ((ct, "awq", 1), "'awq' is not implemented")]
+           ((tiny_llama_dir, "fp8", 2), "one rank"),
+           ((ct, "awq", 1), "'awq' needs a checkpoint in the awq format")]
     for (model, quantization, tp), match in bad:
         with pytest.raises(ValueError, match=match):
             build_engine_config(model, device="cpu", quantization=quantization,

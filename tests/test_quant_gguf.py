@@ -313,12 +313,7 @@ def test_quantization_option_resolves(quantized_llama: Path, tiny_llama_dir: str
         build_engine_config(tiny_llama_dir, device="cpu", quantization="gguf")
     with pytest.raises(ValueError, match="CPU only"):
         build_engine_config(gguf, device="cuda", quantization="gguf")
-    for name in ("awq", "gptq"):
-        with pytest.raises(ValueError, match=f"'{name}' is not implemented"):
-            build_engine_config(gguf, device="cpu", quantization=name)
-        with pytest.raises(ValueError, match=f"'{name}' is not implemented"):
-            EngineConfig(model=gguf, quantization=name)
-    for name in ("fp8", "compressed-tensors"):  # FP8 reads HF folders, not GGUF files
+    for name in ("fp8", "compressed-tensors", "awq", "gptq"):  # they read HF folders, not GGUF
         with pytest.raises(ValueError, match="needs an HF folder"):
             build_engine_config(gguf, device="cpu", quantization=name)
     with pytest.raises(ValueError, match="'int3'"):

@@ -404,14 +404,15 @@ def sender(remote: Remote, dtype: str, seed: int) -> Iterator[tuple[Any, torch.T
         plane.close()
 
 
-@pytest.mark.parametrize(("dtype", "nbytes"), [("float32", 4096), ("bfloat16", 2048)])
+@pytest.mark.parametrize(("dtype", "nbytes"), [("float32", 4096), ("bfloat16", 2048),
+                                                ("float8_e4m3fn", 1024)])  # an fp8 KV cache
 def test_write_copies_the_named_layers_of_the_named_blocks_and_nothing_else(
         remote: Remote, dtype: str, nbytes: int) -> None:
     info = remote.new_pool(dtype, seed=1)
     with sender(remote, dtype, seed=2) as (plane, src):
         peer = plane.open_peer(info)
         assert peer.transport == remote.name and peer.info == info
-        # 4 blocks x 2 layers x (K, V) x 4 tokens x 2 heads x 8 dims x 4 B (fp32) or 2 B (bf16)
+        # 4 blocks x 2 layers x (K, V) x 4 tokens x 2 heads x 8 dims x 4 B (fp32), 2 (bf16), 1 (fp8)
         assert plane.write(peer, (1, 3), [4, 5, 6, 0], [9, 10, 11, 2]) == nbytes
         plane.close_peer(peer)
     after = remote.contents(info)

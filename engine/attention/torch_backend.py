@@ -17,6 +17,11 @@ NOTE: per step, `prepare` turns the block tables into gather plans once; every l
 
 The masked tail of a sequence's last block is read too, so the cache must hold finite values
 there: allocate it with torch.zeros, not torch.empty (0 * NaN is NaN even under a mask).
+
+An fp8 cache (kernels/kv_cache_fp8.py): the store writes k / k_scale and v / v_scale saturated to
+e4m3; gathered blocks are de-quantized (fp32 x scale, then q's dtype) before SDPA. A whole
+prompt attends its own k/v as computed, as vLLM's prefill does; later chunks and decodes read the
+fp8 cache.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
 from engine.models.rotary import RopeInputs, rotate_qk
+from kernels.kv_cache_fp8 import as_bytes, check_scales, dequantize_kv, quantize_kv
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,10 @@ class TorchAttentionState:
 class TorchAttentionBackend:
     name = "torch"
 
+    def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """`k_scale`, `v_scale`: an fp8 cache's per-tensor scales (1.0: uncalibrated)."""
+        self.k_scale, self.v_scale = k_scale, v_scale
+
     def prepare(self, meta: AttentionMetadata) -> None:
         """Build the step's gather plans into `meta.backend_state` (mutates `meta`)."""
         prefills = tuple(_prefill_plan(meta, i) for i in range(meta.num_prefills))
@@ -78,10 +88,13 @@ class TorchAttentionBackend:
         if not isinstance(meta.backend_state, TorchAttentionState):
             self.prepare(meta)
         state: TorchAttentionState = meta.backend_state
-        store_kv(k, v, kv_cache, meta.slot_mapping)
-        outs = [_prefill_attention(q, k, v, kv_cache, plan, scale) for plan in state.prefills]
+        kv_scales = (self.k_scale, self.v_scale)
+        check_scales("torch attention", kv_cache.dtype, *kv_scales)
+        store_kv(k, v, kv_cache, meta.slot_mapping, *kv_scales)
+        outs = [_prefill_attention(q, k, v, kv_cache, plan, scale, kv_scales)
+                for plan in state.prefills]
         if state.decode is not None:
-            outs.append(_decode_attention(q, kv_cache, state.decode, scale))
+            outs.append(_decode_attention(q, kv_cache, state.decode, scale, kv_scales))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
@@ -90,12 +103,15 @@ def store_kv(
     v: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Scatter the new tokens' K/V into their cache slots (mutates `kv_cache`)."""
+    """Scatter the new tokens' K/V into their cache slots, quantized for an fp8 cache (mutates
+    `kv_cache`)."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_blocks * block_size, Hkv, D]
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+    flat = as_bytes(kv_cache).view(2, -1, num_kv_heads, head_dim)  # [2, blocks * bs, Hkv, D]
+    flat[0].index_copy_(0, slot_mapping, as_bytes(quantize_kv(k, kv_cache.dtype, k_scale)))
+    flat[1].index_copy_(0, slot_mapping, as_bytes(quantize_kv(v, kv_cache.dtype, v_scale)))
 
 
 def _prefill_plan(meta: AttentionMetadata, i: int) -> PrefillPlan:
@@ -131,13 +147,14 @@ def _prefill_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     plan: PrefillPlan,
     scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:  # [q_len, H, D]
     qs = q[plan.start : plan.end].transpose(0, 1)[None]  # [1, H, q_len, D]
     if plan.block_ids is None:  # whole prompt: its own k/v are the context
         ks = k[plan.start : plan.end].transpose(0, 1)[None]  # [1, Hkv, q_len, D]
         vs = v[plan.start : plan.end].transpose(0, 1)[None]
     else:
-        k_ctx, v_ctx = gather_blocks(kv_cache, plan.block_ids)  # [>= seq_len, Hkv, D] each
+        k_ctx, v_ctx = gather_blocks(kv_cache, plan.block_ids, q.dtype, kv_scales)
         ks = k_ctx[: plan.seq_len].transpose(0, 1)[None]  # [1, Hkv, L, D]
         vs = v_ctx[: plan.seq_len].transpose(0, 1)[None]
     out = F.scaled_dot_product_attention(
@@ -151,11 +168,12 @@ def _decode_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     plan: DecodePlan,
     scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:  # [B, H, D]
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = kv_cache.shape[-2]
     batch = plan.mask.shape[0]
-    k_ctx, v_ctx = gather_blocks(kv_cache, plan.block_ids)  # [B * L, Hkv, D] each
+    k_ctx, v_ctx = gather_blocks(kv_cache, plan.block_ids, q.dtype, kv_scales)  # [B * L, Hkv, D]
     ks = k_ctx.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
     vs = v_ctx.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     qs = q[plan.start :].reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -172,11 +190,17 @@ def _decode_attention(
 def gather_blocks(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     block_ids: torch.Tensor,  # [N] int64
+    dtype: torch.dtype | None = None,  # what to read them as (None: the cache's dtype)
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's
 ) -> tuple[torch.Tensor, torch.Tensor]:  # K, V: [N * block_size, Hkv, D] each, copies
-    """K and V of the listed blocks, concatenated in order. (Row gathers on 2-D views are much
-    faster on CPU than one index_select over dim 1 of the 5-D cache.)"""
+    """K and V of the listed blocks, concatenated in order, de-quantized to `dtype` when the
+    cache is fp8. (Row gathers on 2-D views are much faster on CPU than one index_select over
+    dim 1 of the 5-D cache.)"""
     num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
     rows = (num_blocks, block_size * num_kv_heads * head_dim)
-    k = kv_cache[0].view(rows).index_select(0, block_ids)  # [N, block_size * Hkv * D]
-    v = kv_cache[1].view(rows).index_select(0, block_ids)
+    k = as_bytes(kv_cache[0]).view(rows).index_select(0, block_ids)  # [N, bs * Hkv * D]
+    v = as_bytes(kv_cache[1]).view(rows).index_select(0, block_ids)
+    k, v = k.view(kv_cache.dtype), v.view(kv_cache.dtype)
+    if dtype is not None and dtype != kv_cache.dtype:
+        k, v = dequantize_kv(k, dtype, kv_scales[0]), dequantize_kv(v, dtype, kv_scales[1])
     return k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)

@@ -11,6 +11,8 @@ Both read every key from the paged cache, where the store has just put the new t
 host data is read inside `forward` after the first layer: the step's split count and longest
 prefill chunk are computed once (from the metadata's Python-side lists) and kept in
 `meta.backend_state`, so a decode step captured in a CUDA graph replays for any context length.
+An fp8 cache (kernels/kv_cache_fp8.py): the store quantizes, both attention kernels de-quantize
+in registers, with the backend's per-tensor k_scale and v_scale.
 """
 
 from __future__ import annotations
@@ -37,11 +39,14 @@ class TritonAttentionState:
 class TritonAttentionBackend:
     name = "triton"
 
-    def __init__(self, num_sms: int | None = None) -> None:
+    def __init__(self, num_sms: int | None = None, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
+        """`k_scale`, `v_scale`: an fp8 cache's per-tensor scales (1.0: uncalibrated)."""
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties().multi_processor_count \
                 if torch.cuda.is_available() else 1
         self.num_sms = num_sms
+        self.k_scale, self.v_scale = k_scale, v_scale
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Nothing to precompute before the kv head count is known: `forward` fills the state
@@ -77,25 +82,27 @@ class TritonAttentionBackend:
             meta.backend_state = self._state(meta, kv_cache.shape[-2])
         state: TritonAttentionState = meta.backend_state
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        scales = (self.k_scale, self.v_scale)  # an fp8 cache's
         if rope is not None and rope.cache is not None:
             rope_and_store(rope.positions, q, k, v, k_cache, v_cache, meta.slot_mapping,
-                           rope.cache)
+                           rope.cache, *scales)
         else:
             if rope is not None:
                 q, k = rotate_qk(rope, q, k)
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, *scales)
+        kv_scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_prefills, split = meta.num_prefills, meta.num_prefill_tokens
         if num_prefills:
             prefill_attention(
                 q[:split], k_cache, v_cache, meta.block_tables[:num_prefills],
                 meta.query_start_loc[: num_prefills + 1], meta.seq_lens[:num_prefills], scale,
-                state.max_prefill_query_len, out=out[:split],
+                state.max_prefill_query_len, out=out[:split], **kv_scales,
             )
         if meta.num_decodes:
             paged_decode_attention(
                 q[split:], k_cache, v_cache, meta.block_tables[num_prefills:],
                 state.decode_seq_lens, scale, num_splits=state.num_splits,
-                out=out[split:],
+                out=out[split:], **kv_scales,
             )
         return out

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_cache_fp8 import as_bytes, index_copy_kv
+
 
 class ShardedKVLayer:
     """One layer of every rank's cache: `shape` [2, num_blocks, block_size, H, D] of all heads."""
@@ -40,15 +42,15 @@ class ShardedKVLayer:
         for rank, h in self._readers:
             cache = self.layers[rank]
             _follow(cache.device, out.device)
-            part = cache.index_select(1, ids.to(cache.device))
-            out[:, :, :, h.start:h.stop].copy_(part)
+            part = as_bytes(cache).index_select(1, ids.to(cache.device))
+            as_bytes(out)[:, :, :, h.start:h.stop].copy_(part)
 
     def write(self, ids: torch.Tensor, src: torch.Tensor) -> None:
         """Blocks `ids` of every owner <- their heads of src [2, len(ids), bs, H, D]."""
         for cache, h in zip(self.layers, self.heads, strict=True):
             _follow(cache.device, src.device)
-            cache.index_copy_(1, ids.to(cache.device), src[:, :, :, h.start:h.stop]
-                              .to(cache.device))
+            index_copy_kv(cache, 1, ids.to(cache.device), src[:, :, :, h.start:h.stop]
+                          .to(cache.device))
             if cache.device.type == "cuda" and cache.device != src.device:
                 # the owner's process runs on streams of its own: done before the commit
                 torch.cuda.synchronize(cache.device)

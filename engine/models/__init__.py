@@ -71,7 +71,8 @@ def load_model(config: EngineConfig, hf_config: PretrainedConfig, backend: Atten
                device: torch.device, dtype: torch.dtype, tp: SingleRank | None = None
                ) -> nn.Module:
     """`config.model`'s weights in its family's module on `device`, built quantized as
-    `config.quantization` says (this rank's shard with `tp`), in eval mode."""
+    `config.quantization` says (this rank's shard with `tp`), in eval mode; on CUDA with
+    `config.decode_gemv`, its decode-sized projections planned (engine/models/gemv_plan.py)."""
     from engine.model_loader import iter_model_weights
     from engine.quant import quantization_config
 
@@ -80,4 +81,8 @@ def load_model(config: EngineConfig, hf_config: PretrainedConfig, backend: Atten
     with torch.device(device):
         model = get_model_class(hf_config)(hf_config, backend, tp).to(dtype)
     model.load_weights(iter_model_weights(config.model, dtype, config.quantization, hf_config))
+    if config.decode_gemv and device.type == "cuda":  # before any CUDA graph is captured
+        from engine.models.gemv_plan import plan_decode_gemv
+
+        plan_decode_gemv(model)
     return model.eval()

@@ -25,7 +25,14 @@ from engine.distributed.group import SingleRank
 from engine.distributed.sharding import even_split, head_shard
 from engine.models.layers import RMSNorm, silu_and_mul
 from engine.models.rotary import RopeInputs, RotaryEmbedding, rope_parameters
-from engine.models.tp_layers import WeightLoader, copy_rows, slice_loader
+from engine.models.tp_layers import (
+    WeightLoader,
+    copy_rows,
+    rmsnorm_linear,
+    rmsnorm_swiglu_linear,
+    silu_mul_linear,
+    slice_loader,
+)
 from engine.quant.layers import linear, row_parallel_linear, vocab_embedding, vocab_logits
 
 if TYPE_CHECKING:
@@ -102,10 +109,12 @@ class LlamaAttention(nn.Module):
         rope: RopeInputs,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        qkv: torch.Tensor | None = None,  # [T, q_size + 2 * kv_size]: qkv_proj's, if made
     ) -> torch.Tensor:  # [T, hidden]
-        """Attention of the new tokens; writes their K/V into `kv_cache` (via the backend)."""
+        """Attention of the new tokens; writes their K/V into `kv_cache` (via the backend).
+        `qkv` given (the caller fused the projection with the norm before it): x is unused."""
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        qkv = self.qkv_proj(x) if qkv is None else qkv
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.heads_qk(q, k, num_tokens)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -146,7 +155,23 @@ class LlamaMLP(nn.Module):
         return self._source
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down(self.gate_up_proj(x))
+
+    def normed(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (MLP output, x + residual)
+        """self(norm(x + residual)) with the norm (and SwiGLU) inside the gate_up GEMV, where
+        the load planned it (decode sizes, CUDA: engine/models/gemv_plan.py); None elsewhere."""
+        fused = rmsnorm_swiglu_linear(x, residual, norm, self.gate_up_proj)
+        if fused is not None:  # (activations [T, I], residual)
+            return self.down_proj(fused[0]), fused[1]
+        fused = rmsnorm_linear(x, residual, norm, self.gate_up_proj)
+        return None if fused is None else (self.down(fused[0]), fused[1])
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, hidden]
+        """down_proj(silu(gate) * up): one GEMV at decode sizes on CUDA where planned."""
+        fused = silu_mul_linear(gate_up, self.down_proj)
+        return fused if fused is not None else self.down_proj(silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -180,14 +205,29 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), both [T, hidden]
         """HF's `residual + sublayer(norm(residual))` twice, with each skip-connection add
-        deferred into the next norm (one fused kernel on CUDA)."""
+        deferred into the next norm (one fused kernel on CUDA; at decode sizes, where the load
+        planned it, fused into the projection after the norm: engine/models/gemv_plan.py)."""
+        x, residual = self._attention(h, residual, rope, kv_cache, meta)
+        if isinstance(self.mlp, LlamaMLP):
+            fused = self.mlp.normed(x, residual, self.post_attention_layernorm)
+            if fused is not None:
+                return fused
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+    def _attention(
+        self, h: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs,
+        kv_cache: torch.Tensor, meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (attention output, residual stream)
+        fused = rmsnorm_linear(h, residual, self.input_layernorm,
+                               getattr(self.self_attn, "qkv_proj", None))
+        if fused is not None:  # (qkv, residual)
+            return self.self_attn(h, rope, kv_cache, meta, qkv=fused[0]), fused[1]
         if residual is None:
             x, residual = self.input_layernorm(h), h
         else:
             x, residual = self.input_layernorm(h, residual)
-        x = self.self_attn(x, rope, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.self_attn(x, rope, kv_cache, meta), residual
 
 
 class LlamaModel(nn.Module):

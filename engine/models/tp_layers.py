@@ -10,7 +10,9 @@ calls it. Layouts (tp ranks, this rank r):
     vocab-parallel   E [V, hidden]: rank r holds rows vocab_shard(V, tp, r) (padded with zeros);
                      a token outside them looks up zeros, the all-reduce adds the owner's row
 
-With one rank every layer is the plain one and no collective runs.
+With one rank every layer is the plain one and no collective runs. Dense projections (and the
+logits) go through `dense_linear`: F.linear, or on CUDA at decode sizes the Triton GEMV where the
+load-time plan chose it (engine/models/gemv_plan.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ from torch import nn
 
 from engine.distributed.group import SingleRank
 from engine.distributed.sharding import vocab_shard
+
+try:
+    from kernels.gemv import gemv, gemv_supports
+    from kernels.gemv_rmsnorm import gemv_rmsnorm, gemv_rmsnorm_supports
+    from kernels.gemv_rmsnorm_swiglu import gemv_rmsnorm_swiglu, gemv_rmsnorm_swiglu_supports
+    from kernels.gemv_silu import gemv_silu, gemv_silu_supports
+except ImportError:  # no triton: no plan is ever attached (plans are made on CUDA only)
+    pass
 
 WeightLoader = Callable[[nn.Parameter, slice, torch.Tensor, str], None]
 
@@ -54,6 +64,72 @@ def slice_loader(dim: int, part: range | None, full: int | None = None) -> Weigh
     return load
 
 
+def dense_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:  # [T, in] -> [T, out]
+    """F.linear, or kernels/gemv.py where `weight.gemv_plan` (set at load on CUDA) chose the GEMV
+    for x's token count (<= 4). Without a plan (CPU, `decode_gemv=False`): F.linear."""
+    plan = getattr(weight, "gemv_plan", None)
+    if plan is not None and x.dim() == 2:
+        blocks = plan.blocks_for(x.shape[0])
+        if blocks is not None and gemv_supports(x, weight, blocks):
+            return gemv(x, weight, bias, blocks)
+    return F.linear(x, weight, bias)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, down: nn.Module) -> torch.Tensor | None:
+    """down(silu(gate) * up) as one GEMV (kernels/gemv_silu.py) where `down.weight`'s
+    `gemv_silu_plan` chose it for gate_up's token count; None where it did not."""
+    plan = getattr(getattr(down, "weight", None), "gemv_silu_plan", None)
+    if plan is None or not isinstance(down, RowParallelLinear) or gate_up.dim() != 2:
+        return None
+    blocks = plan.blocks_for(gate_up.shape[0])
+    if blocks is None or down.bias is not None or not gemv_silu_supports(
+            gate_up, down.weight, blocks):
+        return None
+    partial = gemv_silu(gate_up, down.weight, blocks)
+    return partial if down.tp.world_size == 1 else down.reduce(partial)
+
+
+def rmsnorm_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, proj: nn.Module
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(proj(norm(x + residual)), x + residual) as one GEMV (kernels/gemv_rmsnorm.py) where
+    `proj.weight`'s `gemv_norm_plan` chose it for x's token count; None where it did not.
+    `norm`: an RMSNorm (its `weight` and `eps`); `residual` None: norm(x), and x."""
+    plan = getattr(getattr(proj, "weight", None), "gemv_norm_plan", None)
+    if plan is None or not isinstance(proj, Linear) or x.dim() != 2:
+        return None
+    blocks = plan.blocks_for(x.shape[0])
+    if blocks is None or not gemv_rmsnorm_supports(x, residual, norm.weight, proj.weight):
+        return None
+    return gemv_rmsnorm(x, residual, norm.weight, norm.eps, proj.weight, proj.bias, blocks)
+
+
+def rmsnorm_swiglu_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, gate_up: nn.Module
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(silu(gate) * up of gate_up(norm(x + residual)), x + residual) as one GEMV
+    (kernels/gemv_rmsnorm_swiglu.py) where `gate_up.weight`'s `gemv_norm_silu_plan` chose it;
+    None where it did not."""
+    plan = getattr(getattr(gate_up, "weight", None), "gemv_norm_silu_plan", None)
+    if plan is None or not isinstance(gate_up, Linear) or gate_up.bias is not None:
+        return None
+    blocks = plan.blocks_for(x.shape[0]) if x.dim() == 2 else None
+    if blocks is None or not gemv_rmsnorm_swiglu_supports(x, residual, norm.weight,
+                                                          gate_up.weight):
+        return None
+    return gemv_rmsnorm_swiglu(x, residual, norm.weight, norm.eps, gate_up.weight, blocks)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (a column-parallel shard, or the whole projection on one rank) through
+    `dense_linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x, self.weight, self.bias)
+
+
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_r @ W_r^T) + b, where x_r is this rank's slice of the input features."""
 
@@ -69,12 +145,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        return self.reduce(F.linear(x, self.weight))
+            return dense_linear(x, self.weight, self.bias)
+        return self.reduce(dense_linear(x, self.weight))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's term of the sum, before the all-reduce (what LoRA adds its own to)."""
-        return F.linear(x, self.weight)
+        return dense_linear(x, self.weight)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `partial`, plus the bias."""
@@ -113,7 +189,7 @@ def vocab_parallel_logits(
 ) -> torch.Tensor:
     """[N, hidden] x this rank's lm_head rows -> [N, V] logits on rank 0 (other ranks: their
     own [N, V/tp] part, unused)."""
-    logits = F.linear(hidden, weight)
+    logits = dense_linear(hidden, weight)
     if tp.world_size == 1:
         return logits
     return tp.gather_last_dim(logits)[:, :vocab_size]

@@ -1,8 +1,15 @@
-"""Quantized weights. Implemented: FP8 (quantized on load, or read from FP8 checkpoints) and
-GGUF kept quantized on the CPU.
+"""Quantized weights. Implemented: FP8 (quantized on load, or read from FP8 checkpoints), 4-bit
+weights with 16-bit activations (W4A16: AWQ, GPTQ, compressed-tensors pack-quantized
+checkpoints) and GGUF kept quantized on the CPU.
 
     fp8.py             FP8 weights (per-output-channel scales), their quantizer, `Fp8Linear`
     fp8_checkpoint.py  FP8 checkpoints (vLLM / HF fp8, compressed-tensors FP8): format, weights
+    w4a16.py           4-bit weights in one form (codes, group scales and zeros, act-order g_idx)
+    w4a16_config.py    which W4A16 format a quantization_config names, and what pdserve refuses
+    w4a16_checkpoint.py  AWQ / GPTQ / compressed-tensors tensors -> that form
+    w4a16_linear.py    `W4A16Linear`: packs them for the Triton kernel (kernels/w4a16.py) or
+                       torch's CPU int4 GEMM
+    w4a16_quantize.py  the repository's 4-bit quantizer and writers of the three formats
     gguf_file.py       a GGUF file's tensor table, memory-mapped, without parsing its metadata
     blocks.py          Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks -> codes, scales, biases
     gguf_weights.py    the file's tensors under HF names, q/k rows un-permuted, nothing de-quantized
@@ -19,8 +26,10 @@ from pathlib import Path
 from engine.config import IMPLEMENTED_QUANTIZATIONS, QUANTIZATIONS, EngineConfig
 
 NO_QUANTIZATION = "none"  # the user's way to ask for a GGUF de-quantized into the fp cache
-COMPRESSED_TENSORS = "compressed-tensors"  # the user's name; its FP8 schemes are served as fp8
+# the user's name: its FP8 schemes are served as "fp8", its pack-quantized W4A16 as itself
+COMPRESSED_TENSORS = "compressed-tensors"
 IMPLEMENTED = IMPLEMENTED_QUANTIZATIONS
+W4A16_NAMES = ("awq", "gptq")  # the user's names that need that format's checkpoint
 
 
 def resolve_quantization(
@@ -29,20 +38,30 @@ def resolve_quantization(
     """EngineConfig.quantization for what the user asked.
 
     `requested`: None picks from the checkpoint: an FP8 checkpoint (vLLM/HF "fp8" or
-    compressed-tensors FP8) is served as "fp8"; a .gguf on the CPU with dtype auto or
+    compressed-tensors FP8) is served as "fp8", a W4A16 one as its format ("awq", "gptq",
+    "compressed-tensors": engine/quant/w4a16_config.py); a .gguf on the CPU with dtype auto or
     bfloat16, one rank and only supported tensor types is kept quantized ("gguf"); anything
     else loads as before (dtype float32: the GGUF de-quantized into the fp32 cache, what HF
     transformers computes). "none" de-quantizes a GGUF. "fp8" quantizes an unquantized HF
-    checkpoint on load (or reads an FP8 one); "compressed-tensors" needs a compressed-tensors
-    FP8 checkpoint. ValueError for other quantized checkpoints, FP8 with tensor parallelism,
-    and "gguf" without a .gguf file it can serve. See `quantization_config` for dtype.
+    checkpoint on load (or reads an FP8 one); "awq" / "gptq" need that format's checkpoint;
+    "compressed-tensors" needs a compressed-tensors FP8 or W4A16 checkpoint. ValueError for
+    other quantized checkpoints, FP8 or W4A16 with tensor parallelism, and "gguf" without a
+    .gguf file it can serve. See `quantization_config` for dtype.
     """
     _check_name(requested)
     if Path(model_path).suffix == ".gguf":
         return _resolve_gguf(requested, model_path, device, dtype, tensor_parallel_size)
-    from engine.quant.fp8_checkpoint import fp8_format
+    from engine.quant.fp8_checkpoint import checkpoint_quantization, fp8_format
+    from engine.quant.w4a16_config import w4a16_format
 
+    w4a16 = w4a16_format(checkpoint_quantization(model_path))  # ValueError: cannot serve it
+    if w4a16 is not None:
+        return _resolve_w4a16(requested, w4a16, model_path, tensor_parallel_size)
     fmt = fp8_format(model_path)  # ValueError for a quantized checkpoint pdserve cannot read
+    if requested in W4A16_NAMES:
+        what = "unquantized" if fmt is None else f"an FP8 checkpoint ({fmt} format)"
+        raise ValueError(f"quantization {requested!r} needs a checkpoint in the {requested} "
+                         f"format; {model_path!r} is {what}")
     if requested in (None, NO_QUANTIZATION) and fmt is None:
         return None
     if requested == "gguf":
@@ -56,6 +75,19 @@ def resolve_quantization(
     if tensor_parallel_size > 1:
         raise ValueError("quantization 'fp8' runs on one rank for now (tensor_parallel_size 1)")
     return "fp8"
+
+
+def _resolve_w4a16(
+    requested: str | None, fmt: str, model_path: str, tensor_parallel_size: int
+) -> str:
+    if requested not in (None, fmt):
+        raise ValueError(f"quantization {requested!r} cannot serve {model_path!r}: a {fmt} "
+                         "(4-bit W4A16) checkpoint; leave quantization unset or name "
+                         f"{fmt!r}")
+    if tensor_parallel_size > 1:
+        raise ValueError(f"quantization {fmt!r} runs on one rank for now "
+                         "(tensor_parallel_size 1)")
+    return fmt
 
 
 def _check_name(requested: str | None) -> None:
@@ -75,7 +107,7 @@ def _resolve_gguf(
 ) -> str | None:
     if requested == NO_QUANTIZATION:
         return None
-    if requested in ("fp8", COMPRESSED_TENSORS):
+    if requested in ("fp8", COMPRESSED_TENSORS, *W4A16_NAMES):
         raise ValueError(f"quantization {requested!r} needs an HF folder (safetensors), got "
                          f"the GGUF file {model_path!r}")
     if requested is None:

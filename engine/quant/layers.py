@@ -1,5 +1,6 @@
 """Modules holding GGUF weights kept quantized: the linear layers and the (tied) embedding;
-and the factories a Llama-family model builds its projections with (FP8: engine/quant/fp8.py).
+and the factories a Llama-family model builds its projections with (FP8: engine/quant/fp8.py;
+AWQ / GPTQ / compressed-tensors 4-bit: engine/quant/w4a16_linear.py).
 
 They stand where `nn.Linear` / `RowParallelLinear` / `VocabParallelEmbedding` stand in a
 Llama-family model (engine/models/llama.py builds them when `is_gguf_quantized(config)`), with
@@ -33,6 +34,8 @@ from engine.quant.kernels import (
     SplitInt8Kernel,
     make_kernel,
 )
+from engine.quant.w4a16_config import W4A16_METHODS
+from engine.quant.w4a16_linear import W4A16Linear
 
 _ROUNDING_KERNELS = (Int4PackKernel, SplitInt8Kernel)  # outputs rounded to bf16
 
@@ -59,6 +62,12 @@ def is_fp8_quantized(config: PretrainedConfig) -> bool:
     return isinstance(qc, dict) and qc.get("quant_method") == FP8_METHOD
 
 
+def is_w4a16_quantized(config: PretrainedConfig) -> bool:
+    """Whether the model runner asked for 4-bit projections (AWQ, GPTQ, compressed-tensors)."""
+    qc = getattr(config, "quantization_config", None)
+    return isinstance(qc, dict) and qc.get("quant_method") in W4A16_METHODS
+
+
 def _activation_dtype(config: PretrainedConfig) -> torch.dtype | None:
     name = config.quantization_config.get("activation_dtype")
     return None if name is None else getattr(torch, name)
@@ -70,14 +79,18 @@ def _check_one_rank(tp: SingleRank, what: str = "GGUF weights kept quantized") -
 
 
 def linear(config: PretrainedConfig, in_features: int, out_features: int, bias: bool) -> nn.Module:
-    """A column-parallel (or one-rank) projection: `nn.Linear`, or `GGUFLinear` / `Fp8Linear`
-    when the config asks for GGUF kept quantized / FP8 (one rank: the model runner refuses
-    tensor parallelism for them)."""
+    """A column-parallel (or one-rank) projection: `nn.Linear`, or `GGUFLinear` / `Fp8Linear` /
+    `W4A16Linear` when the config asks for GGUF kept quantized / FP8 / 4-bit (one rank: the
+    model runner refuses tensor parallelism for them)."""
     if is_gguf_quantized(config):
         return GGUFLinear(in_features, out_features, bias, _activation_dtype(config))
     if is_fp8_quantized(config):
         return Fp8Linear(in_features, out_features, bias)
-    return nn.Linear(in_features, out_features, bias=bias)
+    if is_w4a16_quantized(config):
+        return W4A16Linear(in_features, out_features, bias)
+    from engine.models.tp_layers import Linear  # nn.Linear through dense_linear (decode GEMV)
+
+    return Linear(in_features, out_features, bias=bias)
 
 
 def row_parallel_linear(
@@ -88,13 +101,16 @@ def row_parallel_linear(
     bias: bool,
     tp: SingleRank,
 ) -> nn.Module:
-    """`RowParallelLinear`, or `GGUFLinear` / `Fp8Linear` (one rank) when quantized."""
+    """`RowParallelLinear`, or a quantized layer (GGUF, FP8, W4A16; one rank)."""
     if is_gguf_quantized(config):
         _check_one_rank(tp)
         return GGUFLinear(in_features, out_features, bias, _activation_dtype(config))
     if is_fp8_quantized(config):
         _check_one_rank(tp, "FP8 weights")
         return Fp8Linear(in_features, out_features, bias)
+    if is_w4a16_quantized(config):
+        _check_one_rank(tp, "4-bit (W4A16) weights")
+        return W4A16Linear(in_features, out_features, bias)
     from engine.models.tp_layers import RowParallelLinear
 
     return RowParallelLinear(in_features, out_features, cols, bias, tp)

@@ -5,9 +5,11 @@
   ceilings    device-to-device copy bandwidth and a bf16 8192^3 matmul    (gpu_kernels.py)
   kernels     paged decode / prefill attention vs SDPA; RMSNorm, SiLU-mul and rotary vs eager
   throughput  256 requests of 128-512 prompt and 128 output tokens on a random Llama-3.2-1B
-              shape (gpu_model.py): pdserve `LLM.generate` vs HF padded `generate` and HF
+              shape (gpu_model.py): pdserve `LLM.generate` (3 runs on fresh prompts, each with
+              its roofline ratio: `--throughput-runs`) vs HF padded `generate` and HF
               `generate_batch`, and the roofline at the measured ceilings  (gpu_generation.py)
-  latency     batch-1 decode, ms per token, against the weights-read floor
+  latency     batch-1 decode, ms per token, against the weights-read floor; `--gemv-ab` also
+              times an engine with decode_gemv=False (cuBLAS GEMVs, separate SiLU) after it
   tp          for 2+ GPUs, not run unless asked: TP=2 against TP=1 on the 1B shape (or the 8B
               one, `--tp-shape 8b`): greedy tokens identical, batch-1 latency, throughput of 64
               requests, their ratios  (gpu_tp.py; skipped on fewer than 2 GPUs)
@@ -67,6 +69,13 @@ def _parts(text: str) -> tuple[str, ...]:
     return parts
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to `parser` (shared by `pdserve bench gpu`)."""
     parser.add_argument("--parts", type=_parts, default=DEFAULT_PARTS, metavar=",".join(PARTS))
@@ -81,6 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pdserve's per-step token budget (vLLM's offline default on an "
                              "80 GB GPU; 0: the engine's own default)")
     parser.add_argument("--no-tqdm", action="store_true", help="hide pdserve's progress bar")
+    parser.add_argument("--throughput-runs", type=_positive, default=3,
+                        help="throughput: pdserve runs, each on fresh prompts (the first one is "
+                             "compared with HF)")
+    parser.add_argument("--gemv-ab", action="store_true",
+                        help="latency: also time decode_gemv=False (the engine before the decode "
+                             "GEMV) on a second LLM, after the first")
     parser.add_argument("--tp-shape", choices=sorted(SHAPES), default="1b",
                         help="the tp part's model: Llama-3.2-1B's or Llama-3.1-8B's shape")
     sizes = parser.add_argument_group("sizes (default: the issue's, or --small's)")
@@ -151,10 +166,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     parts: dict[str, Callable[[], dict[str, Any]]] = {
         "ceilings": lambda: measure_ceilings(device, torch.bfloat16, kernel_sizes),
         "kernels": lambda: _kernels(device, kernel_sizes),
-        "latency": lambda: measure_latency(models, report.get("ceilings"), args.seed),
+        "latency": lambda: _latency(models, report.get("ceilings"), args),
         "throughput": lambda: measure_throughput(
             models, report.get("ceilings"), args.seed, not args.no_tqdm,
-            checkpoint=lambda partial: save("throughput", partial)),
+            checkpoint=lambda partial: save("throughput", partial), runs=args.throughput_runs),
         "tp": lambda: measure_tp(
             tp_sizes(args.small, args.tp_shape), device, args.seed, args.model_dir,
             args.max_num_batched_tokens, not args.no_tqdm,
@@ -167,6 +182,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         models.remove()
     print(format_table(report), flush=True)
     return report
+
+
+def _latency(models: RandomModel, ceilings: dict | None, args: argparse.Namespace
+             ) -> dict[str, Any]:
+    """Batch-1 latency; with `--gemv-ab` then that of an LLM loaded with decode_gemv=False (the
+    first closed before: each sizes its KV cache from free memory), under "cublas"."""
+    result = measure_latency(models, ceilings, args.seed)
+    model = models.llm().llm_engine.runner.model
+    result["decode_gemv_plan"] = getattr(model, "decode_gemv_report", None)  # CUDA only
+    if not args.gemv_ab or models.device.type != "cuda":
+        return result
+    kwargs = models.llm_kwargs
+    models.close_llm()
+    models.llm_kwargs = {**kwargs, "decode_gemv": False}
+    try:
+        result["cublas"] = measure_latency(models, ceilings, args.seed)
+    finally:
+        models.close_llm()
+        models.llm_kwargs = kwargs
+    return result
 
 
 def _run_order(selected: tuple[str, ...]) -> list[str]:
@@ -272,6 +307,11 @@ def _throughput_lines(t: dict[str, Any]) -> list[str]:
                      f"{roof['output_tokens_per_s']:>11.1f}  (prefill {roof['prefill_s']:.3f} s, "
                      f"decode {roof['decode_s']:.3f} s)")
         lines.append(f"  pdserve / roofline   {roof['pdserve_fraction']:.3f}")
+    runs = t["systems"].get("pdserve", {}).get("runs", [])
+    if len(runs) > 1:
+        lines.append("  pdserve runs (out tok/s, / roofline): " + ", ".join(
+            f"{r['output_tokens_per_s']:.0f} ({_num(r.get('roofline_fraction'), '.3f')})"
+            for r in runs))
     lines += [f"  {name.replace('_over_', ' / '):<20} {v:.2f}x" for name, v in t["ratios"].items()]
     if "hf_error" in t:
         lines.append(f"  HF: {t['hf_error']}")
@@ -283,7 +323,10 @@ def _latency_lines(t: dict[str, Any]) -> list[str]:
             f"{t['ms_per_token']:.3f} ms/token (engine stamps "
             f"{_num(t['ms_per_token_engine_stamps'], '.3f')}), TTFT {t['ttft_ms']:.1f} ms | "
             f"weights floor {_num(t.get('weights_floor_ms'), '.3f')} ms, ratio "
-            f"{_num(t.get('over_floor'), '.2f')}"]
+            f"{_num(t.get('over_floor'), '.2f')}"] + (
+        [f"  with decode_gemv=False: {t['cublas']['ms_per_token']:.3f} ms/token (engine stamps "
+         f"{_num(t['cublas']['ms_per_token_engine_stamps'], '.3f')}), ratio "
+         f"{_num(t['cublas'].get('over_floor'), '.2f')}"] if "cublas" in t else [])
 
 
 PART_LINES = {"ceilings": _ceilings_lines, "kernels": _kernels_lines,

@@ -189,7 +189,7 @@ def run_engine(models: RandomModel, label: str, ceilings: dict, seed: int) -> di
     models.llm_kwargs = {**models.llm_kwargs, "quantization": "fp8" if fp8 else None}
     result: dict[str, Any] = {}
     try:
-        workload, result["w1"] = _run_pdserve(models, seed, use_tqdm=False)
+        workload, result["w1"] = _run_pdserve(models, seed, use_tqdm=False)[0]
         log(f"{label}: W1 {result['w1'].get('output_tokens_per_s')}")
         result["tokens"] = _tokens(models, workload)
         result["step_profile"] = step_profile(models, workload)

@@ -5,6 +5,9 @@ Throughput runs one workload (`make_workload` of the throughput benchmark: seede
 ids, every request greedy to its full length) through pdserve `LLM.generate`, then HF `generate`
 in left-padded batches and HF `generate_batch` (its continuous batching), each HF system on the
 first requests only (it is slow), each reported as output tokens per second of what it ran.
+pdserve runs `runs` times (default 3), each run on fresh prompts of the same shape (no prefix
+cache hits), each reported with its own roofline ratio: the spread between runs is wide on the
+lent GPUs; the first run is the one compared with HF.
 """
 
 from __future__ import annotations
@@ -46,12 +49,15 @@ def _greedy(max_tokens: int) -> Any:
 # ---- part 3: throughput --------------------------------------------------------------------------
 def measure_throughput(
     models: RandomModel, ceilings: dict | None, seed: int, use_tqdm: bool,
-    checkpoint: Callable[[dict[str, Any]], None],
+    checkpoint: Callable[[dict[str, Any]], None], runs: int = 3,
 ) -> dict[str, Any]:
-    """pdserve, HF padded `generate` and HF `generate_batch` on one workload, and the roofline.
-    Calls `checkpoint(report so far)` after each system: HF may not finish in the time left."""
-    workload, ours = _run_pdserve(models, seed, use_tqdm)
+    """pdserve (`runs` times), HF padded `generate` and HF `generate_batch` on one workload, and
+    the roofline. Calls `checkpoint(report so far)` after each system: HF may not finish in the
+    time left."""
+    measured = _run_pdserve(models, seed, use_tqdm, runs)
     models.close_llm()
+    workload, ours = measured[0]
+    ours = {**ours, "runs": [_run_summary(w, r, models, ceilings) for w, r in measured]}
     report: dict[str, Any] = {
         "workload": {"requests": len(workload.prompts), "input_tokens": workload.input_tokens,
                      "output_tokens": workload.output_tokens},
@@ -76,9 +82,20 @@ def measure_throughput(
     return report
 
 
-def _run_pdserve(models: RandomModel, seed: int, use_tqdm: bool) -> tuple[Workload, dict]:
+def _run_summary(workload: Workload, result: dict[str, Any], models: RandomModel,
+                 ceilings: dict | None) -> dict[str, Any]:
+    """One pdserve run: its wall time, output tokens/s and their ratio to its roofline."""
+    out = {"wall_s": result["wall_s"], "output_tokens_per_s": result["output_tokens_per_s"]}
+    if ceilings is not None:
+        roof = roofline(models.sizes.shape, workload, BF16_BYTES, ceilings)
+        out["roofline_fraction"] = result["output_tokens_per_s"] / roof["output_tokens_per_s"]
+    return out
+
+
+def _run_pdserve(models: RandomModel, seed: int, use_tqdm: bool, runs: int = 1
+                 ) -> list[tuple[Workload, dict]]:
     """The workload through `LLM.generate`, after a warm-up on as many other prompts (no prefix
-    cache hits) as run at once."""
+    cache hits) as run at once; then `runs - 1` more times on fresh prompts of the same shape."""
     llm, sizes = models.llm(), models.sizes
     lens = (sizes.output_len, sizes.output_len)
     workload = make_workload(llm.get_tokenizer(), sizes.num_requests, sizes.input_len_range,
@@ -86,9 +103,16 @@ def _run_pdserve(models: RandomModel, seed: int, use_tqdm: bool) -> tuple[Worklo
     warm = make_workload(llm.get_tokenizer(), min(sizes.max_num_seqs, sizes.num_requests),
                          sizes.input_len_range, (4, 4), seed + 1)
     llm.generate([{"prompt_token_ids": p} for p in warm.prompts], _greedy(4), use_tqdm=False)
-    log(f"pdserve: {len(workload.prompts)} requests")
-    measurement = bench_pdserve(llm, workload, use_tqdm)
-    return workload, {"requests": len(workload.prompts), **summarize(measurement, workload)}
+    measured = []
+    for run in range(runs):
+        if run:
+            workload = make_workload(llm.get_tokenizer(), sizes.num_requests,
+                                     sizes.input_len_range, lens, seed + 100 + run)
+        log(f"pdserve: {len(workload.prompts)} requests, run {run + 1} of {runs}")
+        measurement = bench_pdserve(llm, workload, use_tqdm)
+        measured.append((workload, {"requests": len(workload.prompts),
+                                    **summarize(measurement, workload)}))
+    return measured
 
 
 def measure_hf(

@@ -129,7 +129,7 @@ def _one_size(models: RandomModel, tp: int, sizes: TPSizes, seed: int,
     graphs = llm.llm_engine.runner.graphs is not None
     del llm
     latency = measure_latency(models, None, seed)
-    workload, throughput = _run_pdserve(models, seed, use_tqdm)
+    workload, throughput = _run_pdserve(models, seed, use_tqdm)[0]
     throughput["input_tokens"] = workload.input_tokens
     return {"tensor_parallel_size": tp, "cuda_graphs": graphs, "latency": latency,
             "throughput": throughput}, tokens

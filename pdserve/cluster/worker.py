@@ -17,7 +17,12 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.config import QUANTIZATION_CHOICES, QUANTIZATION_HELP
+from engine.config import (
+    KV_CACHE_DTYPE_HELP,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_CHOICES,
+    QUANTIZATION_HELP,
+)
 from engine.kv_events import KVEventBatch
 from engine.scheduler_output import SchedulerStats
 from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
@@ -50,6 +55,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_model_flags(parser)
     add_flag(parser, "--dtype", "auto", help="auto, float32, bfloat16, float16")
     add_flag(parser, "--quantization", None, choices=QUANTIZATION_CHOICES, help=QUANTIZATION_HELP)
+    add_flag(parser, "--kv-cache-dtype", "auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_DTYPE_HELP)
     add_flag(parser, "--device", "auto", help="auto, cpu, cuda, cuda:N")
     add_flag(parser, "--block-size", 16, type=int, help="tokens per KV block")
     add_flag(parser, "--kv-cache-memory", None, type=int, help="KV cache bytes")
@@ -101,7 +107,8 @@ def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
         enable_expert_parallel=args.enable_expert_parallel,
         distributed_timeout_s=args.distributed_timeout_seconds,
         speculative_config=speculative_config(args.speculative_config),
-        quantization=args.quantization, **lora_engine_kwargs(args),
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        **lora_engine_kwargs(args),
     )
 
 

@@ -21,6 +21,7 @@ import torch
 
 from engine.kv_transfer import pool_layout
 from kernels.kv_block_copy import copy_kv_blocks
+from kernels.kv_cache_fp8 import as_bytes, index_copy_kv
 from pdserve.transport.base import CUDA_IPC, Peer, PeerUnreachable, PoolInfo, device_uuid
 
 
@@ -85,8 +86,8 @@ class CudaIpcPlane:
                 copy_kv_blocks(self.pool, dst_pool, layers[0], layers[1], src, dst)
             else:  # another GPU of this host: gather here, then one peer copy and a scatter
                 l0, l1 = layers
-                rows = self.pool[l0:l1].index_select(2, src).to(dst_pool.device)
-                dst_pool[l0:l1].index_copy_(2, dst, rows)  # on that GPU's current stream
+                rows = as_bytes(self.pool[l0:l1]).index_select(2, src).to(dst_pool.device)
+                index_copy_kv(as_bytes(dst_pool[l0:l1]), 2, dst, rows)  # that GPU's stream
                 torch.cuda.current_stream(dst_pool.device).synchronize()  # written before acks
         self.stream.synchronize()
         return len(src_ids) * (layers[1] - layers[0]) * self.layout.cell_bytes()

@@ -35,7 +35,7 @@ pods that crash-loop or silently ignore a setting. Included once, by deployments
 {{- define "pdserve.checkKVLayout" -}}
 {{- $prefill := include "pdserve.roleFlags" (dict "root" . "role" "prefill") | fromYaml }}
 {{- $decode := include "pdserve.roleFlags" (dict "root" . "role" "decode") | fromYaml }}
-{{- range $flag := list "block-size" "dtype" }}
+{{- range $flag := list "block-size" "dtype" "kv-cache-dtype" }}
 {{- if ne (toString (index $prefill $flag)) (toString (index $decode $flag)) }}
 {{- fail (printf "prefill and decode must share --%s (KV blocks move between them): prefill has %v, decode %v; set it in engine.flags" $flag (index $prefill $flag) (index $decode $flag)) }}
 {{- end }}

@@ -13,7 +13,7 @@ tokenizer: [port, log-level, drain-timeout, model, served-model-name, max-model-
   redis-namespace, tls-cert, tls-key, tls-ca, tls-server-name, chat-template]
 prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
   tls-server-name, metrics-port, model, served-model-name, max-model-len,
-  dtype, quantization, device, block-size, kv-cache-memory, num-kv-blocks,
+  dtype, kv-cache-dtype, quantization, device, block-size, kv-cache-memory, num-kv-blocks,
   gpu-memory-utilization,
   max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, distributed-timeout-seconds,
   speculative-config, kv-slab-bytes, kv-lease-seconds, kv-transport,
@@ -21,7 +21,7 @@ prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tl
   disable-log-stats, log-stats-interval]
 decode: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
   tls-server-name, metrics-port, model, served-model-name, max-model-len,
-  dtype, quantization, device, block-size, kv-cache-memory, num-kv-blocks,
+  dtype, kv-cache-dtype, quantization, device, block-size, kv-cache-memory, num-kv-blocks,
   gpu-memory-utilization,
   max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, distributed-timeout-seconds,
   speculative-config, kv-timeout, kv-wait-seconds, kv-wait-max-requests, kv-transport,

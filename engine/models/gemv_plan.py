@@ -1,0 +1,306 @@
+"""Which dense projections take pdserve's Triton GEMV at decode sizes (CUDA): chosen once at load.
+
+NOTE: batch-1 decode reads every weight once per token; cuBLAS's kernels for M <= 4 reach only
+part of the copy bandwidth on some shapes (docs/benchmarks.md, batch-1 decode), and
+kernels/gemv.py more on others. So, for each distinct weight shape among the model's dense
+projections and the lm_head, and each padded token count M in (1, 2, 4):
+
+    time F.linear and each candidate tile of kernels/gemv.py, each call over every layer's weight
+    of that shape in turn (the weights stream from DRAM, not L2), replayed from a CUDA graph as
+    decode steps are; keep the GEMV's best tile if it is at least MARGIN faster, else cuBLAS.
+
+Two fusions are timed the same way against the unfused kernels as just chosen: SwiGLU in the down
+projection's prologue (kernels/gemv_silu.py, against silu_and_mul + down) and the residual add
++ RMSNorm in the prologue of the projection after the norm (kernels/gemv_rmsnorm.py: q/k/v
+after input_layernorm, gate_up after post_attention_layernorm; against rms_norm + projection;
+M = 1 only). Each fused kernel removes one launch per layer, a few microseconds in a graph.
+The choices ride on the weight parameters (`weight.gemv_plan`, `weight.gemv_silu_plan`,
+`weight.gemv_norm_plan`: `GemvPlan`), which engine/models/tp_layers.py's `dense_linear`,
+`silu_mul_linear` and `rmsnorm_linear` read; M = 3 takes M = 4's choice. Runs before the CUDA
+graphs are captured (they capture whatever was chosen); the timing takes a few seconds, mostly
+Triton compiles. Timings move by a few percent between loads, so two loads may choose
+differently where candidates are close (outputs then differ by bf16 rounding, not more).
+`EngineConfig.decode_gemv=False` skips it: cuBLAS and separate kernels everywhere, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.tp_layers import Linear, RowParallelLinear, VocabParallelEmbedding
+from kernels.gemv import GEMV_MAX_TOKENS, GemvBlocks, gemv, gemv_supports
+from kernels.gemv_rmsnorm import gemv_rmsnorm, gemv_rmsnorm_supports
+from kernels.gemv_rmsnorm_swiglu import gemv_rmsnorm_swiglu, gemv_rmsnorm_swiglu_supports
+from kernels.gemv_silu import gemv_silu, gemv_silu_supports
+from kernels.rmsnorm import rms_norm
+from kernels.silu_mul import silu_and_mul
+
+logger = logging.getLogger(__name__)
+
+TOKENS = (1, 2, 4)  # the padded token counts of decode graphs up to GEMV_MAX_TOKENS
+MARGIN = 0.97  # the GEMV must take at most this fraction of cuBLAS's time
+# candidate tiles per padded M (pdserve/bench/gpu_decode_profile.py sweeps more). H100,
+# 2026-11-24: at M = 1 the best were 2-4 rows x 1024 (1.1-1.2x cuBLAS at N <= 3072 and the
+# lm_head, on par at gate_up / down); at M = 2 and 4 cuBLAS won every shape. `pdl` variants:
+# programmatic dependent launch (kernels/gemv.py `launch_options`), where Triton has it.
+CANDIDATES: dict[int, tuple[GemvBlocks, ...]] = {
+    1: (GemvBlocks(2, 1024, 4), GemvBlocks(4, 1024, 4), GemvBlocks(2, 2048, 4),
+        GemvBlocks(2, 1024, 4, pdl=True), GemvBlocks(4, 1024, 4, pdl=True)),
+    2: (GemvBlocks(4, 512, 4),),
+    4: (GemvBlocks(4, 256, 4),),
+}
+SILU_CANDIDATES: dict[int, tuple[GemvBlocks, ...]] = {
+    1: (GemvBlocks(4, 2048, 8), GemvBlocks(8, 1024, 8), GemvBlocks(4, 2048, 8, pdl=True)),
+}
+# (BLOCK_N, warps, pdl) of the fused norm kernels (the tile spans K; M = 1 only)
+NORM_ROWS = ((4, 4, False), (4, 8, False), (8, 8, False), (4, 4, True), (4, 8, True))
+GATED_ROWS = ((1, 4, False), (2, 8, False), (1, 4, True), (2, 8, True))  # two tiles each
+
+
+@dataclass(frozen=True)
+class GemvPlan:
+    """Per padded token count (1, 2, 4): the GEMV's tile, or None for the fallback."""
+
+    by_tokens: tuple[tuple[int, GemvBlocks | None], ...]
+
+    def blocks_for(self, tokens: int) -> GemvBlocks | None:
+        for padded, blocks in self.by_tokens:
+            if tokens <= padded:
+                return blocks
+        return None
+
+    @property
+    def used(self) -> bool:
+        return any(b is not None for _, b in self.by_tokens)
+
+
+def plan_decode_gemv(model: nn.Module) -> dict[str, dict]:
+    """Time and attach the plans (see the NOTE) to `model`'s dense projections on CUDA; returns
+    the timings, per shape, also kept as `model.decode_gemv_report` (benchmarks read it). Side
+    effect: sets `weight.gemv_plan` / `gemv_silu_plan` / `gemv_norm_plan` where it timed them."""
+    start = time.perf_counter()
+    report: dict[str, dict] = {}
+    with torch.inference_mode():
+        for (n, k), weights in _dense_weights(model).items():
+            plan, report[f"linear {n}x{k}"] = _choose(weights, _linear_calls, CANDIDATES)
+            for w in weights:
+                w.gemv_plan = plan
+        for (n, k), weights in _down_weights(model).items():
+            plan, report[f"silu+down {n}x{k}"] = _choose(weights, _silu_calls, SILU_CANDIDATES)
+            for w in weights:
+                w.gemv_silu_plan = plan
+        for (n, k), pairs in _normed_weights(model).items():
+            tiles = {1: tuple(GemvBlocks(bn, k, warps, pdl) for bn, warps, pdl in NORM_ROWS)}
+            plan, report[f"norm+linear {n}x{k}"] = _choose(pairs, _norm_calls, tiles)
+            for w, _ in pairs:
+                w.gemv_norm_plan = plan
+        for (n, k), pairs in _gated_weights(model).items():
+            tiles = {1: tuple(GemvBlocks(bn, k, warps, pdl) for bn, warps, pdl in GATED_ROWS)}
+            plan, report[f"norm+gate_up+silu {n}x{k}"] = _choose(pairs, _gated_calls, tiles)
+            for w, _ in pairs:
+                w.gemv_norm_silu_plan = plan
+    model.decode_gemv_report = report
+    torch.cuda.empty_cache()  # the timing's graphs and buffers: before the KV cache is sized
+    logger.info("decode GEMV plan in %.1f s: %s", time.perf_counter() - start,
+                {name: r["choice"] for name, r in report.items()})
+    return report
+
+
+def clear_decode_gemv(model: nn.Module) -> None:
+    """Drop every plan: cuBLAS (and the separate SiLU kernel) everywhere again."""
+    for p in model.parameters():
+        p.__dict__.pop("gemv_plan", None)
+        p.__dict__.pop("gemv_silu_plan", None)
+        p.__dict__.pop("gemv_norm_plan", None)
+        p.__dict__.pop("gemv_norm_silu_plan", None)
+
+
+def _dense_weights(model: nn.Module) -> dict[tuple[int, int], list[nn.Parameter]]:
+    """Weights of dense projections (and the vocab head) by shape, on CUDA, 16-bit or fp32."""
+    groups: dict[tuple[int, int], list[nn.Parameter]] = {}
+    head = _head(model)
+    for module in model.modules():
+        if isinstance(module, (Linear, RowParallelLinear)) or module is head:
+            w = module.weight
+            if w.is_cuda and w.dim() == 2 and w.dtype in _DTYPES:
+                groups.setdefault(tuple(w.shape), []).append(w)
+    return groups
+
+
+def _down_weights(model: nn.Module) -> dict[tuple[int, int], list[nn.Parameter]]:
+    """Bias-free down projections of SwiGLU MLPs (a `gate_up_proj` beside a `down_proj`)."""
+    groups: dict[tuple[int, int], list[nn.Parameter]] = {}
+    for module in model.modules():
+        down = getattr(module, "down_proj", None)
+        if (isinstance(down, RowParallelLinear) and hasattr(module, "gate_up_proj")
+                and down.bias is None and down.weight.is_cuda and down.weight.dtype in _DTYPES):
+            groups.setdefault(tuple(down.weight.shape), []).append(down.weight)
+    return groups
+
+
+def _normed_weights(model: nn.Module) -> dict[tuple[int, int], list[tuple[nn.Parameter, Any]]]:
+    """(projection weight, the RMSNorm before it) of every decoder layer: q/k/v after
+    input_layernorm, and gate_up after post_attention_layernorm."""
+    groups: dict[tuple[int, int], list[tuple[nn.Parameter, Any]]] = {}
+    for layer in model.modules():
+        for norm_name, sub, proj_name in (("input_layernorm", "self_attn", "qkv_proj"),
+                                          ("post_attention_layernorm", "mlp", "gate_up_proj")):
+            norm = getattr(layer, norm_name, None)
+            proj = getattr(getattr(layer, sub, None), proj_name, None)
+            if norm is None or not isinstance(proj, Linear):
+                continue
+            w = proj.weight
+            if w.is_cuda and w.dtype in _DTYPES and norm.weight.dtype == w.dtype:
+                groups.setdefault(tuple(w.shape), []).append((w, norm))
+    return groups
+
+
+def _gated_weights(model: nn.Module) -> dict[tuple[int, int], list[tuple[nn.Parameter, Any]]]:
+    """(gate_up weight, post_attention_layernorm) of SwiGLU MLPs with bias-free gate_up."""
+    gate_ups = {id(m.gate_up_proj.weight) for m in model.modules()
+                if isinstance(getattr(m, "gate_up_proj", None), Linear)
+                and m.gate_up_proj.bias is None and hasattr(m, "down_proj")}
+    groups: dict[tuple[int, int], list[tuple[nn.Parameter, Any]]] = {}
+    for shape, pairs in _normed_weights(model).items():
+        for w, norm in pairs:
+            if id(w) in gate_ups:
+                groups.setdefault(shape, []).append((w, norm))
+    return groups
+
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _head(model: nn.Module) -> nn.Module | None:
+    """The module whose weight the logits read: the lm_head, or the tied embedding."""
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        head = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return head if isinstance(head, VocabParallelEmbedding) else None
+
+
+Calls = Callable[[list, int, GemvBlocks | None], list[Callable[[], object]]]
+
+
+def _choose(weights: list, calls: Calls, candidates: dict[int, tuple[GemvBlocks, ...]]
+            ) -> tuple[GemvPlan, dict]:
+    """The plan for one shape: per padded token count in `candidates`, the fastest candidate
+    tile if it beats the fallback (`blocks` None) by MARGIN."""
+    choices, times = [], {}
+    for m in TOKENS:
+        if m not in candidates:
+            continue
+        base = _time_us(calls(weights, m, None))
+        best, best_us = None, base
+        for blocks in candidates[m]:
+            fns = calls(weights, m, blocks)
+            if not fns:
+                continue
+            try:
+                us = _time_us(fns)
+            except Exception as exc:  # e.g. a Triton without programmatic dependent launch
+                logger.warning("decode GEMV candidate %s failed: %s", blocks, exc)
+                times[f"M{m} {tuple(blocks)}"] = f"failed: {type(exc).__name__}"
+                continue
+            times[f"M{m} {tuple(blocks)}"] = us
+            if us < best_us * (MARGIN if best is None else 1.0):
+                best, best_us = blocks, us
+        times[f"M{m} fallback"] = base
+        choices.append((m, best))
+    plan = GemvPlan(tuple(choices))
+    return plan, {"us": times, "choice": {m: None if b is None else tuple(b) for m, b in choices}}
+
+
+def _linear_calls(weights: list[nn.Parameter], m: int, blocks: GemvBlocks | None
+                  ) -> list[Callable[[], object]]:
+    w0 = weights[0]
+    x = torch.randn(m, w0.shape[1], device=w0.device, dtype=w0.dtype)
+    if blocks is None:
+        return [lambda w=w: F.linear(x, w) for w in weights]
+    if not gemv_supports(x, w0, blocks):
+        return []
+    return [lambda w=w: gemv(x, w, None, blocks) for w in weights]
+
+
+def _silu_calls(weights: list[nn.Parameter], m: int, blocks: GemvBlocks | None
+                ) -> list[Callable[[], object]]:
+    w0 = weights[0]
+    gate_up = torch.randn(m, 2 * w0.shape[1], device=w0.device, dtype=w0.dtype)
+    if blocks is None:  # what the MLP runs without the fusion: its down projection as planned
+        from engine.models.tp_layers import dense_linear
+
+        return [lambda w=w: dense_linear(silu_and_mul(gate_up), w) for w in weights]
+    if not gemv_silu_supports(gate_up, w0, blocks):
+        return []
+    return [lambda w=w: gemv_silu(gate_up, w, blocks) for w in weights]
+
+
+def _norm_calls(pairs: list[tuple[nn.Parameter, Any]], m: int, blocks: GemvBlocks | None
+                ) -> list[Callable[[], object]]:
+    w0, norm0 = pairs[0]
+    x, res = (torch.randn(m, w0.shape[1], device=w0.device, dtype=w0.dtype) for _ in range(2))
+    if blocks is None:  # what the layer runs without the fusion: the norm, the planned projection
+        from engine.models.tp_layers import dense_linear
+
+        return [lambda w=w, nm=nm: dense_linear(rms_norm(x, nm.weight, nm.eps, res)[0], w)
+                for w, nm in pairs]
+    if not gemv_rmsnorm_supports(x, res, norm0.weight, w0):
+        return []
+    return [lambda w=w, nm=nm: gemv_rmsnorm(x, res, nm.weight, nm.eps, w, None, blocks)
+            for w, nm in pairs]
+
+
+def _gated_calls(pairs: list[tuple[nn.Parameter, Any]], m: int, blocks: GemvBlocks | None
+                 ) -> list[Callable[[], object]]:
+    w0, norm0 = pairs[0]
+    x, res = (torch.randn(m, w0.shape[1], device=w0.device, dtype=w0.dtype) for _ in range(2))
+    if blocks is None:  # the norm and gate_up as planned just before, then silu_and_mul
+        from engine.models.tp_layers import dense_linear
+
+        def unfused(w: nn.Parameter, nm: Any) -> object:
+            plan = w.__dict__.get("gemv_norm_plan")
+            tile = None if plan is None else plan.blocks_for(m)
+            if tile is not None:
+                return silu_and_mul(gemv_rmsnorm(x, res, nm.weight, nm.eps, w, None, tile)[0])
+            return silu_and_mul(dense_linear(rms_norm(x, nm.weight, nm.eps, res)[0], w))
+
+        return [lambda w=w, nm=nm: unfused(w, nm) for w, nm in pairs]
+    if not gemv_rmsnorm_swiglu_supports(x, res, norm0.weight, w0):
+        return []
+    return [lambda w=w, nm=nm: gemv_rmsnorm_swiglu(x, res, nm.weight, nm.eps, w, blocks)
+            for w, nm in pairs]
+
+
+def _time_us(calls: Iterable[Callable[[], object]], replays: int = 5, rounds: int = 3) -> float:
+    """Median microseconds per call of `calls`, replayed `replays` times from one CUDA graph."""
+    calls = list(calls)
+    for fn in calls:  # compile and warm outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    samples = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
+    return statistics.median(samples)
+
+
+__all__ = ["GEMV_MAX_TOKENS", "GemvPlan", "clear_decode_gemv", "plan_decode_gemv"]

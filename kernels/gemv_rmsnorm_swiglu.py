@@ -1,0 +1,126 @@
+"""The MLP's first half in one launch for decode steps of a few tokens: s = x + residual, then
+a [M, I] = silu(rmsnorm(s) @ W_gate^T) * (rmsnorm(s) @ W_up^T), W = [W_gate; W_up] of [2I, K].
+
+NOTE: kernels/gemv_rmsnorm.py (every program norms the whole [M, K] row itself, program 0
+stores s; one [BLOCK_N, K] tile per weight, no K loop, K a power of two) with a SwiGLU epilogue:
+program p takes gate rows [p*BN, (p+1)*BN) and the up rows I apart from them, so it holds both
+halves of its BLOCK_N activations and writes them, not the [M, 2I] projection:
+
+    g = round(normed @ W[j]),  u = round(normed @ W[I + j])     (what gate_up would store)
+    a[m, j] = round(silu(g) * u)                                 (kernels/silu_mul.py's math)
+
+The silu_and_mul launch and the [M, 2I] round trip through memory go away; the down projection
+then reads `a`. The roundings are those of the three kernels it replaces.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.gemv import GEMV_MAX_TOKENS, GemvBlocks, block_m_of, launch_options
+
+
+@triton.jit
+def _gemv_rmsnorm_swiglu_kernel(
+    x_ptr,  # [M, K] the attention output
+    res_ptr,  # [M, K] the residual stream before it (unused unless HAS_RESIDUAL)
+    nw_ptr,  # [K] RMSNorm weight
+    w_ptr,  # [2I, K] gate rows then up rows, rows contiguous
+    out_ptr,  # [M, I] activations, x's dtype
+    res_out_ptr,  # [M, K] x + residual (unused unless HAS_RESIDUAL)
+    M,
+    inter,
+    eps,
+    stride_xm,
+    stride_rm,
+    stride_wn,
+    stride_om,
+    stride_sm,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    dtype = out_ptr.dtype.element_ty
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, K)
+    rows = tl.minimum(rm, M - 1).to(tl.int64)[:, None]  # [BM, 1]
+    gate_rows = w_ptr + tl.minimum(rn, inter - 1).to(tl.int64)[:, None] * stride_wn  # [BN, 1]
+    w_gate = tl.load(gate_rows + rk[None, :])  # [BN, K]
+    w_up = tl.load(gate_rows + inter * stride_wn + rk[None, :])
+    if USE_PDL:  # the weight tile is on its way; x comes from the kernel ahead (launch_options)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    s = tl.load(x_ptr + rows * stride_xm + rk[None, :]).to(tl.float32)  # [BM, K]
+    if HAS_RESIDUAL:
+        s += tl.load(res_ptr + rows * stride_rm + rk[None, :]).to(tl.float32)
+        s = s.to(dtype).to(tl.float32)
+        if tl.program_id(0) == 0:
+            tl.store(res_out_ptr + rm.to(tl.int64)[:, None] * stride_sm + rk[None, :],
+                     s.to(dtype), mask=rm[:, None] < M)
+    rstd = tl.math.rsqrt(tl.sum(s * s, axis=1) / K + eps)  # [BM]
+    normed = (s * rstd[:, None]).to(dtype).to(tl.float32)
+    x = (tl.load(nw_ptr + rk).to(tl.float32)[None, :] * normed).to(dtype).to(tl.float32)
+    g = tl.sum(x[:, None, :] * w_gate.to(tl.float32)[None, :, :], axis=2)  # [BM, BN]
+    u = tl.sum(x[:, None, :] * w_up.to(tl.float32)[None, :, :], axis=2)
+    g = g.to(dtype).to(tl.float32)
+    u = u.to(dtype).to(tl.float32)
+    a = g / (1.0 + tl.exp(-g)) * u
+    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(out, a.to(dtype), mask=(rm[:, None] < M) & (rn[None, :] < inter))
+
+
+def gemv_rmsnorm_swiglu_supports(x: torch.Tensor, residual: torch.Tensor | None,
+                                 norm_weight: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `gemv_rmsnorm_swiglu` takes these operands (else: the unfused kernels)."""
+    k = x.shape[-1]
+    same = residual is None or (residual.shape == x.shape and residual.stride(-1) == 1
+                                and residual.dtype == x.dtype)
+    return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_TOKENS and same
+            and weight.dim() == 2 and weight.shape[0] % 2 == 0 and weight.shape[1] == k
+            and norm_weight.shape == (k,) and k & (k - 1) == 0 and x.stride(-1) == 1
+            and weight.stride(-1) == 1 and norm_weight.is_contiguous()
+            and x.dtype == weight.dtype == norm_weight.dtype)
+
+
+def gemv_rmsnorm_swiglu(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, blocks: GemvBlocks | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a [M, I], s [M, K]): SwiGLU of the gate_up projection of rmsnorm(x + residual), and
+    x + residual (x itself when `residual` is None), M <= GEMV_MAX_TOKENS
+    (`gemv_rmsnorm_swiglu_ref`). Only BLOCK_N and the warps of `blocks` apply."""
+    if not gemv_rmsnorm_swiglu_supports(x, residual, norm_weight, weight):
+        raise ValueError(
+            f"gemv_rmsnorm_swiglu: x {tuple(x.shape)} {x.dtype}, norm weight "
+            f"{tuple(norm_weight.shape)}, weight {tuple(weight.shape)} {weight.dtype}: need "
+            f"[M <= {GEMV_MAX_TOKENS}, K] with K a power of two, [K], [2I, K] of one dtype"
+        )
+    (m, k), inter = x.shape, weight.shape[0] // 2
+    blocks = blocks or GemvBlocks(2, k, 4)
+    out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
+    res_out = x if residual is None else torch.empty_like(x)
+    res = x if residual is None else residual
+    _gemv_rmsnorm_swiglu_kernel[(triton.cdiv(inter, blocks.block_n),)](
+        x, res, norm_weight, weight, out, res_out, m, inter, eps,
+        x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
+        K=k, BLOCK_M=block_m_of(m), BLOCK_N=blocks.block_n, HAS_RESIDUAL=residual is not None,
+        USE_PDL=blocks.pdl, **launch_options(blocks),
+    )
+    return out, res_out
+
+
+def gemv_rmsnorm_swiglu_ref(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/gemv_rmsnorm.py's reference, then kernels/silu_mul.py's."""
+    from kernels.gemv_rmsnorm import gemv_rmsnorm_ref
+    from kernels.silu_mul import silu_and_mul_ref
+
+    gate_up, s = gemv_rmsnorm_ref(x, residual, norm_weight, eps, weight)
+    return silu_and_mul_ref(gate_up), s

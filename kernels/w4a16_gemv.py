@@ -1,0 +1,128 @@
+"""W4A16 GEMV for decode steps of a few tokens: y [M, N] = x [M, K] @ W [K, N], W in
+kernels/w4a16.py's layout (`qweight` [K / 8, N] int32, group `scales` and `zeros` [K / G, N]);
+the torch reference is `w4a16_ref` there.
+
+NOTE: grid (M, N / BLOCK_N, SPLIT_K). Batch-1 decode reads each weight once and does almost
+no arithmetic on it: what counts is bytes in flight and instructions per weight, not tensor
+cores (a dot pads M to 16). Each program streams its rows of qweight, ROWS int32 rows of
+BLOCK_N columns a step (8 ROWS rows of W: several groups when G is small, part of one when it
+is large), and for each nibble j multiplies the codes by x's entries k = 8 i + j in fp32. The
+sums are folded per group (GROUP_ROWS int32 rows each) and scaled once, the zeros coming out as
+one term per group:
+
+    sum_{k in g} x[k] (q[k, n] - z[g, n]) s[g, n] = s[g, n] (sum x[k] q[k, n] - z[g, n] sum x[k])
+
+Rows of x beyond the first re-read W (from L2): for M <= GEMV_MAX_TOKENS only (the layer's
+choice; the kernel takes any M). SPLIT_K > 1:
+the K shares meet as in kernels/w4a16.py (`store_split_k`: a workspace and tickets).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.w4a16 import check_inputs, split_k_for, split_workspace, store_split_k
+
+# H100, Llama-3.2-1B shapes (docs/benchmarks.md): at M = 1 this GEMV beat the GEMM and bf16
+# F.linear; at M = 4 the GEMM (split-K) beat it. M = 2, 3 not measured: they take the GEMM.
+GEMV_MAX_TOKENS = 1
+MAX_ROWS = 64  # int32 rows of qweight a step: 512 rows of W
+DEFAULT_BLOCKS = (32, MAX_ROWS, 2)  # (BLOCK_N, max ROWS, num_warps): the best there at M = 1
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr,  # [M, K] activations
+    q_ptr,  # [K / 8, N] int32 packed codes
+    s_ptr,  # [K / G, N] fp32 scales
+    z_ptr,  # [K / G, N] uint8 zeros
+    out_ptr,  # [M, N] x's dtype
+    part_ptr,  # [SPLIT_K, M, N] fp32 workspace (unused if SPLIT_K == 1)
+    ticket_ptr,  # [>= M * N tiles] int32 arrival counters, left 0
+    M,
+    N,
+    K,
+    group_size,
+    k_per_split,  # a multiple of 8 ROWS
+    stride_xm,
+    stride_qk,
+    stride_sg,
+    stride_om,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,  # int32 rows of qweight a step
+    GROUP_ROWS: tl.constexpr,  # of them in one group: G / 8, or ROWS when a group spans steps
+    SPLIT_K: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(2) * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
+    ri = tl.arange(0, ROWS)
+    GROUPS: tl.constexpr = ROWS // GROUP_ROWS  # groups a step
+    n_mask = rn < N
+    acc = tl.zeros((GROUPS, BLOCK_N), dtype=tl.float32)
+    for k in range(k_start, k_stop, 8 * ROWS):  # K is a multiple of 8 ROWS: no K masks
+        q_tile = q_ptr + (k // 8 + ri)[:, None].to(tl.int64) * stride_qk + rn[None, :]
+        packed = tl.load(q_tile, mask=n_mask[None, :], other=0)  # [ROWS, BN]
+        x_row = x_ptr + m * stride_xm + k + ri * 8  # [ROWS]: x[k + 8 i]
+        dots = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        x_sums = tl.zeros((ROWS,), dtype=tl.float32)
+        for j in tl.static_range(8):
+            xj = tl.load(x_row + j).to(tl.float32)  # x[k + 8 i + j]
+            dots += ((packed >> (4 * j)) & 0xF).to(tl.float32) * xj[:, None]
+            x_sums += xj
+        dots_g = tl.sum(tl.reshape(dots, (GROUPS, GROUP_ROWS, BLOCK_N)), axis=1)  # [GROUPS, BN]
+        x_sums_g = tl.sum(tl.reshape(x_sums, (GROUPS, GROUP_ROWS)), axis=1)  # [GROUPS]
+        rows = (k // group_size + tl.arange(0, GROUPS)).to(tl.int64)[:, None] * stride_sg
+        scale = tl.load(s_ptr + rows + rn[None, :], mask=n_mask[None, :], other=0.0)
+        zero = tl.load(z_ptr + rows + rn[None, :], mask=n_mask[None, :], other=0).to(tl.float32)
+        acc += scale * (dots_g - zero * x_sums_g[:, None])
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    store_split_k(tl.sum(acc, axis=0), out_ptr + m * stride_om + rn, n_mask,
+                  part_ptr + m * N + rn, M * N, ticket_ptr + tile, SPLIT_K)
+
+
+def gemv_rows(group_size: int, k: int, max_rows: int = MAX_ROWS) -> tuple[int, int] | None:
+    """(ROWS, GROUP_ROWS), powers of two: whole groups a step when G is a power of two of at
+    most 8 max_rows rows of W, else the largest step within one group (None: G % 8)."""
+    rows = max_rows
+    if group_size & (group_size - 1) == 0 and 8 <= group_size <= 8 * max_rows:
+        while k % (8 * rows):
+            rows //= 2
+        if 8 * rows >= group_size:
+            return rows, group_size // 8
+    while rows and group_size % (8 * rows):
+        rows //= 2
+    return (rows, rows) if rows else None
+
+
+def w4a16_gemv(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    group_size: int, blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
+) -> torch.Tensor:
+    """[M, K] x the 4-bit W [K, N] -> [M, N] in x's dtype (kernels/w4a16.py `w4a16_ref`).
+    `blocks`: (BLOCK_N, max ROWS, num_warps); `split_k`: K shares, by default enough to fill
+    the GPU. ValueError for shapes, strides or dtypes it cannot take."""
+    block_n, max_rows, warps = blocks or DEFAULT_BLOCKS
+    k = x.shape[-1]
+    rows = gemv_rows(group_size, k, max_rows) if group_size > 0 and k % group_size == 0 \
+        else None
+    check_inputs("w4a16_gemv", x, qweight, scales, zeros, group_size,
+                 None if rows is None else 8 * rows[0])
+    m, n = x.shape[0], qweight.shape[1]
+    steps = k // (8 * rows[0])
+    split = split_k or split_k_for(x, m * triton.cdiv(n, block_n), steps, per_sm=8, most=8)
+    k_per_split = triton.cdiv(steps, split) * 8 * rows[0]
+    split = triton.cdiv(k, k_per_split)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    parts, counters = split_workspace(x, split, n, m * triton.cdiv(n, block_n))
+    _w4a16_gemv_kernel[(m, triton.cdiv(n, block_n), split)](
+        x, qweight, scales, zeros, out, parts, counters, m, n, k, group_size, k_per_split,
+        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=split, num_warps=warps,
+    )
+    return out

@@ -1,0 +1,140 @@
+"""The W4A16 Triton GEMM and GEMV (kernels/w4a16.py, w4a16_gemv.py) against bf16 F.linear on
+Llama-3.2-1B's projection shapes, a few tokens at a time (decode): device ms per call replayed
+in a CUDA graph, the kernels' tile and split-K variants, and the weight-bytes floor at the
+measured copy bandwidth.
+
+    python -m pdserve.bench.gpu_w4a16 --out DIR          # on a GPU (device call: gpu_kit_env.sh)
+    python -m pdserve.bench.gpu_w4a16 --small --out DIR  # the same code on the CPU, tiny shapes
+
+Writes DIR/gpu_w4a16.json and prints one line per (shape, M).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# name "K x N" (in x out features): (N, K), HF's [out, in]; Llama-3.2-1B: q/o, gate/up, down
+SHAPES = {"2048x2048": (2048, 2048), "2048x8192": (8192, 2048), "8192x2048": (2048, 8192)}
+SMALL_SHAPES = {"64x64": (64, 64), "64x128": (128, 64)}
+TOKENS = (1, 4, 16)
+TILES = ((16, 32), (16, 64), (16, 128))  # GEMM (BLOCK_M, BLOCK_N)
+# GEMV (BLOCK_N, max ROWS, num_warps)
+GEMV_TILES = tuple((n, r, w) for n in (16, 32, 64) for r in (32, 64) for w in (2, 4))
+SPLITS = (1, 2, 4, 8, 16)
+GROUP = 128
+
+
+def device_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Median device ms of one call replayed in a CUDA graph (the CPU: host ms, 3 calls)."""
+    fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(3):
+            fn()
+        return (time.perf_counter() - start) / 3 * 1e3
+    from triton.testing import do_bench_cudagraph
+
+    return float(do_bench_cudagraph(fn, rep=20, return_mode="median"))
+
+
+def copy_bandwidth(device: torch.device) -> float | None:
+    """Bytes per second of a 1 GiB device-to-device copy (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = device_ms(lambda: dst.copy_(src), device)
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def _layer(n: int, k: int, device: torch.device, group: int) -> tuple[Any, torch.Tensor]:
+    from engine.quant.w4a16 import dequantize
+    from engine.quant.w4a16_linear import W4A16Linear
+    from engine.quant.w4a16_quantize import quantize
+
+    w = quantize(torch.randn(n, k) * 0.02, group, symmetric=False)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU: keep qweight
+    layer = W4A16Linear(k, n, bias=False).to(device=device, dtype=dtype)
+    layer.weight.weight_loader(layer.weight, slice(None), w, "w")
+    return layer, dequantize(w).to(device)
+
+
+def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool
+              ) -> dict[str, Callable[[], torch.Tensor]]:
+    """Name -> call: the layer (its default path), every GEMM tile and split, and for
+    M <= GEMV_MAX_TOKENS every GEMV tile and split."""
+    from kernels.w4a16 import w4a16_linear
+    from kernels.w4a16_gemv import GEMV_MAX_TOKENS, w4a16_gemv
+
+    args = (layer.qweight, layer.scales, layer.zeros, group)
+    calls: dict[str, Callable[[], torch.Tensor]] = {"w4a16_auto": lambda: layer(x)}
+    for tile in TILES if cuda else TILES[:1]:
+        for split in SPLITS if cuda else SPLITS[:2]:
+            calls[f"w4a16_{tile[0]}x{tile[1]}_s{split}"] = \
+                lambda t=tile, s=split: w4a16_linear(x, *args, t, s)
+    for tile in (GEMV_TILES if cuda else GEMV_TILES[:1]) if m <= GEMV_MAX_TOKENS else ():
+        for split in SPLITS[:4] if cuda else SPLITS[:2]:
+            calls[f"w4a16_gemv_{tile[0]}r{tile[1]}w{tile[2]}_s{split}"] = \
+                lambda t=tile, s=split: w4a16_gemv(x, *args, t, s)
+    return calls
+
+
+def shape_rows(name: str, n: int, k: int, device: torch.device, group: int,
+               bandwidth: float | None) -> list[dict[str, Any]]:
+    layer, exact = _layer(n, k, device, group)
+    dense = exact.to(torch.bfloat16)
+    rows = []
+    for m in TOKENS:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        expected = x.float() @ exact.t()
+        row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m,
+                               "bf16_linear_ms": device_ms(lambda x=x: F.linear(x, dense), device)}
+        errors = {}
+        for label, call in _variants(m, x, layer, group, device.type == "cuda").items():
+            errors[label] = ((call().float() - expected).norm() / expected.norm()).item()
+            row[f"{label}_ms"] = device_ms(call, device)
+        row["rel_err"] = errors["w4a16_auto"]
+        row["max_variant_rel_err"] = max(errors.values())
+        variants = {key: v for key, v in row.items() if key.startswith("w4a16_")}
+        row["best"] = min(variants, key=variants.get)
+        w4_bytes = layer.weight_bytes()
+        row["bytes"] = {"bf16": dense.nbytes, "w4a16": w4_bytes}
+        if bandwidth:
+            row["floor_ms"] = {"bf16": dense.nbytes / bandwidth * 1e3,
+                               "w4a16": w4_bytes / bandwidth * 1e3}
+        rows.append(row)
+        print(f"{name} M={m}: bf16 {row['bf16_linear_ms']:.4f} ms, w4a16 (auto) "
+              f"{row['w4a16_auto_ms']:.4f} ms, best {row['best']} {variants[row['best']]:.4f} "
+              f"ms, rel err {row['rel_err']:.2e} (all variants <= "
+              f"{row['max_variant_rel_err']:.2e})", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--small", action="store_true", help="tiny shapes (the CPU)")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
+    shapes, group = (SMALL_SHAPES, 32) if args.small else (SHAPES, GROUP)
+    bandwidth = copy_bandwidth(device)
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "group_size": group, "copy_bandwidth_bytes_per_s": bandwidth, "rows": []}
+    for name, (n, k) in shapes.items():
+        report["rows"] += shape_rows(name, n, k, device, group, bandwidth)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_w4a16.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,32 @@
+"""pdserve.bench.gpu_quant's weights-read floors (no engine run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.bench.gpu_model import BF16_BYTES, ModelShape
+from pdserve.bench.gpu_quant import weight_bytes
+
+
+def test_floors_count_each_format_s_bytes() -> None:
+    shape = ModelShape()  # the 1B shape: 16 layers, the tied 128k x 2048 embedding
+    projections = shape.layers * shape.layer_weights
+    rest = (shape.params - projections) * BF16_BYTES
+    assert weight_bytes(shape, "bf16") == shape.params * BF16_BYTES
+    # fp8: a byte a weight plus an fp32 scale per output row
+    assert weight_bytes(shape, "fp8") - rest - projections == pytest.approx(
+        4 * shape.layers * (3072 + 2048 + 2 * 8192 + 2048))
+    # w4a16: half a byte a weight plus 2.5 bytes (fp16 scale, 4-bit zero) per group of 128
+    extra = weight_bytes(shape, "w4a16") - rest - projections // 2
+    assert extra == pytest.approx(2.5 * projections / 128, rel=1e-3)
+
+
+def test_unknown_system_is_refused() -> None:
+    import argparse
+
+    from pdserve.bench import gpu_quant
+
+    parser = argparse.ArgumentParser()
+    gpu_quant.add_arguments(parser)
+    with pytest.raises(ValueError, match="unknown \\['int3'\\]"):
+        gpu_quant.run(parser.parse_args(["--systems", "bf16,int3"]))
