@@ -13,13 +13,15 @@ graph of the smallest size >= n. Padding rows have slot -1 (the KV store skips t
 
 The attention kernels read only these tensors on replay; the decode split count is fixed per
 graph at capture (sized for max_model_len). Steps with prefills, or more decodes than the largest
-graph, run eagerly.
+graph, run eagerly; with speculative decoding, verification steps replay these graphs too, one
+row per token, from extra sizes (engine/spec_graphs.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -45,11 +47,15 @@ class DecodeGraphs:
         block_size: int,
         device: torch.device,
         lora: LoRAContext | None = None,
+        extra_sizes: Iterable[int] = (),
     ) -> None:
+        """`extra_sizes`: more padded sizes beside the ladder of `max_batch` (the largest of all
+        sizes the buffers' rows)."""
         self.model = model
         self.lora = lora
         self.kv_caches = kv_caches
-        self.sizes = capture_sizes(max_batch)
+        self.sizes = sorted(set(capture_sizes(max_batch)) | set(extra_sizes))
+        max_batch = self.sizes[-1]
         self.max_model_len = max_model_len
         self.block_size = block_size
         blocks = -(-max_model_len // block_size)
@@ -68,6 +74,8 @@ class DecodeGraphs:
         self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.lora_outputs: dict[int, torch.Tensor] = {}
         self.replays = 0  # steps served by a graph (stats, tests)
+        self.row_replays = 0  # of them, steps of short chunks run as decode rows (spec_graphs)
+        self.eager = False  # replay = the padded step run eagerly (CPU tests; see `run_eagerly`)
 
     @property
     def max_batch(self) -> int:
@@ -90,6 +98,7 @@ class DecodeGraphs:
 
     def _forward(self, size: int, with_lora: bool) -> torch.Tensor:
         meta = self._meta(size)
+        before = None if self.lora is None else self.lora.slots
         if with_lora:
             assert self.lora is not None
             self.lora.slots = self.lora_slots[:size]
@@ -97,13 +106,22 @@ class DecodeGraphs:
             return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
         finally:
             if with_lora:
-                self.lora.slots = None  # type: ignore[union-attr]
+                self.lora.slots = before  # type: ignore[union-attr]
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.graphs) or self.eager
+
+    def run_eagerly(self) -> None:
+        """Serve `run` without graphs: the same padded static-buffer step, run eagerly. What a
+        replay computes, where no graph can be captured (the CPU): tests of the padding."""
+        self.eager = True
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first (smaller graphs reuse the shared memory pool); with
         LoRA, each size twice: steps without an adapter replay a graph without the LoRA kernels."""
-        start = time.perf_counter()
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
         kinds = [(False, self.graphs, self.outputs)]
         if self.lora is not None:
@@ -117,12 +135,12 @@ class DecodeGraphs:
                     outputs[size] = self._forward(size, with_lora)
                 graphs[size] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s",
-                    len(self.sizes) * len(kinds), self.max_batch, time.perf_counter() - start)
+        logger.info("captured %d decode CUDA graphs (%d sizes, batch 1..%d) in %.1f s, %.0f MiB",
+                    len(self.sizes) * len(kinds), len(self.sizes), self.max_batch,
+                    time.perf_counter() - start, (torch.cuda.memory_reserved() - reserved) / 2**20)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        return bool(self.graphs) and meta.num_prefills == 0 and 0 < meta.num_decodes <= \
-            self.max_batch
+        return self.ready and meta.num_prefills == 0 and 0 < meta.num_decodes <= self.max_batch
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -140,10 +158,13 @@ class DecodeGraphs:
         # columns past `width` keep older ids: never read, each row's length bounds its reads
         self.block_tables[:n, :width].copy_(meta.block_tables[:, :width])
         graphs, outputs = self.graphs, self.outputs
-        if self.lora is not None and self.lora.slots is not None:  # a step with adapters
+        with_lora = self.lora is not None and self.lora.slots is not None  # a step with adapters
+        if with_lora:
             self.lora_slots[:n].copy_(self.lora.slots)
             self.lora_slots[n:size].fill_(-1)
             graphs, outputs = self.lora_graphs, self.lora_outputs
-        graphs[size].replay()
         self.replays += 1
+        if self.eager:
+            return self._forward(size, with_lora)[:n]
+        graphs[size].replay()
         return outputs[size][:n]

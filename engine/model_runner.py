@@ -28,14 +28,13 @@ from engine.sampler import SampledTokens, Sampler, SamplingRow, argmax_suffices
 from engine.scheduler_output import Sample, Samples, ScheduledRequest, SchedulerOutput
 from engine.spec_decode.draft_model import DraftModel
 from engine.spec_decode.rejection import verify
+from engine.spec_graphs import capture_graphs, forward_step, graph_query_len
 from engine.structured.backend import GrammarMatcher
 from engine.structured.bitmask import mask_logits
 from engine.structured.manager import StructuredOutputs
 from engine.token_choice import skip_draws
 
 logger = logging.getLogger(__name__)
-
-_MAX_GRAPH_BATCH = 512
 
 
 def resolve_device(name: str, rank: int = 0) -> torch.device:
@@ -156,14 +155,16 @@ class ModelRunner(KVCacheSizingMixin):
             return None
         if self.tp.world_size > 1:  # NCCL inside captured graphs: not measured yet
             return None
-        sched = self.config.scheduler
-        graphs = DecodeGraphs(
-            self.model, self.kv_caches, min(sched.max_num_seqs, _MAX_GRAPH_BATCH),
-            sched.max_model_len, self.block_size, self.device,
-            lora=None if self.lora is None else self.lora.ctx,
-        )
-        graphs.capture()
-        return graphs
+        return self._make_graphs()
+
+    def _make_graphs(self) -> DecodeGraphs:
+        """The target's decode graphs (and the draft's, into `self.drafter.graphs`); with
+        speculative decoding, sizes for verification steps too (engine/spec_graphs.py)."""
+        if self.drafter is not None:
+            self.drafter.graphs = capture_graphs(self.config, self.drafter.model,
+                                                 self.drafter.kv_caches, self.device)
+        return capture_graphs(self.config, self.model, self.kv_caches, self.device,
+                              None if self.lora is None else self.lora.ctx)
 
     @property
     def _shares_pool(self) -> bool:
@@ -316,10 +317,8 @@ class ModelRunner(KVCacheSizingMixin):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         on_layer: Callable[[int], None] | None,
     ) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.can_run(meta):
-            return self.graphs.run(input_ids, positions, meta)
-        self.backend.prepare(meta)
-        return self.model(input_ids, positions, self.kv_caches, meta, on_layer)
+        return forward_step(self.model, self.kv_caches, self.backend, self.graphs, input_ids,
+                            positions, meta, graph_query_len(self.config), on_layer)
 
     def _sampling_row(self, req: Request) -> SamplingRow:
         return SamplingRow(

@@ -9,5 +9,6 @@ The engine proposes before each step (`LLMEngine._propose`; a draft model gives 
 there and its tokens once the scheduler has placed the step, `DraftModel.fill`); the scheduler
 schedules a decode with drafts as 1 + k query tokens and, after the step, appends the emitted
 tokens and rolls the rejected drafts' KV slots back (`Scheduler.update_from_output`,
-`BlockManager.rollback_slots`); the model runner verifies (`ModelRunner._launch`).
+`BlockManager.rollback_slots`); the model runner verifies (`ModelRunner._launch`), on CUDA
+replaying the decode graphs one row per token (engine/spec_graphs.py).
 """

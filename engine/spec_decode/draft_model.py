@@ -16,6 +16,9 @@ requests that kept k' > 0 drafts, k' forward passes of the draft, batched over r
                 else the tokens accepted since), sampled greedily at the end -> d1
     pass j > 0  d_j at position n - 1 + j (read on the device from pass j - 1) -> d_{j+1}
 
+On CUDA a pass replays the draft's own decode graphs when its chunks have at most k + 1 tokens
+(every pass j > 0; pass 0 once the prompt is in), one row per token (engine/spec_graphs.py).
+
 Draft tokens are greedy (a constrained request's within its grammar: one wait per pass then), a
 proposal of probability 1 (q = 1 on the token, like n-gram drafts), so the rejection sampler
 keeps the target's distribution exactly. Pass j wrote the draft's K/V of d_j at position
@@ -34,6 +37,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import PendingTokens, pack_step, step_tensors
 from engine.model_loader import load_hf_config, resolve_model
 from engine.models import load_model
@@ -41,6 +45,7 @@ from engine.models.llama import head_dim_of
 from engine.quant import resolve_quantization
 from engine.request import Request
 from engine.scheduler_output import SchedulerOutput
+from engine.spec_graphs import forward_step
 from engine.structured.bitmask import mask_logits
 from engine.structured.manager import StructuredOutputs
 
@@ -80,6 +85,8 @@ class DraftModel:
         self.backend = backend
         self.kv_caches: list[torch.Tensor] = []
         self.structured: StructuredOutputs | None = None  # the runner's, once constrained
+        # CUDA: its decode graphs (set by the runner); passes of chunks of <= k + 1 tokens replay
+        self.graphs: DecodeGraphs | None = None
         self._done: dict[str, tuple[int, int]] = {}  # request id -> (preemptions, done)
 
     def _pool_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -158,8 +165,8 @@ class DraftModel:
                                 pending)
         inp = step_tensors(host, block_size, self.device,
                            pending.token_ids if pending is not None else None)
-        self.backend.prepare(inp.meta)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        hidden = forward_step(self.model, self.kv_caches, self.backend, self.graphs,
+                              inp.input_ids, inp.positions, inp.meta, self.k + 1)
         logits = self.model.compute_logits(hidden[inp.sample_rows], upcast=False)
         matchers = [c.request.grammar for c in order]
         if self.structured is not None and any(m is not None for m in matchers):
