@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-w1", action="store_true", help="batch-1 latency only")
     parser.add_argument("--small", action="store_true", help="tiny shapes (checks the code)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-dir", default=None,
+                        help="keep the random bf16 model here (reused when it holds one)")
 
 
 def weight_bytes(shape: ModelShape, system: str) -> int:
@@ -89,6 +91,8 @@ def run_system(models: RandomModel, system: str, ceilings: dict, args: argparse.
             log(f"{system}: W1 {result['w1'].get('output_tokens_per_s')}")
             result["tokens"] = _tokens(models, workload)
         batch1 = measure_latency(models, None, args.seed)
+        model = models.llm().llm_engine.runner.model
+        batch1["decode_gemv_plan"] = getattr(model, "decode_gemv_report", None)  # CUDA only
         need = weight_bytes(models.sizes.shape, system)
         floor = need / ceilings["copy_bytes_per_s"] * 1e3
         batch1.update(weights_bytes=need, weights_floor_ms=floor,
@@ -148,22 +152,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "kv_cache_memory": sizes.kv_cache_memory}
     if device.type == "cpu":
         kwargs.update(dtype="bfloat16", device="cpu")
+    else:  # the engine settings of `pdserve bench gpu` (gpu.py _llm_kwargs)
+        kwargs.update(dtype="bfloat16", max_num_batched_tokens=16384)
     report: dict[str, Any] = {"config": config_of(args), "device": str(device), "systems": {}}
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)
     report["ceilings"] = ceilings = measure_ceilings(
         device, torch.bfloat16, SMALL_KERNELS if args.small else KernelSizes())
     path = str(Path(args.out) / "bench_gpu_quant.json")
-    base = RandomModel(sizes, device, args.seed, None, kwargs)
+    base = RandomModel(sizes, device, args.seed, args.model_dir, kwargs)
     try:
         for system in systems:
             models = engine_for(system, base, kwargs)
             report["systems"][system] = run_system(models, system, ceilings, args)
             write_report(report, path)
     finally:
+        if args.model_dir is None:
+            shutil.rmtree(base.folder + "-awq", ignore_errors=True)
         base.remove()
-        if base._folder is not None:
-            shutil.rmtree(str(base._folder) + "-awq", ignore_errors=True)
         free_device_memory()
     report["summary"] = summarize(report)
     print(json.dumps(report["summary"], indent=2))
