@@ -35,31 +35,17 @@ from kernels.kv_cache_fp8 import check_scales, dequantize_kv
 LOG2E = 1.4426950408889634
 
 
-# Integers that change from step to step are not specialised on (Triton compiles a variant per
-# "divisible by 16" / "equal to 1" pattern of its int arguments: a new one mid-serving costs ~1 s).
-@triton.jit(do_not_specialize=["num_splits", "stride_tb"])
-def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
-    qk_scale,  # softmax scale * k_scale * log2(e): the kernel works in base 2
-    v_scale,  # fp32, an fp8 cache's V scale (1.0 otherwise)
-    num_splits,  # a run-time value: a new split count must not cost a compile mid-serving
-    stride_qb, stride_qh,
-    stride_kb, stride_kt, stride_kh,  # K and V caches share strides
-    stride_tb,
-    stride_ob, stride_oh,
+@triton.jit
+def attend_tiles(
+    q_ptr, k_ptr, v_ptr, tables_ptr, seq, kv_head, seq_len, tile_lo, tile_hi, qk_scale,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + seq)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-
+    """One split's online softmax over tiles [tile_lo, tile_hi) of one sequence and KV head:
+    (heads [G], g_mask [G], running max m [G] (base 2), sum l [G], acc [G, D]), all fp32.
+    Shared with kernels/paged_decode_attention_merged.py."""
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g  # [G]
@@ -91,6 +77,39 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    return heads, g_mask, m_i, l_i, acc
+
+
+# Integers that change from step to step are not specialised on (Triton compiles a variant per
+# "divisible by 16" / "equal to 1" pattern of its int arguments: a new one mid-serving costs ~1 s).
+@triton.jit(do_not_specialize=["num_splits", "stride_tb"])
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
+    qk_scale,  # softmax scale * k_scale * log2(e): the kernel works in base 2
+    v_scale,  # fp32, an fp8 cache's V scale (1.0 otherwise)
+    num_splits,  # a run-time value: a new split count must not cost a compile mid-serving
+    stride_qb, stride_qh,
+    stride_kb, stride_kt, stride_kh,  # K and V caches share strides
+    stride_tb,
+    stride_ob, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + seq)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    heads, g_mask, m_i, l_i, acc = attend_tiles(
+        q_ptr, k_ptr, v_ptr, tables_ptr, seq, kv_head, seq_len, tile_lo, tile_hi, qk_scale,
+        stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb,
+        GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST)
+    offs_d = tl.arange(0, HEAD_DIM)
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     o = acc / safe_l[:, None] * v_scale  # exact when v_scale is 1
     if ONE_SPLIT:

@@ -12,13 +12,16 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from kernels.kv_cache_fp8 import KV_FP8, quantize_kv  # noqa: E402
 from kernels.kv_store import store_kv, store_kv_ref  # noqa: E402
 from kernels.paged_decode_attention import (  # noqa: E402
     default_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
+from kernels.paged_decode_attention_merged import paged_decode_attention_merged  # noqa: E402
 from kernels.prefill_attention import prefill_attention, prefill_attention_ref  # noqa: E402
+from kernels.w4a16 import tickets  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -51,10 +54,22 @@ def shuffled_tables(num_seqs, blocks_per_seq, num_blocks, gen):
     return perm.view(num_seqs, blocks_per_seq).int().to(DEVICE)
 
 
+# (kernel, split count): the two-kernel path; the merged one with one split, several, and more
+# splits than any sequence needs (most programs idle, short sequences written by split 0)
+DECODE_CASES = [(paged_decode_attention, 1), (paged_decode_attention, 3),
+                (paged_decode_attention_merged, 1), (paged_decode_attention_merged, 3),
+                (paged_decode_attention_merged, 64)]
+
+
+def decode_case_id(case) -> str:
+    return f"{case[0].__name__.removeprefix('paged_decode_attention') or '_two'}{case[1]}"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", GQA, ids=lambda h: f"{h[0]}q{h[1]}kv")
-@pytest.mark.parametrize("splits", [1, 3])
-def test_decode_attention_matches_reference(dtype, heads, splits):
+@pytest.mark.parametrize("case", DECODE_CASES, ids=decode_case_id)
+def test_decode_attention_matches_reference(dtype, heads, case):
+    kernel, splits = case
     gen = torch.Generator().manual_seed(seed_of(dtype, heads, splits))
     num_heads, kv_heads = heads
     block_size = 4 if not CUDA else 16
@@ -69,8 +84,8 @@ def test_decode_attention_matches_reference(dtype, heads, splits):
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(lens), num_heads, HEAD_DIM, generator=gen).to(dtype).to(DEVICE)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    paged_decode_attention(q, cache[0], cache[1], tables, seq_lens, HEAD_DIM**-0.5,
-                           num_splits=splits, out=out, block_n=16 if not CUDA else 64)
+    kernel(q, cache[0], cache[1], tables, seq_lens, HEAD_DIM**-0.5,
+           num_splits=splits, out=out, block_n=16 if not CUDA else 64)
     ref = paged_decode_attention_ref(q, cache[0], cache[1], tables, seq_lens, HEAD_DIM**-0.5)
     assert not out.isnan().any()
     assert torch.equal(out[5].float(), torch.zeros_like(ref[5]))
@@ -88,6 +103,82 @@ def test_decode_splits_agree_with_one_split():
     many = paged_decode_attention(q, cache[0], cache[1], tables, seq_lens, 0.25, num_splits=5,
                                   block_n=16)
     torch.testing.assert_close(one, many, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("splits", [2, 4, 5, 16])
+def test_merged_decode_agrees_with_the_two_kernel_path_and_leaves_tickets_zero(splits):
+    """fp32: the in-kernel merge adds the same parts as the reduce kernel (to rounding); every
+    ticket it took is back at 0, so the next call (or a CUDA-graph replay) starts clean."""
+    gen = torch.Generator().manual_seed(seed_of("merged", splits))
+    cache = random_cache(40, 4, 2, HEAD_DIM, torch.float32, gen)
+    tables = shuffled_tables(3, 13, 40, gen)
+    seq_lens = torch.tensor([49, 17, 52], dtype=torch.int32, device=DEVICE)  # 4, 2, 4 tiles
+    q = torch.randn(3, 4, HEAD_DIM, generator=gen).to(DEVICE)
+    two = paged_decode_attention(q, cache[0], cache[1], tables, seq_lens, 0.25,
+                                 num_splits=splits, block_n=16)
+    for _ in range(2):  # a second call reuses the tickets the first left
+        one = paged_decode_attention_merged(q, cache[0], cache[1], tables, seq_lens, 0.25,
+                                            num_splits=splits, block_n=16)
+        torch.testing.assert_close(one, two, rtol=1e-5, atol=1e-6)
+    assert not tickets(q.device, 1).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("splits", [1, 3, 64])
+def test_merged_decode_over_an_fp8_cache(dtype, splits):
+    """An fp8 cache with k_scale / v_scale: de-quantized on read like the reference (same
+    cache); v_scale applies to each split's part before the merge."""
+    gen = torch.Generator().manual_seed(seed_of("merged-fp8", dtype, splits))
+    block_size, kv_heads, num_heads = (4, 2, 8) if not CUDA else (16, 8, 32)
+    lens = [1, block_size + 1, 5 * block_size - 1, 0, 40] + ([1333, 4096] if CUDA else [])
+    per_seq = -(-max(lens) // block_size)
+    num_blocks = per_seq * len(lens) + 3
+    k_scale, v_scale = 2.0, 0.5
+    exact = torch.randn(2, num_blocks, block_size, kv_heads, HEAD_DIM, generator=gen) * 3
+    cache = torch.stack([quantize_kv(exact[0], KV_FP8, k_scale),
+                         quantize_kv(exact[1], KV_FP8, v_scale)]).to(DEVICE)
+    q = torch.randn(len(lens), num_heads, HEAD_DIM, generator=gen).to(dtype).to(DEVICE)
+    tables = shuffled_tables(len(lens), per_seq, num_blocks, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention_merged(q, cache[0], cache[1], tables, seq_lens, HEAD_DIM**-0.5,
+                                        num_splits=splits, k_scale=k_scale, v_scale=v_scale)
+    ref = paged_decode_attention_ref(q, cache[0], cache[1], tables, seq_lens, HEAD_DIM**-0.5,
+                                     k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(out[3].float(), torch.zeros_like(ref[3]))
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.skipif(not CUDA, reason="full-size shapes and a CUDA graph: a GPU")
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, KV_FP8], ids=str)
+def test_merged_decode_gpu_full_size_in_a_cuda_graph(kv_dtype):
+    """Llama-3.2-1B's attention (32 q / 8 kv heads x 64, bf16 q, 16-token blocks), splits sized
+    for 8k as the decode graphs are, captured once and replayed for new lengths: each replay
+    matches the reference and leaves the tickets 0."""
+    gen = torch.Generator().manual_seed(seed_of("merged-gpu", kv_dtype))
+    block_size, per_seq, batch = 16, 512, 8
+    num_blocks = per_seq * batch + 7
+    scales = (2.0, 0.5) if kv_dtype != torch.bfloat16 else (1.0, 1.0)
+    cache = torch.randn(2, num_blocks, block_size, 8, 64, generator=gen)
+    cache = torch.stack([quantize_kv(cache[i], kv_dtype, scales[i]) for i in range(2)]).cuda()
+    tables = shuffled_tables(batch, per_seq, num_blocks, gen)
+    q = torch.randn(batch, 32, 64, generator=gen).bfloat16().cuda()
+    seq_lens = torch.zeros(batch, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    splits = default_num_splits(batch, 8, 8192, torch.cuda.get_device_properties().
+                                multi_processor_count)
+    args = (q, cache[0], cache[1], tables, seq_lens, 0.125)
+    kwargs = dict(num_splits=splits, out=out, k_scale=scales[0], v_scale=scales[1])
+    seq_lens.fill_(1)
+    paged_decode_attention_merged(*args, **kwargs)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention_merged(*args, **kwargs)
+    for lens in ([1, 127, 128, 129, 0, 1000, 4096, 8192], [8192, 3, 256, 257, 2049, 0, 16, 17]):
+        seq_lens.copy_(torch.tensor(lens))
+        graph.replay()
+        ref = paged_decode_attention_ref(*args, k_scale=scales[0], v_scale=scales[1])
+        assert rel_err(out, ref) < TOL[torch.bfloat16]
+        assert not tickets(q.device, 1).any()
 
 
 def test_default_num_splits_fills_the_gpu_and_respects_bounds():

@@ -13,6 +13,10 @@ prefill chunk are computed once (from the metadata's Python-side lists) and kept
 `meta.backend_state`, so a decode step captured in a CUDA graph replays for any context length.
 An fp8 cache (kernels/kv_cache_fp8.py): the store quantizes, both attention kernels de-quantize
 in registers, with the backend's per-tensor k_scale and v_scale.
+With `merged_decode`, decodes split over the context merge their splits inside the one decode
+kernel (kernels/paged_decode_attention_merged.py) instead of a second reduce launch. Off by
+default: on an H100 it measured faster only where a sequence fits one 128-token tile
+(docs/benchmarks.md, batch-1 decode).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.models.rotary import RopeInputs, rotate_qk
 from kernels.kv_store import store_kv
 from kernels.paged_decode_attention import default_num_splits, paged_decode_attention
+from kernels.paged_decode_attention_merged import paged_decode_attention_merged
 from kernels.prefill_attention import prefill_attention
 from kernels.rope_store import rope_and_store
 
@@ -40,13 +45,15 @@ class TritonAttentionBackend:
     name = "triton"
 
     def __init__(self, num_sms: int | None = None, k_scale: float = 1.0,
-                 v_scale: float = 1.0) -> None:
-        """`k_scale`, `v_scale`: an fp8 cache's per-tensor scales (1.0: uncalibrated)."""
+                 v_scale: float = 1.0, merged_decode: bool = False) -> None:
+        """`k_scale`, `v_scale`: an fp8 cache's per-tensor scales (1.0: uncalibrated);
+        `merged_decode`: one decode launch for any split count (False: attention + reduce)."""
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties().multi_processor_count \
                 if torch.cuda.is_available() else 1
         self.num_sms = num_sms
         self.k_scale, self.v_scale = k_scale, v_scale
+        self.merged_decode = merged_decode
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Nothing to precompute before the kv head count is known: `forward` fills the state
@@ -100,7 +107,9 @@ class TritonAttentionBackend:
                 state.max_prefill_query_len, out=out[:split], **kv_scales,
             )
         if meta.num_decodes:
-            paged_decode_attention(
+            # one split: the two paths are the same single launch (the plain one ~1% faster)
+            merged = self.merged_decode and state.num_splits > 1
+            (paged_decode_attention_merged if merged else paged_decode_attention)(
                 q[split:], k_cache, v_cache, meta.block_tables[num_prefills:],
                 state.decode_seq_lens, scale, num_splits=state.num_splits,
                 out=out[split:], **kv_scales,
