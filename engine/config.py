@@ -13,8 +13,9 @@ ROLES = ("colocated", "prefill", "decode")
 # float8_e4m3fn with a per-tensor scale (kernels/kv_cache_fp8.py): half the bytes of bf16.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # vLLM's names; engine/quant/ implements "fp8" (quantized on load, or FP8 checkpoints), "awq",
-# "gptq" and "compressed-tensors" (4-bit W4A16 checkpoints) and "gguf" (kept quantized, CPU).
-# None: unquantized weights. A compressed-tensors FP8 checkpoint is served as "fp8".
+# "gptq" and "compressed-tensors" (4-bit W4A16 checkpoints) and "gguf" (kept quantized:
+# by default on the CPU, on CUDA when named). None: unquantized weights. A compressed-tensors
+# FP8 checkpoint is served as "fp8".
 QUANTIZATIONS = ("fp8", "awq", "gptq", "compressed-tensors", "gguf")
 IMPLEMENTED_QUANTIZATIONS = QUANTIZATIONS
 QUANTIZATION_CHOICES = ("none", *QUANTIZATIONS)  # the user's: "none" de-quantizes a GGUF

@@ -311,8 +311,7 @@ def test_quantization_option_resolves(quantized_llama: Path, tiny_llama_dir: str
     assert build_engine_config(tiny_llama_dir, device="cpu").quantization is None
     with pytest.raises(ValueError, match="needs a .gguf"):
         build_engine_config(tiny_llama_dir, device="cpu", quantization="gguf")
-    with pytest.raises(ValueError, match="CPU only"):
-        build_engine_config(gguf, device="cuda", quantization="gguf")
+    assert build_engine_config(gguf, device="cuda", quantization="gguf").quantization == "gguf"
     for name in ("fp8", "compressed-tensors", "awq", "gptq"):  # they read HF folders, not GGUF
         with pytest.raises(ValueError, match="needs an HF folder"):
             build_engine_config(gguf, device="cpu", quantization=name)

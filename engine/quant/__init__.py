@@ -1,6 +1,6 @@
 """Quantized weights. Implemented: FP8 (quantized on load, or read from FP8 checkpoints), 4-bit
 weights with 16-bit activations (W4A16: AWQ, GPTQ, compressed-tensors pack-quantized
-checkpoints) and GGUF kept quantized on the CPU.
+checkpoints) and GGUF kept quantized (CPU and CUDA).
 
     fp8.py             FP8 weights (per-output-channel scales), their quantizer, `Fp8Linear`
     fp8_checkpoint.py  FP8 checkpoints (vLLM / HF fp8, compressed-tensors FP8): format, weights
@@ -14,6 +14,7 @@ checkpoints) and GGUF kept quantized on the CPU.
     blocks.py          Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks -> codes, scales, biases
     gguf_weights.py    the file's tensors under HF names, q/k rows un-permuted, nothing de-quantized
     kernels.py         the CPU matmuls over them, each with its reference
+    gguf_cuda.py       the same on CUDA: the Triton GEMMs of kernels/gguf_q4.py, gguf_q8.py
     layers.py          the linear and embedding modules a Llama-family model builds with them
 
 `resolve_quantization` turns the user's `quantization` (vLLM's names) into the engine's.
@@ -40,7 +41,8 @@ def resolve_quantization(
     `requested`: None picks from the checkpoint: an FP8 checkpoint (vLLM/HF "fp8" or
     compressed-tensors FP8) is served as "fp8", a W4A16 one as its format ("awq", "gptq",
     "compressed-tensors": engine/quant/w4a16_config.py); a .gguf on the CPU with dtype auto or
-    bfloat16, one rank and only supported tensor types is kept quantized ("gguf"); anything
+    bfloat16, one rank and only supported tensor types is kept quantized ("gguf"; on CUDA only
+    when asked for by name); anything
     else loads as before (dtype float32: the GGUF de-quantized into the fp32 cache, what HF
     transformers computes). "none" de-quantizes a GGUF. "fp8" quantizes an unquantized HF
     checkpoint on load (or reads an FP8 one); "awq" / "gptq" need that format's checkpoint;
@@ -111,6 +113,9 @@ def _resolve_gguf(
         raise ValueError(f"quantization {requested!r} needs an HF folder (safetensors), got "
                          f"the GGUF file {model_path!r}")
     if requested is None:
+        # by default on the CPU only: on CUDA the kept-quantized GEMMs (kernels/gguf_q*.py) are
+        # not faster than the de-quantized bf16 model yet (docs/benchmarks.md), so they are
+        # asked for by name there
         if not (
             dtype in ("auto", "bfloat16")
             and tensor_parallel_size == 1
@@ -119,7 +124,7 @@ def _resolve_gguf(
         ):
             return None
     else:
-        _check_gguf(model_path, device, tensor_parallel_size)
+        _check_gguf(model_path, tensor_parallel_size)
     return "gguf"
 
 
@@ -127,7 +132,8 @@ def quantization_config(config: EngineConfig) -> dict[str, str | None]:
     """What the model's quantized layers read (set as the HF config's `quantization_config`).
     Kept-quantized GGUF with dtype auto: the model runs in fp32, the quantized matmuls take
     bf16 activations (torch's packed int4 CPU kernels); an explicit dtype is used throughout
-    (float32: exact de-quantizing matmuls, slow). FP8 computes in the model's dtype."""
+    (float32: exact de-quantizing matmuls, slow). On CUDA the GGUF kernels take the model's
+    dtype (auto: bfloat16) whatever this says. FP8 computes in the model's dtype."""
     gguf_auto = config.quantization == "gguf" and config.dtype == "auto"
     activation = "bfloat16" if gguf_auto else None
     return {"quant_method": config.quantization, "activation_dtype": activation}
@@ -147,12 +153,7 @@ def _unsupported(model_path: str) -> list[str]:
     return unsupported_tensors(model_path)
 
 
-def _check_gguf(model_path: str, device: str, tensor_parallel_size: int) -> None:
-    if not _on_cpu(device):
-        raise ValueError(
-            "quantization 'gguf' (kept quantized) runs on the CPU only for now; "
-            f"quantization={NO_QUANTIZATION!r} de-quantizes the GGUF instead"
-        )
+def _check_gguf(model_path: str, tensor_parallel_size: int) -> None:
     if tensor_parallel_size > 1:
         raise ValueError("quantization 'gguf' runs on one rank (tensor_parallel_size 1)")
     if bad := _unsupported(model_path):

@@ -13,7 +13,9 @@ Adjacent shards of the same format share one kernel; others get their own, outpu
 The kernels compute with activations in `activation_dtype` (the config's quantization_config
 says it; default the model's dtype): bfloat16 takes torch's packed int4 kernels, the residual
 stream, norms, attention and KV cache staying in the model's dtype; float32 de-quantizes
-exactly (kernels.py).
+exactly (kernels.py). On CUDA (the layer's `weight` there when it loads) the kernels are
+engine/quant/gguf_cuda.py's Triton GEMMs, in the model's dtype, and lookups de-quantize the
+rows they gather from the lm_head kernel's codes (the table is held once).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 
 from engine.quant.blocks import QuantWeight, dequantize
 from engine.quant.fp8 import FP8_METHOD, Fp8Linear
+from engine.quant.gguf_cuda import CudaKernel, make_cuda_kernel
 from engine.quant.kernels import (
     DenseKernel,
     DequantKernel,
@@ -210,13 +213,13 @@ class GGUFLinear(nn.Module):
         self.weight.loads_shards = True  # takes fused q/k/v and gate/up rows itself
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._rows = _RowCollector(out_features, in_features)
-        self.kernels: list[Kernel] = []
+        self.kernels: list[Kernel | CudaKernel] = []
 
     def _load(self, param: nn.Parameter, rows: slice, tensor: Part, name: str) -> None:
         self._rows.add(rows, tensor, name)
         if self._rows.complete():
-            dtype = self.activation_dtype or self.weight.dtype
-            self.kernels = [make_kernel(p, dtype) for p in self._rows.segments()]
+            self.kernels = [_kernel(p, self.weight, self.activation_dtype)
+                            for p in self._rows.segments()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if len(self.kernels) == 1:
@@ -248,8 +251,9 @@ class GGUFEmbedding(nn.Module):
         self.activation_dtype = activation_dtype
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         self.weight.weight_loader = self._load
-        self.table: Part | None = None  # codes dropped (empty) when the head holds them
-        self.head: Kernel | None = None
+        self.table: Part | None = None  # codes dropped (empty) when the head holds them;
+        # None on CUDA once loaded quantized: lookups read the head's codes
+        self.head: Kernel | CudaKernel | None = None
 
     def _load(self, param: nn.Parameter, rows: slice, tensor: Part, name: str) -> None:
         if tuple(tensor.shape) != (self.vocab_size, self.hidden_size):
@@ -258,6 +262,11 @@ class GGUFEmbedding(nn.Module):
                 f"{(self.vocab_size, self.hidden_size)}"
             )
         dtype = self.weight.dtype
+        if uses_cuda_kernels(self.weight):
+            self.head = _kernel(tensor, self.weight, self.activation_dtype)
+            is_dense = isinstance(tensor, torch.Tensor)
+            self.table = self.head.weight if is_dense else None
+            return
         self.table = tensor.to(dtype) if isinstance(tensor, torch.Tensor) else tensor
         self.head = make_kernel(self.table, self.activation_dtype or dtype)
         if isinstance(self.head, SplitInt8Kernel) and _codes_read_back(self.head, self.table):
@@ -272,6 +281,8 @@ class GGUFEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if isinstance(self.table, torch.Tensor):
             return F.embedding(ids, self.table)
+        if self.table is None:
+            return self.head.rows(ids, self.weight.dtype)
         return dequantize(self._rows(ids), self.weight.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
@@ -287,11 +298,28 @@ class GGUFEmbedding(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes held: the table the lookups read, plus the lm_head kernel's own copy if any."""
         table, head = self.table, self.head
+        if table is None:
+            return head.nbytes()
         if isinstance(table, torch.Tensor):
             return table.nbytes
         held = table.codes.nbytes + table.scale.nbytes
         held += 0 if table.bias is None else table.bias.nbytes
         return held if isinstance(head, (DequantKernel, DenseKernel)) else held + head.nbytes()
+
+
+def uses_cuda_kernels(weight: nn.Parameter) -> bool:
+    """Whether a layer whose `weight` this is builds engine/quant/gguf_cuda.py's kernels (the
+    tests also take them on the CPU, under the Triton interpreter)."""
+    return weight.device.type == "cuda"
+
+
+def _kernel(part: Part, weight: nn.Parameter, activation: torch.dtype | None
+            ) -> Kernel | CudaKernel:
+    """The CPU kernel (activations in `activation`, default the model's dtype) or, with the
+    layer's `weight` on CUDA, the Triton one (the model's dtype)."""
+    if uses_cuda_kernels(weight):
+        return make_cuda_kernel(part, weight.dtype, weight.device)
+    return make_kernel(part, activation or weight.dtype)
 
 
 def _codes_read_back(head: SplitInt8Kernel, table: QuantWeight) -> bool:
