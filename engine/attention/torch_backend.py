@@ -18,6 +18,13 @@ NOTE: per step, `prepare` turns the block tables into gather plans once; every l
 The masked tail of a sequence's last block is read too, so the cache must hold finite values
 there: allocate it with torch.zeros, not torch.empty (0 * NaN is NaN even under a mask).
 
+Per-op overhead dominates a CPU decode step (~50 small ops a layer at ~2-5 us each), so the layer
+path keeps its op count low, bit for bit what the plain ops compute: q and k rotated as one
+[T, H + Hkv, D] view when they are adjacent slices of the fused qkv output (`rotate_joint`), K and
+V of the decodes' blocks read by one index_select, and the mask handed to SDPA as the additive
+float mask it would build from the bool one, once per step (`StepMemo`: per-step tables the first
+layer builds and the others reuse).
+
 An fp8 cache (kernels/kv_cache_fp8.py): the store writes k / k_scale and v / v_scale saturated to
 e4m3; gathered blocks are de-quantized (fp32 x scale, then q's dtype) before SDPA. A whole
 prompt attends its own k/v as computed, as vLLM's prefill does; later chunks and decodes read the
@@ -26,7 +33,9 @@ fp8 cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,10 +61,26 @@ class DecodePlan:
     mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
 
 
+class StepMemo:
+    """Values a step's layers share, built by the first layer that asks (a key's `make()`),
+    reused by the rest: they depend only on the step's plans, the rope tables and the cache's
+    shape and dtype, all the same in every layer."""
+
+    def __init__(self) -> None:
+        self._values: dict[Any, Any] = {}
+
+    def get(self, key: Any, make: Callable[[], Any]) -> Any:
+        value = self._values.get(key)
+        if value is None:
+            value = self._values[key] = make()
+        return value
+
+
 @dataclass(frozen=True)
 class TorchAttentionState:
     prefills: tuple[PrefillPlan, ...]
     decode: DecodePlan | None
+    memo: StepMemo = field(default_factory=StepMemo)
 
 
 class TorchAttentionBackend:
@@ -83,19 +108,71 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:  # [T, H, D]
         """Rotate q and k by `rope` when given, write k/v into `kv_cache` at `meta.slot_mapping`
         (mutates it), then attend. Calls `prepare` first if the runner has not."""
-        if rope is not None:
-            q, k = rotate_qk(rope, q, k)
         if not isinstance(meta.backend_state, TorchAttentionState):
             self.prepare(meta)
         state: TorchAttentionState = meta.backend_state
+        if rope is not None:
+            q, k = rotate_joint(rope, q, k, state.memo)
         kv_scales = (self.k_scale, self.v_scale)
         check_scales("torch attention", kv_cache.dtype, *kv_scales)
         store_kv(k, v, kv_cache, meta.slot_mapping, *kv_scales)
         outs = [_prefill_attention(q, k, v, kv_cache, plan, scale, kv_scales)
                 for plan in state.prefills]
         if state.decode is not None:
-            outs.append(_decode_attention(q, kv_cache, state.decode, scale, kv_scales))
+            outs.append(_decode_attention(q, kv_cache, state.decode, scale, kv_scales, state.memo))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def rotate_joint(
+    rope: RopeInputs, q: torch.Tensor, k: torch.Tensor, memo: StepMemo
+) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H, D], [T, Hkv, D]
+    """`rotate_qk(rope, q, k)`, bit for bit, in fewer ops: rotate_half(x) * sin is computed as
+    (x's halves swapped) * (sin with its first half negated) (negation is exact), and when k's
+    heads follow q's in memory (split views of the fused qkv output) both rotate as one
+    [T, H + Hkv, D] view. The fused kernel's inputs (no cos/sin tables) go to `rotate_qk`."""
+    if rope.cos is None:
+        return rotate_qk(rope, q, k)
+    _, cos, sin = memo.get(("rope", id(rope)), lambda: _signed_tables(rope))
+    joint = _adjacent_heads(q, k)
+    if joint is None:
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    out = _rotate(joint, cos, sin)  # [T, H + Hkv, D]
+    return out[:, : q.shape[1]], out[:, q.shape[1] :]
+
+
+def _signed_tables(rope: RopeInputs) -> tuple[RopeInputs, torch.Tensor, torch.Tensor]:
+    """(rope, cos [T, 1, D], sin [T, 1, D] with its first half negated); rope is kept so that
+    its id, the memo's key, stays its own for the step."""
+    half = rope.sin.shape[-1] // 2
+    sin = rope.sin.clone()
+    sin[:, :half].neg_()
+    return rope, rope.cos[:, None, :], sin[:, None, :]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated: x * cos + (x2, x1) * (-sin1, sin2) (HF's rotate_half)."""
+    t, heads, d = x.shape
+    swapped = x.reshape(t, heads, 2, d // 2).flip(2).reshape(t, heads, d)
+    return x * cos + swapped * signed_sin
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q [T, H, D] and k [T, Hkv, D] as one [T, H + Hkv, D] view when k's heads directly follow
+    q's in one storage, rows equally strided (q, k of one qkv row); else None."""
+    t, h, d = q.shape
+    heads = h + k.shape[1]
+    if (
+        k.dtype != q.dtype
+        or k.shape[0] != t
+        or k.shape[2] != d
+        or (t > 1 and k.stride(0) != q.stride(0))  # one row: its stride is arbitrary
+        or q.stride()[1:] != (d, 1)
+        or k.stride()[1:] != (d, 1)
+        or k.data_ptr() != q.data_ptr() + h * d * q.element_size()
+        or k.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
+    ):
+        return None
+    return q.as_strided((t, heads, d), (q.stride(0) if t > 1 else heads * d, d, 1))
 
 
 def store_kv(
@@ -110,8 +187,12 @@ def store_kv(
     `kv_cache`)."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     flat = as_bytes(kv_cache).view(2, -1, num_kv_heads, head_dim)  # [2, blocks * bs, Hkv, D]
-    flat[0].index_copy_(0, slot_mapping, as_bytes(quantize_kv(k, kv_cache.dtype, k_scale)))
-    flat[1].index_copy_(0, slot_mapping, as_bytes(quantize_kv(v, kv_cache.dtype, v_scale)))
+    if k.dtype != kv_cache.dtype:
+        k = as_bytes(quantize_kv(k, kv_cache.dtype, k_scale))
+        v = as_bytes(quantize_kv(v, kv_cache.dtype, v_scale))
+    k_flat, v_flat = flat.unbind(0)
+    k_flat.index_copy_(0, slot_mapping, k)
+    v_flat.index_copy_(0, slot_mapping, v)
 
 
 def _prefill_plan(meta: AttentionMetadata, i: int) -> PrefillPlan:
@@ -169,22 +250,54 @@ def _decode_attention(
     plan: DecodePlan,
     scale: float,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    memo: StepMemo | None = None,
 ) -> torch.Tensor:  # [B, H, D]
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = kv_cache.shape[-2]
     batch = plan.mask.shape[0]
-    k_ctx, v_ctx = gather_blocks(kv_cache, plan.block_ids, q.dtype, kv_scales)  # [B * L, Hkv, D]
+    memo = memo or StepMemo()
+    rows = memo.get(("kv_rows", kv_cache.shape[1]), lambda: _kv_rows(plan, kv_cache.shape[1]))
+    k_ctx, v_ctx = _gather_rows(kv_cache, rows, q.dtype, kv_scales)  # [B * L, Hkv, D] each
     ks = k_ctx.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
     vs = v_ctx.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     qs = q[plan.start :].reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    # the additive mask SDPA builds from the bool one (0 / -inf in q's dtype), built once
+    mask = memo.get(("mask", q.dtype), lambda: _additive_mask(plan.mask, q.dtype))
     out = F.scaled_dot_product_attention(
         qs,  # [B, Hkv, G, D]
         ks,
         vs,
-        attn_mask=plan.mask,  # [B, 1, 1, L]
+        attn_mask=mask,  # [B, 1, 1, L]
         scale=scale,
     )  # [B, Hkv, G, D]
     return out.reshape(batch, num_heads, head_dim)
+
+
+def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = attend) as SDPA's float form: 0 where True, -inf elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, float("-inf")
+    )
+
+
+def _kv_rows(plan: DecodePlan, num_blocks: int) -> torch.Tensor:  # [2 * N] int64
+    """The decodes' blocks as rows of the cache viewed [2 * num_blocks, ...]: K's, then V's."""
+    return torch.cat((plan.block_ids, plan.block_ids + num_blocks))
+
+
+def _gather_rows(
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    rows: torch.Tensor,  # [2 * N] int64: `_kv_rows`
+    dtype: torch.dtype,
+    kv_scales: tuple[float, float],
+) -> tuple[torch.Tensor, torch.Tensor]:  # K, V: [N * block_size, Hkv, D] each, copies
+    """`gather_blocks` of N blocks in one index_select: K's and V's rows of the cache."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    flat = as_bytes(kv_cache).view(2 * kv_cache.shape[1], -1)  # [2 * num_blocks, bs * Hkv * D]
+    k, v = flat.index_select(0, rows).view(kv_cache.dtype).chunk(2)
+    if dtype != kv_cache.dtype:
+        k, v = dequantize_kv(k, dtype, kv_scales[0]), dequantize_kv(v, dtype, kv_scales[1])
+    return k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
 
 
 def gather_blocks(

@@ -1,7 +1,10 @@
 """Small building blocks shared by the decoder models.
 
 On CUDA they run pdserve's fused Triton kernels (kernels/rmsnorm.py, kernels/silu_mul.py); on the
-CPU the same math in eager torch. Both follow transformers' op order.
+CPU the same math in eager torch. Both follow transformers' op order. An fp32 RMSNorm on the CPU is
+one `F.rms_norm` call (its ops run in C++, not one Python call each): for fp32 it computes what
+HF's op order does, bit for bit (tests/test_cpu_decode_ops.py checks it); for other dtypes it
+multiplies by the weight before casting back, so those keep HF's ops.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class RMSNorm(nn.Module):
             return _fused_rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return out if residual is None else (out, x)
         input_dtype = x.dtype
         x32 = x.float()
         variance = x32.pow(2).mean(-1, keepdim=True)  # [T, 1]
