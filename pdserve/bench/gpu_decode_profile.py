@@ -188,7 +188,7 @@ def profile_eager(graphs: DecodeGraphs, runner: Any, steps: int = 5) -> dict[str
             h.remove()
     names = set(LABELS.values()) | {"lm_head+argmax"}
     ranges: dict[str, float] = defaultdict(float)
-    for evt in prof.events():  # the host ranges, each with its kernels' device time
+    for evt in prof.events():  # the host ranges, each with its kernels' GPU time
         if evt.name in names and evt.device_type == torch.autograd.DeviceType.CPU:
             ranges[evt.name] += _device_us(evt) / steps
     kernels = {evt.key: {"us_per_step": _device_us(evt) / steps,
