@@ -23,8 +23,10 @@ NOTE: a request's life on the receiving side:
 
 A data-plane push (cuda_ipc, nixl; pdserve/transport/) asks KVTarget for the reserved blocks'
 physical ids first (becoming the current push, as a newer PushKV does), writes into them
-one-sided, and announces each slab written with KVWritten on its PushKV stream. This side
-cannot stop such writes, so it fences them in time instead:
+one-sided, and announces each slab written with KVWritten on its PushKV stream (the last one
+inside the commit). Generate's first message grants the blocks to push 1 ahead (`grant`), so
+the first prefill worker needs no KVTarget rpc: one round trip less before the first write.
+This side cannot stop such writes, so it fences them in time instead:
 
     KVTarget while an older data-plane push is open ─▶ waits for it to end (up to the grace
                      period) before handing out the blocks again
@@ -170,6 +172,20 @@ class KVReceiver:
         holds already: its push sends only the blocks after them."""
         return self.pending[request_id].cached_blocks
 
+    def grant(self, request_id: str) -> tuple[str, list[int], int] | None:
+        """Grant an expected request's reserved blocks to its first data-plane push ahead of
+        it, as `target` would: (pool id, physical block ids, push id), or None while this
+        worker exports no data plane. The push then needs no KVTarget rpc; from here the
+        request's blocks are fenced like a target's (see `_free`), and a later KVTarget or
+        grpc push supersedes the grant."""
+        if not any(self.exporter.accepts(t) for t in self.exporter.offered if t != GRPC):
+            return None
+        pending = self._waiting_for_kv(request_id)
+        assert pending.block_ids is not None
+        pending.pushes += 1
+        pending.one_sided = True
+        return self.exporter.pool_id, list(pending.block_ids), pending.pushes
+
     def describe(self, wanted: list[str]) -> PoolInfo:
         """This worker's pool for a prefill worker that could use `wanted` data planes."""
         return self.exporter.describe(wanted)
@@ -309,6 +325,12 @@ class KVReceiver:
         async for chunk in chunks:
             kind = "data" if isinstance(chunk, KVSlab) else chunk.WhichOneof("chunk")
             if kind == "commit":
+                if chunk.commit.HasField("written"):  # a data plane's last slab, announced
+                    if transport == GRPC:
+                        raise ValueError("a grpc push's commit carries no written range")
+                    _check_current(header.request_id, pending, push)
+                    writer.mark_written(written_range(chunk.commit.written))
+                    first_slab_at = first_slab_at or time.perf_counter()
                 if not writer.complete:
                     raise ValueError("KV commit before every layer and block arrived")
                 async for _ in chunks:

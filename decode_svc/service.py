@@ -48,9 +48,13 @@ class DecodeServicer(LoRARpcs, decode_pb2_grpc.DecodeServicer):
                 yield decode_pb2.GenerateResponse(finish_reason="abort")
                 return
             try:
-                # blocks reserved: the push may start, skipping those held here already
+                # blocks reserved: the push may start, skipping those held here already,
+                # writing into them at once over a data plane (the grant)
+                grant = self.receiver.grant(request_id)
                 yield decode_pb2.GenerateResponse(
-                    cached_blocks=self.receiver.cached_blocks(request_id))
+                    cached_blocks=self.receiver.cached_blocks(request_id),
+                    kv_target=None if grant is None else common_pb2.KVTargetGrant(
+                        pool_id=grant[0], block_ids=grant[1], push_id=grant[2]))
                 arrived = await self.receiver.wait(request_id, self.kv_timeout_s)
             except BaseException:
                 await self.receiver.drop(request_id)

@@ -193,8 +193,11 @@ class RemoteBackend:
                 if not local:
                     reserved = await self._read(call, decode)  # blocks reserved there
                     cached = 0 if reserved is None else reserved.cached_blocks
+                    grant = (reserved.kv_target if reserved is not None
+                             and reserved.HasField("kv_target") else None)
                     first = await self._prefill_retrying(request_id, prompt, pb_params, prior,
-                                                         decode, prefill, lost, cached, lora_pb)
+                                                         decode, prefill, lost, cached, lora_pb,
+                                                         grant)
                     prefill_done = True
                     finished = bool(first.finish_reason)
                     yield first
@@ -215,20 +218,24 @@ class RemoteBackend:
         self, request_id: str, prompt: list[int], pb_params: Any, prior: list[int],
         decode: WorkerInfo, prefill: WorkerInfo | None, lost: set[str], decode_cached: int,
         lora: common_pb2.LoRAAdapter | None = None,
+        grant: common_pb2.KVTargetGrant | None = None,
     ) -> TokenDelta:
         """Prefill on `prefill`; if it dies, on another one, while the request's move budget
         lasts. The decode worker's reservation stays: a push cut off by the dead worker leaves
         the blocks reserved, and the new prefill worker pushes into them. `decode_cached`: the
-        leading blocks the decode worker holds already (not pushed)."""
+        leading blocks the decode worker holds already (not pushed). `grant`: the decode
+        worker's blocks granted to the first data-plane push: the first attempt's alone (a
+        retry asks KVTarget, which supersedes the dead worker's push)."""
         while True:
             assert prefill is not None
             await self._transition(request_id, "prefilling", prefill_worker=prefill.address,
                                    decode_worker=decode.address)
             try:
                 return await self._prefill(prefill, request_id, prompt, pb_params, prior,
-                                           decode.address, decode_cached, lora)
+                                           decode.address, decode_cached, lora, grant)
             except WorkerLost as exc:
                 self._count_move(request_id, exc, lost)
+            grant = None
             prefill = pick_prefill(await self.pool.list("prefill", lost),
                                    lora=lora.name if lora is not None else None)
             if prefill is None:
@@ -252,11 +259,13 @@ class RemoteBackend:
         self, prefill: WorkerInfo, request_id: str, prompt: list[int],
         params: Any, prior: list[int], decode_address: str, decode_cached: int = 0,
         lora: common_pb2.LoRAAdapter | None = None,
+        grant: common_pb2.KVTargetGrant | None = None,
     ) -> TokenDelta:
         request = prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt,
                                              params=params, decode_address=decode_address,
                                              prior_output_token_ids=prior,
-                                             decode_cached_blocks=decode_cached, lora=lora)
+                                             decode_cached_blocks=decode_cached, lora=lora,
+                                             decode_kv_target=grant)
         async with self.pool.channel(prefill.address) as channel:
             try:
                 r = await prefill_pb2_grpc.PrefillStub(channel).Prefill(request,

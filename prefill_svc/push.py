@@ -54,6 +54,7 @@ class KVPush:
         self.block_size = layout.block_size
         self.num_blocks = -(-num_tokens // layout.block_size)
         self.skip_blocks = skip_blocks
+        self.grant: Any = None  # the decode worker's KVTargetGrant for this push, if any
         self.frontier = SlabFrontier(layout, self.num_blocks, slab_bytes, skip_blocks)
         self.watch: KVWatch | None = None  # set for a request computed here
         self.block_ids: tuple[int, ...] = ()

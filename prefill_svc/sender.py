@@ -9,9 +9,10 @@
                                                      layer x block has gone
 
 The slabs' bytes travel in the stream (grpc) or over the data plane chosen for the decode
-worker (`prefill_svc/planes.py`: cuda_ipc, nixl): then KVTarget first gives the reserved
-blocks' physical ids, each slab is written straight into them (off the event loop, inside
-`SlabTicket.reading()`), and only its range goes in the stream (KVWritten). A pool refused as
+worker (`prefill_svc/planes.py`: cuda_ipc, nixl): then the decode worker's grant (passed on by
+the gateway from its Generate) or else a KVTarget rpc gives the reserved blocks' physical ids,
+each slab is written straight into them (off the event loop, inside `SlabTicket.reading()`),
+and only its range goes in the stream (KVWritten; the last one inside the commit). A pool refused as
 stale (the decode worker restarted) sends that push over grpc and the peer is described again
 next time.
 
@@ -106,7 +107,7 @@ class PushKVSender:
             PUSH_KV, response_deserializer=decode_pb2.PushKVResponse.FromString
         )  # no request serializer: `messages` yields wire bytes
         started = time.perf_counter()
-        peer, target = await self._data_plane(decode_address, channel, push.request_id)
+        peer, target = await self._data_plane(decode_address, channel, push)
         transport = GRPC if peer is None else peer.transport
         if peer is not None:
             push.resize_slabs(self.plane_slab_bytes)
@@ -127,12 +128,15 @@ class PushKVSender:
         return reply.bytes_received
 
     async def _data_plane(
-        self, address: str, channel: grpc.aio.Channel, request_id: str
-    ) -> tuple[Peer | None, decode_pb2.KVTargetReply | None]:
-        """The data plane towards `address` and the request's target blocks there; (None,
-        None) for grpc (configured, chosen, or the fallback from a stale or failed peer)."""
+        self, address: str, channel: grpc.aio.Channel, push: KVPush
+    ) -> tuple[Peer | None, Any]:
+        """The data plane towards `address` and the request's target blocks there (`block_ids`,
+        `push_id`): the decode worker's grant when it is for the pool mapped here, else
+        KVTarget's reply; (None, None) for grpc (configured, chosen, or the fallback from a
+        stale or failed peer)."""
         if self.planes is None:
             return None, None
+        request_id = push.request_id
         try:
             peer = await self.planes.peer(address, channel)
         except ConnectionError as exc:
@@ -140,6 +144,11 @@ class PushKVSender:
             return None, None
         if peer is None:
             return None, None
+        grant = push.grant
+        if (grant is not None and grant.pool_id == peer.info.pool_id
+                and len(grant.block_ids) == push.num_blocks):
+            self.stats.granted += 1
+            return peer, grant  # no KVTarget round trip
         try:
             target = await decode_pb2_grpc.DecodeStub(channel).KVTarget(decode_pb2.KVTargetRequest(
                 request_id=request_id, pool_id=peer.info.pool_id, transport=peer.transport,
@@ -183,7 +192,12 @@ class PushKVSender:
         plane = self.planes.plane(peer.transport)
         yield self._header(push, peer.transport, target.push_id)
         dst_ids = list(target.block_ids)
+        last = None  # once the first token is known, each slab's range waits for the next
+        # write, so the last one goes inside the commit: one message less before it
         while (ticket := await push.next_slab()) is not None:
+            if last is not None:
+                yield _written_chunk(last)
+                last = None
             l0, l1, b0, b1 = ticket.slab
             try:
                 nbytes = await asyncio.to_thread(_write, plane, peer, ticket, dst_ids[b0:b1])
@@ -194,10 +208,12 @@ class PushKVSender:
                 raise
             if nbytes is not None:  # None: stale, a preemption; those cells come again
                 push.sent(ticket, nbytes)
-                yield decode_pb2.KVChunk(written=decode_pb2.KVWritten(
-                    layer_start=l0, layer_end=l1, block_start=b0, block_end=b1,
-                )).SerializeToString()
-        yield self._commit(push)
+                last = decode_pb2.KVWritten(layer_start=l0, layer_end=l1, block_start=b0,
+                                            block_end=b1)
+                if push.first is None:  # more may take a while: announce it now
+                    yield _written_chunk(last)
+                    last = None
+        yield self._commit(push, last)
 
     def _header(self, push: KVPush, transport: str = GRPC, push_id: int = 0) -> bytes:
         return decode_pb2.KVChunk(header=decode_pb2.KVHeader(
@@ -206,9 +222,9 @@ class PushKVSender:
             push_id=push_id, skip_blocks=push.skip_blocks,
         )).SerializeToString()
 
-    def _commit(self, push: KVPush) -> bytes:
+    def _commit(self, push: KVPush, written: decode_pb2.KVWritten | None = None) -> bytes:
         assert push.first is not None
-        commit = decode_pb2.KVCommit(first_token_id=push.first[0])
+        commit = decode_pb2.KVCommit(first_token_id=push.first[0], written=written)
         if push.first[1] is not None:
             commit.first_logprobs.CopyFrom(logprobs_to_pb(push.first[1]))
         push.commit_sent_at = time.perf_counter()
@@ -229,6 +245,10 @@ class PushKVSender:
             await self._drop_channel(address)
         if self.planes is not None:
             self.planes.close()
+
+
+def _written_chunk(written: decode_pb2.KVWritten) -> bytes:
+    return decode_pb2.KVChunk(written=written).SerializeToString()
 
 
 def _write(plane: DataPlane, peer: Peer, ticket: SlabTicket, dst_ids: list[int]) -> int | None:

@@ -52,8 +52,9 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
         await self.cancels.check(request_id)
         push = None
         if request.decode_address and params.max_tokens != len(prior) + 1:  # else: no KV to ship
+            grant = request.decode_kv_target if request.HasField("decode_kv_target") else None
             push = self._start_push(request_id, len(prompt) + len(prior), request.decode_address,
-                                    request.decode_cached_blocks)
+                                    request.decode_cached_blocks, grant)
         try:
             out = await self._first_token(request_id, prompt, params, prior, push, lora)
         except BaseException:
@@ -74,16 +75,19 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
         return response_to_pb(out, finish, params.prompt_logprobs)
 
     def _start_push(
-        self, request_id: str, num_tokens: int, decode_address: str, skip_blocks: int
+        self, request_id: str, num_tokens: int, decode_address: str, skip_blocks: int,
+        grant: Any = None,
     ) -> KVPush:
         """Open the request's push before the engine sees it, so no note is missed. The first
-        `skip_blocks` blocks are not pushed: the decode worker holds them."""
+        `skip_blocks` blocks are not pushed: the decode worker holds them. `grant`: the decode
+        worker's KVTargetGrant (its reserved blocks for a data-plane push), if it gave one."""
         if request_id in self.pushes:  # its push would free the other's blocks
             raise ValueError(f"request_id {request_id!r} is already in use")
         try:
             push = self.sender.new_push(request_id, num_tokens, skip_blocks)
         except ValueError as exc:
             raise ValueError(f"decode_cached_blocks: {exc}") from None
+        push.grant = grant
         push.watch = self.engine.watch_kv(push.on_progress, self.layers_per_group)
         self.pushes[request_id] = asyncio.create_task(self._push(decode_address, push))
         return push

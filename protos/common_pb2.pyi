@@ -140,3 +140,13 @@ class ListLoRAsResponse(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
     def __init__(self, adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
+
+class KVTargetGrant(_message.Message):
+    __slots__ = ("pool_id", "block_ids", "push_id")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    push_id: int
+    def __init__(self, pool_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., push_id: _Optional[int] = ...) -> None: ...

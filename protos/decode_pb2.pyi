@@ -24,20 +24,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., prior_output_token_ids: _Optional[_Iterable[int]] = ..., lora: _Optional[_Union[_common_pb2.LoRAAdapter, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "num_cached_tokens", "cached_blocks")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "num_cached_tokens", "cached_blocks", "kv_target")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_TARGET_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     finish_reason: str
     stop_token_id: int
     num_cached_tokens: int
     cached_blocks: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
+    kv_target: _common_pb2.KVTargetGrant
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., kv_target: _Optional[_Union[_common_pb2.KVTargetGrant, _Mapping]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
@@ -72,12 +74,14 @@ class KVHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transport: _Optional[str] = ..., push_id: _Optional[int] = ..., skip_blocks: _Optional[int] = ...) -> None: ...
 
 class KVCommit(_message.Message):
-    __slots__ = ("first_token_id", "first_logprobs")
+    __slots__ = ("first_token_id", "first_logprobs", "written")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprobs: _common_pb2.TokenLogprobs
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    written: KVWritten
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., written: _Optional[_Union[KVWritten, _Mapping]] = ...) -> None: ...
 
 class KVData(_message.Message):
     __slots__ = ("layer_start", "layer_end", "block_start", "block_end", "data")

@@ -145,13 +145,21 @@ def _generate(prefill: Worker, decode: Worker, rid: str, prompt: list[int]) -> l
 
     params = sampling_params_to_pb(
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), MAX_TOKENS)
-    call = decode.stub().Generate(decode_pb2.GenerateRequest(
-        request_id=rid, prompt_token_ids=prompt, params=params), timeout=120)
-    assert next(call) == decode_pb2.GenerateResponse()  # blocks reserved
+    call, grant = _reserve(decode, rid, prompt, params)
     reply = prefill.stub().Prefill(prefill_pb2.PrefillRequest(
         request_id=rid, prompt_token_ids=prompt, params=params,
-        decode_address=decode.address), timeout=120)
+        decode_address=decode.address, decode_kv_target=grant), timeout=120)
     return [reply.first_token_id, *(t for msg in call for t in msg.token_ids)]
+
+
+def _reserve(decode: Worker, rid: str, prompt: list[int], params: common_pb2.SamplingParams):
+    """Generate up to its first message (blocks reserved), as the gateway opens it: the call
+    and the blocks' grant to a data-plane push (None before the pool's handle was exported)."""
+    call = decode.stub().Generate(decode_pb2.GenerateRequest(
+        request_id=rid, prompt_token_ids=prompt, params=params), timeout=120)
+    first = next(call)
+    assert not first.token_ids and not first.finish_reason
+    return call, first.kv_target if first.HasField("kv_target") else None
 
 
 def _kv_bytes(prompt: list[int], block_bytes: int) -> int:
@@ -215,6 +223,9 @@ def test_a_restarted_decode_worker_refuses_the_stale_handle_then_maps_anew(pair)
     assert decode.counter("kv_transfers", transport="cuda_ipc") == 0
     assert _disaggregated(prefill, decode, "remapped", prompts[1]) == ref[1]
     assert decode.counter("kv_transfers", transport="cuda_ipc") == 1
+    granted = prefill.counter("kv_transfer_granted_pushes")
+    assert _disaggregated(prefill, decode, "granted", prompts[1]) == ref[1]
+    assert prefill.counter("kv_transfer_granted_pushes") == granted + 1  # no KVTarget rpc
     prefill.wait_idle()
     decode.wait_idle()
 
@@ -224,12 +235,10 @@ def _start_push(prefill: Worker, decode: Worker, rid: str, prompt: list[int]):
 
     params = sampling_params_to_pb(
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), MAX_TOKENS)
-    call = decode.stub().Generate(decode_pb2.GenerateRequest(
-        request_id=rid, prompt_token_ids=prompt, params=params), timeout=120)
-    assert next(call) == decode_pb2.GenerateResponse()
+    call, grant = _reserve(decode, rid, prompt, params)
     future = prefill.stub().Prefill.future(prefill_pb2.PrefillRequest(
         request_id=rid, prompt_token_ids=prompt, params=params,
-        decode_address=decode.address), timeout=120)
+        decode_address=decode.address, decode_kv_target=grant), timeout=120)
     return call, future
 
 

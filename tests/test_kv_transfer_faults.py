@@ -77,6 +77,9 @@ class Workers:
     transport: str  # "grpc" | "nixl"
     decode_metrics: str  # the decode worker's /metrics URL
     pool_id: str = field(default="")  # the decode worker's KV pool (nixl)
+    prefill_metrics: str = ""  # the prefill worker's /metrics URL
+    # the blocks each Generate granted to a data-plane push ahead (nixl), by request id
+    grants: dict[str, common_pb2.KVTargetGrant] = field(default_factory=dict)
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +111,11 @@ def _nixl_installed() -> bool:
 def workers(request: pytest.FixtureRequest, model_dir: str) -> Iterator[Workers]:
     """Both workers, started together; the reference runs in this process while they load."""
     transport = request.param
-    pport, dport, mport = free_port(), free_port(), free_port()
+    pport, dport, mport, pmport = free_port(), free_port(), free_port(), free_port()
     common = ["--num-kv-blocks", str(NUM_BLOCKS), "--dtype", "float32",
               "--kv-transport", transport]
     prefill = spawn_worker("prefill", model_dir, pport, *common,
-                           "--kv-slab-bytes", str(SLAB_BYTES))
+                           "--kv-slab-bytes", str(SLAB_BYTES), "--metrics-port", str(pmport))
     # no prefix caching on the decode worker: the cases resend the same prompts, and each push
     # must carry all of it (decode-side reuse: test_kv_receiver, test_cluster_kv_routing)
     decode = spawn_worker("decode", model_dir, dport, *common, "--no-prefix-caching",
@@ -129,7 +132,8 @@ def workers(request: pytest.FixtureRequest, model_dir: str) -> Iterator[Workers]
             pool = dstub.DescribeKV(decode_pb2.DescribeKVRequest(transports=[transport]))
             assert transport in pool.transports  # its NIXL agent started
             yield Workers(prefill_pb2_grpc.PrefillStub(pch), dstub, daddr, layout, short, long,
-                          transport, f"http://127.0.0.1:{mport}/metrics", pool.pool_id)
+                          transport, f"http://127.0.0.1:{mport}/metrics", pool.pool_id,
+                          f"http://127.0.0.1:{pmport}/metrics")
     finally:
         stop_all([prefill, decode])
 
@@ -178,12 +182,21 @@ def _wait_idle(stub: prefill_pb2_grpc.PrefillStub | decode_pb2_grpc.DecodeStub,
 
 def _open(w: Workers, request_id: str, ref: Reference,
           params: common_pb2.SamplingParams | None = None) -> grpc.Call:
-    """Generate on the decode worker, up to its first (empty) message: blocks reserved."""
+    """Generate on the decode worker, up to its first message (no tokens): blocks reserved.
+    Over a data plane that message grants the reserved blocks to push 1 (kept in `w.grants`)."""
     assert _load(w.decode) == IDLE
     call = w.decode.Generate(decode_pb2.GenerateRequest(
         request_id=request_id, prompt_token_ids=ref.prompt, params=params or _params()),
         timeout=30)
-    assert next(call) == decode_pb2.GenerateResponse()
+    first = next(call)
+    if w.transport == "grpc":
+        assert first == decode_pb2.GenerateResponse()
+    else:
+        grant = first.kv_target
+        assert first == decode_pb2.GenerateResponse(kv_target=grant)
+        assert (grant.pool_id, grant.push_id) == (w.pool_id, 1)
+        assert len(grant.block_ids) == ref.num_blocks
+        w.grants[request_id] = grant
     assert _load(w.decode) == _reserved(ref.num_blocks)
     return call
 
@@ -296,7 +309,7 @@ def test_kv_that_never_arrives_times_out_and_frees_the_blocks(workers: Workers) 
     assert time.monotonic() - started >= KV_TIMEOUT_S
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert err.details() == "KV of request 'never' did not arrive: nothing came for 3 s"
-    assert _load(workers.decode) == IDLE
+    _freed(workers)  # over a data plane the granted blocks wait out the write grace
 
 
 def test_a_push_that_outlives_its_generate_is_refused(workers: Workers) -> None:
@@ -547,13 +560,17 @@ def test_disaggregated_tokens_equal_colocated(workers: Workers, which: str) -> N
 
 def _transport_bytes(w: Workers) -> float:
     """KV bytes the decode worker received over `w.transport` (its labelled counter)."""
+    return _counter(w.decode_metrics, "pdserve:kv_transfer_bytes_total", transport=w.transport)
+
+
+def _counter(url: str, name: str, **labels: str) -> float:
     from cluster import http_get
     from prometheus_client.parser import text_string_to_metric_families
 
-    _, text = http_get(w.decode_metrics)
+    _, text = http_get(url)
     return sum(s.value for family in text_string_to_metric_families(text)
-               for s in family.samples if s.name == "pdserve:kv_transfer_bytes_total"
-               and s.labels.get("transport") == w.transport)
+               for s in family.samples if s.name == name
+               and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 @pytest.mark.parametrize("how", ["max_tokens 1", "stop token"])
@@ -614,7 +631,7 @@ def test_a_stale_pool_is_refused_before_anything_is_written(workers: Workers) ->
     assert err.details().startswith("KV transport 'cuda_ipc' is not offered here")
     assert _load(w.decode) == _reserved(ref.num_blocks)
     call.cancel()
-    _wait_idle(w.decode)  # no target was handed out: freed at once
+    _freed(w)  # Generate granted the blocks to a data-plane push: freed after the grace
 
 
 def test_a_newer_target_cuts_the_older_data_plane_push(workers: Workers) -> None:
@@ -647,3 +664,59 @@ def test_a_newer_target_cuts_the_older_data_plane_push(workers: Workers) -> None
     assert reply.bytes_received == ref.num_blocks * w.layout.num_layers * w.layout.cell_bytes()
     assert len([t for msg in call for t in msg.token_ids]) == len(ref.tokens) - 1
     _wait_idle(w.decode)
+
+
+# ---- 7. the grant on Generate's first message; the last range inside the commit --------------
+def test_a_push_into_the_granted_blocks_needs_no_target_and_commits_its_last_range(
+    workers: Workers,
+) -> None:
+    """Over a data plane, Generate's first message grants the reserved blocks to push 1: a push
+    naming that id writes without KVTarget, and its commit may carry the last KVWritten range
+    (a commit completing the KV that way is accepted; without it the KV is incomplete)."""
+    w, ref, rid = workers, workers.long, "granted"
+    _data_plane_only(w)
+    call = _open(w, rid, ref)
+    header = _header(rid, w.layout, ref)
+    header.header.transport, header.header.push_id = w.transport, w.grants[rid].push_id
+    *slabs, last = _slabs(w.layout, ref.num_blocks, w)
+    commit = _commit(ref)
+    commit.commit.written.CopyFrom(last.written)
+    reply = _push(w, [header, *slabs, commit])
+    assert reply.bytes_received == ref.num_blocks * w.layout.num_layers * w.layout.cell_bytes()
+    assert len([t for msg in call for t in msg.token_ids]) == len(ref.tokens) - 1
+    _wait_idle(w.decode)
+
+
+def test_a_grpc_commit_carrying_a_written_range_fails_the_request(workers: Workers) -> None:
+    """Only a data plane announces ranges: a grpc push whose commit carries one is refused and
+    its request failed, its blocks freed."""
+    w, ref, rid = workers, workers.short, "grpc-commit-written"
+    if w.transport != "grpc":
+        pytest.skip("a grpc push")
+    call = _open(w, rid, ref)
+    commit = _commit(ref)
+    commit.commit.written.CopyFrom(decode_pb2.KVWritten(layer_end=1, block_end=1))
+    err = _rpc_error(lambda: _push(w, [_header(rid, w.layout, ref),
+                                       *_slabs(w.layout, ref.num_blocks), commit]))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == "a grpc push's commit carries no written range"
+    assert _rpc_error(lambda: list(call)).code() != grpc.StatusCode.OK
+    _freed(w)
+
+
+def test_the_gateway_path_writes_into_the_grant(workers: Workers) -> None:
+    """A Prefill naming the decode worker's grant (as the gateway passes it on) pushes over the
+    data plane without KVTarget: the tokens equal colocated and the prefill worker counts a
+    granted push."""
+    w, ref, rid = workers, workers.long, "gateway-grant"
+    _data_plane_only(w)
+    granted = _counter(w.prefill_metrics, "pdserve:kv_transfer_granted_pushes_total")
+    call = _open(w, rid, ref)
+    reply = w.prefill.Prefill(prefill_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=ref.prompt, params=_params(),
+        decode_address=w.decode_address, decode_kv_target=w.grants[rid]), timeout=30)
+    tokens = [reply.first_token_id, *(t for msg in call for t in msg.token_ids)]
+    assert tokens == ref.tokens
+    _wait_idle(w.prefill)
+    _wait_idle(w.decode)
+    assert _counter(w.prefill_metrics, "pdserve:kv_transfer_granted_pushes_total") == granted + 1

@@ -12,7 +12,8 @@ NOTE: what is measured, one run, the two ends of every stream in separate proces
   push       pdserve's real path: a real decode worker (`pdserve decode --num-kv-blocks ...`)
              and, in this process, a KV cache shaped like the worker's model (default: the
              bundled SmolLM2, 30 layers x 3 kv heads x head dim 64, float32, block 16). Per push:
-             open Generate (the worker reserves the blocks, then answers an empty message), time
+             open Generate (the worker reserves the blocks, then answers a message with no
+             tokens, granting them to a data-plane push as it does for the gateway), time
              `PushKVSender.send` of the request's shuffled blocks up to the worker's reply (every
              slab written into its cache, the request committed), then read Generate to its end
              (the blocks are freed). Once per `--slab-mib` size and `--transport`: grpc
@@ -255,6 +256,7 @@ class PushDriver:
         self.caches = list(self.pool.unbind(0))
         self.senders: list[PushKVSender] = []
         self.count = 0
+        self.use_grants = True  # data-plane pushes use the Generate's grant, as in serving
 
     def transfer(self, sender: PushKVSender, plan: Plan) -> KVPush:
         """A push of KV computed already: every slab final, the first token known."""
@@ -273,6 +275,8 @@ class PushDriver:
         ack = await call.read()
         if ack is grpc.aio.EOF or ack.token_ids:
             raise RuntimeError("the decode worker did not acknowledge the reservation")
+        if self.use_grants and ack.HasField("kv_target"):
+            t.grant = ack.kv_target  # as the gateway passes it on: no KVTarget rpc
         start = time.perf_counter()
         sent = await sender.send(self.address, t)
         seconds = time.perf_counter() - start

@@ -153,6 +153,7 @@ class TransferStats:
     bytes_by_transport: dict[str, int] = field(default_factory=dict)
     completed_by_transport: dict[str, int] = field(default_factory=dict)
     stale_pools: int = 0  # prefill: data-plane pushes refused as stale (the peer restarted)
+    granted: int = 0  # prefill: data-plane pushes into blocks granted on Generate (no KVTarget)
     # blocks of completed pushes not moved: the decode worker's prefix cache held them
     skipped_blocks: int = 0
 
@@ -180,6 +181,7 @@ class TransferStats:
             "kv_transfer_first_token_to_commit_seconds": self.first_token_to_commit_seconds,
             "kv_transfer_first_slab_to_commit_seconds": self.first_slab_to_commit_seconds,
             "kv_transfer_stale_pools": self.stale_pools,
+            "kv_transfer_granted_pushes": self.granted,
             "kv_transfer_skipped_blocks": self.skipped_blocks,
         }
 
