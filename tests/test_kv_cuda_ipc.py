@@ -22,6 +22,7 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import pytest
@@ -145,21 +146,31 @@ def _generate(prefill: Worker, decode: Worker, rid: str, prompt: list[int]) -> l
 
     params = sampling_params_to_pb(
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), MAX_TOKENS)
-    call, grant = _reserve(decode, rid, prompt, params)
-    reply = prefill.stub().Prefill(prefill_pb2.PrefillRequest(
-        request_id=rid, prompt_token_ids=prompt, params=params,
-        decode_address=decode.address, decode_kv_target=grant), timeout=120)
+    call, reserved = _reserve(decode, rid, prompt, params)
+    reply = prefill.stub().Prefill(_prefill_request(rid, prompt, params, decode, reserved),
+                                   timeout=120)
     return [reply.first_token_id, *(t for msg in call for t in msg.token_ids)]
 
 
 def _reserve(decode: Worker, rid: str, prompt: list[int], params: common_pb2.SamplingParams):
     """Generate up to its first message (blocks reserved), as the gateway opens it: the call
-    and the blocks' grant to a data-plane push (None before the pool's handle was exported)."""
+    and that message (the blocks its prefix cache holds; their grant to a data-plane push,
+    absent before the pool's handle was exported)."""
     call = decode.stub().Generate(decode_pb2.GenerateRequest(
         request_id=rid, prompt_token_ids=prompt, params=params), timeout=120)
     first = next(call)
     assert not first.token_ids and not first.finish_reason
-    return call, first.kv_target if first.HasField("kv_target") else None
+    return call, first
+
+
+def _prefill_request(rid: str, prompt: list[int], params: common_pb2.SamplingParams,
+                     decode: Worker, reserved: decode_pb2.GenerateResponse) -> Any:
+    """The Prefill the gateway sends after `reserved`: skip what the decode worker holds, write
+    into the granted blocks."""
+    return prefill_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=prompt, params=params, decode_address=decode.address,
+        decode_cached_blocks=reserved.cached_blocks,
+        decode_kv_target=reserved.kv_target if reserved.HasField("kv_target") else None)
 
 
 def _kv_bytes(prompt: list[int], block_bytes: int) -> int:
@@ -235,10 +246,9 @@ def _start_push(prefill: Worker, decode: Worker, rid: str, prompt: list[int]):
 
     params = sampling_params_to_pb(
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), MAX_TOKENS)
-    call, grant = _reserve(decode, rid, prompt, params)
-    future = prefill.stub().Prefill.future(prefill_pb2.PrefillRequest(
-        request_id=rid, prompt_token_ids=prompt, params=params,
-        decode_address=decode.address, decode_kv_target=grant), timeout=120)
+    call, reserved = _reserve(decode, rid, prompt, params)
+    future = prefill.stub().Prefill.future(
+        _prefill_request(rid, prompt, params, decode, reserved), timeout=120)
     return call, future
 
 
