@@ -1,71 +1,26 @@
-"""Disaggregation inside one process: a prefill-role engine exports KV, a decode-role engine
-imports it and continues; the tokens equal the colocated engine's, token for token."""
+"""Disaggregation inside one process (tests/disagg_harness.py): a prefill-role engine exports KV,
+a decode-role engine imports it and continues; the tokens equal the colocated engine's, token
+for token."""
 
 from __future__ import annotations
 
 import pytest
+from disagg_harness import colocated_and_disaggregated, disaggregated, pd_engines, run_all
 
 from engine.kv_handoff import KVCacheFullError
-from engine.kv_transfer import KVLayout, KVSlab, KVSlabWriter, plan_slabs, read_slabs
-from engine.llm import build_engine_config
-from engine.llm_engine import LLMEngine
+from engine.kv_transfer import KVLayout, KVSlab, KVSlabWriter, plan_slabs
 from pdserve import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama_dir):
-    def make(role: str, **kw) -> LLMEngine:
-        return LLMEngine(build_engine_config(tiny_llama_dir, dtype="float32", role=role, **kw))
-
-    return make("colocated"), make("prefill"), make("decode", num_kv_blocks=40)
-
-
-def run_all(engine: LLMEngine) -> dict:
-    finals = {}
-    while engine.has_work():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
-
-
-def disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts, params, max_bytes=4 << 20):
-    for i, p in enumerate(prompts):
-        prefill.add_request(f"r{i}", p, params)
-    firsts = run_all(prefill)
-    for i, p in enumerate(prompts):
-        rid = f"r{i}"
-        first = firsts[rid].outputs[0]
-        dst = decode.reserve_request(rid, p, params)
-        skip = dst.num_cached_blocks  # the decode engine's prefix cache holds those
-        writer = KVSlabWriter(decode.runner.kv_caches, dst.block_ids, present=skip)
-        for slab in read_slabs(prefill.runner.kv_caches, prefill.held_block_ids(rid), max_bytes,
-                               skip):
-            writer.write(slab)
-        assert writer.complete
-        assert prefill.release(rid)
-        decode.commit_request(rid, first.token_ids[0], None)
-    assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
-    outs = run_all(decode)
-    return [firsts[f"r{i}"].outputs[0].token_ids[:1] + outs[f"r{i}"].outputs[0].token_ids
-            for i in range(len(prompts))]
+    return pd_engines(tiny_llama_dir)
 
 
 @pytest.mark.parametrize("max_bytes", [4 << 20, 3000])  # whole layers per slab; block pieces
 def test_disaggregated_equals_colocated(engines, max_bytes):
-    colocated, prefill, decode = engines
-    tok = colocated.tokenizer
-    prompts = [tok.encode(t) for t in (
-        "A prompt that spans several blocks of sixteen tokens each, to cross block edges " * 2,
-        "Short one",
-        "Exactly as long as it needs to be, no more and no less.",
-    )]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        colocated.add_request(f"c{i}", p, params)
-    ref = run_all(colocated)
-    expected = [ref[f"c{i}"].outputs[0].token_ids for i in range(len(prompts))]
-    decoded = disaggregated(prefill, decode, prompts, params, max_bytes)
+    expected, decoded = colocated_and_disaggregated(*engines, max_bytes)
+    decode = engines[2]
     # decode outputs repeat the imported first token; drop the duplicate
     assert [d[:1] + d[2:] for d in decoded] == expected
     assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks

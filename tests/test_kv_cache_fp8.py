@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import torch
+from disagg_harness import colocated_and_disaggregated, pd_engines, run_all
 
 from decode_svc.convert import layout_to_pb
 from decode_svc.receiver import KVReceiver, TransferFailed
@@ -457,31 +458,13 @@ def test_cuda_graphs_replay_decode_steps_over_the_fp8_cache_like_eager_ones(cuda
 # ---- the P/D transfer ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fp8_engines(tiny_llama_dir):
-    def make(role: str, **kw) -> LLMEngine:
-        return LLMEngine(build_engine_config(tiny_llama_dir, dtype="float32", role=role,
-                                             kv_cache_dtype="fp8", **kw))
-
-    return make("colocated", num_kv_blocks=64), make("prefill", num_kv_blocks=64), \
-        make("decode", num_kv_blocks=40)
+    return pd_engines(tiny_llama_dir, num_kv_blocks=64, kv_cache_dtype="fp8")
 
 
 @pytest.mark.parametrize("max_bytes", [4 << 20, 700])  # whole layers per slab; block pieces
 def test_disaggregated_fp8_equals_colocated_fp8(fp8_engines, max_bytes):
-    from test_disagg_engine import disaggregated, run_all
-
-    colocated, prefill, decode = fp8_engines
-    tok = colocated.tokenizer
-    prompts = [tok.encode(t) for t in (
-        "A prompt that spans several blocks of sixteen tokens each, to cross block edges " * 2,
-        "Short one",
-        "Exactly as long as it needs to be, no more and no less.",
-    )]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        colocated.add_request(f"c{i}", p, params)
-    ref = run_all(colocated)
-    expected = [ref[f"c{i}"].outputs[0].token_ids for i in range(len(prompts))]
-    decoded = disaggregated(prefill, decode, prompts, params, max_bytes)
+    expected, decoded = colocated_and_disaggregated(*fp8_engines, max_bytes)
+    decode = fp8_engines[2]
     assert [d[:1] + d[2:] for d in decoded] == expected
     assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
 
@@ -491,7 +474,6 @@ def test_disaggregated_fp8_equals_colocated_fp8(fp8_engines, max_bytes):
 def test_fp8_pushes_between_tensor_parallel_workers(prefill_tp, decode_tp, tiny_llama_dir):
     """Rank 0 reads and writes every rank's fp8 heads (engine/distributed/kv_shards.py, byte
     views); the split equals the colocated fp8 engine token for token."""
-    from test_disagg_engine import run_all
     from test_tp_disagg import PARAMS, PROMPTS, _split
 
     def engine(role: str, tp: int) -> LLMEngine:
@@ -519,8 +501,6 @@ def test_a_push_moves_a_quarter_of_the_fp32_bytes(fp8_engines):
     assert layout == KVLayout(2, 2, 16, "float8_e4m3fn", 16)
     assert layout.cell_bytes() == 1024 == KVLayout(2, 2, 16, "float32", 16).cell_bytes() // 4
     prefill.add_request("bytes", list(range(100, 140)), SamplingParams(max_tokens=1))
-    from test_disagg_engine import run_all
-
     run_all(prefill)
     slabs = list(read_slabs(prefill.runner.kv_caches, prefill.held_block_ids("bytes")))
     assert sum(len(s.data) for s in slabs) == 2 * 3 * 1024  # 2 layers x 3 blocks

@@ -7,11 +7,11 @@ compressed-tensors formats giving the same tokens, and bad checkpoints named."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from quant_helpers import SMALL, copy_model, greedy, rel_err
 from safetensors.torch import load_file, save_file
 
 from engine.llm import build_engine_config
@@ -32,14 +32,8 @@ from pdserve import LLM, SamplingParams
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-SMALL = dict(num_kv_blocks=32, max_model_len=128, device="cpu", dtype="float32")
-PROMPTS = [[5, 17, 42, 9], [100, 3, 77], [250, 251, 252, 253, 254], [1, 2]]
 # relative error of a GEMM against its reference: fp32 exact up to summation order; bf16 rounds
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -53,7 +47,7 @@ def test_quantize_rows_equals_the_reference(shape: tuple[int, int], dtype: torch
     assert q.dtype == FP8 and scale.shape == (shape[0], 1)
     torch.testing.assert_close(scale.cpu(), scale_ref, rtol=1e-6, atol=0)
     assert torch.equal(q.cpu().float(), q_ref.float())
-    assert _rel(q_ref.float() * scale_ref, x.float()) < 0.05  # fp8 keeps ~3 bits of mantissa
+    assert rel_err(q_ref.float() * scale_ref, x.float()) < 0.05  # fp8 keeps ~3 bits of mantissa
 
 
 @pytest.mark.parametrize("mkn", [(1, 64, 48), (5, 96, 80), (17, 200, 33), (70, 64, 130)])
@@ -65,7 +59,7 @@ def test_w8a16_kernel_matches_the_reference(mkn: tuple[int, int, int], dtype: to
     x = torch.randn(m, k, generator=gen).to(dtype)
     out = w8a16_linear(x.to(DEVICE), w.qweight.to(DEVICE), w.scale.to(DEVICE))
     assert out.dtype == dtype and out.shape == (m, n)
-    assert _rel(out.cpu(), w8a16_ref(x, w.qweight, w.scale)) < TOLERANCE[dtype]
+    assert rel_err(out.cpu(), w8a16_ref(x, w.qweight, w.scale)) < TOLERANCE[dtype]
 
 
 def test_w8a16_launcher_checks_its_inputs() -> None:
@@ -83,7 +77,7 @@ def test_quantizer_is_per_channel_and_exact_for_a_zero_row() -> None:
     assert fp8.qweight.dtype == FP8 and fp8.scale.shape == (6,)
     assert fp8.qweight.float().abs().amax(dim=1)[[0, 1, 3, 4, 5]].eq(448).all()
     assert torch.equal(dequantize(fp8)[2], torch.zeros(32))
-    assert _rel(dequantize(fp8), w) < 0.05
+    assert rel_err(dequantize(fp8), w) < 0.05
 
 
 @pytest.mark.skipif(not CUDA, reason="torch._scaled_mm needs a CUDA GPU")
@@ -95,30 +89,17 @@ def test_scaled_mm_and_the_layer_match_the_reference_on_the_gpu(m: int) -> None:
     x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
     xq, xs = quantize_rows(x)
     out = scaled_mm(xq, xs, w.qweight, w.scale.view(1, -1))
-    assert _rel(out, scaled_mm_ref(xq, xs, w.qweight, w.scale, torch.bfloat16)) < 1e-2
+    assert rel_err(out, scaled_mm_ref(xq, xs, w.qweight, w.scale, torch.bfloat16)) < 1e-2
     layer = Fp8Linear(256, 512, bias=False).to(device="cuda", dtype=torch.bfloat16)
     layer.weight.weight_loader(layer.weight, slice(None), w, "w")
     assert layer.use_scaled_mm
     exact = x.float() @ dequantize(w).t()
-    assert _rel(layer(x), exact) < 0.06  # activations in fp8 too
+    assert rel_err(layer(x), exact) < 0.06  # activations in fp8 too
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
 def _proj(name: str) -> bool:
     return name.endswith("_proj.weight")
-
-
-def _copy_model(src: str, dst: Path, tensors: dict[str, torch.Tensor], qc: dict | None) -> str:
-    """`src` with its weights replaced by `tensors` and config.json's quantization_config."""
-    shutil.copytree(src, dst)
-    for f in dst.glob("*.safetensors"):
-        f.unlink()
-    save_file(tensors, str(dst / "model.safetensors"))
-    config = json.loads((dst / "config.json").read_text())
-    if qc is not None:
-        config["quantization_config"] = qc
-    (dst / "config.json").write_text(json.dumps(config))
-    return str(dst)
 
 
 def _weights(src: str) -> dict[str, torch.Tensor]:
@@ -129,7 +110,7 @@ def write_dequantized(src: str, dst: Path) -> str:
     """The unquantized checkpoint with every projection quantized then de-quantized (fp32)."""
     tensors = {k: dequantize(quantize_weight(v)) if _proj(k) else v
                for k, v in _weights(src).items()}
-    return _copy_model(src, dst, tensors, None)
+    return copy_model(src, dst, tensors)
 
 
 def write_fp8(src: str, dst: Path, fmt: str, per_tensor: bool = False) -> str:
@@ -149,8 +130,8 @@ def write_fp8(src: str, dst: Path, fmt: str, per_tensor: bool = False) -> str:
             tensors[name] = fp8.qweight
             scale = fp8.scale[:, None] if fmt == "compressed-tensors" else fp8.scale
         tensors[f"{name}_scale"] = scale
-    return _copy_model(src, dst, tensors, FP8_CONFIGS[fmt] if not per_tensor else
-                       {"quant_method": "fp8", "activation_scheme": "static"})
+    return copy_model(src, dst, tensors, FP8_CONFIGS[fmt] if not per_tensor else
+                      {"quant_method": "fp8", "activation_scheme": "static"})
 
 
 FP8_CONFIGS = {
@@ -169,12 +150,6 @@ FP8_CONFIGS = {
 }
 
 
-def _greedy(llm: LLM, prompts: list[list[int]] = PROMPTS, n: int = 12) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 def _prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
@@ -189,12 +164,12 @@ def test_quantized_on_load_equals_it_dequantized_and_the_fp8_checkpoints(
     down = fp8.llm_engine.runner.model.model.layers[0].mlp.down_proj
     assert isinstance(down, Fp8Linear) and down.qweight.dtype == FP8
     assert down.weight_bytes() == 64 * 128 + 4 * 64  # fp8 values and fp32 scales, no copy
-    tokens = _greedy(fp8)
+    tokens = greedy(fp8)
     assert len(set(map(tuple, tokens))) > 1  # the prompts do not all collapse to one output
     prompt = list(range(10, 40))
     quantized_logprobs = _prompt_logprobs(fp8, prompt)
     del fp8
-    assert _greedy(LLM(write_dequantized(tiny_llama_dir, tmp_path / "dq"), **SMALL)) == tokens
+    assert greedy(LLM(write_dequantized(tiny_llama_dir, tmp_path / "dq"), **SMALL)) == tokens
     plain = _prompt_logprobs(LLM(tiny_llama_dir, **SMALL), prompt)
     # fp8 rounds each weight by up to 1/16 (about 2% on average): logprobs move by a few %
     diff = (quantized_logprobs - plain).abs()
@@ -203,7 +178,7 @@ def test_quantized_on_load_equals_it_dequantized_and_the_fp8_checkpoints(
         folder = write_fp8(tiny_llama_dir, tmp_path / fmt, fmt)
         llm = LLM(folder, **SMALL)  # the format detected from quantization_config
         assert llm.llm_engine.config.quantization == "fp8", fmt
-        assert _greedy(llm) == tokens, fmt
+        assert greedy(llm) == tokens, fmt
 
 
 def test_per_tensor_static_checkpoint_of_qwen2_equals_it_dequantized(
@@ -216,8 +191,8 @@ def test_per_tensor_static_checkpoint_of_qwen2_equals_it_dequantized(
     assert qkv.input_scale is not None and qkv.bias is not None
     weights = dict(iter_model_weights(folder, torch.float32, "fp8", None))
     tensors = {k: dequantize(v) if isinstance(v, Fp8Weight) else v for k, v in weights.items()}
-    dq = _copy_model(tiny_qwen2_dir, tmp_path / "dq", tensors, None)
-    assert _greedy(llm) == _greedy(LLM(dq, **SMALL))
+    dq = copy_model(tiny_qwen2_dir, tmp_path / "dq", tensors)
+    assert greedy(llm) == greedy(LLM(dq, **SMALL))
 
 
 # ---- options and bad checkpoints -----------------------------------------------------------------
@@ -319,4 +294,4 @@ def test_gemv_kernel_matches_the_reference(mkn: tuple[int, int, int], blocks, dt
     x = torch.randn(m, k, generator=gen).to(dtype)
     out = fp8_gemv(x.to(DEVICE), w.qweight.to(DEVICE), w.scale.to(DEVICE), blocks)
     assert out.dtype == dtype and out.shape == (m, n)
-    assert _rel(out.cpu(), w8a16_ref(x, w.qweight, w.scale)) < TOLERANCE[dtype]
+    assert rel_err(out.cpu(), w8a16_ref(x, w.qweight, w.scale)) < TOLERANCE[dtype]

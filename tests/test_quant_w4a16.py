@@ -8,12 +8,12 @@ and bad checkpoints named."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from quant_helpers import SMALL, copy_model, greedy, rel_err
 from safetensors.torch import load_file, save_file
 
 from engine.llm import build_engine_config
@@ -29,17 +29,11 @@ from engine.quant.w4a16_quantize import (
 )
 from kernels.w4a16 import pack_rows, unpack_rows, w4a16_linear, w4a16_ref
 from kernels.w4a16_gemv import w4a16_gemv
-from pdserve import LLM, SamplingParams
+from pdserve import LLM
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-SMALL = dict(num_kv_blocks=32, max_model_len=128, device="cpu", dtype="float32")
-PROMPTS = [[5, 17, 42, 9], [100, 3, 77], [250, 251, 252, 253, 254], [1, 2]]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def _random_weight(n: int, k: int, group: int, seed: int, **kwargs) -> W4A16Weight:
@@ -70,7 +64,8 @@ def test_kernel_matches_the_reference(mkn, group: int, dtype: torch.dtype, split
     args = [t.to(DEVICE) for t in (pack_rows(codes), scales, zeros)]
     out = w4a16_linear(x.to(DEVICE), *args, group, split_k=split_k)
     assert out.dtype == dtype and out.shape == (m, n)
-    assert _rel(out.cpu(), w4a16_ref(x, pack_rows(codes), scales, zeros, group)) < TOLERANCE[dtype]
+    ref = w4a16_ref(x, pack_rows(codes), scales, zeros, group)
+    assert rel_err(out.cpu(), ref) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("mkn,group", [((1, 64, 48), 32), ((3, 128, 40), 64), ((4, 96, 72), 8),
@@ -89,7 +84,8 @@ def test_gemv_kernel_matches_the_reference(mkn, group: int, dtype: torch.dtype, 
     args = [t.to(DEVICE) for t in (pack_rows(codes), scales, zeros)]
     out = w4a16_gemv(x.to(DEVICE), *args, group, blocks=(16, max_rows, 1), split_k=split_k)
     assert out.dtype == dtype and out.shape == (m, n)
-    assert _rel(out.cpu(), w4a16_ref(x, pack_rows(codes), scales, zeros, group)) < TOLERANCE[dtype]
+    ref = w4a16_ref(x, pack_rows(codes), scales, zeros, group)
+    assert rel_err(out.cpu(), ref) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -104,10 +100,10 @@ def test_kernel_on_act_order_weights_equals_the_dequantized_matmul(symmetric: bo
     expected = x @ dequantize(w).t()
     out = w4a16_linear(layer._gather(x).to(DEVICE), layer.qweight.to(DEVICE),
                        layer.scales.to(DEVICE), layer.zeros.to(DEVICE), 32, split_k=2)
-    assert _rel(out.cpu(), expected) < 1e-5
+    assert rel_err(out.cpu(), expected) < 1e-5
     out = w4a16_gemv(layer._gather(x[:3]).to(DEVICE), layer.qweight.to(DEVICE),
                      layer.scales.to(DEVICE), layer.zeros.to(DEVICE), 32)
-    assert _rel(out.cpu(), expected[:3]) < 1e-5
+    assert rel_err(out.cpu(), expected[:3]) < 1e-5
     assert torch.equal(layer(x), torch.nn.functional.linear(x, dequantize(w)))  # CPU: exact
 
 
@@ -199,24 +195,10 @@ def test_cpu_bf16_layer_takes_torch_int4_kernel(act_order: bool) -> None:
     assert layer.int4pack is not None and layer.qweight is None
     x = torch.randn(5, 128).to(torch.bfloat16)
     expected = x.float() @ dequantize(w).t() + layer.bias.float()
-    assert _rel(layer(x), expected) < 1e-2
+    assert rel_err(layer(x), expected) < 1e-2
 
 
 # ---- checkpoints, end to end ---------------------------------------------------------------------
-def _greedy(llm: LLM, n: int = 12) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def _write_dequantized(src: str, dst: Path, tensors: dict[str, torch.Tensor]) -> str:
-    shutil.copytree(src, dst)
-    for f in dst.glob("*.safetensors"):
-        f.unlink()
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
-    return str(dst)
-
-
 CASES = [  # (format, group_size, symmetric, act_order)
     ("awq", 32, False, False),
     ("gptq", 32, True, True),  # desc_act: g_idx permuted; sym stores zero 8 as 7
@@ -241,11 +223,11 @@ def test_checkpoint_equals_its_dequantized_model(
     assert isinstance(qkv, W4A16Linear) and isinstance(down, W4A16Linear)
     assert (qkv.perm is not None) == act_order
     assert down.qweight.shape == (128 // 8, 64)  # [K / 8, N] int32: 4 bits a weight
-    tokens = _greedy(llm)
+    tokens = greedy(llm)
     assert len(set(map(tuple, tokens))) > 1
     del llm
-    plain = LLM(_write_dequantized(tiny_llama_dir, tmp_path / "dq", dequantized), **SMALL)
-    assert _greedy(plain) == tokens
+    plain = LLM(copy_model(tiny_llama_dir, tmp_path / "dq", dequantized), **SMALL)
+    assert greedy(plain) == tokens
 
 
 def test_named_quantization_and_bad_requests(tiny_llama_dir: str, tmp_path: Path) -> None:
@@ -360,4 +342,4 @@ def test_checkpoint_on_the_gpu_agrees_with_it_dequantized(tiny_llama_dir: str,
     x = torch.randn(3, 64, device="cuda", dtype=torch.bfloat16)
     w = dequantized["model.layers.0.mlp.gate_proj.weight"].cuda()
     gate = layer.mlp.gate_up_proj(x)[:, :128]
-    assert _rel(gate, x.float() @ w.t()) < 1e-2
+    assert rel_err(gate, x.float() @ w.t()) < 1e-2

@@ -26,9 +26,9 @@ float mask it would build from the bool one, once per step (`StepMemo`: per-step
 layer builds and the others reuse).
 
 An fp8 cache (kernels/kv_cache_fp8.py): the store writes k / k_scale and v / v_scale saturated to
-e4m3; gathered blocks are de-quantized (fp32 x scale, then q's dtype) before SDPA. A whole
-prompt attends its own k/v as computed, as vLLM's prefill does; later chunks and decodes read the
-fp8 cache.
+e4m3; gathered blocks are de-quantized (fp32 x scale, then q's dtype) before SDPA (the stores and
+gathers: engine/attention/torch_kv_cache.py). A whole prompt attends its own k/v as computed, as
+vLLM's prefill does; later chunks and decodes read the fp8 cache.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_kv_cache import gather_blocks, gather_rows, store_kv
 from engine.models.rotary import RopeInputs, rotate_qk
-from kernels.kv_cache_fp8 import as_bytes, check_scales, dequantize_kv, quantize_kv
+from kernels.kv_cache_fp8 import check_scales
 
 
 @dataclass(frozen=True)
@@ -175,26 +176,6 @@ def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     return q.as_strided((t, heads, d), (q.stride(0) if t > 1 else heads * d, d, 1))
 
 
-def store_kv(
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
-    slot_mapping: torch.Tensor,  # [T] int64
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> None:
-    """Scatter the new tokens' K/V into their cache slots, quantized for an fp8 cache (mutates
-    `kv_cache`)."""
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    flat = as_bytes(kv_cache).view(2, -1, num_kv_heads, head_dim)  # [2, blocks * bs, Hkv, D]
-    if k.dtype != kv_cache.dtype:
-        k = as_bytes(quantize_kv(k, kv_cache.dtype, k_scale))
-        v = as_bytes(quantize_kv(v, kv_cache.dtype, v_scale))
-    k_flat, v_flat = flat.unbind(0)
-    k_flat.index_copy_(0, slot_mapping, k)
-    v_flat.index_copy_(0, slot_mapping, v)
-
-
 def _prefill_plan(meta: AttentionMetadata, i: int) -> PrefillPlan:
     start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
     seq_len, q_len = meta.seq_lens_cpu[i], end - start
@@ -257,7 +238,7 @@ def _decode_attention(
     batch = plan.mask.shape[0]
     memo = memo or StepMemo()
     rows = memo.get(("kv_rows", kv_cache.shape[1]), lambda: _kv_rows(plan, kv_cache.shape[1]))
-    k_ctx, v_ctx = _gather_rows(kv_cache, rows, q.dtype, kv_scales)  # [B * L, Hkv, D] each
+    k_ctx, v_ctx = gather_rows(kv_cache, rows, q.dtype, kv_scales)  # [B * L, Hkv, D] each
     ks = k_ctx.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
     vs = v_ctx.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     qs = q[plan.start :].reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -283,37 +264,3 @@ def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _kv_rows(plan: DecodePlan, num_blocks: int) -> torch.Tensor:  # [2 * N] int64
     """The decodes' blocks as rows of the cache viewed [2 * num_blocks, ...]: K's, then V's."""
     return torch.cat((plan.block_ids, plan.block_ids + num_blocks))
-
-
-def _gather_rows(
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
-    rows: torch.Tensor,  # [2 * N] int64: `_kv_rows`
-    dtype: torch.dtype,
-    kv_scales: tuple[float, float],
-) -> tuple[torch.Tensor, torch.Tensor]:  # K, V: [N * block_size, Hkv, D] each, copies
-    """`gather_blocks` of N blocks in one index_select: K's and V's rows of the cache."""
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    flat = as_bytes(kv_cache).view(2 * kv_cache.shape[1], -1)  # [2 * num_blocks, bs * Hkv * D]
-    k, v = flat.index_select(0, rows).view(kv_cache.dtype).chunk(2)
-    if dtype != kv_cache.dtype:
-        k, v = dequantize_kv(k, dtype, kv_scales[0]), dequantize_kv(v, dtype, kv_scales[1])
-    return k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
-
-
-def gather_blocks(
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
-    block_ids: torch.Tensor,  # [N] int64
-    dtype: torch.dtype | None = None,  # what to read them as (None: the cache's dtype)
-    kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's
-) -> tuple[torch.Tensor, torch.Tensor]:  # K, V: [N * block_size, Hkv, D] each, copies
-    """K and V of the listed blocks, concatenated in order, de-quantized to `dtype` when the
-    cache is fp8. (Row gathers on 2-D views are much faster on CPU than one index_select over
-    dim 1 of the 5-D cache.)"""
-    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-    rows = (num_blocks, block_size * num_kv_heads * head_dim)
-    k = as_bytes(kv_cache[0]).view(rows).index_select(0, block_ids)  # [N, bs * Hkv * D]
-    v = as_bytes(kv_cache[1]).view(rows).index_select(0, block_ids)
-    k, v = k.view(kv_cache.dtype), v.view(kv_cache.dtype)
-    if dtype is not None and dtype != kv_cache.dtype:
-        k, v = dequantize_kv(k, dtype, kv_scales[0]), dequantize_kv(v, dtype, kv_scales[1])
-    return k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)

@@ -21,28 +21,23 @@ graphs are captured (they capture whatever was chosen); the timing takes a few s
 Triton compiles. Timings move by a few percent between loads, so two loads may choose
 differently where candidates are close (outputs then differ by bf16 rounding, not more).
 `EngineConfig.decode_gemv=False` skips it: cuBLAS and separate kernels everywhere, as before.
+What is timed for each shape: engine/models/gemv_calls.py; how: engine/cuda_timing.py.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 import time
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.cuda_timing import graph_us
+from engine.models.gemv_calls import Calls, gated_calls, linear_calls, norm_calls, silu_calls
 from engine.models.tp_layers import Linear, RowParallelLinear, VocabParallelEmbedding
-from kernels.gemv import GEMV_MAX_TOKENS, GemvBlocks, gemv, gemv_supports
-from kernels.gemv_rmsnorm import gemv_rmsnorm, gemv_rmsnorm_supports
-from kernels.gemv_rmsnorm_swiglu import gemv_rmsnorm_swiglu, gemv_rmsnorm_swiglu_supports
-from kernels.gemv_silu import gemv_silu, gemv_silu_supports
-from kernels.rmsnorm import rms_norm
-from kernels.silu_mul import silu_and_mul
+from kernels.gemv import GEMV_MAX_TOKENS, GemvBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -91,21 +86,21 @@ def plan_decode_gemv(model: nn.Module) -> dict[str, dict]:
     report: dict[str, dict] = {}
     with torch.inference_mode():
         for (n, k), weights in _dense_weights(model).items():
-            plan, report[f"linear {n}x{k}"] = _choose(weights, _linear_calls, CANDIDATES)
+            plan, report[f"linear {n}x{k}"] = _choose(weights, linear_calls, CANDIDATES)
             for w in weights:
                 w.gemv_plan = plan
         for (n, k), weights in _down_weights(model).items():
-            plan, report[f"silu+down {n}x{k}"] = _choose(weights, _silu_calls, SILU_CANDIDATES)
+            plan, report[f"silu+down {n}x{k}"] = _choose(weights, silu_calls, SILU_CANDIDATES)
             for w in weights:
                 w.gemv_silu_plan = plan
         for (n, k), pairs in _normed_weights(model).items():
             tiles = {1: tuple(GemvBlocks(bn, k, warps, pdl) for bn, warps, pdl in NORM_ROWS)}
-            plan, report[f"norm+linear {n}x{k}"] = _choose(pairs, _norm_calls, tiles)
+            plan, report[f"norm+linear {n}x{k}"] = _choose(pairs, norm_calls, tiles)
             for w, _ in pairs:
                 w.gemv_norm_plan = plan
         for (n, k), pairs in _gated_weights(model).items():
             tiles = {1: tuple(GemvBlocks(bn, k, warps, pdl) for bn, warps, pdl in GATED_ROWS)}
-            plan, report[f"norm+gate_up+silu {n}x{k}"] = _choose(pairs, _gated_calls, tiles)
+            plan, report[f"norm+gate_up+silu {n}x{k}"] = _choose(pairs, gated_calls, tiles)
             for w, _ in pairs:
                 w.gemv_norm_silu_plan = plan
     model.decode_gemv_report = report
@@ -188,9 +183,6 @@ def _head(model: nn.Module) -> nn.Module | None:
     return head if isinstance(head, VocabParallelEmbedding) else None
 
 
-Calls = Callable[[list, int, GemvBlocks | None], list[Callable[[], object]]]
-
-
 def _choose(weights: list, calls: Calls, candidates: dict[int, tuple[GemvBlocks, ...]]
             ) -> tuple[GemvPlan, dict]:
     """The plan for one shape: per padded token count in `candidates`, the fastest candidate
@@ -199,14 +191,14 @@ def _choose(weights: list, calls: Calls, candidates: dict[int, tuple[GemvBlocks,
     for m in TOKENS:
         if m not in candidates:
             continue
-        base = _time_us(calls(weights, m, None))
+        base = graph_us(calls(weights, m, None))
         best, best_us = None, base
         for blocks in candidates[m]:
             fns = calls(weights, m, blocks)
             if not fns:
                 continue
             try:
-                us = _time_us(fns)
+                us = graph_us(fns)
             except Exception as exc:  # e.g. a Triton without programmatic dependent launch
                 logger.warning("decode GEMV candidate %s failed: %s", blocks, exc)
                 times[f"M{m} {tuple(blocks)}"] = f"failed: {type(exc).__name__}"
@@ -218,89 +210,6 @@ def _choose(weights: list, calls: Calls, candidates: dict[int, tuple[GemvBlocks,
         choices.append((m, best))
     plan = GemvPlan(tuple(choices))
     return plan, {"us": times, "choice": {m: None if b is None else tuple(b) for m, b in choices}}
-
-
-def _linear_calls(weights: list[nn.Parameter], m: int, blocks: GemvBlocks | None
-                  ) -> list[Callable[[], object]]:
-    w0 = weights[0]
-    x = torch.randn(m, w0.shape[1], device=w0.device, dtype=w0.dtype)
-    if blocks is None:
-        return [lambda w=w: F.linear(x, w) for w in weights]
-    if not gemv_supports(x, w0, blocks):
-        return []
-    return [lambda w=w: gemv(x, w, None, blocks) for w in weights]
-
-
-def _silu_calls(weights: list[nn.Parameter], m: int, blocks: GemvBlocks | None
-                ) -> list[Callable[[], object]]:
-    w0 = weights[0]
-    gate_up = torch.randn(m, 2 * w0.shape[1], device=w0.device, dtype=w0.dtype)
-    if blocks is None:  # what the MLP runs without the fusion: its down projection as planned
-        from engine.models.tp_layers import dense_linear
-
-        return [lambda w=w: dense_linear(silu_and_mul(gate_up), w) for w in weights]
-    if not gemv_silu_supports(gate_up, w0, blocks):
-        return []
-    return [lambda w=w: gemv_silu(gate_up, w, blocks) for w in weights]
-
-
-def _norm_calls(pairs: list[tuple[nn.Parameter, Any]], m: int, blocks: GemvBlocks | None
-                ) -> list[Callable[[], object]]:
-    w0, norm0 = pairs[0]
-    x, res = (torch.randn(m, w0.shape[1], device=w0.device, dtype=w0.dtype) for _ in range(2))
-    if blocks is None:  # what the layer runs without the fusion: the norm, the planned projection
-        from engine.models.tp_layers import dense_linear
-
-        return [lambda w=w, nm=nm: dense_linear(rms_norm(x, nm.weight, nm.eps, res)[0], w)
-                for w, nm in pairs]
-    if not gemv_rmsnorm_supports(x, res, norm0.weight, w0):
-        return []
-    return [lambda w=w, nm=nm: gemv_rmsnorm(x, res, nm.weight, nm.eps, w, None, blocks)
-            for w, nm in pairs]
-
-
-def _gated_calls(pairs: list[tuple[nn.Parameter, Any]], m: int, blocks: GemvBlocks | None
-                 ) -> list[Callable[[], object]]:
-    w0, norm0 = pairs[0]
-    x, res = (torch.randn(m, w0.shape[1], device=w0.device, dtype=w0.dtype) for _ in range(2))
-    if blocks is None:  # the norm and gate_up as planned just before, then silu_and_mul
-        from engine.models.tp_layers import dense_linear
-
-        def unfused(w: nn.Parameter, nm: Any) -> object:
-            plan = w.__dict__.get("gemv_norm_plan")
-            tile = None if plan is None else plan.blocks_for(m)
-            if tile is not None:
-                return silu_and_mul(gemv_rmsnorm(x, res, nm.weight, nm.eps, w, None, tile)[0])
-            return silu_and_mul(dense_linear(rms_norm(x, nm.weight, nm.eps, res)[0], w))
-
-        return [lambda w=w, nm=nm: unfused(w, nm) for w, nm in pairs]
-    if not gemv_rmsnorm_swiglu_supports(x, res, norm0.weight, w0):
-        return []
-    return [lambda w=w, nm=nm: gemv_rmsnorm_swiglu(x, res, nm.weight, nm.eps, w, blocks)
-            for w, nm in pairs]
-
-
-def _time_us(calls: Iterable[Callable[[], object]], replays: int = 5, rounds: int = 3) -> float:
-    """Median microseconds per call of `calls`, replayed `replays` times from one CUDA graph."""
-    calls = list(calls)
-    for fn in calls:  # compile and warm outside the capture
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    samples = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
-    return statistics.median(samples)
 
 
 __all__ = ["GEMV_MAX_TOKENS", "GemvPlan", "clear_decode_gemv", "plan_decode_gemv"]

@@ -33,7 +33,7 @@ from engine.models.tp_layers import (
     silu_mul_linear,
     slice_loader,
 )
-from engine.quant.layers import linear, row_parallel_linear, vocab_embedding, vocab_logits
+from engine.quant.factories import linear, row_parallel_linear, vocab_embedding, vocab_logits
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -16,6 +16,7 @@ checkpoints) and GGUF kept quantized (CPU and CUDA).
     kernels.py         the CPU matmuls over them, each with its reference
     gguf_cuda.py       the same on CUDA: the Triton GEMMs of kernels/gguf_q4.py, gguf_q8.py
     layers.py          the linear and embedding modules a Llama-family model builds with them
+    factories.py       the projection / embedding / logits a model builds: dense, GGUF, FP8, W4A16
 
 `resolve_quantization` turns the user's `quantization` (vLLM's names) into the engine's.
 """

@@ -14,7 +14,8 @@ on a random model built by pdserve/bench/gpu_model.py. Then, in this one process
      it (cuBLAS + separate SiLU, as before), replays alternated and timed; the eager tail (lm_head,
      argmax) likewise; torch.profiler over eager steps with one range per sublayer (module
      hooks) and per kernel; greedy tokens and first-step logits with against without.
-Tables print last; everything goes to DIR/decode_profile.json.
+Steps 2 and 3: pdserve/bench/gpu_decode_gemms.py, gpu_decode_step.py. Tables print last;
+everything goes to DIR/decode_profile.json.
 """
 
 from __future__ import annotations
@@ -30,193 +31,16 @@ from typing import Any
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
-from engine.models.gemv_plan import (
-    NORM_ROWS,
-    _linear_calls,
-    _norm_calls,
-    _normed_weights,
-    _silu_calls,
-    _time_us,
-    clear_decode_gemv,
+from engine.models.gemv_plan import clear_decode_gemv
+from pdserve.bench.gpu_decode_gemms import copy_rate, shapes_of, sweep_gemms
+from pdserve.bench.gpu_decode_step import (
+    batch1_graph,
+    fill_cache,
+    profile_eager,
+    profile_replay,
+    time_step,
 )
-from kernels.gemv import GemvBlocks
 from pdserve.bench.gpu_model import ModelShape, log, save_random_model
-
-SWEEP: dict[int, tuple[GemvBlocks, ...]] = {
-    1: tuple(GemvBlocks(*b) for b in [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (4, 2048, 8),
-                                      (8, 256, 4), (8, 512, 8), (16, 256, 8), (16, 128, 4),
-                                      (2, 2048, 8)]),
-    2: tuple(GemvBlocks(*b) for b in [(4, 512, 4), (4, 256, 4), (8, 256, 4), (8, 256, 8),
-                                      (2, 1024, 8), (4, 1024, 8)]),
-    4: tuple(GemvBlocks(*b) for b in [(4, 256, 4), (2, 512, 4), (8, 256, 8), (4, 512, 8),
-                                      (8, 128, 4), (2, 1024, 8)]),
-}
-SILU_SWEEP = {1: SWEEP[1][:2] + SWEEP[1][4:6] + SWEEP[1][8:], 2: SWEEP[2][:3], 4: SWEEP[4][:3]}
-CONTEXT = 256  # tokens in the cache at the profiled step (the latency bench's 128 + up to 256)
-LABELS = {"self_attn.qkv_proj": "qkv", "self_attn.o_proj": "o_proj", "self_attn": "attention",
-          "mlp.gate_up_proj": "gate_up", "mlp.down_proj": "down", "mlp": "mlp",
-          "input_layernorm": "norms", "post_attention_layernorm": "norms"}
-
-
-def copy_rate(device: torch.device) -> float:
-    """Bytes read + written per second by a 1 GiB device copy (the bench's ceiling)."""
-    from pdserve.bench.gpu_kernels import _copy_ms
-
-    return 2 * (1 << 30) / (_copy_ms(1 << 30, device) * 1e-3)
-
-
-def shapes_of(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
-    layers = model.model.layers
-    return {"qkv": [lyr.self_attn.qkv_proj.weight for lyr in layers],
-            "o_proj": [lyr.self_attn.o_proj.weight for lyr in layers],
-            "gate_up": [lyr.mlp.gate_up_proj.weight for lyr in layers],
-            "down": [lyr.mlp.down_proj.weight for lyr in layers],
-            "lm_head": [model.model.embed_tokens.weight]}
-
-
-def sweep_gemms(model: torch.nn.Module, rate: float, sweep: bool) -> list[dict[str, Any]]:
-    """Per shape and M: cuBLAS and every swept tile, microseconds per call."""
-    rows, normed = [], _normed_weights(model)
-    for name, weights in shapes_of(model).items():
-        nbytes = weights[0].nbytes
-        for m in (1, 2, 4):
-            row: dict[str, Any] = {"shape": name, "n_k": tuple(weights[0].shape), "m": m,
-                                   "bytes": nbytes, "cublas_us": _time_us(
-                                       _linear_calls(weights, m, None))}
-            tiles = SWEEP[m] if sweep and m == 1 else ()  # cuBLAS won M = 2, 4 by far
-            row["gemv_us"] = {str(tuple(b)): _time_us(fns) for b in tiles
-                              if (fns := _linear_calls(weights, m, b))}
-            if name == "down":
-                row["silu_down_us"] = _time_us(_silu_calls(weights, m, None))
-                row["gemv_silu_us"] = {str(tuple(b)): _time_us(_silu_calls(weights, m, b))
-                                       for b in (SILU_SWEEP[m] if sweep and m == 1 else ())}
-            pairs = normed.get(tuple(weights[0].shape))
-            if pairs and m == 1 and name in ("qkv", "gate_up"):
-                k = weights[0].shape[1]
-                row["norm_linear_us"] = _time_us(_norm_calls(pairs, m, None))
-                row["gemv_norm_us"] = {str((bn, k, wp)): _time_us(_norm_calls(
-                    pairs, m, GemvBlocks(bn, k, wp))) for bn, wp in (NORM_ROWS if sweep else ())}
-            row["cublas_frac"] = nbytes / (row["cublas_us"] * 1e-6) / rate
-            if row["gemv_us"]:
-                best = min(row["gemv_us"], key=row["gemv_us"].get)
-                row.update(best_tile=best, best_us=row["gemv_us"][best],
-                           best_frac=nbytes / (row["gemv_us"][best] * 1e-6) / rate)
-            log(f"  {name} M{m}: cublas {row['cublas_us']:.1f} us, best "
-                f"{row.get('best_tile')} {row.get('best_us', float('nan')):.1f} us")
-            rows.append(row)
-    return rows
-
-
-# ---- the step ------------------------------------------------------------------------------
-def batch1_graph(runner: Any) -> DecodeGraphs:
-    """A batch-1 decode graph over the runner's cache, its buffers holding one sequence of
-    CONTEXT tokens in blocks 0..CONTEXT/16-1 (filled with random K/V), as the plan stands."""
-    bs = runner.block_size
-    graphs = DecodeGraphs(runner.model, runner.kv_caches, 1, runner.config.scheduler.max_model_len,
-                          bs, runner.device)
-    blocks = CONTEXT // bs
-    graphs.block_tables[0, :blocks] = torch.arange(blocks, dtype=torch.int32)
-    graphs.seq_lens[0], graphs.positions[0], graphs.input_ids[0] = CONTEXT, CONTEXT - 1, 7
-    graphs.slot_mapping[0] = CONTEXT - 1
-    graphs.capture()
-    return graphs
-
-
-def fill_cache(runner: Any) -> None:
-    blocks = CONTEXT // runner.block_size
-    for cache in runner.kv_caches:
-        cache[:, :blocks].copy_(torch.randn_like(cache[:, :blocks], dtype=torch.float32))
-
-
-def time_step(graphs: DecodeGraphs, runner: Any, replays: int = 50) -> tuple[float, float]:
-    """(graph replay us, eager tail us: lm_head + argmax at batch 1, itself graphed)."""
-    from engine.token_choice import argmax
-
-    def tail() -> None:
-        argmax(runner.model.compute_logits(graphs.outputs[1], upcast=False))
-
-    graph = graphs.graphs[1]
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays, _time_us([tail], replays=replays)
-
-
-def label_hooks(model: torch.nn.Module) -> list[Any]:
-    """record_function ranges around each sublayer (by LABELS), removed by the caller."""
-    handles = []
-    for name, module in model.model.layers.named_modules():
-        label = LABELS.get(name.partition(".")[2])  # "3.mlp.down_proj" -> "mlp.down_proj"
-        if label is None:
-            continue
-        ranges: list[Any] = []
-
-        def pre(_m: Any, _a: Any, label: str = label, ranges: list = ranges) -> None:
-            ranges.append(torch.profiler.record_function(label))
-            ranges[-1].__enter__()
-
-        def post(_m: Any, _a: Any, _o: Any, ranges: list = ranges) -> None:
-            ranges.pop().__exit__(None, None, None)
-
-        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    return handles
-
-
-def profile_eager(graphs: DecodeGraphs, runner: Any, steps: int = 5) -> dict[str, Any]:
-    """Device us per step: per sublayer range and per kernel, eager (kernels back to back)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from engine.token_choice import argmax
-
-    handles = label_hooks(runner.model)
-    try:
-        graphs._forward(1, False)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                hidden = graphs._forward(1, False)
-                with record_function("lm_head+argmax"):
-                    argmax(runner.model.compute_logits(hidden, upcast=False))
-            torch.cuda.synchronize()
-    finally:
-        for h in handles:
-            h.remove()
-    names = set(LABELS.values()) | {"lm_head+argmax"}
-    ranges: dict[str, float] = defaultdict(float)
-    for evt in prof.events():  # the host ranges, each with its kernels' GPU time
-        if evt.name in names and evt.device_type == torch.autograd.DeviceType.CPU:
-            ranges[evt.name] += _device_us(evt) / steps
-    kernels = {evt.key: {"us_per_step": _device_us(evt) / steps,
-                         "calls_per_step": evt.count / steps}
-               for evt in prof.key_averages()
-               if evt.key not in names and evt.device_type == torch.autograd.DeviceType.CUDA}
-    return {"ranges_us": dict(ranges), "kernels": kernels}
-
-
-def _device_us(evt: Any) -> float:
-    total = getattr(evt, "device_time_total", None)
-    return evt.cuda_time_total if total is None else total
-
-
-def profile_replay(graphs: DecodeGraphs, replays: int = 20) -> dict[str, Any]:
-    """Kernels seen by kineto inside graph replays (if it records them), us per replay."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graphs.graphs[1].replay()
-        torch.cuda.synchronize()
-    out = {}
-    for evt in prof.key_averages():
-        dev = _device_us(evt)
-        if dev and evt.device_type == torch.autograd.DeviceType.CUDA:
-            out[evt.key] = {"us_per_step": dev / replays, "calls_per_step": evt.count / replays}
-    return out
 
 
 def greedy_tokens(llm: Any, prompt: list[int], n: int) -> list[int]:

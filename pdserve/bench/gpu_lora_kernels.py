@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.cuda_timing import graph_us
 from kernels.lora import (
     FUSED_MAX_T,
     FusedConfig,
@@ -115,30 +115,16 @@ def make_problem(shape: LoRAShape, module: str, tokens: int, device: torch.devic
 
 # ---- timing ------------------------------------------------------------------------------------
 def graph_ms(calls: list[Callable[[], object]], replays: int = 10) -> float:
-    """Milliseconds per call: the calls captured back to back in one CUDA graph, median replay
-    (on the CPU: host time of the calls, run twice)."""
-    for call in calls:  # compiles, and the allocator's first blocks, outside the capture
+    """Milliseconds per call: the calls captured back to back in one CUDA graph, median of
+    `replays` single replays (on the CPU: host time of the calls, run twice)."""
+    if torch.cuda.is_available():
+        return graph_us(calls, replays=1, rounds=replays) / 1e3
+    for call in calls:  # compiles, as on the GPU
         call()
-    if not torch.cuda.is_available():
-        start = time.perf_counter()
-        for call in calls:
-            call()
-        return (time.perf_counter() - start) * 1e3 / len(calls)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) / len(calls)
+    start = time.perf_counter()
+    for call in calls:
+        call()
+    return (time.perf_counter() - start) * 1e3 / len(calls)
 
 
 def eager_ms(fn: Callable[[], object], reps: int = 20) -> float:
