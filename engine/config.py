@@ -5,6 +5,7 @@ Torch-free: dtypes and devices are names here; the model runner turns them into 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -29,6 +30,14 @@ QUANTIZATION_HELP = (
     "W4A16 checkpoints), gguf; none de-quantizes a GGUF; default: from the checkpoint (FP8 and "
     "4-bit checkpoints stay quantized, a GGUF on the CPU with dtype auto too)"
 )
+
+
+def default_gemv_cache() -> str:
+    """$PDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve; the plan file in
+    it (vLLM keeps its caches under ~/.cache/vllm the same way)."""
+    root = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdserve")
+    return os.path.join(root, "decode_gemv_plans.json")
 
 
 @dataclass(frozen=True)
@@ -236,6 +245,10 @@ class EngineConfig:
     # shape at 1-4 tokens and use it where it measured faster (engine/models/gemv_plan.py);
     # False: cuBLAS everywhere.
     decode_gemv: bool = True
+    # Where the GEMV choices are recorded for every later process on this host with the same GPU
+    # model and software (engine/models/gemv_plan_store.py), so that they all pick the same
+    # kernels; None: time them in every process.
+    decode_gemv_cache: str | None = field(default_factory=default_gemv_cache)
     # Schedule and launch step N+1 before waiting for step N's tokens (see engine.llm_engine);
     # colocated and decode roles. False waits for every step (vLLM's --async-scheduling off).
     async_scheduling: bool = True

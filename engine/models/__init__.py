@@ -83,6 +83,8 @@ def load_model(config: EngineConfig, hf_config: PretrainedConfig, backend: Atten
     model.load_weights(iter_model_weights(config.model, dtype, config.quantization, hf_config))
     if config.decode_gemv and device.type == "cuda":  # before any CUDA graph is captured
         from engine.models.gemv_plan import plan_decode_gemv
+        from engine.models.gemv_plan_store import PlanStore
 
-        plan_decode_gemv(model)
+        cache = config.decode_gemv_cache
+        plan_decode_gemv(model, None if cache is None else PlanStore(cache))
     return model.eval()

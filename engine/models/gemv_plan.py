@@ -18,14 +18,17 @@ The choices ride on the weight parameters (`weight.gemv_plan`, `weight.gemv_silu
 `weight.gemv_norm_plan`: `GemvPlan`), which engine/models/tp_layers.py's `dense_linear`,
 `silu_mul_linear` and `rmsnorm_linear` read; M = 3 takes M = 4's choice. Runs before the CUDA
 graphs are captured (they capture whatever was chosen); the timing takes a few seconds, mostly
-Triton compiles. Timings move by a few percent between loads, so two loads may choose
-differently where candidates are close (outputs then differ by bf16 rounding, not more).
+Triton compiles. Timings move by a few percent between loads, so two loads could choose
+differently where candidates are close (outputs then differ by bf16 rounding): the choices are
+recorded per host (`EngineConfig.decode_gemv_cache`, engine/models/gemv_plan_store.py) and every
+later process on the same GPU model takes them untimed.
 `EngineConfig.decode_gemv=False` skips it: cuBLAS and separate kernels everywhere, as before.
 What is timed for each shape: engine/models/gemv_calls.py; how: engine/cuda_timing.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -36,6 +39,7 @@ from torch import nn
 
 from engine.cuda_timing import graph_us
 from engine.models.gemv_calls import Calls, gated_calls, linear_calls, norm_calls, silu_calls
+from engine.models.gemv_plan_store import PlanStore, plan_key
 from engine.models.tp_layers import Linear, RowParallelLinear, VocabParallelEmbedding
 from kernels.gemv import GEMV_MAX_TOKENS, GemvBlocks
 
@@ -78,31 +82,49 @@ class GemvPlan:
         return any(b is not None for _, b in self.by_tokens)
 
 
-def plan_decode_gemv(model: nn.Module) -> dict[str, dict]:
+def plan_decode_gemv(model: nn.Module, store: PlanStore | None = None) -> dict[str, dict]:
     """Time and attach the plans (see the NOTE) to `model`'s dense projections on CUDA; returns
     the timings, per shape, also kept as `model.decode_gemv_report` (benchmarks read it). Side
-    effect: sets `weight.gemv_plan` / `gemv_silu_plan` / `gemv_norm_plan` where it timed them."""
+    effect: sets `weight.gemv_plan` / `gemv_silu_plan` / `gemv_norm_plan` where it timed them.
+    With `store`, a shape another process planned on this GPU model takes its recorded choice
+    untimed, and new choices are recorded (engine/models/gemv_plan_store.py)."""
     start = time.perf_counter()
     report: dict[str, dict] = {}
-    with torch.inference_mode():
+    with torch.inference_mode(), (
+            contextlib.nullcontext({}) if store is None else store.locked()) as known:
+        def plan(what: str, n: int, k: int, items: list, calls: Calls,
+                 candidates: dict[int, tuple[GemvBlocks, ...]]) -> GemvPlan:
+            w = items[0][0] if isinstance(items[0], tuple) else items[0]
+            key = plan_key(what, n, k, str(w.dtype).removeprefix("torch."),
+                           _device_name(w.device), _versions())
+            if key in known:
+                chosen = GemvPlan(tuple((m, None if c is None else GemvBlocks(*c))
+                                        for m, c in sorted(known[key].items())))
+                report[f"{what} {n}x{k}"] = {"us": {}, "recorded": True,
+                                             "choice": dict(sorted(known[key].items()))}
+                return chosen
+            chosen, report[f"{what} {n}x{k}"] = _choose(items, calls, candidates)
+            known[key] = {m: None if b is None else tuple(b) for m, b in chosen.by_tokens}
+            return chosen
+
         for (n, k), weights in _dense_weights(model).items():
-            plan, report[f"linear {n}x{k}"] = _choose(weights, linear_calls, CANDIDATES)
+            chosen = plan("linear", n, k, weights, linear_calls, CANDIDATES)
             for w in weights:
-                w.gemv_plan = plan
+                w.gemv_plan = chosen
         for (n, k), weights in _down_weights(model).items():
-            plan, report[f"silu+down {n}x{k}"] = _choose(weights, silu_calls, SILU_CANDIDATES)
+            chosen = plan("silu+down", n, k, weights, silu_calls, SILU_CANDIDATES)
             for w in weights:
-                w.gemv_silu_plan = plan
+                w.gemv_silu_plan = chosen
         for (n, k), pairs in _normed_weights(model).items():
             tiles = {1: tuple(GemvBlocks(bn, k, warps, pdl) for bn, warps, pdl in NORM_ROWS)}
-            plan, report[f"norm+linear {n}x{k}"] = _choose(pairs, norm_calls, tiles)
+            chosen = plan("norm+linear", n, k, pairs, norm_calls, tiles)
             for w, _ in pairs:
-                w.gemv_norm_plan = plan
+                w.gemv_norm_plan = chosen
         for (n, k), pairs in _gated_weights(model).items():
             tiles = {1: tuple(GemvBlocks(bn, k, warps, pdl) for bn, warps, pdl in GATED_ROWS)}
-            plan, report[f"norm+gate_up+silu {n}x{k}"] = _choose(pairs, gated_calls, tiles)
+            chosen = plan("norm+gate_up+silu", n, k, pairs, gated_calls, tiles)
             for w, _ in pairs:
-                w.gemv_norm_silu_plan = plan
+                w.gemv_norm_silu_plan = chosen
     model.decode_gemv_report = report
     torch.cuda.empty_cache()  # the timing's graphs and buffers: before the KV cache is sized
     logger.info("decode GEMV plan in %.1f s: %s", time.perf_counter() - start,
@@ -173,6 +195,17 @@ def _gated_weights(model: nn.Module) -> dict[tuple[int, int], list[tuple[nn.Para
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _device_name(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} sm{major}{minor}"
+
+
+def _versions() -> str:
+    import triton
+
+    return f"torch {torch.__version__} triton {triton.__version__}"
 
 
 def _head(model: nn.Module) -> nn.Module | None:
