@@ -237,7 +237,8 @@ class RemoteBackend:
                 self._count_move(request_id, exc, lost)
             grant = None
             prefill = pick_prefill(await self.pool.list("prefill", lost),
-                                   lora=lora.name if lora is not None else None)
+                                   lora=lora.name if lora is not None else None,
+                                   in_flight=self.pool.in_flight())
             if prefill is None:
                 raise BackendError("no prefill worker is available", retryable=True)
 

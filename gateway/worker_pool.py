@@ -78,7 +78,8 @@ class WorkerPool:
         else:
             hits, blocks = await self._hits(workers, token_ids, lora)
             decode = pick_decode(workers, hits, blocks, lora)
-            prefill = None if local else pick_prefill(workers, hits, blocks, lora)
+            prefill = None if local else pick_prefill(workers, hits, blocks, lora,
+                                                      self.in_flight())
             reasons = (_reason(decode, hits, lora), _reason(prefill, hits, lora))
         if decode is None:
             raise BackendError("no decode worker is available", retryable=True)
@@ -138,6 +139,11 @@ class WorkerPool:
         entry.retired = True
         if entry.users == 0:
             await entry.channel.close()
+
+    def in_flight(self) -> dict[str, int]:
+        """Calls in flight from this gateway per worker address (a prefill worker's channel
+        carries its Prefill calls): current, where the registry's load is a heartbeat old."""
+        return {address: entry.users for address, entry in self._channels.items()}
 
     def open_addresses(self) -> set[str]:
         """Addresses with a channel in the pool."""

@@ -4,6 +4,8 @@ says otherwise."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from engine.block_manager import BlockManager, prefix_hashes
@@ -86,6 +88,21 @@ def test_score_prefers_the_holder_unless_it_is_the_busiest_for_a_small_prefix():
     assert pick_prefill([busy, p1], {"p0": 1}, 10) == p1  # 0.1 - 8/12 < 0: load wins
     assert pick_prefill([busy, p1], {"p0": 10}, 10) == busy  # 1 - 8/12 > 0: recompute costs more
     assert pick_prefill([busy, p1], {"p0": 3, "p1": 4}, 10) == p1
+
+
+def test_the_gateways_own_calls_in_flight_count_where_the_registry_lags():
+    """The registry says both are idle (its heartbeat is older than the last requests); the
+    gateway has 8 Prefill calls in flight to the holder: a small prefix no longer pulls the
+    next request there, a whole history still does; the registry's larger count wins over a
+    smaller in-flight one (other gateways' requests)."""
+    p0, p1 = (replace(_prefill(wid, 0), address=f"127.0.0.1:{port}")
+              for wid, port in (("p0", 7001), ("p1", 7002)))
+    assert pick_prefill([p0, p1], {"p0": 1}, 10) == p0  # 0.1 - 0 > 0
+    assert pick_prefill([p0, p1], {"p0": 1}, 10, in_flight={p0.address: 8}) == p1
+    assert pick_prefill([p0, p1], {"p0": 10}, 10, in_flight={p0.address: 8}) == p0
+    assert pick_prefill([p0, p1], in_flight={p0.address: 1}) == p1  # load alone
+    busy = replace(p0, num_running=8)
+    assert pick_prefill([busy, p1], {"p0": 1}, 10, in_flight={busy.address: 1}) == p1
 
 
 def _decode(wid: str, free: int) -> WorkerInfo:

@@ -4,13 +4,18 @@ NOTE (kv_aware, prefill workers): each candidate w scores
 
     score(w) = hit(w) - load(w)
     hit(w)   = leading prompt blocks w's prefix cache holds / full prompt blocks     in [0, 1]
-    load(w)  = q / (q + QUEUE_HALF), q = waiting + running requests on w            in [0, 1)
+    load(w)  = q / (q + QUEUE_HALF)                                                  in [0, 1)
+    q        = max(waiting + running requests on w in the registry,
+                   Prefill calls this gateway has in flight to w)
 
 and the highest score wins (ties: shorter queue, more free KV blocks, smaller worker_id). The
 load term is half its weight at QUEUE_HALF queued requests: a turn whose history one worker
 holds goes there while that worker is busy, but a small shared prefix does not pull requests
 onto a saturated worker (hit 0.1 against a queue of 8: 0.1 - 0.67 < 0 for an idle peer). With no
-hits anywhere it is the `load` policy.
+hits anywhere it is the `load` policy. The registry's counts are up to a heartbeat old (a third
+of the TTL); the gateway's own calls in flight are current, so requests arriving between two
+heartbeats do not all herd onto the worker that looked idle (several gateways: each counts its
+own, the registry all of them).
 
 NOTE (kv_aware, decode workers): a decode worker holding a prefix is pushed only the blocks
 after it (decode-side reuse), which saves transfer and cache space but no compute, so a hit
@@ -72,19 +77,19 @@ def pick_decode(
 
 def pick_prefill(
     workers: Iterable[WorkerInfo], hit_blocks: Mapping[str, int] | None = None,
-    prompt_blocks: int = 0, lora: str | None = None,
+    prompt_blocks: int = 0, lora: str | None = None, in_flight: Mapping[str, int] | None = None,
 ) -> WorkerInfo | None:
     """The prefill worker by the NOTE's score (`hit_blocks`: worker_id -> leading prompt blocks
-    it holds, of `prompt_blocks`); without hits, the shortest queue (num_waiting +
-    num_running), ties to more free KV blocks, then the smaller worker_id; `lora`, the
-    request's adapter, favours the workers holding it. Workers of other roles are ignored; None
-    if there is none."""
+    it holds, of `prompt_blocks`; `in_flight`: address -> the caller's calls in flight there);
+    without hits, the shortest queue, ties to more free KV blocks, then the smaller worker_id;
+    `lora`, the request's adapter, favours the workers holding it. Workers of other roles are
+    ignored; None if there is none."""
     prefill = [w for w in workers if w.role == "prefill"]
     if not prefill:
         return None
 
     def key(w: WorkerInfo) -> tuple:
-        queue = w.num_waiting + w.num_running
+        queue = max(w.num_waiting + w.num_running, (in_flight or {}).get(w.address, 0))
         hit = (hit_blocks or {}).get(w.worker_id, 0) / prompt_blocks if prompt_blocks else 0.0
         score = hit - queue / (queue + QUEUE_HALF) + PREFILL_LORA_WEIGHT * _held(w, lora)
         return (-score, queue, -w.num_free_blocks, w.worker_id)
