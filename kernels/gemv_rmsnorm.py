@@ -26,6 +26,28 @@ from kernels.gemv import GEMV_MAX_TOKENS, GemvBlocks, block_m_of, launch_options
 
 
 @triton.jit
+def add_rmsnorm_rows(
+    x_ptr, res_ptr, nw_ptr, res_out_ptr, rm, rows, rk, M, eps, stride_xm, stride_rm, stride_sm,
+    K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    """The prologue (shared with kernels/gemv_rmsnorm_swiglu.py): s = x + residual for rows rm
+    [BM] (read at `rows` [BM, 1], rm clamped to M - 1; program 0 stores s at res_out), then the
+    normed, weighted rows [BM, K], fp32 values rounded to x's dtype as kernels/rmsnorm.py rounds
+    them."""
+    dtype = x_ptr.dtype.element_ty
+    s = tl.load(x_ptr + rows * stride_xm + rk[None, :]).to(tl.float32)  # [BM, K]
+    if HAS_RESIDUAL:
+        s += tl.load(res_ptr + rows * stride_rm + rk[None, :]).to(tl.float32)
+        s = s.to(dtype).to(tl.float32)
+        if tl.program_id(0) == 0:
+            tl.store(res_out_ptr + rm.to(tl.int64)[:, None] * stride_sm + rk[None, :],
+                     s.to(dtype), mask=rm[:, None] < M)
+    rstd = tl.math.rsqrt(tl.sum(s * s, axis=1) / K + eps)  # [BM]
+    normed = (s * rstd[:, None]).to(dtype).to(tl.float32)
+    return (tl.load(nw_ptr + rk).to(tl.float32)[None, :] * normed).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _gemv_rmsnorm_kernel(
     x_ptr,  # [M, K] the sublayer output (or the embeddings)
     res_ptr,  # [M, K] the residual stream before it (unused unless HAS_RESIDUAL)
@@ -58,16 +80,8 @@ def _gemv_rmsnorm_kernel(
     if USE_PDL:  # the weight tile is on its way; x comes from the kernel ahead (launch_options)
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    s = tl.load(x_ptr + rows * stride_xm + rk[None, :]).to(tl.float32)  # [BM, K]
-    if HAS_RESIDUAL:
-        s += tl.load(res_ptr + rows * stride_rm + rk[None, :]).to(tl.float32)
-        s = s.to(dtype).to(tl.float32)
-        if tl.program_id(0) == 0:
-            tl.store(res_out_ptr + rm.to(tl.int64)[:, None] * stride_sm + rk[None, :],
-                     s.to(dtype), mask=rm[:, None] < M)
-    rstd = tl.math.rsqrt(tl.sum(s * s, axis=1) / K + eps)  # [BM]
-    normed = (s * rstd[:, None]).to(dtype).to(tl.float32)
-    x = (tl.load(nw_ptr + rk).to(tl.float32)[None, :] * normed).to(dtype).to(tl.float32)
+    x = add_rmsnorm_rows(x_ptr, res_ptr, nw_ptr, res_out_ptr, rm, rows, rk, M, eps,
+                         stride_xm, stride_rm, stride_sm, K, HAS_RESIDUAL)  # [BM, K]
     y = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [BM, BN]
     if HAS_BIAS:
         y += tl.load(b_ptr + tl.minimum(rn, N - 1)).to(tl.float32)[None, :]

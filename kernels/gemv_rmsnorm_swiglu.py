@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.gemv import GEMV_MAX_TOKENS, GemvBlocks, block_m_of, launch_options
+from kernels.gemv_rmsnorm import add_rmsnorm_rows
 
 
 @triton.jit
@@ -55,16 +56,8 @@ def _gemv_rmsnorm_swiglu_kernel(
     if USE_PDL:  # the weight tile is on its way; x comes from the kernel ahead (launch_options)
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    s = tl.load(x_ptr + rows * stride_xm + rk[None, :]).to(tl.float32)  # [BM, K]
-    if HAS_RESIDUAL:
-        s += tl.load(res_ptr + rows * stride_rm + rk[None, :]).to(tl.float32)
-        s = s.to(dtype).to(tl.float32)
-        if tl.program_id(0) == 0:
-            tl.store(res_out_ptr + rm.to(tl.int64)[:, None] * stride_sm + rk[None, :],
-                     s.to(dtype), mask=rm[:, None] < M)
-    rstd = tl.math.rsqrt(tl.sum(s * s, axis=1) / K + eps)  # [BM]
-    normed = (s * rstd[:, None]).to(dtype).to(tl.float32)
-    x = (tl.load(nw_ptr + rk).to(tl.float32)[None, :] * normed).to(dtype).to(tl.float32)
+    x = add_rmsnorm_rows(x_ptr, res_ptr, nw_ptr, res_out_ptr, rm, rows, rk, M, eps,
+                         stride_xm, stride_rm, stride_sm, K, HAS_RESIDUAL)  # [BM, K]
     g = tl.sum(x[:, None, :] * w_gate.to(tl.float32)[None, :, :], axis=2)  # [BM, BN]
     u = tl.sum(x[:, None, :] * w_up.to(tl.float32)[None, :, :], axis=2)
     g = g.to(dtype).to(tl.float32)

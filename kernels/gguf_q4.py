@@ -25,14 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import INTERPRET, dot_precision
-from kernels.w4a16 import (
-    ACT_DTYPES,
-    PACK,
-    split_k_for,
-    split_workspace,
-    store_split_k,
-    unpack_rows,
-)
+from kernels.w4a16 import ACT_DTYPES, PACK, split_k_plan, store_split_k, unpack_rows
 
 SCALE_DTYPES = (torch.float16, torch.float32)
 
@@ -110,8 +103,9 @@ def _gguf_q4_kernel(
     store_split_k(acc, out, mask, parts, M * N, ticket_ptr + tile, SPLIT_K)
 
 
-def block_k_for(k: int, group: int) -> int | None:
-    """The K step: the largest of 128, 64, 32, 16 that is a multiple of G and divides K."""
+def block_k_of_groups(k: int, group: int) -> int | None:
+    """The K step, whole groups: the largest of 128, 64, 32, 16 that is a multiple of G and
+    divides K (kernels/w4a16.py's `block_k_for` is the opposite, a step within one group)."""
     for block in (128, 64, 32, 16):
         if block % group == 0 and k % block == 0:
             return block
@@ -143,23 +137,20 @@ def gguf_q4_linear(
     """[M, K] x the 4-bit W [K, N] (the layout above) -> [M, N] in x's dtype; see `gguf_q4_ref`.
     `split_k`: K shares, by default enough to fill the GPU at small M. ValueError for shapes,
     strides or dtypes it cannot take."""
-    block_k = block_k_for(x.shape[-1], group) if group in (16, 32) else None
+    block_k = block_k_of_groups(x.shape[-1], group) if group in (16, 32) else None
     _check(x, qweight, scales, biases, group, block_k)
     (m, k), n = x.shape, qweight.shape[1]
     block_m, block_n = (16, 64) if m <= 16 else (64, 64)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    steps = k // block_k
-    split = split_k or split_k_for(x, grid[0] * grid[1], steps)
-    k_per_split = triton.cdiv(steps, split) * block_k
-    split = triton.cdiv(k, k_per_split)
+    tiles = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    plan = split_k_plan(x, k, block_k, tiles, split_k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    parts, counters = split_workspace(x, split, n, grid[0] * grid[1])
-    _gguf_q4_kernel[(*grid, split)](
-        x, qweight, scales, biases, out, parts, counters, m, n, k, k_per_split,
+    parts, counters = plan.workspace(x, n)
+    _gguf_q4_kernel[plan.grid](
+        x, qweight, scales, biases, out, parts, counters, m, n, k, plan.k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=plan.split,
         UPCAST=INTERPRET or x.dtype == torch.float32, PRECISION=dot_precision(x.dtype),
         num_warps=4,
     )

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from kernels._common import INTERPRET, dot_precision
-from kernels.gguf_q4 import SCALE_DTYPES, block_k_for
-from kernels.w4a16 import ACT_DTYPES, split_k_for, split_workspace, store_split_k
+from kernels.gguf_q4 import SCALE_DTYPES, block_k_of_groups
+from kernels.w4a16 import ACT_DTYPES, split_k_plan, store_split_k
 
 
 def dequantize_q8_ref(codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
@@ -107,23 +107,20 @@ def gguf_q8_linear(
 ) -> torch.Tensor:
     """[M, K] x the int8-coded W [K, N] -> [M, N] in x's dtype; see `gguf_q8_ref`. ValueError
     for shapes, strides or dtypes it cannot take."""
-    block_k = block_k_for(x.shape[-1], group) if group in (16, 32) else None
+    block_k = block_k_of_groups(x.shape[-1], group) if group in (16, 32) else None
     _check(x, codes, scales, group, block_k)
     (m, k), n = x.shape, codes.shape[1]
     block_m, block_n = (16, 64) if m <= 16 else (64, 64)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    steps = k // block_k
-    split = split_k or split_k_for(x, grid[0] * grid[1], steps)
-    k_per_split = triton.cdiv(steps, split) * block_k
-    split = triton.cdiv(k, k_per_split)
+    tiles = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    plan = split_k_plan(x, k, block_k, tiles, split_k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    parts, counters = split_workspace(x, split, n, grid[0] * grid[1])
-    _gguf_q8_kernel[(*grid, split)](
-        x, codes, scales, out, parts, counters, m, n, k, k_per_split,
+    parts, counters = plan.workspace(x, n)
+    _gguf_q8_kernel[plan.grid](
+        x, codes, scales, out, parts, counters, m, n, k, plan.k_per_split,
         x.stride(0), codes.stride(0), scales.stride(0), out.stride(0),
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=plan.split,
         UPCAST=INTERPRET or x.dtype == torch.float32, PRECISION=dot_precision(x.dtype),
         num_warps=4,
     )

@@ -80,6 +80,15 @@ def attend_tiles(
     return heads, g_mask, m_i, l_i, acc
 
 
+@triton.jit
+def store_part(part_ptr, row, o, g_mask, HEAD_DIM: tl.constexpr):
+    """One split's partial output o [G, D] at rows `row` [G] of the fp32 workspace
+    part [B * H * SPLITS, D]. Shared with kernels/paged_decode_attention_merged.py; each kernel
+    stores its lse [G] at the same rows itself, after this (they compute it differently)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    tl.store(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
+
+
 # Integers that change from step to step are not specialised on (Triton compiles a variant per
 # "divisible by 16" / "equal to 1" pattern of its int arguments: a new one mid-serving costs ~1 s).
 @triton.jit(do_not_specialize=["num_splits", "stride_tb"])
@@ -119,7 +128,7 @@ def _decode_kernel(
         # part [B, H, SPLITS, D] and lse [B, H, SPLITS], contiguous fp32
         num_heads = tl.num_programs(1) * GROUP
         row = (seq * num_heads + heads) * num_splits + split  # [G]
-        tl.store(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
+        store_part(part_ptr, row, o, g_mask, HEAD_DIM)
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))  # base 2
         tl.store(lse_ptr + row, lse, mask=g_mask)
 

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from kernels._common import INTERPRET, check_paged_layout, dot_precision
 from kernels.kv_cache_fp8 import check_scales
-from kernels.paged_decode_attention import LOG2E, attend_tiles
+from kernels.paged_decode_attention import LOG2E, attend_tiles, store_part
 from kernels.w4a16 import tickets
 
 
@@ -78,8 +78,7 @@ def _decode_merged_kernel(
         else:
             rows_base = seq * tl.num_programs(1) * GROUP * num_splits  # the sequence's rows
             rows = rows_base + heads * num_splits  # [G], split 0's row of each head
-            tl.store(part_ptr + (rows + split)[:, None] * HEAD_DIM + offs_d[None, :], o,
-                     mask=g_mask[:, None])
+            store_part(part_ptr, rows + split, o, g_mask, HEAD_DIM)
             # every split of a used run has >= 1 token: l > 0
             tl.store(lse_ptr + rows + split, m_i + tl.log2(safe_l), mask=g_mask)
             tl.debug_barrier()  # every thread's stores before the ticket (release) is taken

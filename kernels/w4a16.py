@@ -27,6 +27,7 @@ the parts and writes y (no second kernel; the tickets are left 0 for the next ca
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -188,6 +189,37 @@ def tickets(device: torch.device, needed: int) -> torch.Tensor:
     return _TICKETS[device]
 
 
+@dataclass(frozen=True)
+class SplitKPlan:
+    """A split-K launch over `tiles` (M tiles, N tiles) of the output: `split` K shares of
+    `k_per_split` (whole K steps) each, none empty (the last may be shorter)."""
+
+    tiles: tuple[int, int]
+    split: int
+    k_per_split: int
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (*self.tiles, self.split)
+
+    def workspace(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(parts [split, M, N] fp32, tickets) for the launch (x itself when one share)."""
+        if self.split == 1:
+            return x, x
+        parts = torch.empty(self.split, x.shape[0], n, dtype=torch.float32, device=x.device)
+        return parts, tickets(x.device, self.tiles[0] * self.tiles[1])
+
+
+def split_k_plan(x: torch.Tensor, k: int, block_k: int, tiles: tuple[int, int],
+                 split_k: int | None = None, per_sm: int = 4, most: int = 16) -> SplitKPlan:
+    """K (a multiple of `block_k`) cut into `split_k` shares, by default `split_k_for`'s, then
+    rounded to whole steps: the share count is recomputed, as rounding up may leave fewer."""
+    steps = k // block_k
+    split = split_k or split_k_for(x, tiles[0] * tiles[1], steps, per_sm, most)
+    k_per_split = triton.cdiv(steps, split) * block_k
+    return SplitKPlan(tiles, triton.cdiv(k, k_per_split), k_per_split)
+
+
 def check_inputs(what: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor, group_size: int, block_k: int | None) -> None:
     """ValueError unless x [M, K] and the layout above fit, with a K step for the group."""
@@ -207,15 +239,6 @@ def check_inputs(what: str, x: torch.Tensor, qweight: torch.Tensor, scales: torc
         )
 
 
-def split_workspace(x: torch.Tensor, split: int, n: int, tiles: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(parts [split, M, N] fp32, tickets) for a split-K launch (x itself when split is 1)."""
-    if split == 1:
-        return x, x
-    parts = torch.empty(split, x.shape[0], n, dtype=torch.float32, device=x.device)
-    return parts, tickets(x.device, tiles)
-
-
 def w4a16_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     group_size: int, blocks: tuple[int, int] | None = None, split_k: int | None = None,
@@ -227,19 +250,16 @@ def w4a16_linear(
     check_inputs("w4a16_linear", x, qweight, scales, zeros, group_size, block_k)
     (m, k), n = x.shape, qweight.shape[1]
     block_m, block_n = blocks or ((16, 64) if m <= 16 else (64, 64))
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    steps = k // block_k
-    split = split_k or split_k_for(x, grid[0] * grid[1], steps)
-    k_per_split = triton.cdiv(steps, split) * block_k
-    split = triton.cdiv(k, k_per_split)
+    tiles = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    plan = split_k_plan(x, k, block_k, tiles, split_k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    parts, counters = split_workspace(x, split, n, grid[0] * grid[1])
-    _w4a16_kernel[(*grid, split)](
-        x, qweight, scales, zeros, out, parts, counters, m, n, k, group_size, k_per_split,
+    parts, counters = plan.workspace(x, n)
+    _w4a16_kernel[plan.grid](
+        x, qweight, scales, zeros, out, parts, counters, m, n, k, group_size, plan.k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=plan.split,
         UPCAST=INTERPRET or x.dtype == torch.float32, PRECISION=dot_precision(x.dtype),
         num_warps=4,
     )

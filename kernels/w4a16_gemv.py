@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.w4a16 import check_inputs, split_k_for, split_workspace, store_split_k
+from kernels.w4a16 import check_inputs, split_k_plan, store_split_k
 
 # H100, Llama-3.2-1B shapes (docs/benchmarks.md): at M = 1 this GEMV beat the GEMM and bf16
 # F.linear; at M = 4 the GEMM (split-K) beat it. M = 2, 3 not measured: they take the GEMM.
@@ -112,17 +112,15 @@ def w4a16_gemv(
     check_inputs("w4a16_gemv", x, qweight, scales, zeros, group_size,
                  None if rows is None else 8 * rows[0])
     m, n = x.shape[0], qweight.shape[1]
-    steps = k // (8 * rows[0])
-    split = split_k or split_k_for(x, m * triton.cdiv(n, block_n), steps, per_sm=8, most=8)
-    k_per_split = triton.cdiv(steps, split) * 8 * rows[0]
-    split = triton.cdiv(k, k_per_split)
+    plan = split_k_plan(x, k, 8 * rows[0], (m, triton.cdiv(n, block_n)), split_k, per_sm=8,
+                        most=8)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    parts, counters = split_workspace(x, split, n, m * triton.cdiv(n, block_n))
-    _w4a16_gemv_kernel[(m, triton.cdiv(n, block_n), split)](
-        x, qweight, scales, zeros, out, parts, counters, m, n, k, group_size, k_per_split,
+    parts, counters = plan.workspace(x, n)
+    _w4a16_gemv_kernel[plan.grid](
+        x, qweight, scales, zeros, out, parts, counters, m, n, k, group_size, plan.k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=split, num_warps=warps,
+        BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=plan.split, num_warps=warps,
     )
     return out
