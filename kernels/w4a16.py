@@ -169,7 +169,7 @@ def split_k_for(x: torch.Tensor, programs: int, steps: int, per_sm: int = 4,
                 most: int = 16) -> int:
     """Enough K shares for ~`per_sm` programs per SM (at most the K steps and `most`). H100,
     1B shapes: the best tiles at M <= 16 wanted 256-512 programs (docs/benchmarks.md)."""
-    if x.device.type != "cuda":
+    if x.device.type != "cuda" or programs == 0:  # M = 0: nothing is launched
         return 1
     want = triton.cdiv(per_sm * _sm_count(x.device.index or 0), programs)
     return max(1, min(want, steps, most))
