@@ -7,6 +7,8 @@ Measured on an H100 in CUDA graphs (pdserve/bench/gpu_lora_kernels.py), at T = 1
 launch takes 4.6-5.8 us against the pair's 5.3-6.7 (qkv, o, down; gate_up ties at 6.5). From
 T = 8 with mixed slots the pair wins (fused: a serial shrink pass per slot in every chunk,
 gate_up 9.9 us against 7.7), and for prefill the redundant shrink costs far more than a launch.
+At decode sizes over a plain (not quantized) base the engine takes neither: its shrink rides in
+the base GEMV and kernels/lora_fold.py expands (engine/lora/layers.py).
 
 Grids depend on shapes alone and slots are read on the device: no host sync, CUDA-graph safe.
 Without triton the module still imports and lora_apply falls back to lora_apply_ref, the torch

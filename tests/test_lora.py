@@ -261,6 +261,27 @@ def test_mixed_batch_on_cuda_with_graphs_like_peft(tiny_llama_dir, adapters):
     assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == got[0::len(names)]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_decode_sizes_on_cuda_fold_the_shrink_like_peft(tiny_llama_dir, adapters):
+    """Up to FOLD_MAX_TOKENS tokens a step with adapters takes the folded GEMV (the decode
+    plan's kernels, norm prologue included) and the fold's expand, in CUDA graphs (fp32): one
+    prompt under an adapter, and four under the base and three adapters, equal PEFT's."""
+    from engine.lora.layers import FOLD_MAX_TOKENS
+
+    llm = LLM(tiny_llama_dir, dtype="float32", device="cuda", kv_cache_memory=64 << 20,
+              max_num_seqs=16, enable_lora=True, max_loras=4, max_lora_rank=16)
+    names = [None, "all4", "qv8", "mlp16"]
+    reqs = [None if n is None else _req(adapters, n, i + 1) for i, n in enumerate(names)]
+    assert len(names) <= FOLD_MAX_TOKENS
+    assert llm.llm_engine.runner.lora.modules[(0, "qkv_proj")].folded is not None
+    one = _tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=reqs[1]))
+    assert one == _oracle(tiny_llama_dir, adapters["all4"])[:1]
+    got = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=reqs))
+    for j, name in enumerate(names):
+        want = _oracle(tiny_llama_dir, None if name is None else adapters[name])
+        assert got[j] == want[j], name
+
+
 def test_tensor_parallel_lora_equals_peft(tiny_llama_dir, adapters):
     """Two ranks (gloo): column-parallel slices keep their rows of B, row-parallel ones their
     columns of A and add their delta before the all-reduce; the placements reach rank 1 over

@@ -1,7 +1,8 @@
 """Multi-LoRA: many PEFT adapters of one base model served together, mixed in one batch.
 
     adapter.py  PEFT folder -> per-projection (A, B·scale) tensors, checked against the model
-    layers.py   LoRALinear: base projection + the delta of each token's adapter slot
+    layers.py   LoRALinear: base projection + the delta of each token's adapter slot (at
+                decode sizes the shrink folded into the base GEMV: kernels/lora_fold.py)
     slots.py    the device slots (max_loras) and the host cache (max_cpu_loras) of adapters
     request.py  LoRARequest, LoRAInUseError (torch-free)
 

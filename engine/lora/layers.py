@@ -12,14 +12,38 @@ then an expand back to that slice's rows, `y[t] += B_s (A_s x[t])`, for every to
 kernel call whatever its adapter (kernels/lora.py). Zero padding makes a lower rank or a
 projection the adapter does not target contribute nothing.
 
+At decode sizes (up to FOLD_MAX_TOKENS tokens) the shrink rides in the base GEMV instead: a
+plain (not quantized) projection without bias keeps every slot's A rows under its own weight,
+
+    folded  [N + S * n_slices * R, in]   rows [0, N): the base weight (the base layer's weight
+                                         is a view of them); then lora_a[s] for s = 0 .. S-1
+
+so one GEMV (as the load-time decode plan chose it, norm prologue included) yields y and every
+slot's t = A_s x, and one launch adds B_s t_s (kernels/lora_fold.py; for gate_up it also applies
+SwiGLU). A step without adapters runs the base layer on its view, as the model without LoRA
+does, fusions included (engine/models/tp_layers.py asks the wrapper through the
+`rmsnorm_linear` / `rmsnorm_swiglu_linear` / `silu_mul_linear` hooks). Quantized or biased
+bases, and larger steps, take the shrink-and-expand path above.
+
 `LoRAContext.slots` is set by the model runner before each forward (engine/lora/slots.py); a
 decode step replayed from a CUDA graph reads a static buffer instead (engine/cuda_graphs.py).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from engine.models import tp_layers
+from kernels.lora_fold import lora_fold_expand
+
+if TYPE_CHECKING:
+    from kernels.gemv import GemvBlocks
+
+FOLD_MAX_TOKENS = 4  # up to this many tokens, a step with adapters takes the folded GEMV
 
 
 class LoRAContext:
@@ -66,16 +90,28 @@ class LoRALinear(nn.Module):
             offsets.append(offsets[-1] + len(rows))
         self.offsets = tuple(offsets)
         local_in = in_features if cols is None else len(cols)
-        n = len(slices)
-        self.register_buffer(
-            "lora_a", torch.zeros(max_loras, n * max_rank, local_in, dtype=dtype,
-                                  device=device), persistent=False)
+        a_rows = len(slices) * max_rank
+        # [N + S * n_slices * R, local_in] (see the NOTE), or None: this base cannot fold
+        self.folded: torch.Tensor | None = None
+        if _foldable(base, offsets[-1], local_in, dtype):
+            self.folded = _fold(base.weight, max_loras * a_rows)
+            lora_a = self.folded[offsets[-1]:].view(max_loras, a_rows, local_in)
+        else:
+            lora_a = torch.zeros(max_loras, a_rows, local_in, dtype=dtype, device=device)
+        self.register_buffer("lora_a", lora_a, persistent=False)
         self.register_buffer(
             "lora_b", torch.zeros(max_loras, offsets[-1], max_rank, dtype=dtype, device=device),
             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         slots = self.ctx.slots
+        if slots is not None and self._folds(x):
+            blocks = _planned(self.base.weight, "gemv_plan", x.shape[0])
+            if blocks is not None and tp_layers.gemv_supports(x, self.folded, blocks):
+                full = tp_layers.gemv(x, self.folded, None, blocks)
+            else:
+                full = F.linear(x, self.folded)
+            return self._expand(full, slots, blocks is not None and blocks.pdl)
         if self.cols is not None:  # row-parallel over several ranks
             y = self.base.partial(x)
             if slots is not None:
@@ -85,6 +121,56 @@ class LoRALinear(nn.Module):
         if slots is not None:
             _apply(x.contiguous(), self.lora_a, self.lora_b, slots, y, self.offsets)
         return y
+
+    # ---- the fused decode kernels (engine/models/tp_layers.py's hooks) -------------------------
+    def rmsnorm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """tp_layers.rmsnorm_linear for this projection: the base's fusion in a step without
+        adapters; with them, the norm and the folded GEMV in one kernel, then the expand. None
+        where neither applies (the caller norms, then calls forward)."""
+        return self._normed(x, residual, norm, swiglu=False)
+
+    def rmsnorm_swiglu_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                              norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """tp_layers.rmsnorm_swiglu_linear for a gate_up projection: as rmsnorm_linear, SwiGLU
+        applied by the base's kernel or by the expand."""
+        return self._normed(x, residual, norm, swiglu=True)
+
+    def silu_mul_linear(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """tp_layers.silu_mul_linear for a down projection: SwiGLU in the (folded) GEMV's
+        prologue where the plan chose it, then the expand; None where it did not."""
+        slots = self.ctx.slots
+        if slots is None:
+            return tp_layers.silu_mul_linear(gate_up, self.base)
+        blocks = _planned(self.base.weight, "gemv_silu_plan", gate_up.shape[0])
+        if (blocks is None or not self._folds(gate_up)
+                or not tp_layers.gemv_silu_supports(gate_up, self.folded, blocks)):
+            return None
+        return self._expand(tp_layers.gemv_silu(gate_up, self.folded, blocks), slots, blocks.pdl)
+
+    def _normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
+                swiglu: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        slots = self.ctx.slots
+        if slots is None:
+            fuse = tp_layers.rmsnorm_swiglu_linear if swiglu else tp_layers.rmsnorm_linear
+            return fuse(x, residual, norm, self.base)
+        blocks = _planned(self.base.weight, "gemv_norm_plan", x.shape[0])
+        if (blocks is None or not self._folds(x) or (swiglu and len(self.offsets) != 3)
+                or not tp_layers.gemv_rmsnorm_supports(x, residual, norm.weight, self.folded)):
+            return None
+        full, res = tp_layers.gemv_rmsnorm(x, residual, norm.weight, norm.eps, self.folded, None,
+                                           blocks)
+        return self._expand(full, slots, blocks.pdl, swiglu), res
+
+    def _folds(self, x: torch.Tensor) -> bool:
+        return self.folded is not None and x.dim() == 2 and x.shape[0] <= FOLD_MAX_TOKENS
+
+    def _expand(self, full: torch.Tensor, slots: torch.Tensor, pdl: bool,
+                swiglu: bool = False) -> torch.Tensor:
+        """The folded GEMV's output [T, N + S * n_slices * R] -> y + B_s t_s [T, N] (SwiGLU:
+        [T, N / 2]), summed over the ranks for a row-parallel projection."""
+        y = lora_fold_expand(full, self.lora_b, slots, self.offsets, swiglu=swiglu, pdl=pdl)
+        return y if self.cols is None else self.base.reduce(y)
 
     @torch.no_grad()
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -104,3 +190,28 @@ class LoRALinear(nn.Module):
             lo = i * self.rank
             self.lora_a[slot, lo:lo + r].copy_(a)
             self.lora_b[slot, self.offsets[i]:self.offsets[i + 1], :r].copy_(b)
+
+
+def _foldable(base: nn.Module, rows: int, cols: int, dtype: torch.dtype) -> bool:
+    """A plain (not quantized) bias-free projection of `dtype` whose weight is [rows, cols]."""
+    if type(base) not in (tp_layers.Linear, tp_layers.RowParallelLinear) or base.bias is not None:
+        return False
+    w = base.weight
+    return tuple(w.shape) == (rows, cols) and w.dtype == dtype and w.is_contiguous()
+
+
+def _fold(weight: nn.Parameter, extra_rows: int) -> torch.Tensor:
+    """[N + extra_rows, in], its first N rows `weight`'s values (zeros below); `weight` becomes
+    a view of them (the same Parameter: its plans and loader stay)."""
+    n, k = weight.shape
+    folded = torch.zeros(n + extra_rows, k, dtype=weight.dtype, device=weight.device)
+    folded[:n].copy_(weight.data)
+    weight.data = folded[:n]
+    return folded
+
+
+def _planned(weight: torch.Tensor, plan: str, tokens: int) -> GemvBlocks | None:
+    """The tile the load-time decode plan `plan` (engine/models/gemv_plan.py) chose for this
+    token count, None where there is none (CPU, `decode_gemv=False`, or cuBLAS won)."""
+    chosen = getattr(weight, plan, None)
+    return None if chosen is None else chosen.blocks_for(tokens)

@@ -80,6 +80,8 @@ def dense_linear(
 def silu_mul_linear(gate_up: torch.Tensor, down: nn.Module) -> torch.Tensor | None:
     """down(silu(gate) * up) as one GEMV (kernels/gemv_silu.py) where `down.weight`'s
     `gemv_silu_plan` chose it for gate_up's token count; None where it did not."""
+    if hasattr(down, "silu_mul_linear"):  # a wrapper's own (multi-LoRA: engine/lora/layers.py)
+        return down.silu_mul_linear(gate_up)
     plan = getattr(getattr(down, "weight", None), "gemv_silu_plan", None)
     if plan is None or not isinstance(down, RowParallelLinear) or gate_up.dim() != 2:
         return None
@@ -97,6 +99,8 @@ def rmsnorm_linear(
     """(proj(norm(x + residual)), x + residual) as one GEMV (kernels/gemv_rmsnorm.py) where
     `proj.weight`'s `gemv_norm_plan` chose it for x's token count; None where it did not.
     `norm`: an RMSNorm (its `weight` and `eps`); `residual` None: norm(x), and x."""
+    if hasattr(proj, "rmsnorm_linear"):  # a wrapper's own (multi-LoRA: engine/lora/layers.py)
+        return proj.rmsnorm_linear(x, residual, norm)
     plan = getattr(getattr(proj, "weight", None), "gemv_norm_plan", None)
     if plan is None or not isinstance(proj, Linear) or x.dim() != 2:
         return None
@@ -112,6 +116,8 @@ def rmsnorm_swiglu_linear(
     """(silu(gate) * up of gate_up(norm(x + residual)), x + residual) as one GEMV
     (kernels/gemv_rmsnorm_swiglu.py) where `gate_up.weight`'s `gemv_norm_silu_plan` chose it;
     None where it did not."""
+    if hasattr(gate_up, "rmsnorm_swiglu_linear"):  # a wrapper's own (engine/lora/layers.py)
+        return gate_up.rmsnorm_swiglu_linear(x, residual, norm)
     plan = getattr(getattr(gate_up, "weight", None), "gemv_norm_silu_plan", None)
     if plan is None or not isinstance(gate_up, Linear) or gate_up.bias is not None:
         return None

@@ -11,10 +11,15 @@ Three engines run it one after the other, in the same process:
   lora_base   `LLM(model, enable_lora=True, max_loras=4, max_lora_rank=16)`, every request on the
               base model (what enabling LoRA costs the requests that use none)
   lora_mixed  the same engine, requests spread evenly over the four adapters (one batch mixes
-              all four: the batched shrink/expand of kernels/lora.py)
+              all four: the batched shrink/expand of kernels/lora.py; at decode sizes the
+              shrink folded into the base GEMV, engine/lora/layers.py)
+  lora_unfolded  batch-1 only: a LoRA engine with the shrink-and-expand kernels at every size
+              (the path before the fold), for an A/B in one run
 
-For each: the workload's wall time and output tokens/s, and batch-1 decode ms/token (median of
-fresh prompts, (time of 1 + N tokens - time of 1) / N), under an adapter for the LoRA engine.
+For each: the workload's wall time (after one untimed pass of it) and output tokens/s, and
+batch-1 decode ms/token (median of fresh prompts, (time of 1 + N tokens - time of 1) / N),
+under an adapter for the LoRA engine. On CUDA also the LoRA kernels at one token against the
+base GEMVs (`kernels_one_token`).
 The report gives lora / base time ratios; targets: mixed throughput time <= 1.3x the base's,
 batch-1 overhead <= 15%. JSON goes to DIR/bench_gpu_lora.json. `--small` runs a tiny shape
 (the CPU can run it: it checks the code, not the speed).
@@ -23,6 +28,7 @@ batch-1 overhead <= 15%. JSON goes to DIR/bench_gpu_lora.json. `--small` runs a 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -86,11 +92,11 @@ def _greedy(max_tokens: int) -> Any:
 
 def run_workload(llm: Any, prompts: list[list[int]], output_len: int,
                  loras: list[Any]) -> dict[str, float]:
-    """All prompts in one `generate` (after a warm-up of every adapter): seconds, tokens/s."""
-    each = list(dict.fromkeys(loras))  # every adapter once (None: the base)
-    llm.generate([{"prompt_token_ids": [7, 8, 9]}] * len(each), _greedy(4), use_tqdm=False,
-                 lora_request=each)
+    """All prompts in one `generate`, timed after one untimed pass of the same call (a fresh
+    machine has no Triton cache: the shapes the run meets compile there): seconds, tokens/s."""
     params = _greedy(output_len)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                 lora_request=loras)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -114,6 +120,73 @@ def batch1_ms_per_token(llm: Any, prompts: list[list[int]], n: int, lora: Any) -
     short = [timed(prompts[2 * i], 1) for i in range(pairs)]
     longs = [timed(prompts[2 * i + 1], n + 1) for i in range(pairs)]
     return (statistics.median(longs) - statistics.median(short)) / n * 1e3
+
+
+def unfolded_batch1(models: RandomModel, prompts: list[list[int]], n: int, lora: Any) -> float:
+    """batch1_ms_per_token under `lora` with the shrink-and-expand kernels at every size (the
+    path before engine/lora/layers.py folded the shrink into the base GEMV): an engine built,
+    graphs captured and measured with FOLD_MAX_TOKENS at 0, then set back."""
+    from engine.lora import layers
+
+    saved, layers.FOLD_MAX_TOKENS = layers.FOLD_MAX_TOKENS, 0
+    try:
+        llm = models.llm()
+        ms = batch1_ms_per_token(llm, prompts, n, lora)
+        del llm
+        models.close_llm()
+    finally:
+        layers.FOLD_MAX_TOKENS = saved
+    return ms
+
+
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+         "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+
+
+def kernels_one_token(sizes: ModelSizes, device: torch.device) -> dict[str, dict[str, float]]:
+    """Per fused projection at one token (slot 0 of 4, rank 16), us per call over every
+    layer's weights in turn, from one CUDA graph (engine/cuda_timing.py): the base GEMV
+    alone (`base`); plus today's LoRA launch (`unfolded`, kernels/lora.py); the folded GEMV
+    (base rows and the 4 slots' A rows) plus its expand (`folded`, kernels/lora_fold.py).
+    GEMV tiles as the decode plan chose them on the H100 (PDL launches)."""
+    shapes = projection_shapes(sizes)
+    report = {}
+    for name, parts in FUSED.items():
+        offsets = tuple(itertools.accumulate((shapes[p][0] for p in parts), initial=0))
+        report[name] = _projection_us(offsets, shapes[parts[0]][1], 4 if name == "qkv" else 2,
+                                      sizes.shape.layers, device)
+        torch.cuda.empty_cache()
+    return report
+
+
+def _projection_us(offsets: tuple[int, ...], k: int, block_n: int, layers: int,
+                   device: torch.device) -> dict[str, float]:
+    from engine.cuda_timing import graph_us
+    from kernels.gemv import GemvBlocks, gemv
+    from kernels.lora import lora_apply
+    from kernels.lora_fold import lora_fold_expand
+
+    dt, n, a_rows = torch.bfloat16, offsets[-1], (len(offsets) - 1) * RANK
+    blocks = GemvBlocks(block_n, 1024, 4, pdl=True)
+    x = torch.randn(1, k, device=device, dtype=dt)
+    slots = torch.zeros(1, dtype=torch.int32, device=device)
+    weights = [(torch.randn(n + NUM_ADAPTERS * a_rows, k, device=device, dtype=dt) * 0.02,
+                torch.randn(NUM_ADAPTERS, n, RANK, device=device, dtype=dt) * 0.01)
+               for _ in range(layers)]
+
+    def base(f: torch.Tensor, b: torch.Tensor) -> object:
+        return gemv(x, f[:n], None, blocks)
+
+    def unfolded(f: torch.Tensor, b: torch.Tensor) -> object:
+        y = gemv(x, f[:n], None, blocks)
+        lora_apply(x, f[n:].view(NUM_ADAPTERS, a_rows, k), b, slots, y, offsets)
+        return y
+
+    def folded(f: torch.Tensor, b: torch.Tensor) -> object:
+        return lora_fold_expand(gemv(x, f, None, blocks), b, slots, offsets, pdl=True)
+
+    return {fn.__name__: graph_us([lambda f=f, b=b, fn=fn: fn(f, b) for f, b in weights])
+            for fn in (base, unfolded, folded)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -167,15 +240,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["cuda_graph_replays"] = None if graphs is None else graphs.replays
         del llm, graphs
         models.close_llm()
+        log("LoRA engine without the folded shrink")
+        report["systems"]["lora_unfolded"] = {
+            "batch1_ms_per_token": unfolded_batch1(models, latency_prompts, n, adapters[0])}
         base = report["systems"]["base"]
         report["ratios"] = {
             f"{name}_time_over_base": s["seconds"] / base["seconds"]
-            for name, s in report["systems"].items() if name != "base"
+            for name, s in report["systems"].items() if name != "base" and "seconds" in s
         } | {
             f"{name}_batch1_over_base": s["batch1_ms_per_token"] / base["batch1_ms_per_token"]
             for name, s in report["systems"].items() if name != "base"
         }
-        print(json.dumps(report["ratios"], indent=2))
+        if device.type == "cuda":
+            log("the kernels at one token")
+            report["kernels_one_token_us"] = kernels_one_token(sizes, device)
+        print(json.dumps({k: report[k] for k in ("systems", "ratios")}, indent=2))
     finally:
         models.remove()
         free_device_memory()
