@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from engine.gguf_cache import cached_gguf_dir, ensure_gguf_converted, ensure_gguf_metadata
+from engine.saved_config import SavedConfig, read_saved_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -71,20 +72,32 @@ def is_gguf(path: str | Path) -> bool:
     return Path(path).suffix == ".gguf" and Path(path).is_file()
 
 
-def load_hf_config(path: str, cache_root: str | Path | None = None) -> PretrainedConfig:
-    """The transformers config of a resolved model path (reads the GGUF cache when present)."""
+def load_hf_config(
+    path: str, cache_root: str | Path | None = None
+) -> PretrainedConfig | SavedConfig:
+    """The config of a resolved model path (reads the GGUF cache when present): for a GGUF of a
+    dense family the cache's config.json as plain attributes (`engine.saved_config`: without
+    importing transformers' config classes: ~90 MiB resident), else transformers' config."""
+    folder, gguf_file = _hf_source(path, cache_root)
+    saved = read_saved_config(folder) if is_gguf(path) else None
+    if saved is not None:
+        return saved
     from transformers import AutoConfig
 
-    folder, gguf_file = _hf_source(path, cache_root)
     return AutoConfig.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
 
 
 def load_tokenizer(path: str, cache_root: str | Path | None = None) -> PreTrainedTokenizerBase:
-    """The HF fast tokenizer (with its chat template) of a resolved model path."""
+    """The HF fast tokenizer (with its chat template) of a resolved model path. For a GGUF of a
+    dense family, AutoTokenizer is handed the cache's `SavedConfig`, which it would otherwise
+    load through transformers' config classes only to read the model type and name."""
     from transformers import AutoTokenizer
 
     folder, gguf_file = _hf_source(path, cache_root, need_tokenizer=True)
-    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+    config = read_saved_config(folder) if is_gguf(path) else None
+    return AutoTokenizer.from_pretrained(
+        folder, gguf_file=gguf_file, local_files_only=True, config=config
+    )
 
 
 def _hf_source(
@@ -137,7 +150,8 @@ def iter_weights(
 
 
 def iter_model_weights(
-    path: str, dtype: torch.dtype, quantization: str | None, hf_config: PretrainedConfig
+    path: str, dtype: torch.dtype, quantization: str | None,
+    hf_config: PretrainedConfig | SavedConfig,
 ) -> Iterator[tuple[str, object]]:
     """The weights an engine loads: `iter_weights` (plain, or a GGUF de-quantized through the
     cache), or with quantization "gguf" the GGUF's blocks kept quantized (engine/quant/), or
