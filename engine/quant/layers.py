@@ -167,7 +167,8 @@ class GGUFEmbedding(nn.Module):
         self.table = tensor.to(dtype) if isinstance(tensor, torch.Tensor) else tensor
         self.head = make_kernel(self.table, self.activation_dtype or dtype)
         if isinstance(self.head, SplitInt8Kernel) and _codes_read_back(self.head, self.table):
-            self.table.codes = self.table.codes[:0]
+            # a fresh empty tensor: a [:0] view would keep the whole codes' storage alive
+            self.table.codes = self.table.codes.new_empty((0, *self.table.codes.shape[1:]))
 
     def _rows(self, ids: torch.Tensor) -> QuantWeight:
         table = self.table
