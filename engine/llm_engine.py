@@ -14,9 +14,12 @@ step N+1 before it waits for step N's tokens:
 
 Step N+1 is scheduled as if every request sampled in N got its token (the scheduler counts it
 as pending); its input ids for those tokens are read on the device from N's results. A request
-that N ends (eos, stop string) has one wasted row in N+1, whose token is discarded. Steps do not
-overlap while any request's sampling needs its full history (penalties, min_tokens), nor in the
-prefill role, nor with speculative decoding (how many tokens a step emits is known only after it).
+that N ends (eos, stop string) has one wasted row in N+1, whose token is discarded. A step with
+grammar-constrained rows queues its sampling only once N's tokens are appended (its masks need
+the matchers past them): that comes first when N lands, N's text and outputs after it. Steps
+do not overlap while any request's sampling needs its full history (penalties, min_tokens), nor
+in the prefill role, nor with speculative decoding (how many tokens a step emits is known only
+after it).
 
 Speculative decoding (engine/spec_decode/): before each step the proposer drafts tokens for
 every decoding request; the scheduler verifies them with the request's decode in one forward.
@@ -219,7 +222,8 @@ class LLMEngine(KVHandoffMixin):
         """The structured-output manager, made at the first constrained request."""
         if self.runner.structured is None:
             self.runner.structured = StructuredOutputs.for_tokenizer(
-                self.tokenizer, self.vocab_size, self.eos_token_ids)
+                self.tokenizer, self.vocab_size, self.eos_token_ids,
+                pin_memory=self.runner.device.type == "cuda")
             if self.runner.drafter is not None:
                 self.runner.drafter.structured = self.runner.structured
         return self.runner.structured
@@ -291,9 +295,11 @@ class LLMEngine(KVHandoffMixin):
             notes.begin()
             launched = self.runner.launch(out, notes.on_layer)
             notes.end()
-        outputs = self._complete(*self._take_inflight()) if self._inflight is not None else []
+        landed = self._land(*self._take_inflight()) if self._inflight is not None else None
         if launched is not None:
-            launched.start_sampling()  # constrained rows: after the step before is appended
+            launched.start_sampling()  # constrained rows: their matchers have just advanced
+        outputs = self._outputs(landed) if landed is not None else []
+        if launched is not None:
             if overlap:
                 self._inflight = (out, launched)
             else:
@@ -332,7 +338,16 @@ class LLMEngine(KVHandoffMixin):
 
     def _complete(self, out: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens, append them, and make the outputs."""
+        return self._outputs(self._land(out, launched))
+
+    def _land(self, out: SchedulerOutput, launched: LaunchedStep) -> SchedulerOutput:
+        """Wait for a launched step's tokens and append them: token-level stops applied, each
+        constrained request's matcher advanced (what the next step's masks need first)."""
         self.scheduler.update_from_output(out, launched.result())
+        return out
+
+    def _outputs(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """The outputs of a landed step: text, stop strings, finished requests forgotten."""
         touched: dict[str, RequestGroup] = {}
         now = time.monotonic()
         for s in out.scheduled:

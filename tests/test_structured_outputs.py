@@ -202,3 +202,72 @@ def test_grammar_compiles_cache_hits_and_bitmask_time_are_exported(llm):
     assert exported["pdserve:grammar_compiles"] == s.grammar_compiles
     assert exported["pdserve:grammar_compile_cache_hits"] == s.grammar_cache_hits
     assert exported["pdserve:grammar_bitmask_seconds"] == s.grammar_bitmask_seconds
+
+
+INTS = {"type": "array", "items": {"type": "integer"}, "minItems": 16}  # cannot end in 8 tokens
+
+
+def test_a_landed_step_fills_the_next_steps_mask_before_its_outputs(tiny_llama_dir):
+    """Overlapping steps: when step N's tokens land they are appended (the matchers advance),
+    then step N+1's bitmask is filled and its sampling queued, and only then are N's text and
+    outputs made; each mask sees its matchers exactly one token per landed step further."""
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=64 << 20)
+    engine, events = llm.llm_engine, []
+    manager = engine.structured()
+    fill, process_text = manager.bitmask, engine._process_text
+
+    def bitmask(matchers):
+        events.append(("mask", sorted(len(s.req.output_token_ids)
+                                      for g in engine._groups.values() for s in g.seqs)))
+        return fill(matchers)
+
+    def text(group):
+        events.append(("text", [len(s.req.output_token_ids) for s in group.seqs]))
+        process_text(group)
+
+    manager.bitmask, engine._process_text = bitmask, text
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(json=INTS))
+    outs = llm.generate(["[1, 2", "numbers:"], params, use_tqdm=False)
+    assert engine._overlap and all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    masks = [e for e in events if e[0] == "mask"]
+    assert [n for _, n in masks] == [[k, k] for k in range(8)]  # N+1's mask: N appended
+    for k in range(1, 8):  # step k's mask comes before the text of the step that landed
+        assert events.index(("mask", [k, k])) < events.index(("text", [k]))
+
+
+def test_matcher_termination_is_xgrammars_through_accepts_and_rollbacks(bundled_tokenizer):
+    from engine.structured.manager import StructuredOutputs
+
+    tok = bundled_tokenizer
+    eos = tok.eos_token_id
+    manager = StructuredOutputs.for_tokenizer(tok, len(tok), frozenset({eos}))
+    m = manager.matcher(manager.compile(StructuredOutputsParams(choice=["red", "blue"])), [])
+    for token in tok.encode("red"):
+        assert m.accept(token) and not m.is_terminated()
+    assert not m.accept(tok.encode("x")[0]) and not m.is_terminated()  # refused: unchanged
+    assert m.accept(eos) and m.is_terminated() and m._m.is_terminated()
+    m.rollback(1)
+    assert not m.is_terminated() and not m._m.is_terminated()
+    assert m.accept(eos) and m.is_terminated()
+
+
+def test_step_bitmask_fills_whole_rows_and_frees_the_others(bundled_tokenizer):
+    """One backend call fills the live rows of an uninitialised buffer; unconstrained rows and
+    finished grammars' rows allow everything; equal to the per-row fill."""
+    from engine.structured.manager import StructuredOutputs
+
+    tok = bundled_tokenizer
+    eos = tok.eos_token_id
+    manager = StructuredOutputs.for_tokenizer(tok, len(tok) + 5, frozenset({eos}))
+    compiled = manager.compile(StructuredOutputsParams(json=INTS))
+    live = [manager.matcher(compiled, tok.encode(p)) for p in ("[12, 3", "[4")]
+    done = manager.matcher(manager.compile(StructuredOutputsParams(choice=["ok"])),
+                           tok.encode("ok") + [eos])
+    for _ in range(3):  # fresh buffers hold whatever the allocator had
+        mask = manager.bitmask([live[0], None, done, live[1]])
+        expected = torch.full_like(mask, -1)
+        live[0].fill_bitmask(expected, 0)
+        live[1].fill_bitmask(expected, 3)
+        assert torch.equal(mask, expected)
+        assert mask[0].ne(-1).any() and mask[3].ne(-1).any()

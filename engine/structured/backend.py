@@ -21,7 +21,8 @@ class GrammarMatcher(Protocol):
         """Advance past `token_id`; False (state unchanged) if the grammar forbids it."""
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into row `row` of an int32 bitmask (bitmask.py)."""
+        """Write the tokens allowed next into row `row` of an int32 bitmask (bitmask.py), all
+        of the row's words."""
 
     def is_terminated(self) -> bool:
         """Whether the output is complete (the grammar accepted a stop token)."""
@@ -36,3 +37,9 @@ class GrammarBackend(Protocol):
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of the output."""
+
+    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor,
+                      rows: list[int]) -> None:
+        """`matchers[i].fill_bitmask(bitmask, rows[i])` for each i (this backend's matchers,
+        none terminated), in as few calls as the backend can: a step's constrained rows. Each
+        row is written whole (the caller leaves the buffer uninitialised)."""

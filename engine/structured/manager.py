@@ -1,12 +1,15 @@
 """The engine's structured outputs: compile each constraint once (an LRU cache keyed by its kind
 and text), give each sequence its matcher, and build a step's bitmask.
 
-NOTE: a step's bitmask is filled on the host after its forward pass is queued, and after the
-tokens of the step before are appended (asynchronous scheduling launches step N+1 before N's
-tokens are in: the engine appends them, then starts N+1's sampling, engine/model_runner.py
-`LaunchedStep`), so on a GPU the fill runs while the forward does. The sampler applies it to
-the logits before temperature, top-k/p and penalties, so logprobs come from the constrained
-distribution (vLLM's order).
+NOTE: asynchronous scheduling launches step N+1 before N's tokens are in, and a constrained row
+of N+1 can be masked only once its matcher has accepted N's token. So a constrained step queues
+its forward pass alone (engine/model_runner.py `LaunchedStep`); when N's tokens land, the engine
+appends them (which advances the matchers) and at once fills N+1's bitmask here and queues N+1's
+sampling, and only then detokenizes and makes N's outputs (engine/llm_engine.py `step`): only
+appending and the grammar's work stand between N's tokens and N+1's sampling on the host. The
+fill is one backend call for all rows, into pinned memory on a GPU (the copy does not wait for
+the queued forward). The sampler applies the mask before temperature, top-k/p and penalties, so
+logprobs come from the constrained distribution (vLLM's order).
 """
 
 from __future__ import annotations
@@ -34,18 +37,21 @@ class GrammarStats:
 
 
 class StructuredOutputs:
-    def __init__(self, backend: GrammarBackend, vocab_size: int) -> None:
+    def __init__(self, backend: GrammarBackend, vocab_size: int, pin_memory: bool = False) -> None:
         self.backend, self.vocab_size = backend, vocab_size
+        self.pin_memory = pin_memory  # step bitmasks in pinned host memory (a CUDA device)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self.stats = GrammarStats()
 
     @classmethod
     def for_tokenizer(
-        cls, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]
+        cls, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
+        pin_memory: bool = False,
     ) -> StructuredOutputs:
         from engine.structured.xgrammar_backend import XGrammarBackend
 
-        return cls(XGrammarBackend(tokenizer, vocab_size, sorted(eos_token_ids)), vocab_size)
+        return cls(XGrammarBackend(tokenizer, vocab_size, sorted(eos_token_ids)), vocab_size,
+                   pin_memory)
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled constraint (ValueError naming the field if it does not compile)."""
@@ -84,7 +90,7 @@ class StructuredOutputs:
             return None
         start = time.perf_counter()
         rows = sum(len(d) + 1 for d in drafts)
-        mask = torch.full((rows, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+        mask = self._new_mask(rows)
         row = 0
         for m, d in zip(matchers, drafts, strict=True):
             walked = 0
@@ -106,9 +112,26 @@ class StructuredOutputs:
         if all(m is None for m in matchers):
             return None
         start = time.perf_counter()
-        mask = torch.full((len(matchers), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+        mask = self._new_mask(len(matchers), fill=False)  # the backend writes whole rows
+        live, rows, others = [], [], []
         for row, m in enumerate(matchers):
-            if m is not None and not m.is_terminated():
-                m.fill_bitmask(mask, row)
+            if m is None or m.is_terminated():
+                others.append(row)
+            else:
+                live.append(m)
+                rows.append(row)
+        if live:
+            self.backend.fill_bitmasks(live, mask, rows)
+        if others:
+            mask.numpy()[others] = -1  # numpy: one thread (torch would wake its pool)
         self.stats.bitmask_seconds += time.perf_counter() - start
+        return mask
+
+    def _new_mask(self, rows: int, fill: bool = True) -> torch.Tensor:
+        """int32 [rows, words], of -1 if `fill`; pinned where the mask goes to a GPU (the
+        caching host allocator reuses a block once the copy that read it has run)."""
+        mask = torch.empty((rows, bitmask_words(self.vocab_size)), dtype=torch.int32,
+                           pin_memory=self.pin_memory)
+        if fill:
+            mask.numpy().fill(-1)
         return mask

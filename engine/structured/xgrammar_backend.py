@@ -20,20 +20,30 @@ _SOURCE = re.compile(r"\[[0-9:]+\] \S+\.cc:\d+: ")
 
 
 class XGrammarMatcher:
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+    """One sequence's xgrammar matcher. Whether it is terminated is kept here: it changes only
+    when a stop token is accepted or tokens are rolled back, and asking xgrammar costs a call
+    per row and step."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: frozenset[int]) -> None:
         self._m = xgr.GrammarMatcher(compiled)
+        self._stops = stop_token_ids
+        self._terminated = False
 
     def accept(self, token_id: int) -> bool:
-        return bool(self._m.accept_token(token_id))
+        accepted = bool(self._m.accept_token(token_id))
+        if accepted and token_id in self._stops:
+            self._terminated = bool(self._m.is_terminated())
+        return accepted
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
 
     def is_terminated(self) -> bool:
-        return bool(self._m.is_terminated())
+        return self._terminated
 
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
+        self._terminated = bool(self._m.is_terminated())
 
 
 class XGrammarBackend:
@@ -41,6 +51,10 @@ class XGrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=4, cache_enabled=False)
+        self._stops = frozenset(info.stop_token_ids)
+        # one call fills a step's rows, in one thread: on the H100 host 64 rows took 0.09 ms
+        # so, 0.20 as 64 calls, 0.26 / 1.1 / 4.0 with xgrammar's pool of 2 / 4 / 8 threads
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         try:
@@ -66,4 +80,8 @@ class XGrammarBackend:
         return c.compile_grammar(str(p.grammar))
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
-        return XGrammarMatcher(compiled)
+        return XGrammarMatcher(compiled, self._stops)
+
+    def fill_bitmasks(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor,
+                      rows: list[int]) -> None:
+        self._batch.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, rows)

@@ -7,11 +7,11 @@
 #
 # `python -m pdserve.bench.structured` on the random 1B-shaped model in bf16 over the SmolLM2
 # vocabulary: ms per decode step under a JSON schema against unconstrained decoding, at batch 1
-# and 64, in one process. The report goes to $OUT.
+# and 64, in one process (9 alternating rounds). The report goes to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench_results/gpu_structured}
 mkdir -p "$OUT"
 source pdserve/bench/gpu_kit_env.sh || exit 1
 python3 -m pdserve.bench.structured --device cuda --random-1b --tokenizer "$KIT/tokenizer" \
-    --batches 1,64 --tokens 64 --rounds 5 --json "$OUT/structured.json" 2>&1 | tail -20
+    --batches 1,64 --tokens 64 --rounds 9 --json "$OUT/structured.json" 2>&1 | tail -20
