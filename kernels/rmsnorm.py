@@ -43,7 +43,12 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [T, hidden]
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """out, or (out, x + residual) when a residual is given. Inputs are not modified."""
+    """out, or (out, x + residual) when a residual is given. Inputs are not modified. Rows are
+    read with a stride but each row must be contiguous: other layouts are copied first (a
+    transposed view's `empty_like` would be transposed too)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
     num_tokens, hidden = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else out

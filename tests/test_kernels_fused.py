@@ -45,6 +45,19 @@ def test_rms_norm_with_and_without_residual(dtype, hidden):
     assert torch.equal(x, x_before) and torch.equal(res, res_before)  # inputs untouched
 
 
+def test_rms_norm_of_a_transposed_view_is_the_norm_of_its_rows():
+    """An input whose rows are not contiguous (an embedding built as W^T columns) is normed row
+    by row, not read as if it were row-major."""
+    x = randn(48, 5, dtype=torch.float32, seed=5).t()  # [5, 48], stride (1, 5)
+    res = randn(48, 5, dtype=torch.float32, seed=6).t()
+    w = randn(48, dtype=torch.float32, seed=7)
+    ulp_close(rms_norm(x, w, 1e-5), rms_norm_ref(x.contiguous(), w, 1e-5))
+    out, new_res = rms_norm(x, w, 1e-5, residual=res)
+    ref_out, ref_res = rms_norm_ref(x.contiguous(), w, 1e-5, residual=res.contiguous())
+    ulp_close(out, ref_out)
+    ulp_close(new_res, ref_res)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_silu_and_mul(dtype):
     x = randn(6, 2 * 1536, dtype=dtype, seed=4)  # 1536 columns: more than one column tile

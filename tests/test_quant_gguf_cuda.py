@@ -97,7 +97,11 @@ def test_embedding_rows_are_the_exact_dequantized_rows(qtype: GGMLQuantizationTy
     kernel = make_cuda_kernel(w, torch.float32, DEVICE)
     ids = torch.tensor([7, 0, 39, 7], device=DEVICE)
     expected = gguf_dequantize(raw, qtype).reshape(40, 256)[[7, 0, 39, 7]]
-    assert np.array_equal(kernel.rows(ids, torch.float32).cpu().numpy(), expected)
+    rows = kernel.rows(ids, torch.float32)
+    assert np.array_equal(rows.cpu().numpy(), expected)
+    # row-major, as the embedding's consumers (the Triton RMSNorm) read it: a transposed view
+    # here made the model's first norm read other elements on the GPU
+    assert rows.is_contiguous() and kernel.rows(ids, torch.bfloat16).is_contiguous()
 
 
 def test_scales_are_held_in_fp16_only_when_exact() -> None:
@@ -167,6 +171,7 @@ def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache"
 
 
+@pytest.mark.skipif(CUDA, reason="the CUDA layers run on the CPU under the interpreter")
 def test_tiny_model_through_the_cuda_layers_on_the_cpu_equals_it_dequantized(
     quantized_llama: Path, cache_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -71,7 +71,7 @@ class Q4CudaKernel:
         codes = ((packed.unsqueeze(1) >> shifts.view(1, 8, 1)) & 15).reshape(-1, ids.numel())
         scale = self.scales[:, ids].float().repeat_interleave(32, 0)  # [K, T]
         bias = self.biases[:, ids].float().repeat_interleave(32, 0)
-        return (codes.float() * scale + bias).t().to(dtype)
+        return (codes.float() * scale + bias).t().contiguous().to(dtype)
 
     def nbytes(self) -> int:
         return self.qweight.nbytes + self.scales.nbytes + self.biases.nbytes
@@ -96,7 +96,7 @@ class Q8CudaKernel:
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [T] -> [T, K]
         codes = self.codes[:, ids].float()  # [K, T]
         scale = self.scales[:, ids].float().repeat_interleave(self.group, 0)
-        return (codes * scale).t().to(dtype)
+        return (codes * scale).t().contiguous().to(dtype)
 
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
