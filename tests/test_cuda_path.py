@@ -7,6 +7,7 @@ top-5, and that sequence is not compared further."""
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
@@ -22,6 +23,15 @@ MAX_TOKENS = 32
 @pytest.fixture(scope="module")
 def model_dir(cuda_llama_dir: str) -> str:
     return cuda_llama_dir
+
+
+@pytest.fixture(autouse=True)
+def _gpu_freed() -> None:
+    """Each test sizes its KV cache from the card's free memory: an earlier test's engine, kept
+    alive by reference cycles after `del`, would leave it nothing (gpu_memory_utilization is a
+    share of the whole card, what other engines hold counted in)."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def prompts(n: int = 12, seed: int = 0) -> list[list[int]]:

@@ -217,7 +217,7 @@ def test_tiny_model_on_the_gpu_kept_quantized_equals_it_dequantized(
     assert _greedy(kept) == expected
     assert len(set(map(tuple, expected))) > 1
     assert _held_bytes(model) <= 1.3 * quantized_llama.stat().st_size
-    fast = LLM(str(quantized_llama), **small)
+    fast = LLM(str(quantized_llama), quantization="gguf", **small)  # dtype auto: bf16
     assert fast.llm_engine.config.quantization == "gguf"
     agree = sum(a[:4] == b[:4] for a, b in zip(_greedy(fast), expected))
     assert agree >= 3
