@@ -1,4 +1,5 @@
-"""Dense GEMV for decode steps of a few tokens: y [M, N] = x [M, K] @ W [N, K]^T (+ b), M <= 4.
+"""Dense GEMV for decode steps of a few tokens: y [M, N] = x [M, K] @ W [N, K]^T (+ b), M <= 4;
+W in x's dtype, or FP8 (float8_e4m3fn) with one fp32 scale per output row (engine/quant/fp8.py).
 
 NOTE: grid (cdiv(N, BLOCK_N),). At batch 1 a projection reads every weight once and does two
 FLOPs per weight, so what counts is bytes in flight across the whole GPU: many small programs,
@@ -10,12 +11,13 @@ reduction over K at the end.
     acc[m, n, :] += x[m, k:k+BK] * W[n, k:k+BK]      for k in 0, BK, ..., K - BK
                                                      (k = 0 peeled: its W tile is requested
                                                       before a PDL launch waits for x)
-    y[m, n] = sum(acc[m, n, :]) (+ b[n]), rounded once to x's dtype
+    y[m, n] = sum(acc[m, n, :]) (* s[n]) (+ b[n]), rounded once to x's dtype
 
 Rows past N are clamped to N - 1 for the loads (no masks on the weight stream) and dropped at
 the store. K must be a multiple of BLOCK_K: the launcher checks it (callers fall back to
 F.linear otherwise). Tile sizes are per shape (`GemvBlocks`; engine/models/gemv_plan.py times
-them against cuBLAS at load).
+them against cuBLAS at load). An FP8 W is half the bytes of a 16-bit one; each weight is widened
+to fp32 in registers as it arrives, and its row's scale applied once to the sum.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import triton
 import triton.language as tl
 
 GEMV_MAX_TOKENS = 4
+FP8 = torch.float8_e4m3fn
 
 
 class GemvBlocks(NamedTuple):
@@ -58,10 +61,25 @@ def block_m_of(m: int) -> int:
     return triton.next_power_of_2(max(m, 1))
 
 
+def weight_fits(x_dtype: torch.dtype, weight: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """Whether the GEMV kernels take `weight` against activations of `x_dtype`: W of that dtype
+    without scales, or FP8 W [N, K] with fp32 scales [N] (x 16-bit or fp32)."""
+    if scale is None:
+        return weight.dtype == x_dtype
+    return (weight.dtype == FP8 and scale.dtype == torch.float32
+            and scale.shape == (weight.shape[0],) and scale.is_contiguous())
+
+
+def scale_arg(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' scale pointer: the scales, or any tensor where HAS_SCALE is off."""
+    return weight if scale is None else scale
+
+
 @triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K] activations, rows contiguous
     w_ptr,  # [N, K] weight, rows contiguous
+    s_ptr,  # [N] fp32 scales of an FP8 W (unused unless HAS_SCALE)
     b_ptr,  # [N] bias (unused unless HAS_BIAS)
     out_ptr,  # [M, N] x's dtype
     M,
@@ -73,6 +91,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -92,40 +111,47 @@ def _gemv_kernel(
         x = tl.load(x_rows + (k + rk)[None, :]).to(tl.float32)  # [BM, BK]
         acc += x[:, None, :] * w[None, :, :]
     y = tl.sum(acc, axis=2)  # [BM, BN]
+    if HAS_SCALE:
+        y *= tl.load(s_ptr + tl.minimum(rn, N - 1))[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + tl.minimum(rn, N - 1)).to(tl.float32)[None, :]
     out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def gemv_supports(x: torch.Tensor, weight: torch.Tensor, blocks: GemvBlocks) -> bool:
-    """Whether `gemv` takes these operands (else: F.linear)."""
+def gemv_supports(x: torch.Tensor, weight: torch.Tensor, blocks: GemvBlocks,
+                  scale: torch.Tensor | None = None) -> bool:
+    """Whether `gemv` takes these operands (else: F.linear, or kernels/fp8_gemv.py)."""
     return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_TOKENS and weight.dim() == 2
             and x.shape[1] == weight.shape[1] > 0 and x.shape[1] % blocks.block_k == 0
-            and x.stride(-1) == 1 and weight.stride(-1) == 1 and x.dtype == weight.dtype)
+            and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and weight_fits(x.dtype, weight, scale))
 
 
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    blocks: GemvBlocks | None = None,
+    blocks: GemvBlocks | None = None, scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[M, K] x [N, K] (+ [N]) -> [M, N] in x's dtype, M <= GEMV_MAX_TOKENS (`gemv_ref`)."""
+    """[M, K] x [N, K] (+ [N]) -> [M, N] in x's dtype, M <= GEMV_MAX_TOKENS (`gemv_ref`); an
+    FP8 `weight` with its per-row `scale` (`kernels/fp8.py` `w8a16_ref`)."""
     blocks = blocks or default_blocks(weight.shape[0], weight.shape[1])
-    if not gemv_supports(x, weight, blocks):
+    if not gemv_supports(x, weight, blocks, scale):
         raise ValueError(
             f"gemv: x {tuple(x.shape)} {x.dtype} stride {x.stride()}, weight "
             f"{tuple(weight.shape)} {weight.dtype}: need [M <= {GEMV_MAX_TOKENS}, K], [N, K] "
-            f"of one dtype, contiguous rows, K a multiple of {blocks.block_k}"
+            f"of x's dtype (or fp8 with [N] fp32 scales), contiguous rows, K a multiple of "
+            f"{blocks.block_k}"
         )
     (m, k), n = x.shape, weight.shape[0]
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv: bias {tuple(bias.shape)}, expected ({n},)")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, blocks.block_n),)](
-        x, weight, weight if bias is None else bias, out, m, n, k,
+        x, weight, scale_arg(weight, scale), weight if bias is None else bias, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m_of(m), BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k,
-        HAS_BIAS=bias is not None, USE_PDL=blocks.pdl, **launch_options(blocks),
+        HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, USE_PDL=blocks.pdl,
+        **launch_options(blocks),
     )
     return out
 

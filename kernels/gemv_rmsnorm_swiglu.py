@@ -10,7 +10,8 @@ halves of its BLOCK_N activations and writes them, not the [M, 2I] projection:
     a[m, j] = round(silu(g) * u)                                 (kernels/silu_mul.py's math)
 
 The silu_and_mul launch and the [M, 2I] round trip through memory go away; the down projection
-then reads `a`. The roundings are those of the three kernels it replaces.
+then reads `a`. The roundings are those of the three kernels it replaces. An FP8 W's row scales
+multiply g and u before they are rounded (kernels/gemv.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv import GEMV_MAX_TOKENS, GemvBlocks, block_m_of, launch_options
+from kernels.gemv import (
+    GEMV_MAX_TOKENS,
+    GemvBlocks,
+    block_m_of,
+    launch_options,
+    scale_arg,
+    weight_fits,
+)
 from kernels.gemv_rmsnorm import add_rmsnorm_rows
 
 
@@ -29,6 +37,7 @@ def _gemv_rmsnorm_swiglu_kernel(
     res_ptr,  # [M, K] the residual stream before it (unused unless HAS_RESIDUAL)
     nw_ptr,  # [K] RMSNorm weight
     w_ptr,  # [2I, K] gate rows then up rows, rows contiguous
+    s_ptr,  # [2I] fp32 scales of an FP8 weight (unused unless HAS_SCALE)
     out_ptr,  # [M, I] activations, x's dtype
     res_out_ptr,  # [M, K] x + residual (unused unless HAS_RESIDUAL)
     M,
@@ -43,6 +52,7 @@ def _gemv_rmsnorm_swiglu_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     dtype = out_ptr.dtype.element_ty
@@ -60,6 +70,10 @@ def _gemv_rmsnorm_swiglu_kernel(
                          stride_xm, stride_rm, stride_sm, K, HAS_RESIDUAL)  # [BM, K]
     g = tl.sum(x[:, None, :] * w_gate.to(tl.float32)[None, :, :], axis=2)  # [BM, BN]
     u = tl.sum(x[:, None, :] * w_up.to(tl.float32)[None, :, :], axis=2)
+    if HAS_SCALE:
+        j = tl.minimum(rn, inter - 1)
+        g *= tl.load(s_ptr + j)[None, :]
+        u *= tl.load(s_ptr + inter + j)[None, :]
     g = g.to(dtype).to(tl.float32)
     u = u.to(dtype).to(tl.float32)
     a = g / (1.0 + tl.exp(-g)) * u
@@ -68,7 +82,8 @@ def _gemv_rmsnorm_swiglu_kernel(
 
 
 def gemv_rmsnorm_swiglu_supports(x: torch.Tensor, residual: torch.Tensor | None,
-                                 norm_weight: torch.Tensor, weight: torch.Tensor) -> bool:
+                                 norm_weight: torch.Tensor, weight: torch.Tensor,
+                                 scale: torch.Tensor | None = None) -> bool:
     """Whether `gemv_rmsnorm_swiglu` takes these operands (else: the unfused kernels)."""
     k = x.shape[-1]
     same = residual is None or (residual.shape == x.shape and residual.stride(-1) == 1
@@ -77,21 +92,23 @@ def gemv_rmsnorm_swiglu_supports(x: torch.Tensor, residual: torch.Tensor | None,
             and weight.dim() == 2 and weight.shape[0] % 2 == 0 and weight.shape[1] == k
             and norm_weight.shape == (k,) and k & (k - 1) == 0 and x.stride(-1) == 1
             and weight.stride(-1) == 1 and norm_weight.is_contiguous()
-            and x.dtype == weight.dtype == norm_weight.dtype)
+            and x.dtype == norm_weight.dtype and weight_fits(x.dtype, weight, scale))
 
 
 def gemv_rmsnorm_swiglu(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, blocks: GemvBlocks | None = None,
+    weight: torch.Tensor, blocks: GemvBlocks | None = None, scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(a [M, I], s [M, K]): SwiGLU of the gate_up projection of rmsnorm(x + residual), and
     x + residual (x itself when `residual` is None), M <= GEMV_MAX_TOKENS
-    (`gemv_rmsnorm_swiglu_ref`). Only BLOCK_N and the warps of `blocks` apply."""
-    if not gemv_rmsnorm_swiglu_supports(x, residual, norm_weight, weight):
+    (`gemv_rmsnorm_swiglu_ref`); an FP8 `weight` with its per-row `scale`. Only BLOCK_N and
+    the warps of `blocks` apply."""
+    if not gemv_rmsnorm_swiglu_supports(x, residual, norm_weight, weight, scale):
         raise ValueError(
             f"gemv_rmsnorm_swiglu: x {tuple(x.shape)} {x.dtype}, norm weight "
             f"{tuple(norm_weight.shape)}, weight {tuple(weight.shape)} {weight.dtype}: need "
-            f"[M <= {GEMV_MAX_TOKENS}, K] with K a power of two, [K], [2I, K] of one dtype"
+            f"[M <= {GEMV_MAX_TOKENS}, K] with K a power of two, [K], [2I, K] of one dtype "
+            f"(or fp8 with [2I] fp32 scales)"
         )
     (m, k), inter = x.shape, weight.shape[0] // 2
     blocks = blocks or GemvBlocks(2, k, 4)
@@ -99,21 +116,21 @@ def gemv_rmsnorm_swiglu(
     res_out = x if residual is None else torch.empty_like(x)
     res = x if residual is None else residual
     _gemv_rmsnorm_swiglu_kernel[(triton.cdiv(inter, blocks.block_n),)](
-        x, res, norm_weight, weight, out, res_out, m, inter, eps,
+        x, res, norm_weight, weight, scale_arg(weight, scale), out, res_out, m, inter, eps,
         x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
         K=k, BLOCK_M=block_m_of(m), BLOCK_N=blocks.block_n, HAS_RESIDUAL=residual is not None,
-        USE_PDL=blocks.pdl, **launch_options(blocks),
+        HAS_SCALE=scale is not None, USE_PDL=blocks.pdl, **launch_options(blocks),
     )
     return out, res_out
 
 
 def gemv_rmsnorm_swiglu_ref(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor,
+    weight: torch.Tensor, scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels/gemv_rmsnorm.py's reference, then kernels/silu_mul.py's."""
     from kernels.gemv_rmsnorm import gemv_rmsnorm_ref
     from kernels.silu_mul import silu_and_mul_ref
 
-    gate_up, s = gemv_rmsnorm_ref(x, residual, norm_weight, eps, weight)
+    gate_up, s = gemv_rmsnorm_ref(x, residual, norm_weight, eps, weight, scale=scale)
     return silu_and_mul_ref(gate_up), s

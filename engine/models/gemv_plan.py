@@ -40,7 +40,13 @@ from torch import nn
 from engine.cuda_timing import graph_us
 from engine.models.gemv_calls import Calls, gated_calls, linear_calls, norm_calls, silu_calls
 from engine.models.gemv_plan_store import PlanStore, plan_key
-from engine.models.tp_layers import Linear, RowParallelLinear, VocabParallelEmbedding
+from engine.models.tp_layers import (
+    Linear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gemv_scale,
+    gemv_weight,
+)
 from kernels.gemv import GEMV_MAX_TOKENS, GemvBlocks
 
 logger = logging.getLogger(__name__)
@@ -63,6 +69,17 @@ SILU_CANDIDATES: dict[int, tuple[GemvBlocks, ...]] = {
 # (BLOCK_N, warps, pdl) of the fused norm kernels (the tile spans K; M = 1 only)
 NORM_ROWS = ((4, 4, False), (4, 8, False), (8, 8, False), (4, 4, True), (4, 8, True))
 GATED_ROWS = ((1, 4, False), (2, 8, False), (1, 4, True), (2, 8, True))  # two tiles each
+# FP8 codes (engine/quant/fp8.py): a row is half a bf16 row's bytes, so tiles twice as long
+# along K or twice as many rows keep as many bytes in flight; timed besides the ones above.
+FP8_CANDIDATES: dict[str, dict[int, tuple]] = {
+    "linear": {1: (GemvBlocks(4, 2048, 4), GemvBlocks(8, 1024, 4),
+                   GemvBlocks(4, 2048, 4, pdl=True), GemvBlocks(8, 1024, 4, pdl=True)),
+               2: (GemvBlocks(4, 1024, 4),), 4: (GemvBlocks(4, 512, 4),)},
+    "silu+down": {1: (GemvBlocks(8, 2048, 8), GemvBlocks(4, 4096, 8),
+                      GemvBlocks(8, 2048, 8, pdl=True))},
+    "norm+linear": {1: ((8, 8, True), (16, 8, False))},
+    "norm+gate_up+silu": {1: ((4, 8, False), (4, 8, True))},
+}
 
 
 @dataclass(frozen=True)
@@ -95,6 +112,8 @@ def plan_decode_gemv(model: nn.Module, store: PlanStore | None = None) -> dict[s
         def plan(what: str, n: int, k: int, items: list, calls: Calls,
                  candidates: dict[int, tuple[GemvBlocks, ...]]) -> GemvPlan:
             w = items[0][0] if isinstance(items[0], tuple) else items[0]
+            if gemv_scale(w) is not None:
+                candidates = _with_fp8_tiles(what, k, candidates)
             key = plan_key(what, n, k, str(w.dtype).removeprefix("torch."),
                            _device_name(w.device), _versions())
             if key in known:
@@ -132,9 +151,19 @@ def plan_decode_gemv(model: nn.Module, store: PlanStore | None = None) -> dict[s
     return report
 
 
+def _with_fp8_tiles(what: str, k: int, candidates: dict[int, tuple[GemvBlocks, ...]]
+                    ) -> dict[int, tuple[GemvBlocks, ...]]:
+    """`candidates` and FP8_CANDIDATES[what] (norm kernels: their rows spanning K)."""
+    more = {m: tuple(GemvBlocks(t[0], k, t[1], t[2]) if what.startswith("norm") else t
+                     for t in tiles)
+            for m, tiles in FP8_CANDIDATES.get(what, {}).items()}
+    return {m: candidates.get(m, ()) + more.get(m, ()) for m in {*candidates, *more}}
+
+
 def clear_decode_gemv(model: nn.Module) -> None:
     """Drop every plan: cuBLAS (and the separate SiLU kernel) everywhere again."""
-    for p in model.parameters():
+    weights = [gemv_weight(m) for m in model.modules()]
+    for p in [*model.parameters(), *(w for w in weights if w is not None)]:
         p.__dict__.pop("gemv_plan", None)
         p.__dict__.pop("gemv_silu_plan", None)
         p.__dict__.pop("gemv_norm_plan", None)
@@ -142,15 +171,19 @@ def clear_decode_gemv(model: nn.Module) -> None:
 
 
 def _dense_weights(model: nn.Module) -> dict[tuple[int, int], list[nn.Parameter]]:
-    """Weights of dense projections (and the vocab head) by shape, on CUDA, 16-bit or fp32."""
+    """Weights of projections (and the vocab head) by shape, on CUDA, 16-bit or fp32, or an FP8
+    layer's codes (engine/models/tp_layers.py `gemv_weight`)."""
     groups: dict[tuple[int, int], list[nn.Parameter]] = {}
     head = _head(model)
     for module in model.modules():
-        if isinstance(module, (Linear, RowParallelLinear)) or module is head:
-            w = module.weight
-            if w.is_cuda and w.dim() == 2 and w.dtype in _DTYPES:
-                groups.setdefault(tuple(w.shape), []).append(w)
+        w = head.weight if module is head else gemv_weight(module)
+        if w is not None and _plannable(w):
+            groups.setdefault(tuple(w.shape), []).append(w)
     return groups
+
+
+def _plannable(w: torch.Tensor) -> bool:
+    return w.is_cuda and w.dim() == 2 and (w.dtype in _DTYPES or gemv_scale(w) is not None)
 
 
 def _down_weights(model: nn.Module) -> dict[tuple[int, int], list[nn.Parameter]]:
@@ -158,9 +191,10 @@ def _down_weights(model: nn.Module) -> dict[tuple[int, int], list[nn.Parameter]]
     groups: dict[tuple[int, int], list[nn.Parameter]] = {}
     for module in model.modules():
         down = getattr(module, "down_proj", None)
-        if (isinstance(down, RowParallelLinear) and hasattr(module, "gate_up_proj")
-                and down.bias is None and down.weight.is_cuda and down.weight.dtype in _DTYPES):
-            groups.setdefault(tuple(down.weight.shape), []).append(down.weight)
+        w = None if isinstance(down, Linear) else gemv_weight(down)
+        if (w is not None and hasattr(module, "gate_up_proj") and down.bias is None
+                and _plannable(w)):
+            groups.setdefault(tuple(w.shape), []).append(w)
     return groups
 
 
@@ -173,18 +207,18 @@ def _normed_weights(model: nn.Module) -> dict[tuple[int, int], list[tuple[nn.Par
                                           ("post_attention_layernorm", "mlp", "gate_up_proj")):
             norm = getattr(layer, norm_name, None)
             proj = getattr(getattr(layer, sub, None), proj_name, None)
-            if norm is None or not isinstance(proj, Linear):
+            w = None if isinstance(proj, RowParallelLinear) else gemv_weight(proj)
+            if norm is None or w is None or not _plannable(w):
                 continue
-            w = proj.weight
-            if w.is_cuda and w.dtype in _DTYPES and norm.weight.dtype == w.dtype:
+            if norm.weight.dtype == w.__dict__.get("gemv_act_dtype", w.dtype):
                 groups.setdefault(tuple(w.shape), []).append((w, norm))
     return groups
 
 
 def _gated_weights(model: nn.Module) -> dict[tuple[int, int], list[tuple[nn.Parameter, Any]]]:
     """(gate_up weight, post_attention_layernorm) of SwiGLU MLPs with bias-free gate_up."""
-    gate_ups = {id(m.gate_up_proj.weight) for m in model.modules()
-                if isinstance(getattr(m, "gate_up_proj", None), Linear)
+    gate_ups = {id(gemv_weight(m.gate_up_proj)) for m in model.modules()
+                if gemv_weight(getattr(m, "gate_up_proj", None)) is not None
                 and m.gate_up_proj.bias is None and hasattr(m, "down_proj")}
     groups: dict[tuple[int, int], list[tuple[nn.Parameter, Any]]] = {}
     for shape, pairs in _normed_weights(model).items():

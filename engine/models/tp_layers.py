@@ -12,7 +12,9 @@ calls it. Layouts (tp ranks, this rank r):
 
 With one rank every layer is the plain one and no collective runs. Dense projections (and the
 logits) go through `dense_linear`: F.linear, or on CUDA at decode sizes the Triton GEMV where the
-load-time plan chose it (engine/models/gemv_plan.py).
+load-time plan chose it (engine/models/gemv_plan.py). The same decode GEMVs take an FP8 layer's
+weight (engine/quant/fp8.py): its codes as `gemv_weight`, their row scales riding on them as
+`gemv_scale`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from engine.distributed.group import SingleRank
 from engine.distributed.sharding import vocab_shard
 
 try:
+    from kernels.fp8_gemv import fp8_gemv
     from kernels.gemv import gemv, gemv_supports
     from kernels.gemv_rmsnorm import gemv_rmsnorm, gemv_rmsnorm_supports
     from kernels.gemv_rmsnorm_swiglu import gemv_rmsnorm_swiglu, gemv_rmsnorm_swiglu_supports
@@ -64,33 +67,52 @@ def slice_loader(dim: int, part: range | None, full: int | None = None) -> Weigh
     return load
 
 
+def gemv_scale(weight: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 row scales of an FP8 decode weight (`gemv_weight`); None for a dense one."""
+    return weight.__dict__.get("gemv_scale")
+
+
+def gemv_weight(module: nn.Module | None) -> torch.Tensor | None:
+    """The weight the decode GEMVs stream for `module`: a dense projection's, a quantized
+    layer's `gemv_weight` (FP8 codes), or None (the module takes no decode GEMV)."""
+    if isinstance(module, (Linear, RowParallelLinear)):
+        return module.weight
+    return getattr(module, "gemv_weight", None)
+
+
 def dense_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:  # [T, in] -> [T, out]
     """F.linear, or kernels/gemv.py where `weight.gemv_plan` (set at load on CUDA) chose the GEMV
-    for x's token count (<= 4). Without a plan (CPU, `decode_gemv=False`): F.linear."""
-    plan = getattr(weight, "gemv_plan", None)
+    for x's token count (<= 4). Without a plan (CPU, `decode_gemv=False`): F.linear; an FP8
+    weight (`gemv_scale`, x of <= 4 tokens on CUDA) then takes kernels/fp8_gemv.py."""
+    plan, scale = getattr(weight, "gemv_plan", None), gemv_scale(weight)
     if plan is not None and x.dim() == 2:
         blocks = plan.blocks_for(x.shape[0])
-        if blocks is not None and gemv_supports(x, weight, blocks):
-            return gemv(x, weight, bias, blocks)
+        if blocks is not None and gemv_supports(x, weight, blocks, scale):
+            return gemv(x, weight, bias, blocks, scale)
+    if scale is not None:
+        y = fp8_gemv(x.contiguous(), weight, scale)
+        return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 
 
 def silu_mul_linear(gate_up: torch.Tensor, down: nn.Module) -> torch.Tensor | None:
-    """down(silu(gate) * up) as one GEMV (kernels/gemv_silu.py) where `down.weight`'s
+    """down(silu(gate) * up) as one GEMV (kernels/gemv_silu.py) where `down`'s decode weight's
     `gemv_silu_plan` chose it for gate_up's token count; None where it did not."""
     if hasattr(down, "silu_mul_linear"):  # a wrapper's own (multi-LoRA: engine/lora/layers.py)
         return down.silu_mul_linear(gate_up)
-    plan = getattr(getattr(down, "weight", None), "gemv_silu_plan", None)
-    if plan is None or not isinstance(down, RowParallelLinear) or gate_up.dim() != 2:
+    w = gemv_weight(down)
+    plan = getattr(w, "gemv_silu_plan", None)
+    if plan is None or isinstance(down, Linear) or gate_up.dim() != 2:
         return None
     blocks = plan.blocks_for(gate_up.shape[0])
     if blocks is None or down.bias is not None or not gemv_silu_supports(
-            gate_up, down.weight, blocks):
+            gate_up, w, blocks, gemv_scale(w)):
         return None
-    partial = gemv_silu(gate_up, down.weight, blocks)
-    return partial if down.tp.world_size == 1 else down.reduce(partial)
+    partial = gemv_silu(gate_up, w, blocks, gemv_scale(w))
+    tp = getattr(down, "tp", None)  # quantized layers run on one rank
+    return partial if tp is None or tp.world_size == 1 else down.reduce(partial)
 
 
 def rmsnorm_linear(
@@ -101,13 +123,14 @@ def rmsnorm_linear(
     `norm`: an RMSNorm (its `weight` and `eps`); `residual` None: norm(x), and x."""
     if hasattr(proj, "rmsnorm_linear"):  # a wrapper's own (multi-LoRA: engine/lora/layers.py)
         return proj.rmsnorm_linear(x, residual, norm)
-    plan = getattr(getattr(proj, "weight", None), "gemv_norm_plan", None)
-    if plan is None or not isinstance(proj, Linear) or x.dim() != 2:
+    w = gemv_weight(proj)
+    plan = getattr(w, "gemv_norm_plan", None)
+    if plan is None or isinstance(proj, RowParallelLinear) or x.dim() != 2:
         return None
-    blocks = plan.blocks_for(x.shape[0])
-    if blocks is None or not gemv_rmsnorm_supports(x, residual, norm.weight, proj.weight):
+    blocks, scale = plan.blocks_for(x.shape[0]), gemv_scale(w)
+    if blocks is None or not gemv_rmsnorm_supports(x, residual, norm.weight, w, scale):
         return None
-    return gemv_rmsnorm(x, residual, norm.weight, norm.eps, proj.weight, proj.bias, blocks)
+    return gemv_rmsnorm(x, residual, norm.weight, norm.eps, w, proj.bias, blocks, scale)
 
 
 def rmsnorm_swiglu_linear(
@@ -118,14 +141,15 @@ def rmsnorm_swiglu_linear(
     None where it did not."""
     if hasattr(gate_up, "rmsnorm_swiglu_linear"):  # a wrapper's own (engine/lora/layers.py)
         return gate_up.rmsnorm_swiglu_linear(x, residual, norm)
-    plan = getattr(getattr(gate_up, "weight", None), "gemv_norm_silu_plan", None)
-    if plan is None or not isinstance(gate_up, Linear) or gate_up.bias is not None:
+    w = gemv_weight(gate_up)
+    plan = getattr(w, "gemv_norm_silu_plan", None)
+    if plan is None or isinstance(gate_up, RowParallelLinear) or gate_up.bias is not None:
         return None
     blocks = plan.blocks_for(x.shape[0]) if x.dim() == 2 else None
-    if blocks is None or not gemv_rmsnorm_swiglu_supports(x, residual, norm.weight,
-                                                          gate_up.weight):
+    scale = gemv_scale(w)
+    if blocks is None or not gemv_rmsnorm_swiglu_supports(x, residual, norm.weight, w, scale):
         return None
-    return gemv_rmsnorm_swiglu(x, residual, norm.weight, norm.eps, gate_up.weight, blocks)
+    return gemv_rmsnorm_swiglu(x, residual, norm.weight, norm.eps, w, blocks, scale)
 
 
 class Linear(nn.Linear):

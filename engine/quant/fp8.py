@@ -7,7 +7,10 @@ are quantized per token at run time, or with the checkpoint's static `input_scal
 
 Where `Fp8Linear` computes (the weights stay fp8 everywhere; half the bytes of bf16):
 
-    CUDA, steps of <= 4 tokens (batch-1 decode)     FP8-weight GEMV (kernels/fp8_gemv.py)
+    CUDA, steps of <= 4 tokens (batch-1 decode)     the decode GEMVs where the load planned
+                                                    them (engine/models/gemv_plan.py: with the
+                                                    RMSNorm / SwiGLU fusions, as for bf16),
+                                                    else the FP8-weight GEMV (kernels/fp8_gemv.py)
     CUDA, capability >= 8.9, bf16, dims % 16 == 0   per-token fp8 x (kernels/fp8_quant.py),
                                                     torch._scaled_mm with rowwise scales
     other CUDA                                      W8A16 Triton GEMM (kernels/fp8_w8a16.py)
@@ -114,6 +117,14 @@ class Fp8Linear(nn.Module):
         self.weight_scale = torch.empty(self.out_features, dtype=torch.float32, device=device)
         self.use_scaled_mm = (self.weight.dtype == torch.bfloat16 and scaled_mm_supported(
             device, self.in_features, self.out_features))
+        # what the decode GEMVs read with the codes (engine/models/tp_layers.py `gemv_scale`)
+        self.qweight.gemv_scale = self.weight_scale
+        self.qweight.gemv_act_dtype = self.weight.dtype
+
+    @property
+    def gemv_weight(self) -> torch.Tensor | None:
+        """The codes the decode GEMVs stream (engine/models/tp_layers.py `gemv_weight`)."""
+        return self.qweight
 
     def _add_input_scale(self, scale: torch.Tensor | None, name: str) -> None:
         self._static.add(scale is not None)
@@ -132,13 +143,14 @@ class Fp8Linear(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
             return F.linear(x, dequantize_weight(self.qweight, self.weight_scale, x.dtype))
-        from kernels.fp8_gemv import GEMV_MAX_TOKENS, fp8_gemv
+        from engine.models.tp_layers import dense_linear
+        from kernels.fp8_gemv import GEMV_MAX_TOKENS
         from kernels.fp8_quant import quantize_rows
         from kernels.fp8_w8a16 import w8a16_linear
 
         x = x.contiguous()
-        if x.shape[0] <= GEMV_MAX_TOKENS:
-            return fp8_gemv(x, self.qweight, self.weight_scale)
+        if x.shape[0] <= GEMV_MAX_TOKENS:  # the planned GEMV, or kernels/fp8_gemv.py
+            return dense_linear(x, self.qweight)
         if not self.use_scaled_mm or x.dtype != torch.bfloat16:
             return w8a16_linear(x, self.qweight, self.weight_scale)
         if self.input_scale is None:
