@@ -305,7 +305,8 @@ class Scheduler:
 
     # ---- after the forward pass ----------------------------------------------------------
     def update_from_output(
-        self, out: SchedulerOutput, samples: Mapping[str, Sample | Samples]
+        self, out: SchedulerOutput, samples: Mapping[str, Sample | Samples],
+        deferred: list | None = None,
     ) -> list[Request]:
         """Append the tokens a launched step sampled, and register newly full blocks.
 
@@ -315,7 +316,8 @@ class Scheduler:
         are rolled back. Applies token-level stops (eos, stop token ids, max_tokens) after each
         token, dropping those after a stop; returns the requests that finished. Requests that
         finished meanwhile (aborted, or stopped by the step before when steps overlap) are
-        skipped: their token is discarded.
+        skipped: their token is discarded. With `deferred`, grammar matchers accept the tokens of
+        requests without drafts later (`Request.append_token`; the engine's grammar thread).
         """
         finished: list[Request] = []
         for s in out.scheduled:
@@ -332,8 +334,9 @@ class Scheduler:
             if s.spec_token_ids:
                 self.spec_decode.count(len(s.spec_token_ids), len(emitted) - 1)
                 spec_policy.observe(req, len(s.spec_token_ids), len(emitted) - 1)
+            later = None if s.spec_token_ids else deferred
             for token_id, logprobs in emitted:
-                if self._append(req, token_id, logprobs):
+                if self._append(req, token_id, logprobs, later):
                     finished.append(req)
                     break
             else:
@@ -342,9 +345,10 @@ class Scheduler:
                     self.block_manager.rollback_slots(req, req.num_computed_tokens)
         return finished
 
-    def _append(self, req: Request, token_id: int, logprobs: tuple | None) -> bool:
+    def _append(self, req: Request, token_id: int, logprobs: tuple | None,
+                deferred: list | None = None) -> bool:
         """Append one token and apply token-level stops; True if `req` finished."""
-        req.append_token(token_id, logprobs)
+        req.append_token(token_id, logprobs, deferred)
         reason, stop_reason = self._check_stop(req, token_id)
         if reason is None and req.grammar is not None and req.grammar.is_terminated():
             reason = "stop"  # the grammar is complete (it accepted a stop token)
