@@ -16,8 +16,7 @@ Step N+1 is scheduled as if every request sampled in N got its token (the schedu
 as pending); its input ids for those tokens are read on the device from N's results. A request
 that N ends (eos, stop string) has one wasted row in N+1, whose token is discarded. A step with
 grammar-constrained rows queues its sampling only once N's tokens are appended (its masks need
-the matchers past them): the matchers parse N's tokens on a grammar thread while N's text and
-outputs are made, then N+1's masks are filled and its sampling queued. Steps
+the matchers past them): that comes first when N lands, N's text and outputs after it. Steps
 do not overlap while any request's sampling needs its full history (penalties, min_tokens), nor
 in the prefill role, nor with speculative decoding (how many tokens a step emits is known only
 after it).
@@ -296,21 +295,10 @@ class LLMEngine(KVHandoffMixin):
             notes.begin()
             launched = self.runner.launch(out, notes.on_layer)
             notes.end()
-        landed, accepting = None, None
-        if self._inflight is not None:
-            # constrained rows of the launched step: their matchers advance past the landed
-            # tokens on the grammar thread while the landed step's outputs are made
-            deferred = [] if launched is not None and launched.constrained else None
-            landed = self._land(*self._take_inflight(), deferred)
-            if deferred:
-                accepting = self.structured().accept_later(deferred)
-        if launched is not None and accepting is None:
+        landed = self._land(*self._take_inflight()) if self._inflight is not None else None
+        if launched is not None:
             launched.start_sampling()  # constrained rows: their matchers have just advanced
         outputs = self._outputs(landed) if landed is not None else []
-        if accepting is not None:
-            if not accepting.result():
-                raise RuntimeError("a grammar refused a token sampled under its mask")
-            launched.start_sampling()
         if launched is not None:
             if overlap:
                 self._inflight = (out, launched)
@@ -352,12 +340,10 @@ class LLMEngine(KVHandoffMixin):
         """Wait for a launched step's tokens, append them, and make the outputs."""
         return self._outputs(self._land(out, launched))
 
-    def _land(self, out: SchedulerOutput, launched: LaunchedStep,
-              deferred: list | None = None) -> SchedulerOutput:
+    def _land(self, out: SchedulerOutput, launched: LaunchedStep) -> SchedulerOutput:
         """Wait for a launched step's tokens and append them: token-level stops applied, each
-        constrained request's matcher advanced (what the next step's masks need first), or,
-        given `deferred`, its (matcher, token) left there for the grammar thread."""
-        self.scheduler.update_from_output(out, launched.result(), deferred)
+        constrained request's matcher advanced (what the next step's masks need first)."""
+        self.scheduler.update_from_output(out, launched.result())
         return out
 
     def _outputs(self, out: SchedulerOutput) -> list[RequestOutput]:

@@ -81,11 +81,6 @@ class LaunchedStep:
         self.request_ids, self.sampled, self._sample = request_ids, sampled, sample
         self.verified: dict[str, Samples] = {}  # requests verified with drafts: their tokens
 
-    @property
-    def constrained(self) -> bool:
-        """Whether its sampling waits for `start_sampling` (grammar-constrained rows)."""
-        return self._sample is not None
-
     def start_sampling(self) -> None:
         if self._sample is not None:
             self.sampled, self._sample = self._sample(), None

@@ -153,18 +153,9 @@ class Request:
     def prompt_done(self) -> bool:
         return self.num_computed_tokens >= self.num_prompt_tokens
 
-    def append_token(
-        self, token_id: int, logprobs: tuple[float, dict[int, float]] | None,
-        deferred: list[tuple[GrammarMatcher, int]] | None = None,
-    ) -> None:
-        """Append a sampled token; the grammar's matcher (if any) accepts it now, or, given
-        `deferred` and unless it is a stop token, later: (matcher, token) is added there for
-        the engine's grammar thread (engine/structured/manager.py `accept_later`)."""
-        if self.grammar is not None:  # sampled under its mask: accepted
-            if deferred is None or self.grammar.is_stop(token_id):
-                self.grammar.accept(token_id)
-            else:
-                deferred.append((self.grammar, token_id))
+    def append_token(self, token_id: int, logprobs: tuple[float, dict[int, float]] | None) -> None:
+        if self.grammar is not None:
+            self.grammar.accept(token_id)  # sampled under its mask: accepted
         self.output_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)

@@ -305,8 +305,7 @@ class Scheduler:
 
     # ---- after the forward pass ----------------------------------------------------------
     def update_from_output(
-        self, out: SchedulerOutput, samples: Mapping[str, Sample | Samples],
-        deferred: list | None = None,
+        self, out: SchedulerOutput, samples: Mapping[str, Sample | Samples]
     ) -> list[Request]:
         """Append the tokens a launched step sampled, and register newly full blocks.
 
@@ -316,8 +315,7 @@ class Scheduler:
         are rolled back. Applies token-level stops (eos, stop token ids, max_tokens) after each
         token, dropping those after a stop; returns the requests that finished. Requests that
         finished meanwhile (aborted, or stopped by the step before when steps overlap) are
-        skipped: their token is discarded. With `deferred`, grammar matchers accept the tokens of
-        requests without drafts later (`Request.append_token`; the engine's grammar thread).
+        skipped: their token is discarded.
         """
         finished: list[Request] = []
         for s in out.scheduled:
@@ -334,9 +332,8 @@ class Scheduler:
             if s.spec_token_ids:
                 self.spec_decode.count(len(s.spec_token_ids), len(emitted) - 1)
                 spec_policy.observe(req, len(s.spec_token_ids), len(emitted) - 1)
-            later = None if s.spec_token_ids else deferred
             for token_id, logprobs in emitted:
-                if self._append(req, token_id, logprobs, later):
+                if self._append(req, token_id, logprobs):
                     finished.append(req)
                     break
             else:
@@ -345,10 +342,9 @@ class Scheduler:
                     self.block_manager.rollback_slots(req, req.num_computed_tokens)
         return finished
 
-    def _append(self, req: Request, token_id: int, logprobs: tuple | None,
-                deferred: list | None = None) -> bool:
+    def _append(self, req: Request, token_id: int, logprobs: tuple | None) -> bool:
         """Append one token and apply token-level stops; True if `req` finished."""
-        req.append_token(token_id, logprobs, deferred)
+        req.append_token(token_id, logprobs)
         reason, stop_reason = self._check_stop(req, token_id)
         if reason is None and req.grammar is not None and req.grammar.is_terminated():
             reason = "stop"  # the grammar is complete (it accepted a stop token)

@@ -27,9 +27,6 @@ class GrammarMatcher(Protocol):
     def is_terminated(self) -> bool:
         """Whether the output is complete (the grammar accepted a stop token)."""
 
-    def is_stop(self, token_id: int) -> bool:
-        """Whether `token_id` is one of the grammar's stop tokens (accepting one may end it)."""
-
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (rejected speculative tokens)."""
 
@@ -40,10 +37,6 @@ class GrammarBackend(Protocol):
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of the output."""
-
-    def accept_tokens(self, matchers: list[GrammarMatcher], token_ids: list[int]) -> list[bool]:
-        """`matchers[i].accept(token_ids[i])` for each i (none a stop token), in as few calls as
-        the backend can, releasing the GIL while it parses."""
 
     def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor,
                       rows: list[int]) -> None:

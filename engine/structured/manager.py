@@ -4,25 +4,18 @@ and text), give each sequence its matcher, and build a step's bitmask.
 NOTE: asynchronous scheduling launches step N+1 before N's tokens are in, and a constrained row
 of N+1 can be masked only once its matcher has accepted N's token. So a constrained step queues
 its forward pass alone (engine/model_runner.py `LaunchedStep`); when N's tokens land, the engine
-appends them, the matchers advance past them, N+1's bitmask is filled here and N+1's sampling
-queued (engine/llm_engine.py `step`), while the device runs N+1's forward. The fill is one
-backend call for all rows, into pinned memory on a GPU (the copy does not wait for the queued
-forward). The sampler applies the mask before temperature, top-k/p and penalties, so
+appends them (which advances the matchers) and at once fills N+1's bitmask here and queues N+1's
+sampling, and only then detokenizes and makes N's outputs (engine/llm_engine.py `step`): only
+appending and the grammar's work stand between N's tokens and N+1's sampling on the host. The
+fill is one backend call for all rows, into pinned memory on a GPU (the copy does not wait for
+the queued forward). The sampler applies the mask before temperature, top-k/p and penalties, so
 logprobs come from the constrained distribution (vLLM's order).
-
-Advancing the matchers past N's tokens is most of the grammar's host time (parsing: ~0.2 ms for
-64 rows of a JSON schema on an H100's host, against ~0.1 ms for the fill). When steps overlap,
-the engine hands it to one grammar thread (`accept_later`: one backend call, which releases the
-GIL while it parses) and makes N's outputs meanwhile; it waits for it before the fill. A stop
-token is accepted at once on the engine thread (it may end the request there and then). The
-engine waits for the thread before `step` returns, so between steps every matcher is current.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +42,6 @@ class StructuredOutputs:
         self.pin_memory = pin_memory  # step bitmasks in pinned host memory (a CUDA device)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self.stats = GrammarStats()
-        self._thread: ThreadPoolExecutor | None = None  # `accept_later`'s, made at first use
 
     @classmethod
     def for_tokenizer(
@@ -85,15 +77,6 @@ class StructuredOutputs:
             if not m.accept(token_id):
                 raise ValueError(f"output token {i} ({token_id}) does not follow the grammar")
         return m
-
-    def accept_later(self, pairs: list[tuple[GrammarMatcher, int]]) -> Future:
-        """Advance each matcher past its token (none a stop token) on the grammar thread; the
-        future's result: whether every token was accepted (they were sampled under the masks,
-        so False is a bug upstream). The caller touches none of these matchers until then."""
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
-        matchers, tokens = [m for m, _ in pairs], [t for _, t in pairs]
-        return self._thread.submit(lambda: all(self.backend.accept_tokens(matchers, tokens)))
 
     def draft_bitmask(
         self, matchers: list[GrammarMatcher | None], drafts: list[list[int]]

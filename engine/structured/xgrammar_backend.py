@@ -41,9 +41,6 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         return self._terminated
 
-    def is_stop(self, token_id: int) -> bool:
-        return token_id in self._stops
-
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
         self._terminated = bool(self._m.is_terminated())
@@ -84,10 +81,6 @@ class XGrammarBackend:
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
         return XGrammarMatcher(compiled, self._stops)
-
-    def accept_tokens(self, matchers: list[XGrammarMatcher], token_ids: list[int]) -> list[bool]:
-        # no stop tokens (the caller accepts those one by one): no matcher terminates here
-        return self._batch.batch_accept_token([m._m for m in matchers], token_ids)
 
     def fill_bitmasks(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor,
                       rows: list[int]) -> None:
