@@ -31,6 +31,7 @@ from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SchedulerStats
+from engine.step_profiler import StepProfiler
 
 T = TypeVar("T")
 _ABORTED = object()  # ends a stream whose request was aborted through `abort()`
@@ -51,6 +52,8 @@ class _Failed:
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        # PDSERVE_TORCH_PROFILER_DIR: a torch.profiler window over the steps
+        self._profiler = StepProfiler.from_env(engine.config.role)
         self._commands: queue.SimpleQueue[_Command | _Failed | None] = queue.SimpleQueue()
         self._stopping = False
         self._error: BaseException | None = None
@@ -244,10 +247,13 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         while not self._stopping:
             try:
+                if self._profiler is not None and not self.engine.has_work():
+                    self._profiler.idle()
                 self._run_commands(block=not self.engine.has_work())
                 outputs = []
                 if not self._stopping and self.engine.has_work():
-                    outputs = self.engine.step()
+                    outputs = (self.engine.step() if self._profiler is None
+                               else self._profiler.step(self.engine.step))
                 self._grant_reservations()  # blocks freed by the commands or the step
             except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
                 self._error = exc
