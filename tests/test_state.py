@@ -356,3 +356,21 @@ async def test_prefixes_isolate_clusters(client) -> None:
 
 async def test_redis_ok(client) -> None:
     assert await redis_ok(client) is True
+
+
+async def test_more_concurrent_commands_than_connections_wait_for_one(redis_url: str) -> None:
+    """A client's pool is bounded; commands beyond it wait for a free connection instead of
+    failing (redis-py's default pool raised MaxConnectionsError past 100 under load)."""
+    client = connect(redis_url, max_connections=4)
+    try:
+        async def slow_set(i: int) -> None:  # each holds its connection for a moment
+            await client.set(f"pool-test:{i}", str(i))
+            await client.blpop([f"pool-test:empty:{i}"], timeout=0.05)
+
+        await asyncio.gather(*(slow_set(i) for i in range(40)))
+        assert await client.mget([f"pool-test:{i}" for i in range(40)]) == [
+            str(i) for i in range(40)]
+        assert client.connection_pool.max_connections == 4
+    finally:
+        await client.delete(*[f"pool-test:{i}" for i in range(40)])
+        await client.aclose()

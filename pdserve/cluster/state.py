@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import RedisError
 
 DEFAULT_PREFIX = "pdserve"
@@ -102,14 +102,23 @@ def _cancelling() -> int:
     return task.cancelling() if task is not None and hasattr(task, "cancelling") else 0
 
 
-def connect(url: str, *, timeout_s: float = 5.0) -> Redis:
+MAX_CONNECTIONS = 512  # per client; a busy gateway holds about two per open stream at peaks
+
+
+def connect(url: str, *, timeout_s: float = 5.0, max_connections: int = MAX_CONNECTIONS
+            ) -> Redis:
     """A lazy client for ``url`` (``redis://host:port/db``); no I/O until first use.
 
     Replies are decoded to ``str``; every class here expects a client made by this function.
+    Its pool holds at most ``max_connections``; a command that finds them all busy waits up to
+    ``timeout_s`` for one (redis-py's default pool of 100 raises at once instead: under a load
+    of ~100 streams a gateway lost state and stream-log writes to it).
     """
-    return Redis.from_url(
-        url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+    pool = BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=timeout_s, decode_responses=True,
+        socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
     )
+    return Redis.from_pool(pool)
 
 
 async def redis_ok(client: Redis, timeout_s: float = 1.0) -> bool:
