@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -53,6 +54,9 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
                   "calls, read by --tool-call-parser")
     add_flag(p, "--tool-call-parser", "",
              help="how the model writes tool calls: hermes, smollm2 (= hermes), llama3_json")
+    add_flag(p, "--reuse-port", False, action="store_true",
+             help="bind with SO_REUSEPORT, so several gateway processes serve one port "
+                  "(`pdserve up --api-server-count`)")
 
 
 def tool_call_config(args: argparse.Namespace) -> ToolCallConfig:
@@ -95,14 +99,26 @@ async def _serve_app(app: object, args: argparse.Namespace) -> None:
                             timeout_graceful_shutdown=args.drain_timeout,
                             timeout_keep_alive=args.keep_alive_seconds)
     server = uvicorn.Server(config)
+    sockets = [reuse_port_socket(args.host, args.port)] if args.reuse_port else None
     # uvicorn handles SIGTERM while it serves (a graceful shutdown); once done, it puts back the
     # handler it found and raises the signal again, which with the default handler would kill
     # the drained process (exit -15). Found here instead: a stop request, nothing more.
     previous = signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     try:
-        await server.serve()
+        await server.serve(sockets=sockets)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) with SO_REUSEPORT: every process that binds one the
+    same way listens on the port, and the kernel hands each new connection to one of them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
 
 
 async def serve_disaggregated(args: argparse.Namespace) -> None:

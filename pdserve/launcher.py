@@ -96,6 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                   'the engine): {"method": "ngram", "num_speculative_tokens": 3}')
     add_flag(p, "--local-prefill-max-tokens", 0, type=int,
              help="prompts up to this many tokens prefill on the decode worker (0: never)")
+    add_flag(p, "--api-server-count", 1, type=int,
+             help="gateway processes sharing --port (SO_REUSEPORT: the kernel spreads client "
+                  "connections over them); one Python process streams a few thousand tokens/s")
     add_flag(p, "--routing", "kv_aware", choices=["kv_aware", "load", "round_robin"],
              help="how the gateway picks workers: kv_aware (prefill workers holding the "
                   "prompt's prefix, against load), load, round_robin")
@@ -156,7 +159,13 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
             "--redis-url", redis_url, "--tokenizer-address", f"127.0.0.1:{tok_port}", "--log-level",
             args.log_level, "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
             "--routing", args.routing, *_tool_flags(args), *lora_argv(args, engine=False)]
-    services.append(Service("gateway", argv, f"http:{gateway_url}/ready", env=_key_env(args)))
+    if args.api_server_count < 1:
+        raise SystemExit("pdserve up: --api-server-count must be at least 1")
+    if args.api_server_count > 1:
+        argv += ["--reuse-port"]
+    for i in range(args.api_server_count):
+        services.append(Service("gateway" if i == 0 else f"gateway-{i}", argv,
+                                f"http:{gateway_url}/ready", env=_key_env(args)))
     return services
 
 
@@ -343,7 +352,7 @@ def _watch(services: list[Service]) -> int:
         for s in services:
             if s.proc is None or s.proc.poll() is None or s.name in reported:
                 continue
-            if s.name in ("redis", "tokenizer", "gateway"):
+            if s.name in ("redis", "tokenizer") or s.name.startswith("gateway"):
                 print(f"pdserve up: {s.name} exited ({s.proc.returncode}); stopping the cluster",
                       file=sys.stderr)
                 return 1

@@ -17,7 +17,8 @@ def _up(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
     for name in ("HOST", "REDIS_NAMESPACE", "TLS_CERT", "TLS_KEY", "TLS_CA", "PREFILL_GPUS",
                  "DECODE_GPUS", "KV_TRANSPORT", "PREFILL_TP", "DECODE_TP", "COLOCATED",
                  "CHAT_TEMPLATE", "TOOL_CALL_PARSER", "NO_AUTO_TOOL_CHOICE",
-                 "ENABLE_AUTO_TOOL_CHOICE", "API_KEY", "ENABLE_EXPERT_PARALLEL"):
+                 "ENABLE_AUTO_TOOL_CHOICE", "API_KEY", "ENABLE_EXPERT_PARALLEL", "API_SERVER_COUNT",
+                 "REUSE_PORT"):
         monkeypatch.delenv(f"PDSERVE_{name}", raising=False)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -200,3 +201,48 @@ def test_expert_parallel_reaches_every_engine(monkeypatch: pytest.MonkeyPatch,
     assert engines
     for s in engines:
         assert build_parser().parse_args(s.argv[3:]).enable_expert_parallel, s.name
+
+
+def test_api_server_count_starts_gateways_sharing_the_port(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    services = plan(_up(["--port", "8123"], monkeypatch), "redis://127.0.0.1:6379/0", None)
+    (gateway,) = [s for s in services if s.name.startswith("gateway")]
+    assert not build_parser().parse_args(gateway.argv[3:]).reuse_port  # one: as before
+    services = plan(_up(["--port", "8123", "--api-server-count", "3"], monkeypatch),
+                    "redis://127.0.0.1:6379/0", None)
+    gateways = [s for s in services if s.name.startswith("gateway")]
+    assert [s.name for s in gateways] == ["gateway", "gateway-1", "gateway-2"]
+    for s in gateways:
+        parsed = build_parser().parse_args(s.argv[3:])
+        assert parsed.reuse_port and parsed.port == 8123
+    with pytest.raises(SystemExit, match="api-server-count"):
+        plan(_up(["--api-server-count", "0"], monkeypatch), "redis://127.0.0.1:6379/0", None)
+
+
+def test_reuse_port_sockets_share_one_port_and_both_accept() -> None:
+    """Two processes' gateways bind the same port this way; connections reach either."""
+    import select
+    import socket
+    import time
+
+    from gateway.server import reuse_port_socket
+    from pdserve.ports import free_port
+
+    port = free_port()
+    a, b = reuse_port_socket("127.0.0.1", port), reuse_port_socket("127.0.0.1", port)
+    try:
+        for s in (a, b):
+            s.listen(64)
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(32)]
+        accepted, deadline = {a: 0, b: 0}, time.monotonic() + 10
+        while sum(accepted.values()) < 32 and time.monotonic() < deadline:
+            ready, _, _ = select.select([a, b], [], [], 0.5)
+            for s in ready:
+                s.accept()[0].close()
+                accepted[s] += 1
+        assert sum(accepted.values()) == 32 and min(accepted.values()) > 0, accepted
+        for c in clients:
+            c.close()
+    finally:
+        a.close()
+        b.close()

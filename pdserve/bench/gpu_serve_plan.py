@@ -67,10 +67,13 @@ class ServeConfig:
     startup_timeout_s: float
     load: LoadConfig
     work_dir: Path | None = None  # the load generator's reports and the logs (None: out_dir)
+    api_server_count: int = 1  # gateway processes of a split system (`pdserve up`'s flag)
 
     def __post_init__(self) -> None:
         if not self.systems or set(self.systems) - set(SYSTEMS):
             raise ValueError(f"--systems is a comma list of {','.join(SYSTEMS)}")
+        if self.api_server_count < 1:
+            raise ValueError("--api-server-count must be >= 1")
         if self.kv_cache_memory < 1 or self.max_model_len < 1:
             raise ValueError("--kv-cache-memory and --max-model-len must be >= 1")
 
@@ -100,6 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the random model (default: a folder named by its shape in /tmp)")
     m.add_argument("--kv-cache-memory", type=int, default=8 << 30, help="bytes per engine")
     m.add_argument("--max-model-len", type=int, default=2048)
+    m.add_argument("--api-server-count", type=int, default=1,
+                   help="gateway processes of the split systems (pdserve up's flag)")
     g = p.add_argument_group("load (python -m loadtest)")
     g.add_argument("--request-rate", type=parse_rates, default=load.request_rates)
     g.add_argument("--num-prompts", type=int, default=load.num_prompts, help="per rate")
@@ -125,7 +130,7 @@ def config_of(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(tuple(s.strip() for s in args.systems.split(",") if s.strip()), shape,
                        model_dir, args.kv_cache_memory, args.max_model_len, args.redis_server,
                        Path(args.out_dir), args.startup_timeout, load,
-                       Path(args.work_dir) if args.work_dir else None)
+                       Path(args.work_dir) if args.work_dir else None, args.api_server_count)
 
 
 def shape_tag(shape: ModelShape) -> str:
@@ -145,7 +150,8 @@ def up_argv(cfg: ServeConfig, system: str, port: int, redis_url: str) -> list[st
         return [*argv, "--colocated"]
     transport = system.removeprefix("split_")
     gpus = ["--prefill-gpus", "0", "--decode-gpus", "1"] if system.startswith("split_") else []
-    return [*argv, "--redis-url", redis_url, "--kv-transport", transport, *gpus]
+    return [*argv, "--redis-url", redis_url, "--kv-transport", transport, *gpus,
+            "--api-server-count", str(cfg.api_server_count)]
 
 
 REPLICAS = 2  # "replicas": one colocated server per GPU

@@ -1,0 +1,102 @@
+"""Which process of a local cluster runs out of CPU under load: each matching process's CPU use,
+sampled from /proc every interval until SIGTERM / SIGINT (Linux).
+
+    python -m pdserve.bench.proc_cpu --match pdserve --out cpu.json [--interval 0.5] &
+    ... the load ...; kill %1
+
+Every interval it reads utime + stime of each process whose command line contains --match
+(`/proc/PID/stat`, `/proc/PID/cmdline`) and records the CPU share since the previous sample
+(1.0 = one core busy the whole interval). The JSON: `processes` {pid: command line} and
+`samples` [{t, cpu: {pid: share}}]; `busiest` lists, per process, its samples' 90th percentile
+and maximum: a process near 1.0 for a stretch (one Python thread holds the GIL; its other
+threads barely add) is what bounds the cluster then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: str) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime (fields 14, 15)
+
+
+def matching(pattern: str) -> dict[str, str]:
+    """{pid: command line} of the processes whose command line contains `pattern`, not this."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or entry.name == str(os.getpid()):
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:
+            continue
+        if pattern in cmd:
+            found[entry.name] = cmd[:200]
+    return found
+
+
+def sample(pattern: str, interval: float) -> dict[str, Any]:
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.append(True))
+    processes: dict[str, str] = {}
+    samples: list[dict[str, Any]] = []
+    last: dict[str, float] = {}
+    last_t, start = time.monotonic(), time.monotonic()
+    while not stop:
+        time.sleep(interval)
+        now = time.monotonic()
+        current = matching(pattern)
+        processes.update(current)
+        shares = {}
+        for pid in current:
+            secs = cpu_seconds(pid)
+            if secs is None:
+                continue
+            if pid in last:
+                shares[pid] = round((secs - last[pid]) / (now - last_t), 3)
+            last[pid] = secs
+        samples.append({"t": round(now - start, 3), "cpu": shares})
+        last_t = now
+    return {"interval_s": interval, "processes": processes, "samples": samples,
+            "busiest": busiest(samples)}
+
+
+def busiest(samples: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    per: dict[str, list[float]] = {}
+    for s in samples:
+        for pid, share in s["cpu"].items():
+            per.setdefault(pid, []).append(share)
+    return {pid: {"p90": sorted(v)[int(0.9 * (len(v) - 1))], "max": max(v), "samples": len(v)}
+            for pid, v in per.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.proc_cpu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--match", default="pdserve", help="substring of the command lines")
+    p.add_argument("--interval", type=float, default=0.5)
+    p.add_argument("--out", required=True, help="JSON file written on SIGTERM / SIGINT")
+    args = p.parse_args(argv)
+    if args.interval <= 0:
+        p.error("--interval must be > 0")
+    result = sample(args.match, args.interval)
+    Path(args.out).write_text(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
