@@ -57,7 +57,7 @@ from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput, SchedulerStats
 from engine.spec_decode.draft_model import DraftModel
 from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.policy import draft_limit
+from engine.spec_decode.planner import DraftPlanner
 from engine.stop_checker import StopStringMatcher
 from engine.structured.manager import StructuredOutputs
 from engine.token_controls import bad_words_token_ids
@@ -90,6 +90,9 @@ class LLMEngine(KVHandoffMixin):
         self.proposer: NgramProposer | DraftModel | None = self.runner.drafter
         if config.speculative is not None and config.role != "prefill" and self.proposer is None:
             self.proposer = NgramProposer(config.speculative)
+        self.planner: DraftPlanner | None = None  # each step's drafts, cut to those that pay
+        if self.proposer is not None and config.speculative is not None:
+            self.planner = DraftPlanner(self.proposer, config.speculative.disable_by_batch_size)
         self._overlap = (config.async_scheduling and config.role != "prefill"
                          and self.proposer is None)
         self._history_bound: set[str] = set()  # requests whose sampling reads every token
@@ -283,8 +286,9 @@ class LLMEngine(KVHandoffMixin):
         overlap = self._overlap and not self._history_bound
         if self._inflight is not None and not overlap:
             return self._complete(*self._take_inflight())
-        if self.proposer is not None:
-            self._propose()
+        started = time.perf_counter()
+        if self.planner is not None:
+            self.planner.propose(self.scheduler.running, len(self.scheduler.waiting))
         out = self.scheduler.schedule()
         if self.runner.drafter is not None:  # the step placed: the draft model guesses
             self.runner.drafter.fill(out, self.config.cache.block_size)
@@ -304,20 +308,9 @@ class LLMEngine(KVHandoffMixin):
                 self._inflight = (out, launched)
             else:
                 outputs = self._complete(out, launched)
+                if self.planner is not None:
+                    self.planner.measured(out, time.perf_counter() - started)
         return outputs
-
-    def _propose(self) -> None:
-        """Draft tokens for each running request whose next step is a decode (a constrained
-        one's verification masks each position by its grammar after the drafts before it)."""
-        assert self.proposer is not None
-        limit = self.config.speculative.disable_by_batch_size  # type: ignore[union-attr]
-        sched = self.scheduler
-        if limit is not None and len(sched.running) + len(sched.waiting) >= limit:
-            return  # a batch this large is compute-bound: drafts would cost, not save
-        for req in self.scheduler.running:
-            if req.num_tokens_to_compute == 1 and not req.num_pending:
-                limit = draft_limit(req, self.proposer.k)  # fewer where drafts keep failing
-                req.spec_token_ids = self.proposer.propose(req)[:limit] if limit else []
 
     def _kv_notes(self, out: SchedulerOutput) -> StepNotes | None:
         """The KV notes of this step's watched requests; first, the preempted ones' earlier

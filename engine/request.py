@@ -104,10 +104,12 @@ class Request:
     # Speculative decoding: tokens proposed to follow this request's last one (engine/spec_decode/),
     # set by the engine before each step; the scheduler verifies them with its next decode.
     spec_token_ids: list[int] = field(default_factory=list)
-    # how likely its drafts pass (moving average) and steps since it last had drafts: the
-    # proposal length policy's (engine/spec_decode/policy.py)
-    spec_acceptance: float = 1.0
+    # how likely its drafts pass (moving average), steps since it last had drafts, and the
+    # first draft of a proposal it did not verify (judged against the token its step emits):
+    # the draft policy's (engine/spec_decode/policy.py); a prior of one draft in two passing
+    spec_acceptance: float = 0.5
     spec_idle_steps: int = 0
+    spec_unverified: int | None = None
     # Multi-LoRA: the adapter this request runs under (engine/lora/), None for the base model.
     # It also keys the request's prefix-cache hashes (engine/block_manager.py).
     lora_name: str | None = None

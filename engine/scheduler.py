@@ -332,6 +332,8 @@ class Scheduler:
             if s.spec_token_ids:
                 self.spec_decode.count(len(s.spec_token_ids), len(emitted) - 1)
                 spec_policy.observe(req, len(s.spec_token_ids), len(emitted) - 1)
+            else:
+                spec_policy.judge_unverified(req, emitted[0][0])
             for token_id, logprobs in emitted:
                 if self._append(req, token_id, logprobs):
                     finished.append(req)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_disagg_engine import disaggregated, run_all
+from test_spec_decode import verify_every_draft
 
 from engine.llm import LLM, build_engine_config
 from engine.llm_engine import LLMEngine
@@ -37,7 +38,8 @@ def make(path: str, draft: str | None, k: int = 3, **kwargs) -> LLM:
     spec = None if draft is None else {"model": draft, "num_speculative_tokens": k}
     kwargs.setdefault("kv_cache_memory", 16 << 20)
     kwargs.setdefault("max_model_len", 256)
-    return LLM(path, dtype="float32", device="cpu", speculative_config=spec, **kwargs)
+    return verify_every_draft(LLM(path, dtype="float32", device="cpu", speculative_config=spec,
+                                  **kwargs))
 
 
 def tokens(llm: LLM, params=GREEDY, prompts=PROMPTS) -> list[list[int]]:
@@ -94,8 +96,8 @@ def test_bad_draft_configs_are_refused(tiny_llama_dir, tmp_path, bundled_tokeniz
 def test_a_decode_worker_speculates_with_a_draft(tiny_llama_dir):
     """Prefill on one engine, KV moved, decode with a draft model: equals colocated."""
     def engine(role: str, **kw) -> LLMEngine:
-        return LLMEngine(build_engine_config(tiny_llama_dir, dtype="float32", device="cpu",
-                                             role=role, **kw))
+        return verify_every_draft(LLMEngine(build_engine_config(
+            tiny_llama_dir, dtype="float32", device="cpu", role=role, **kw)))
 
     colocated = engine("colocated")
     for i, p in enumerate(PROMPTS):

@@ -69,8 +69,9 @@ def test_decode_rows_of_the_note_example():
 
 def _llm(path: str, spec: dict | None, **kwargs) -> LLM:
     kwargs.setdefault("kv_cache_memory", 16 << 20)
-    return LLM(path, dtype="float32", device=DEVICE, attention_backend="triton",
-               max_model_len=256, max_num_seqs=4, speculative_config=spec, seed=0, **kwargs)
+    return test_spec_decode.verify_every_draft(LLM(
+        path, dtype="float32", device=DEVICE, attention_backend="triton", max_model_len=256,
+        max_num_seqs=4, speculative_config=spec, seed=0, **kwargs))
 
 
 def _tokens(llm: LLM, max_tokens: int, lora_request=None) -> list[list[int]]:
@@ -103,8 +104,9 @@ def _replay_eagerly(llm: LLM, monkeypatch) -> list[tuple[int, int]]:
 def test_torch_decode_rows_equal_the_chunked_forward(copy_llama_dir, monkeypatch):
     """Every verification step, also run as decode rows (torch backend, no padding), gives the
     chunked forward's hidden states."""
-    llm = LLM(copy_llama_dir, dtype="float32", device="cpu", attention_backend="torch",
-              max_model_len=256, kv_cache_memory=16 << 20, speculative_config=NGRAM)
+    llm = test_spec_decode.verify_every_draft(LLM(
+        copy_llama_dir, dtype="float32", device="cpu", attention_backend="torch",
+        max_model_len=256, kv_cache_memory=16 << 20, speculative_config=NGRAM))
     runner = llm.llm_engine.runner
     real, checked = runner._forward, []
 

@@ -1,24 +1,38 @@
-"""How many drafts to verify for a request: fewer as its drafts keep being rejected.
+"""How many drafts to verify in a step: the ones expected to pay for the rows they add.
 
-NOTE: verifying a draft costs a query token of the target's forward whether it is accepted or
-not: next to free at batch 1 on a GPU (the step reads the weights anyway), a real share of the
-step where the forward is compute-bound (large batches, the CPU). So a request whose drafts
-rarely pass should be asked for fewer, as vLLM and SGLang turn speculation down. Each request
-keeps `spec_acceptance`, an exponential moving average of the chance that a draft is accepted
-(drafts after the first rejection are not counted: they were never judged). With a per-draft
-chance a, draft j is used only if all before it pass, with chance a^j; the policy verifies the
-drafts whose chance is at least `MIN_CHANCE` and none when not even the first reaches it, except
-one draft every `PROBE_EVERY` steps to notice when the text becomes predictable again.
-Torch-free: the scheduler observes, the engine asks.
+NOTE: a verified draft costs a query token of the target's forward whether it passes or not,
+and what a token costs depends on the step: next to nothing on a GPU at batch 1, about as much
+as a whole decode on the CPU at batch 8 (step_costs.py measures it). So the step is planned as
+SmartSpec does (Liu et al. 2024, "goodput"): each request keeps `spec_acceptance`, a moving
+average of the chance a that a draft passes (drafts after the first rejection are not counted:
+they were never judged), so its draft j (from 0) is used with chance a^(j + 1). Over the batch,
+the candidate drafts are sorted by that chance and the m most likely are verified, m maximising
+
+    expected tokens per second = (B + chance of the m drafts) / cost(B + m)
+
+(B: the step's tokens without drafts). A request's drafts are taken in order, since their chances
+fall with j. A request given no drafts is still watched: an n-gram proposal costs nothing to make,
+so its first draft is compared with the token the step emits (`judge_unverified`): for a greedy
+request exactly whether it would have passed, for a sampled one a draw of that chance
+(P(token = d) = p(d)). Drafts that cost a forward to make (a draft model) are not made for it;
+such a request verifies one draft every `PROBE_EVERY` steps instead, to notice when its text
+becomes predictable again.
+
+A seeded sampled request draws two uniforms from its own generator per verified row, so its
+tokens depend on how many drafts it verifies: that must not depend on the batch or the clock
+(same seed, same tokens). It verifies the drafts whose chance is at least `MIN_CHANCE`, from its
+own history alone (`own_limit`). Torch-free: the scheduler observes, the engine asks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.request import Request
 
-MIN_CHANCE = 0.3  # a draft verified below this chance of being used costs more than it gives
 WEIGHT = 0.3  # of each verification in the moving average
-PROBE_EVERY = 8  # steps without drafts before one is tried again
+MIN_CHANCE = 0.3  # seeded requests: the least chance of being used at which a draft is verified
+PROBE_EVERY = 8  # steps without drafts before one is tried again (drafts that are not free)
 
 
 def observe(req: Request, num_drafts: int, num_accepted: int) -> None:
@@ -27,14 +41,54 @@ def observe(req: Request, num_drafts: int, num_accepted: int) -> None:
     req.spec_acceptance += WEIGHT * (num_accepted / judged - req.spec_acceptance)
 
 
-def draft_limit(req: Request, k: int) -> int:
-    """How many of up to `k` drafts to verify in `req`'s next step."""
-    a, n = req.spec_acceptance, 0
-    while n < k and a ** (n + 1) >= MIN_CHANCE:
+def judge_unverified(req: Request, token_id: int) -> None:
+    """`req`'s step emitted `token_id` without verifying the draft it had been proposed
+    (`req.spec_unverified`): observe that draft as if it had been verified."""
+    if req.spec_unverified is not None:
+        observe(req, 1, int(req.spec_unverified == token_id))
+        req.spec_unverified = None
+
+
+def plan_drafts(
+    acceptance: list[float],  # per request, its chance a that a draft passes
+    proposed: list[int],  # per request, how many drafts it has
+    base_tokens: int,  # the step's query tokens without drafts
+    cost: Callable[[int], float | None],  # seconds of a step of T query tokens (None: unknown)
+) -> list[int]:
+    """Per request, how many of its drafts to verify (see the NOTE): all when nothing is known
+    of the costs yet."""
+    chances = sorted(((a ** (j + 1), i) for i, (a, n) in enumerate(zip(acceptance, proposed,
+                                                                        strict=True))
+                      for j in range(n)), key=lambda c: -c[0])
+    base_cost = cost(base_tokens)
+    if base_cost is None:
+        return list(proposed)
+    best_rate, best_m, gain = base_tokens / base_cost, 0, float(base_tokens)
+    for m, (chance, _) in enumerate(chances, 1):
+        gain += chance
+        seconds = cost(base_tokens + m) or base_cost
+        if gain / seconds > best_rate:
+            best_rate, best_m = gain / seconds, m
+    counts = [0] * len(proposed)
+    for _, i in chances[:best_m]:
+        counts[i] += 1
+    return counts
+
+
+def own_limit(acceptance: float, num_drafts: int) -> int:
+    """How many of `num_drafts` drafts a seeded request verifies (see the NOTE)."""
+    n = 0
+    while n < num_drafts and acceptance ** (n + 1) >= MIN_CHANCE:
         n += 1
-    if n:
+    return n
+
+
+def probe(req: Request, num_drafts: int) -> int:
+    """`num_drafts` for `req`, or 1 when it has gone `PROBE_EVERY` steps without any (for
+    proposers whose drafts cannot be judged unverified)."""
+    if num_drafts:
         req.spec_idle_steps = 0
-        return n
+        return num_drafts
     req.spec_idle_steps += 1
     if req.spec_idle_steps >= PROBE_EVERY:
         req.spec_idle_steps = 0

@@ -9,7 +9,9 @@ Each (workload, batch size) runs the same requests on a plain engine and on an n
 `--k`, alternating for `--rounds` rounds; tok/s is output tokens over wall time (prefill
 included; also per CPU-second of this process, steadier where other work shares the cores),
 and the acceptance length is tokens emitted per verification with drafts (1 + the
-accepted drafts), from the engine's counters. The outputs of both must be equal (greedy).
+accepted drafts), from the engine's counters. The outputs of both must be equal (greedy), in
+every round: `same` says whether they were (with the quantized bundled model a greedy near-tie
+can break either way: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ def measure(
     seconds = dict.fromkeys(engines, 0.0)
     cpu_seconds = dict.fromkeys(engines, 0.0)
     tokens = dict.fromkeys(engines, 0)
-    outputs: dict[str, list] = {}
+    outputs: dict[str, list] = {name: [] for name in engines}  # every round's
     before = {name: llm.llm_engine.stats() for name, llm in engines.items()}
     for _ in range(args.rounds):
         for name, llm in engines.items():
@@ -153,7 +155,7 @@ def measure(
             seconds[name] += took
             cpu_seconds[name] += cpu
             tokens[name] += sum(len(t) for t in ids)
-            outputs[name] = ids
+            outputs[name].append(ids)
     rows = []
     for name, llm in engines.items():
         s, b = llm.llm_engine.stats(), before[name]

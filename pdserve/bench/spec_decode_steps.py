@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from engine import llm_engine
 from pdserve import LLM, SamplingParams
 from pdserve.bench.gpu_model import ModelShape, save_random_model
 
@@ -67,7 +66,8 @@ def step_ms(
     engine = llm.llm_engine
     if engine.proposer is not None:
         engine.proposer.propose = lambda req: [req.output_token_ids[-1]] * k
-    policy, llm_engine.draft_limit = llm_engine.draft_limit, lambda req, limit: limit
+    if engine.planner is not None:  # every step verifies k drafts per request
+        engine.planner.plan = lambda acceptance, proposed, base, cost: list(proposed)
     times: list[float] = []
     step = engine.step
 
@@ -97,15 +97,12 @@ def step_ms(
         for i in range(batch)
     ]
     params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
-    try:
-        llm.generate(prompts, params, use_tqdm=False)  # warm-up
-        times.clear()
-        events.clear()
-        graphs = engine.runner.graphs
-        before = graphs.replays if graphs is not None else 0
-        llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        llm_engine.draft_limit = policy
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    times.clear()
+    events.clear()
+    graphs = engine.runner.graphs
+    before = graphs.replays if graphs is not None else 0
+    llm.generate(prompts, params, use_tqdm=False)
     replayed = (graphs.replays - before) if graphs is not None else 0
     torch.cuda.synchronize()
     forward_ms = statistics.median(a.elapsed_time(b) for a, b in events[2:])

@@ -1,0 +1,111 @@
+"""The draft policy: measured step costs, the goodput plan, acceptance judged without verifying."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import SpeculativeConfig
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.planner import DraftPlanner
+from engine.spec_decode.policy import (
+    PROBE_EVERY,
+    judge_unverified,
+    observe,
+    own_limit,
+    plan_drafts,
+    probe,
+)
+from engine.spec_decode.step_costs import StepCosts
+
+# step seconds by query tokens: the CPU's shape (flat to 4 rows, a jump at 5)
+CPU_COSTS = {1: 16.0, 2: 17.0, 3: 18.0, 4: 20.0, 5: 32.0}
+
+
+def make_req(acceptance: float = 1.0) -> Request:
+    req = Request("r", [1, 2, 3], SamplingParams(temperature=0), max_tokens=16)
+    req.spec_acceptance = acceptance
+    return req
+
+
+def test_step_costs_interpolate_and_guess_unmeasured_sizes_cheap():
+    costs = StepCosts()
+    costs.observe(5, 1.0)  # a size's first step: not kept
+    assert costs.estimate(4) is None
+    costs.observe(5, 0.040)
+    assert costs.estimate(1) == pytest.approx(0.008)  # below the smallest: scaled down
+    costs.observe(1, 0.5)
+    costs.observe(1, 0.020)
+    assert costs.estimate(3) == pytest.approx(0.030)  # between: interpolated
+    assert costs.estimate(9) == pytest.approx(0.040)  # above the largest: as cheap as it
+    costs.observe(5, 0.060)
+    assert costs.estimate(5) == pytest.approx(0.044)  # a moving average
+    costs.observe(5, 10.0)  # another process took the cores: counts as twice the average
+    assert costs.estimate(5) == pytest.approx(0.0528)
+
+
+def test_plan_stops_before_the_jump_in_cost():
+    # a = 0.9: 1 + 0.9 + 0.81 + 0.729 = 3.439 tokens in 20 s beats 4.095 in 32 s
+    assert plan_drafts([0.9], [4], 1, CPU_COSTS.get) == [3]
+    assert plan_drafts([0.2], [4], 1, CPU_COSTS.get) == [1]  # 1.2 / 17 > 1.24 / 18 > 1 / 16
+    assert plan_drafts([0.05], [4], 1, CPU_COSTS.get) == [0]
+    assert plan_drafts([0.9], [4], 1, lambda t: None) == [4]  # nothing measured: all
+
+
+def test_plan_takes_the_likeliest_drafts_of_the_batch_first():
+    def linear(t: int) -> float:  # a row costs a sixth of the step's fixed cost
+        return 6.0 + t
+
+    # 2 requests: the first's drafts pass with 0.9, the second's with 0.2
+    assert plan_drafts([0.9, 0.2], [3, 3], 2, linear) == [3, 0]
+    # eight requests where a row costs what a token gives: none
+    assert plan_drafts([0.6] * 8, [3] * 8, 8, lambda t: float(t)) == [0] * 8
+
+
+def test_unverified_drafts_are_judged_against_the_emitted_token():
+    req = make_req(0.5)
+    req.spec_unverified = 7
+    judge_unverified(req, 7)
+    assert req.spec_acceptance == pytest.approx(0.65) and req.spec_unverified is None
+    judge_unverified(req, 7)  # nothing proposed since: no change
+    assert req.spec_acceptance == pytest.approx(0.65)
+    req.spec_unverified = 7
+    judge_unverified(req, 8)
+    assert req.spec_acceptance == pytest.approx(0.455)
+    observe(req, 4, 4)  # verified: all four passed
+    assert req.spec_acceptance == pytest.approx(0.6185)
+
+
+def test_probe_every_few_idle_steps():
+    req = make_req()
+    got = [probe(req, 0) for _ in range(2 * PROBE_EVERY)]
+    assert got.count(1) == 2 and got.count(0) == 2 * PROBE_EVERY - 2
+    assert probe(req, 3) == 3 and req.spec_idle_steps == 0
+
+
+def test_seeded_requests_verify_by_their_own_history():
+    assert own_limit(1.0, 4) == 4
+    assert own_limit(0.6, 4) == 2  # 0.6^2 = 0.36 >= 0.3 > 0.6^3
+    assert own_limit(0.2, 4) == 0
+
+
+def decoding(rid: str, tokens: list[int], **params) -> Request:
+    """A request whose prompt is computed: its next step is a decode."""
+    req = Request(rid, tokens, SamplingParams(**params), max_tokens=16)
+    req.num_computed_tokens = len(tokens) - 1
+    return req
+
+
+def test_planner_cuts_drafts_by_cost_and_keeps_seeded_requests_to_their_history():
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
+    planner = DraftPlanner(NgramProposer(spec), None)
+    greedy = decoding("g", [1, 2, 3, 4, 1, 2])  # proposes 3 4 1
+    seeded = decoding("s", [1, 2, 3, 4, 1, 2], temperature=1.0, seed=3)
+    planner.costs.estimate = lambda t: float(t)  # a row costs what a token gives: none pay
+    planner.propose([greedy, seeded], 0)
+    assert greedy.spec_token_ids == [] and greedy.spec_unverified == 3  # watched for free
+    assert seeded.spec_token_ids == [3]  # 0.5 >= 0.3 > 0.25, whatever the costs
+    planner.costs.estimate = lambda t: 1.0  # rows for free: all
+    planner.propose([greedy, seeded], 0)
+    assert greedy.spec_token_ids == [3, 4, 1] and greedy.spec_unverified is None
