@@ -105,7 +105,7 @@ async def _serve_app(app: object, args: argparse.Namespace) -> None:
     # the drained process (exit -15). Found here instead: a stop request, nothing more.
     previous = signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     try:
-        await server.serve(sockets=sockets)
+        await (server.serve() if sockets is None else server.serve(sockets=sockets))
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -276,7 +276,8 @@ class Slow(FakeBackend):
             yield TokenDelta([prompt_token_ids[0]], None, "length" if last else None, None)
 
 args = argparse.Namespace(host="127.0.0.1", port=int(sys.argv[1]), log_level="info",
-                          drain_timeout=float(sys.argv[2]), keep_alive_seconds=15.0)
+                          drain_timeout=float(sys.argv[2]), keep_alive_seconds=15.0,
+                          reuse_port=False)
 app = build_app(Slow(load_tokenizer(resolve_model(None))))
 print("starting", flush=True)
 asyncio.run(_serve_app(app, args))
