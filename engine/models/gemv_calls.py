@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.tp_layers import dense_linear, gemv_scale
+from engine.models.tp_layers import dense_linear, gemv_act_dtype, gemv_scale
 from kernels.fp8_gemv import fp8_gemv
 from kernels.gemv import GemvBlocks, gemv, gemv_supports
 from kernels.gemv_rmsnorm import gemv_rmsnorm, gemv_rmsnorm_supports
@@ -36,7 +36,7 @@ Calls = Callable[[list, int, GemvBlocks | None], list[Callable[[], object]]]
 
 def _randn(m: int, k: int, w: torch.Tensor) -> torch.Tensor:
     """[m, k] activations for weight `w`: its dtype, or an FP8 layer's activation dtype."""
-    return torch.randn(m, k, device=w.device, dtype=w.__dict__.get("gemv_act_dtype", w.dtype))
+    return torch.randn(m, k, device=w.device, dtype=gemv_act_dtype(w))
 
 
 def _unplanned(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ from engine.models.tp_layers import (
     Linear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    gemv_act_dtype,
     gemv_scale,
     gemv_weight,
 )
@@ -210,7 +211,7 @@ def _normed_weights(model: nn.Module) -> dict[tuple[int, int], list[tuple[nn.Par
             w = None if isinstance(proj, RowParallelLinear) else gemv_weight(proj)
             if norm is None or w is None or not _plannable(w):
                 continue
-            if norm.weight.dtype == w.__dict__.get("gemv_act_dtype", w.dtype):
+            if norm.weight.dtype == gemv_act_dtype(w):
                 groups.setdefault(tuple(w.shape), []).append((w, norm))
     return groups
 

@@ -72,6 +72,12 @@ def gemv_scale(weight: torch.Tensor) -> torch.Tensor | None:
     return weight.__dict__.get("gemv_scale")
 
 
+def gemv_act_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype of the activations a decode weight multiplies: an FP8 layer's (set on its
+    codes), else the weight's own."""
+    return weight.__dict__.get("gemv_act_dtype", weight.dtype)
+
+
 def gemv_weight(module: nn.Module | None) -> torch.Tensor | None:
     """The weight the decode GEMVs stream for `module`: a dense projection's, a quantized
     layer's `gemv_weight` (FP8 codes), or None (the module takes no decode GEMV)."""
