@@ -16,7 +16,13 @@ graph replays, engine/cuda_timing.py), for tiles (BLOCK_N, BLOCK_K, warps), with
     bf16mul w.to(bfloat16) times x in bf16, accumulated in fp32 (rounds each product)
 
 and reports GB/s, the ratio to bf16's GB/s on the same shape, and the relative error against
-`kernels/fp8.py` `w8a16_ref`. JSON to DIR/bench_gpu_fp8_gemv.json.
+`kernels/fp8.py` `w8a16_ref`. `dot` rows: kernels/fp8_dot_gemv.py, no widening at all (x
+quantized per token to fp8 beforehand, fp8 x fp8 tensor-core dots; tiles (BLOCK_N, BLOCK_K,
+warps, stages, split K), a split K adding fp32 partial sums atomically into a zeroed output,
+the zeroing's launch timed with it), error against the same W8A16 reference (so it includes
+x's quantization);
+`quantize_rows` is the cost of quantizing x in its own launch. `--dot-only` skips the widenings.
+JSON to DIR/bench_gpu_fp8_gemv.json.
 """
 
 from __future__ import annotations
@@ -31,12 +37,17 @@ import triton.language as tl
 from engine.cuda_timing import graph_us
 from engine.quant.fp8 import quantize_weight
 from kernels.fp8 import w8a16_ref
+from kernels.fp8_dot_gemv import fp8_dot_gemv
+from kernels.fp8_quant import quantize_rows
 from kernels.gemv import GemvBlocks, gemv
 from pdserve.bench.report import bench_main, write_report
 
 SHAPES = {"qkv": (3072, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
 LAYERS = 16
 TILES = ((4, 1024, 4), (8, 1024, 4), (4, 2048, 4), (8, 2048, 8), (16, 1024, 8))
+DOT_TILES = ((16, 256, 4, 4, 1), (32, 256, 4, 4, 1), (64, 256, 4, 3, 1), (16, 512, 4, 4, 1),
+             (16, 256, 4, 4, 2), (32, 256, 4, 4, 2), (32, 256, 4, 4, 4), (64, 256, 4, 3, 4),
+             (64, 128, 4, 4, 8), (32, 256, 4, 3, 8), (64, 256, 4, 3, 8), (128, 128, 4, 4, 8))
 WIDEN = {"cvt": 0, "f16bits": 1, "f32bits": 2, "bf16mul": 3}
 FOLD = {0: 1.0, 1: 2.0 ** 8, 2: 2.0 ** 120, 3: 1.0}  # what each widening leaves in the scale
 
@@ -100,7 +111,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bf16_gbs = n * k * 2 / bf16_us / 1e3
         row: dict[str, Any] = {"bf16_us": bf16_us, "bf16_GBs": bf16_gbs, "fp8": {}}
         ref = w8a16_ref(x, quant[0].qweight, quant[0].scale)
-        for wname, widen in WIDEN.items():
+        xq, sx = quantize_rows(x)
+        row["quantize_rows_us"] = graph_us([lambda x=x: quantize_rows(x)] * LAYERS)
+        for tile in DOT_TILES:
+            if k % (tile[1] * tile[4]):
+                continue
+            dtype = x.dtype if tile[4] == 1 else torch.float32  # split K: fp32 atomics
+            calls = [lambda q=q, t=tile, xq=xq, sx=sx, d=dtype: fp8_dot_gemv(
+                xq, sx, q.qweight, q.scale, None, d, *t) for q in quant]
+            us = graph_us(calls)
+            err = _rel_err(calls[0](), ref)
+            gbs = n * k / us / 1e3
+            row["fp8"][f"dot {tile}"] = {"us": us, "GBs": gbs, "of_bf16_GBs": gbs / bf16_gbs,
+                                         "rel_err": err}
+            print(f"{name} dot {tile}: {us:6.1f} us {gbs:6.0f} GB/s "
+                  f"({gbs / bf16_gbs:.2f} of bf16's {bf16_gbs:.0f}) err {err:.1e}", flush=True)
+        for wname, widen in ({} if args.dot_only else WIDEN).items():
             scales = [q.scale * FOLD[widen] for q in quant]
             for tile in TILES:
                 if tile[1] > k:
@@ -121,6 +147,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench_results", help="folder of the JSON report")
+    parser.add_argument("--dot-only", action="store_true",
+                        help="time only kernels/fp8_dot_gemv.py's tiles besides bf16")
 
 
 def main(argv: list[str] | None = None) -> int:
