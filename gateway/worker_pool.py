@@ -77,9 +77,9 @@ class WorkerPool:
             reasons = ("round_robin", "round_robin")
         else:
             hits, blocks = await self._hits(workers, token_ids, lora)
-            decode = pick_decode(workers, hits, blocks, lora)
+            decode = pick_decode(workers, hits, blocks, lora, self._turn)
             prefill = None if local else pick_prefill(workers, hits, blocks, lora,
-                                                      self.in_flight())
+                                                      self.in_flight(), self._turn)
             reasons = (_reason(decode, hits, lora), _reason(prefill, hits, lora))
         if decode is None:
             raise BackendError("no decode worker is available", retryable=True)

@@ -105,6 +105,20 @@ def test_the_gateways_own_calls_in_flight_count_where_the_registry_lags():
     assert pick_prefill([busy, p1], {"p0": 1}, 10, in_flight={busy.address: 1}) == p1
 
 
+def test_ties_go_round_in_turn_and_never_beat_the_load():
+    """Idle workers tie on everything: request after request they take turns (a fixed
+    tie-break would send a light load all to one worker); a shorter queue still wins."""
+    p0, p1, p2 = _prefill("p0", 0), _prefill("p1", 0), _prefill("p2", 0)
+    picks = [pick_prefill([p2, p0, p1], turn=t).worker_id for t in range(6)]
+    assert picks == ["p0", "p1", "p2", "p0", "p1", "p2"]
+    busy = _prefill("p1", 1)
+    assert {pick_prefill([p0, busy], turn=t).worker_id for t in range(4)} == {"p0"}
+    assert pick_prefill([p0, p1], {"p1": 4}, 10, turn=0) == p1  # a hit is no tie
+    d0, d1 = _decode("d0", 90), _decode("d1", 90)
+    assert [pick_decode([d0, d1], turn=t).worker_id for t in range(3)] == ["d0", "d1", "d0"]
+    assert pick_decode([d0, _decode("d1", 91)], turn=0).worker_id == "d1"
+
+
 def _decode(wid: str, free: int) -> WorkerInfo:
     return WorkerInfo(wid, "decode", f"127.0.0.1:{len(wid)}{free}", num_free_blocks=free,
                       num_total_blocks=100, block_size=BS)
@@ -136,7 +150,7 @@ async def test_worker_pool_routes_a_second_turn_to_the_holder(redis_url):
     await index.publish("p1", KVEventBatch(True, prefix_hashes(history, BS)))
     pool = WorkerPool(Registry(), routing="kv_aware", prefixes=index)
     assert (await pool.route(False, set(), history + [7, 8, 9]))[1] == p1
-    assert (await pool.route(False, set(), list(range(50))))[1] == p0  # no hits: by load, id
+    assert (await pool.route(False, set(), list(range(50))))[1] == p0  # no hits: in turn
     assert pool.decisions == {"decode:load": 2, "prefill:prefix_hit": 1, "prefill:load": 1}
     # a decode worker holding the history is picked too (it is pushed only the rest)
     d1 = WorkerInfo("d1", "decode", "127.0.0.1:8", num_free_blocks=5, num_total_blocks=10,
@@ -149,6 +163,9 @@ async def test_worker_pool_routes_a_second_turn_to_the_holder(redis_url):
     rr = WorkerPool(Registry(), routing="round_robin")
     picks = [(await rr.route(False, set(), history))[1].worker_id for _ in range(4)]
     assert sorted(picks) == ["p0", "p0", "p1", "p1"]
+    by_load = WorkerPool(Registry(), routing="load")
+    picks = [(await by_load.route(False, set(), history))[1].worker_id for _ in range(4)]
+    assert picks == ["p1", "p0", "p1", "p0"]  # idle: in turn, whatever p1 caches
     with pytest.raises(ValueError, match="routing must be one of"):
         WorkerPool(Registry(), routing="random")
     await client.aclose()

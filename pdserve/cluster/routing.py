@@ -8,7 +8,8 @@ NOTE (kv_aware, prefill workers): each candidate w scores
     q        = max(waiting + running requests on w in the registry,
                    Prefill calls this gateway has in flight to w)
 
-and the highest score wins (ties: shorter queue, more free KV blocks, smaller worker_id). The
+and the highest score wins (ties: shorter queue, more free KV blocks, then in rotation; see
+below). The
 load term is half its weight at QUEUE_HALF queued requests: a turn whose history one worker
 holds goes there while that worker is busy, but a small shared prefix does not pull requests
 onto a saturated worker (hit 0.1 against a queue of 8: 0.1 - 0.67 < 0 for an idle peer). With no
@@ -25,6 +26,14 @@ weighs less and the load is the KV cache's fill:
 
 (a full hit is worth half the cache: it never sends a request to a worker 60% fuller than an
 empty peer). With no hits anywhere it is the `load` policy: most free KV blocks.
+
+NOTE (ties): what is left equal after the score and the load counts goes to the workers in
+turn (by worker_id, starting one further on each routed request: `turn`), as a least-connections
+balancer does. Idle workers tie on everything, and a fixed tie-break (the smallest worker_id)
+would send every request of a light load to one worker: under `load` that is an accidental
+prefix affinity (a conversation's turns all land where its history is cached), and under
+kv_aware it would pile new conversations, which hit nowhere beyond a shared system prompt, onto
+one worker's cache.
 
 NOTE (LoRA, kv_aware and load): a request under a LoRA adapter prefers workers whose registry
 entry lists the adapter (WorkerInfo.lora_adapters): the others would first read it from disk
@@ -55,13 +64,14 @@ DECODE_LORA_WEIGHT = 0.25
 
 def pick_decode(
     workers: Iterable[WorkerInfo], hit_blocks: Mapping[str, int] | None = None,
-    prompt_blocks: int = 0, lora: str | None = None,
+    prompt_blocks: int = 0, lora: str | None = None, turn: int = 0,
 ) -> WorkerInfo | None:
     """The decode worker by the NOTE's score (`lora`: the request's adapter); without hits or
     adapter, the one with the most free KV blocks. Ties go to more free blocks, fewer running
-    requests, then the smaller worker_id. Workers of other roles are ignored; None if there is
+    requests, then in rotation (`turn`). Workers of other roles are ignored; None if there is
     none."""
     decode = [w for w in workers if w.role == "decode"]
+    rank = _rotation(decode, turn)
     hits = hit_blocks if prompt_blocks and any((hit_blocks or {}).values()) else {}
 
     def key(w: WorkerInfo) -> tuple:
@@ -70,7 +80,7 @@ def pick_decode(
             used = 1.0 - w.num_free_blocks / w.num_total_blocks if w.num_total_blocks else 1.0
             hit = hits.get(w.worker_id, 0) / prompt_blocks if hits else 0.0
             score = DECODE_HIT_WEIGHT * hit - used + DECODE_LORA_WEIGHT * _held(w, lora)
-        return (-score, -w.num_free_blocks, w.num_running, w.worker_id)
+        return (-score, -w.num_free_blocks, w.num_running, rank[w.worker_id])
 
     return min(decode, key=key, default=None)
 
@@ -78,23 +88,32 @@ def pick_decode(
 def pick_prefill(
     workers: Iterable[WorkerInfo], hit_blocks: Mapping[str, int] | None = None,
     prompt_blocks: int = 0, lora: str | None = None, in_flight: Mapping[str, int] | None = None,
+    turn: int = 0,
 ) -> WorkerInfo | None:
     """The prefill worker by the NOTE's score (`hit_blocks`: worker_id -> leading prompt blocks
     it holds, of `prompt_blocks`; `in_flight`: address -> the caller's calls in flight there);
-    without hits, the shortest queue, ties to more free KV blocks, then the smaller worker_id;
+    without hits, the shortest queue, ties to more free KV blocks, then in rotation (`turn`);
     `lora`, the request's adapter, favours the workers holding it. Workers of other roles are
     ignored; None if there is none."""
     prefill = [w for w in workers if w.role == "prefill"]
     if not prefill:
         return None
+    rank = _rotation(prefill, turn)
 
     def key(w: WorkerInfo) -> tuple:
         queue = max(w.num_waiting + w.num_running, (in_flight or {}).get(w.address, 0))
         hit = (hit_blocks or {}).get(w.worker_id, 0) / prompt_blocks if prompt_blocks else 0.0
         score = hit - queue / (queue + QUEUE_HALF) + PREFILL_LORA_WEIGHT * _held(w, lora)
-        return (-score, queue, -w.num_free_blocks, w.worker_id)
+        return (-score, queue, -w.num_free_blocks, rank[w.worker_id])
 
     return min(prefill, key=key)
+
+
+def _rotation(workers: list[WorkerInfo], turn: int) -> dict[str, int]:
+    """worker_id -> its place in the tie-break order of request `turn`: sorted by worker_id,
+    starting at the `turn`-th (cyclically)."""
+    ids = sorted(w.worker_id for w in workers)
+    return {wid: (i - turn) % len(ids) for i, wid in enumerate(ids)}
 
 
 def _held(w: WorkerInfo, lora: str | None) -> int:
