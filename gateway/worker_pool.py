@@ -9,6 +9,7 @@ no call uses it: a draining worker's streams run to their end.
 
 from __future__ import annotations
 
+import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ class _Channel:
 
 class WorkerPool:
     def __init__(self, registry: Any, tls: TLSConfig = PLAINTEXT, routing: str = "kv_aware",
-                 prefixes: PrefixIndex | None = None, metrics: Any = None) -> None:
+                 prefixes: PrefixIndex | None = None, metrics: Any = None,
+                 rng: random.Random | None = None) -> None:
         if routing not in ROUTING:
             raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
         self.registry = registry  # pdserve.cluster.registry.WorkerRegistry
@@ -43,6 +45,7 @@ class WorkerPool:
         self.prefixes = prefixes  # kv_aware: the workers' cached prefix blocks
         self.decisions: dict[str, int] = {}  # "role:reason" -> count
         self.metrics = metrics  # gateway.metrics.GatewayMetrics: routing_decisions
+        self.rng = rng or random.Random()  # ties between workers (pdserve/cluster/routing.py)
         self._turn = 0
         self._channels: dict[str, _Channel] = {}
 
@@ -77,9 +80,9 @@ class WorkerPool:
             reasons = ("round_robin", "round_robin")
         else:
             hits, blocks = await self._hits(workers, token_ids, lora)
-            decode = pick_decode(workers, hits, blocks, lora, self._turn)
+            decode = pick_decode(workers, hits, blocks, lora, self.rng)
             prefill = None if local else pick_prefill(workers, hits, blocks, lora,
-                                                      self.in_flight(), self._turn)
+                                                      self.in_flight(), self.rng)
             reasons = (_reason(decode, hits, lora), _reason(prefill, hits, lora))
         if decode is None:
             raise BackendError("no decode worker is available", retryable=True)

@@ -1,7 +1,8 @@
 """The decode worker's grant of its reserved blocks, through the whole pipeline over a data plane.
 
 `pdserve up --kv-transport nixl` (host memory; 2 prefill workers, 1 decode worker, the tiny
-model, load routing so the router's pick is predictable): the gateway hands Generate's grant to
+model, kv_aware routing: a prompt sent before goes to the worker holding its blocks, so the
+router's pick is known from Redis): the gateway hands Generate's grant to
 the first prefill attempt, whose push writes into the blocks without a KVTarget rpc; a prefill
 retried on another worker gets no grant (it asks KVTarget, superseding the lost worker's push).
 """
@@ -12,36 +13,50 @@ import asyncio
 import os
 import re
 import signal
+import time
 
 import openai
 import pytest
 from cluster import Cluster, http_get, run_cluster
 from test_worker_faults import _assert_no_blocks_held, _metric, _pid_of
 
-from pdserve.cluster.routing import pick_prefill
+from engine.block_manager import prefix_hashes
+from pdserve.cluster.prefix_index import PrefixIndex
+from pdserve.cluster.state import connect
 from pdserve.transport.base import nixl_available
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")]
 
-PROMPTS = ["Counting: " + " ".join(str(i) for i in range(40)),
-           "Letters: " + " ".join("abcdefghijklmnopqrstuvwxyz")]
+PROMPTS = [list(range(100, 160)), list(range(300, 340))]  # token ids: 3 and 2 full blocks
+BLOCK = 16
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_llama_dir):
     tmp = tmp_path_factory.mktemp("kv_grant")
     with run_cluster(tmp, "--model", tiny_llama_dir, "--prefill", "2", "--decode", "1",
-                     "--kv-transport", "nixl", "--routing", "load",
+                     "--kv-transport", "nixl",
                      "--kv-cache-memory", str(4 << 20), "--dtype", "float32") as c:
         yield c
 
 
-async def _complete(c: Cluster, prompt: str) -> str:
+async def _complete(c: Cluster, prompt: list[int]) -> str:
     client = openai.AsyncOpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0)
     out = await client.completions.create(model=None, prompt=prompt, max_tokens=12,
                                           temperature=0, extra_body={"ignore_eos": True})
     return out.choices[0].text
+
+
+async def _holds(c: Cluster, worker_id: str) -> bool:
+    """Whether Redis says `worker_id`'s prefix cache holds PROMPTS[1]'s full blocks."""
+    client = connect(c.redis_url)
+    try:
+        hits = await PrefixIndex(client).leading_hits([worker_id],
+                                                      prefix_hashes(PROMPTS[1], BLOCK))
+    finally:
+        await client.aclose()
+    return hits[worker_id] == len(PROMPTS[1]) // BLOCK
 
 
 def _worker_counter(c: Cluster, role: str, name: str, **labels: str) -> float:
@@ -74,12 +89,18 @@ def test_the_first_prefill_writes_into_the_granted_blocks(cluster):
 
 
 def test_a_retried_prefill_gets_no_grant_and_still_answers(cluster):
-    """The router's prefill worker is frozen, sent the request (with the grant), then killed:
-    the gateway retries on the other worker without the grant (its push asks KVTarget), and the
-    answer equals the same request served undisturbed."""
-    expected = asyncio.run(_complete(cluster, PROMPTS[1]))
-    victim = pick_prefill(cluster.workers("prefill"))
-    assert victim is not None
+    """The router's prefill worker (the one holding the prompt's blocks) is frozen, sent the
+    request (with the grant), then killed: the gateway retries on the other worker without the
+    grant (its push asks KVTarget), and the answer equals the same request served undisturbed."""
+    def holders() -> list:
+        return [w for w in cluster.workers("prefill") if asyncio.run(_holds(cluster, w.worker_id))]
+
+    deadline = time.monotonic() + 15  # the earlier test's PROMPTS[1]: its blocks' events
+    while not holders() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    victim, = holders()
+    expected = asyncio.run(_complete(cluster, PROMPTS[1]))  # served by the holder: a hit
+    assert holders() == [victim]
     pid = _pid_of(cluster, victim.address)
     retries = _metric(cluster, "pdserve:prefill_retries")
     survivor = next(w for w in cluster.workers("prefill") if w.address != victim.address)

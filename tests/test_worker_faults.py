@@ -14,12 +14,12 @@ from pathlib import Path
 import openai
 import pytest
 from cluster import Cluster, http_get, run_cluster
+from live_checks import metric
 
 from engine.kv_transfer import KVSlabWriter, read_slabs
 from engine.llm import build_engine_config
 from engine.llm_engine import LLMEngine
 from pdserve import SamplingParams
-from pdserve.cluster.routing import pick_prefill
 
 PROMPT = "Resume me: a prompt long enough to span more than one block of sixteen tokens each"
 # Seeded sampling with every rule that reads earlier outputs: the strictest resume.
@@ -166,9 +166,18 @@ def expected(cluster) -> str:
 @pytest.mark.slow
 def test_prefill_worker_killed_holding_a_prefill(cluster, expected):
     """The prefill worker the router picks is frozen (SIGSTOP), the request sent to it, then it
-    is killed: the gateway retries the prefill elsewhere; the decode reservation stays."""
-    victim = pick_prefill(cluster.workers("prefill"))
-    assert victim is not None
+    is killed: the gateway retries the prefill elsewhere; the decode reservation stays. The
+    router (kv_aware) picks the worker that prefilled the same prompt for `expected`, the only
+    request this cluster has served before: the one whose prefix cache was queried."""
+    def queried() -> list:  # the counters are each worker's last heartbeat's
+        return [w for w in cluster.workers("prefill")
+                if metric(f"http://{w.metrics_address}/metrics",
+                          "pdserve:prefix_cache_queries_total")]
+
+    deadline = time.monotonic() + 20
+    while not queried() and time.monotonic() < deadline:
+        time.sleep(0.3)
+    victim, = queried()
     pid = _pid_of(cluster, victim.address)
     before = _metric(cluster, "pdserve:prefill_retries")
 

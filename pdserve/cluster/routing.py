@@ -8,7 +8,7 @@ NOTE (kv_aware, prefill workers): each candidate w scores
     q        = max(waiting + running requests on w in the registry,
                    Prefill calls this gateway has in flight to w)
 
-and the highest score wins (ties: shorter queue, more free KV blocks, then in rotation; see
+and the highest score wins (ties: shorter queue, more free KV blocks, then at random; see
 below). The
 load term is half its weight at QUEUE_HALF queued requests: a turn whose history one worker
 holds goes there while that worker is busy, but a small shared prefix does not pull requests
@@ -27,13 +27,14 @@ weighs less and the load is the KV cache's fill:
 (a full hit is worth half the cache: it never sends a request to a worker 60% fuller than an
 empty peer). With no hits anywhere it is the `load` policy: most free KV blocks.
 
-NOTE (ties): what is left equal after the score and the load counts goes to the workers in
-turn (by worker_id, starting one further on each routed request: `turn`), as a least-connections
-balancer does. Idle workers tie on everything, and a fixed tie-break (the smallest worker_id)
-would send every request of a light load to one worker: under `load` that is an accidental
-prefix affinity (a conversation's turns all land where its history is cached), and under
-kv_aware it would pile new conversations, which hit nowhere beyond a shared system prompt, onto
-one worker's cache.
+NOTE (ties): what is left equal after the score and the load counts is decided at random (the
+caller's `rng`; without one, the smaller worker_id). Idle workers tie on everything, and a fixed
+tie-break would send every request of a light load to one worker: under `load` that is an
+accidental prefix affinity (a conversation's turns all land where its history is cached, so
+load routing looks kv-aware), and under kv_aware it piles new conversations, which hit nowhere
+beyond a shared system prompt, onto one worker's cache. A rotation is no better: with requests
+of N conversations interleaved in turn it lands every turn of a conversation on the same worker
+(N a multiple of the workers) or never twice on one (N odd, two workers).
 
 NOTE (LoRA, kv_aware and load): a request under a LoRA adapter prefers workers whose registry
 entry lists the adapter (WorkerInfo.lora_adapters): the others would first read it from disk
@@ -51,6 +52,7 @@ of the base model scores as before.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Mapping
 
 from pdserve.cluster.registry import WorkerInfo
@@ -64,14 +66,14 @@ DECODE_LORA_WEIGHT = 0.25
 
 def pick_decode(
     workers: Iterable[WorkerInfo], hit_blocks: Mapping[str, int] | None = None,
-    prompt_blocks: int = 0, lora: str | None = None, turn: int = 0,
+    prompt_blocks: int = 0, lora: str | None = None, rng: random.Random | None = None,
 ) -> WorkerInfo | None:
     """The decode worker by the NOTE's score (`lora`: the request's adapter); without hits or
     adapter, the one with the most free KV blocks. Ties go to more free blocks, fewer running
-    requests, then in rotation (`turn`). Workers of other roles are ignored; None if there is
-    none."""
+    requests, then at random (`rng`; without it, the smaller worker_id). Workers of other roles
+    are ignored; None if there is none."""
     decode = [w for w in workers if w.role == "decode"]
-    rank = _rotation(decode, turn)
+    rank = _tie_ranks(decode, rng)
     hits = hit_blocks if prompt_blocks and any((hit_blocks or {}).values()) else {}
 
     def key(w: WorkerInfo) -> tuple:
@@ -88,17 +90,17 @@ def pick_decode(
 def pick_prefill(
     workers: Iterable[WorkerInfo], hit_blocks: Mapping[str, int] | None = None,
     prompt_blocks: int = 0, lora: str | None = None, in_flight: Mapping[str, int] | None = None,
-    turn: int = 0,
+    rng: random.Random | None = None,
 ) -> WorkerInfo | None:
     """The prefill worker by the NOTE's score (`hit_blocks`: worker_id -> leading prompt blocks
     it holds, of `prompt_blocks`; `in_flight`: address -> the caller's calls in flight there);
-    without hits, the shortest queue, ties to more free KV blocks, then in rotation (`turn`);
-    `lora`, the request's adapter, favours the workers holding it. Workers of other roles are
-    ignored; None if there is none."""
+    without hits, the shortest queue, ties to more free KV blocks, then at random (`rng`;
+    without it, the smaller worker_id); `lora`, the request's adapter, favours the workers
+    holding it. Workers of other roles are ignored; None if there is none."""
     prefill = [w for w in workers if w.role == "prefill"]
     if not prefill:
         return None
-    rank = _rotation(prefill, turn)
+    rank = _tie_ranks(prefill, rng)
 
     def key(w: WorkerInfo) -> tuple:
         queue = max(w.num_waiting + w.num_running, (in_flight or {}).get(w.address, 0))
@@ -109,11 +111,13 @@ def pick_prefill(
     return min(prefill, key=key)
 
 
-def _rotation(workers: list[WorkerInfo], turn: int) -> dict[str, int]:
-    """worker_id -> its place in the tie-break order of request `turn`: sorted by worker_id,
-    starting at the `turn`-th (cyclically)."""
+def _tie_ranks(workers: list[WorkerInfo], rng: random.Random | None) -> dict[str, int]:
+    """worker_id -> its place in the tie-break order: a random permutation drawn from `rng`, or
+    by worker_id without one."""
     ids = sorted(w.worker_id for w in workers)
-    return {wid: (i - turn) % len(ids) for i, wid in enumerate(ids)}
+    if rng is not None:
+        rng.shuffle(ids)
+    return {wid: i for i, wid in enumerate(ids)}
 
 
 def _held(w: WorkerInfo, lora: str | None) -> int:
