@@ -188,8 +188,14 @@ def test_bad_adapters_are_refused_and_change_nothing(lora_llm, adapters, tmp_pat
         LoRARequest("x", 0, "/tmp")
 
 
-def test_bundled_model_with_an_adapter_matches_peft(bundled_hf_model, tmp_path):
-    """The bundled SmolLM2 (de-quantized to fp32 on both sides) with a rank-8 adapter."""
+def test_bundled_model_with_an_adapter_matches_peft(bundled_hf_model, tmp_path, monkeypatch):
+    """The bundled SmolLM2 (de-quantized to fp32 on both sides) with a rank-8 adapter. Its
+    decode steps take the folded path's torch reference, as on a CPU in production: under the
+    tests' TRITON_INTERPRET the Triton kernel would run interpreted at the model's sizes (four
+    minutes; tests/test_lora_fold.py checks the kernel against that reference)."""
+    import kernels.lora_fold
+
+    monkeypatch.setattr(kernels.lora_fold, "INTERPRET", False)
     path = make_adapter(bundled_hf_model, tmp_path / "smol", rank=8, seed=5, scale=2.0)
     llm = LLM(None, dtype="float32", device="cpu", quantization="none", max_model_len=256,
               kv_cache_memory=16 << 20, enable_lora=True, max_lora_rank=8)
