@@ -29,6 +29,20 @@ def _complete(url: str, token_ids: list[int]) -> None:
     assert r.status_code == 200, r.text
 
 
+def _chat(url: str, messages: list[dict]) -> str:
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                   json={"messages": messages, "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def _tokenize(url: str, messages: list[dict]) -> list[int]:
+    """The conversation's ids as a chat request's prompt (add_generation_prompt)."""
+    r = httpx.post(f"{url}/tokenize", timeout=60, json={"messages": messages})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
 def _holders(c, token_ids: list[int], role: str = "prefill") -> dict[str, int]:
     """Per worker of `role`, the leading blocks of `token_ids` Redis says it holds."""
     ids = [w.worker_id for w in c.workers(role)]
@@ -103,3 +117,17 @@ def test_a_follow_up_turn_goes_to_the_worker_holding_its_history(tiny_llama_dir,
         hits = _labelled(c, "prefix_hit")
         _complete(c.url, turn1 + [7])
         assert _labelled(c, "prefix_hit") == hits  # nothing attracts it any more
+
+        # a chat's second turn, rendered by the chat template around the first turn and its
+        # reply, starts with the first turn's full blocks: the gateway hashes the ids the
+        # workers computed, so it finds their holder
+        chat = [{"role": "user", "content": "Tell me about the sea, the tides and the moon. " * 6}]
+        reply = _chat(c.url, chat)
+        first = _tokenize(c.url, chat)
+        _until(lambda: any(_holders(c, first).values()))
+        hits = _labelled(c, "prefix_hit")
+        chat += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+        assert _tokenize(c.url, chat)[:len(first) // BLOCK * BLOCK] == \
+            first[:len(first) // BLOCK * BLOCK]
+        _chat(c.url, chat)
+        assert _labelled(c, "prefix_hit") == hits + 1
