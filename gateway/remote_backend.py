@@ -179,7 +179,10 @@ class RemoteBackend:
         if wants_prompt:
             decode_params = sampling_params_to_pb(params.clone(prompt_logprobs=None),
                                                   params.max_tokens or 1)
-        async with self.pool.channel(decode.address) as channel:
+        # the claim: the request in the router's load of its prefill worker until its first
+        # token (released there), or until this attempt ends
+        async with self.pool.claim(prefill) as claim, \
+                self.pool.channel(decode.address) as channel:
             call = decode_pb2_grpc.DecodeStub(channel).Generate(
                 decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
                                            params=decode_params, prefill_locally=local,
@@ -198,6 +201,7 @@ class RemoteBackend:
                     first = await self._prefill_retrying(request_id, prompt, pb_params, prior,
                                                          decode, prefill, lost, cached, lora_pb,
                                                          grant)
+                    claim.release()
                     prefill_done = True
                     finished = bool(first.finish_reason)
                     yield first

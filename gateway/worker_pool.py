@@ -33,6 +33,27 @@ class _Channel:
     retired: bool = False  # out of the pool: closes when its last user is done
 
 
+class PrefillClaim:
+    """One request counted against a prefill worker's address until `release()` (idempotent;
+    also on leaving `async with`)."""
+
+    def __init__(self, claims: dict[str, int], address: str | None) -> None:
+        self._claims, self._address = claims, address
+        if address is not None:
+            claims[address] = claims.get(address, 0) + 1
+
+    def release(self) -> None:
+        if self._address is not None:
+            self._claims[self._address] -= 1
+            self._address = None
+
+    async def __aenter__(self) -> PrefillClaim:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
 class WorkerPool:
     def __init__(self, registry: Any, tls: TLSConfig = PLAINTEXT, routing: str = "kv_aware",
                  prefixes: PrefixIndex | None = None, metrics: Any = None,
@@ -48,6 +69,7 @@ class WorkerPool:
         self.rng = rng or random.Random()  # ties between workers (pdserve/cluster/routing.py)
         self._turn = 0
         self._channels: dict[str, _Channel] = {}
+        self._claims: dict[str, int] = {}  # prefill address -> requests routed there, unfinished
 
     async def list(self, role: str | None = None, lost: set[str] | None = None
                    ) -> list[WorkerInfo]:
@@ -144,9 +166,16 @@ class WorkerPool:
             await entry.channel.close()
 
     def in_flight(self) -> dict[str, int]:
-        """Calls in flight from this gateway per worker address (a prefill worker's channel
-        carries its Prefill calls): current, where the registry's load is a heartbeat old."""
-        return {address: entry.users for address, entry in self._channels.items()}
+        """This gateway's requests in their prefill phase per prefill worker address (`claim`):
+        current, where the registry's load is a heartbeat old. Counted from the routing
+        decision, not from the Prefill call: between the two the decode worker reserves the
+        blocks, and requests routed meanwhile must see the ones before them."""
+        return {address: n for address, n in self._claims.items() if n}
+
+    def claim(self, worker: WorkerInfo | None) -> PrefillClaim:
+        """Count a request routed to the prefill `worker` in `in_flight` until the claim's
+        `release()` (its first token, or its failure); None: a claim on nothing."""
+        return PrefillClaim(self._claims, None if worker is None else worker.address)
 
     def open_addresses(self) -> set[str]:
         """Addresses with a channel in the pool."""

@@ -8,12 +8,15 @@ prefix stops attracting requests."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import httpx
 import pytest
 from cluster import run_cluster
 from live_checks import metric
+from test_worker_faults import _pid_of
 
 from engine.block_manager import prefix_hashes
 from pdserve.cluster.prefix_index import PrefixIndex
@@ -110,9 +113,35 @@ def test_a_follow_up_turn_goes_to_the_worker_holding_its_history(tiny_llama_dir,
         _complete(c.url, list(range(5000, 5100)))  # unrelated: by load
         assert _labelled(c, "load") == loads + 1
 
-        # fill the holder's cache with other prompts until the history is evicted everywhere
-        for k in range(6):
+        # a small shared prefix (1 block of 10) pulls a request to the holder only while it is
+        # not busy: the holder frozen, the first such request waits there, and the next one,
+        # sent while the first is in flight, goes to the other worker by load
+        _until(lambda: all(w.num_running + w.num_waiting == 0  # what the router reads
+                           for w in c.workers("prefill")))
+        hits, loads = _labelled(c, "prefix_hit"), _labelled(c, "load")
+        small = [turn1[:BLOCK] + list(range(7000 + 200 * i, 7144 + 200 * i)) for i in range(2)]
+        pid = _pid_of(c, next(w.address for w in c.workers("prefill") if w.worker_id == holder))
+
+        async def busy_holder() -> None:
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                tasks = []
+                for ids in small:
+                    tasks.append(asyncio.create_task(asyncio.to_thread(_complete, c.url, ids)))
+                    await asyncio.sleep(0.3)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            await asyncio.gather(*tasks)
+
+        asyncio.run(busy_holder())
+        assert (_labelled(c, "prefix_hit"), _labelled(c, "load")) == (hits + 1, loads + 1)
+
+        # fill the caches with other prompts (routed to either worker) until the history is
+        # evicted everywhere
+        for k in range(30):
             _complete(c.url, list(range(10000 + 500 * k, 10000 + 500 * k + 400)))
+            if k >= 5 and not any(_holders(c, turn1).values()):
+                break
         _until(lambda: not any(_holders(c, turn1).values()))
         hits = _labelled(c, "prefix_hit")
         _complete(c.url, turn1 + [7])

@@ -6,7 +6,7 @@ NOTE (kv_aware, prefill workers): each candidate w scores
     hit(w)   = leading prompt blocks w's prefix cache holds / full prompt blocks     in [0, 1]
     load(w)  = q / (q + QUEUE_HALF)                                                  in [0, 1)
     q        = max(waiting + running requests on w in the registry,
-                   Prefill calls this gateway has in flight to w)
+                   requests this gateway routed to w still before their first token)
 
 and the highest score wins (ties: shorter queue, more free KV blocks, then at random; see
 below). The
@@ -14,9 +14,10 @@ load term is half its weight at QUEUE_HALF queued requests: a turn whose history
 holds goes there while that worker is busy, but a small shared prefix does not pull requests
 onto a saturated worker (hit 0.1 against a queue of 8: 0.1 - 0.67 < 0 for an idle peer). With no
 hits anywhere it is the `load` policy. The registry's counts are up to a heartbeat old (a third
-of the TTL); the gateway's own calls in flight are current, so requests arriving between two
-heartbeats do not all herd onto the worker that looked idle (several gateways: each counts its
-own, the registry all of them).
+of the TTL); the gateway's own requests count from the routing decision on (gateway/
+worker_pool.py `claim`), so requests arriving between two heartbeats, or while the one before
+them waits for its decode worker's reservation, do not all herd onto the worker that looked
+idle (several gateways: each counts its own, the registry all of them).
 
 NOTE (kv_aware, decode workers): a decode worker holding a prefix is pushed only the blocks
 after it (decode-side reuse), which saves transfer and cache space but no compute, so a hit
