@@ -2,7 +2,7 @@
 
     python -m pdserve.bench.kv_routing [--routings kv_aware,load] [--out-dir DIR]
     pdserve bench kv-routing ...                          # the same
-    # the defaults: 2 prefill + 1 decode workers, 48 requests at 1.25/s, 5 conversations of
+    # the defaults: 2 prefill + 1 decode workers, 48 requests at 1.6/s, 5 conversations of
     # 6 turns after a 256-token system prompt, 96-160-token user turns, 32-token replies
     python -m pdserve.bench.kv_routing --num-prompts 6 --num-conversations 2 --num-turns 3 \\
         --prefix-len 32 --input-len 16 --output-len 4    # a quick dry run
@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="bytes per worker")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--num-prompts", type=int, default=48)
-    p.add_argument("--request-rate", default="1.25", help="requests/s (inf: all at once)")
+    p.add_argument("--request-rate", default="1.6", help="requests/s (inf: all at once)")
     p.add_argument("--num-conversations", type=int, default=5)
     p.add_argument("--num-turns", type=int, default=6)
     p.add_argument("--prefix-len", type=int, default=256, help="the shared system prompt")
