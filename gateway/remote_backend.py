@@ -242,7 +242,7 @@ class RemoteBackend:
             grant = None
             prefill = pick_prefill(await self.pool.list("prefill", lost),
                                    lora=lora.name if lora is not None else None,
-                                   in_flight=self.pool.in_flight())
+                                   in_flight=self.pool.in_flight(), rng=self.pool.rng)
             if prefill is None:
                 raise BackendError("no prefill worker is available", retryable=True)
 

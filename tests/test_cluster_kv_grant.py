@@ -13,23 +13,19 @@ import asyncio
 import os
 import re
 import signal
-import time
 
 import openai
 import pytest
 from cluster import Cluster, http_get, run_cluster
+from test_cluster_kv_routing import BLOCK, _holders, _until
 from test_worker_faults import _assert_no_blocks_held, _metric, _pid_of
 
-from engine.block_manager import prefix_hashes
-from pdserve.cluster.prefix_index import PrefixIndex
-from pdserve.cluster.state import connect
 from pdserve.transport.base import nixl_available
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")]
 
 PROMPTS = [list(range(100, 160)), list(range(300, 340))]  # token ids: 3 and 2 full blocks
-BLOCK = 16
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +42,6 @@ async def _complete(c: Cluster, prompt: list[int]) -> str:
     out = await client.completions.create(model=None, prompt=prompt, max_tokens=12,
                                           temperature=0, extra_body={"ignore_eos": True})
     return out.choices[0].text
-
-
-async def _holds(c: Cluster, worker_id: str) -> bool:
-    """Whether Redis says `worker_id`'s prefix cache holds PROMPTS[1]'s full blocks."""
-    client = connect(c.redis_url)
-    try:
-        hits = await PrefixIndex(client).leading_hits([worker_id],
-                                                      prefix_hashes(PROMPTS[1], BLOCK))
-    finally:
-        await client.aclose()
-    return hits[worker_id] == len(PROMPTS[1]) // BLOCK
 
 
 def _worker_counter(c: Cluster, role: str, name: str, **labels: str) -> float:
@@ -92,13 +77,12 @@ def test_a_retried_prefill_gets_no_grant_and_still_answers(cluster):
     """The router's prefill worker (the one holding the prompt's blocks) is frozen, sent the
     request (with the grant), then killed: the gateway retries on the other worker without the
     grant (its push asks KVTarget), and the answer equals the same request served undisturbed."""
-    def holders() -> list:
-        return [w for w in cluster.workers("prefill") if asyncio.run(_holds(cluster, w.worker_id))]
+    def holders() -> list:  # of PROMPTS[1]'s full blocks, as Redis says
+        held = _holders(cluster, PROMPTS[1])
+        return [w for w in cluster.workers("prefill")
+                if held[w.worker_id] == len(PROMPTS[1]) // BLOCK]
 
-    deadline = time.monotonic() + 15  # the earlier test's PROMPTS[1]: its blocks' events
-    while not holders() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    victim, = holders()
+    victim, = _until(holders)  # the earlier test's PROMPTS[1]: its blocks' events
     expected = asyncio.run(_complete(cluster, PROMPTS[1]))  # served by the holder: a hit
     assert holders() == [victim]
     pid = _pid_of(cluster, victim.address)
