@@ -4,6 +4,7 @@ says otherwise."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import replace
 
@@ -18,6 +19,7 @@ from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.registry import WorkerInfo
 from pdserve.cluster.routing import pick_decode, pick_prefill
 from pdserve.cluster.state import connect
+from pdserve.cluster.worker import PrefixPublisher
 
 BS = 16
 
@@ -73,6 +75,32 @@ async def test_prefix_index_in_redis(redis_url):
     await index.publish("p0", KVEventBatch(True, []))  # a restarted worker
     assert await index.leading_hits(["p0"], chain) == {"p0": 0}
     assert 0 < await client.pttl("kvroute-test:prefix:p1") <= 5000
+    await client.aclose()
+
+
+async def test_publisher_sends_the_whole_set_after_it_may_have_lapsed(redis_url):
+    """A publish later than the index's TTL (the engine answered its events late) sends every
+    cached hash, not the events since the last one: those alone, applied to the expired set,
+    would lose the blocks cached before."""
+    client = connect(redis_url)
+    index = PrefixIndex(client, prefix="kvroute-lapse", ttl_s=0.3)
+    bm = BlockManager(num_blocks=8, block_size=BS)
+
+    async def events(full: bool) -> KVEventBatch:  # as pdserve.cluster.worker.prefix_events
+        batch = bm.drain_kv_events()
+        return KVEventBatch(True, bm.cached_hashes()) if full else batch
+
+    publish, info = PrefixPublisher(index, events), _prefill("p0", 0)
+    a = _computed(bm, "a", list(range(32)))
+    await publish(info)
+    b = _computed(bm, "b", list(range(100, 132)))
+    await publish(info)  # in time: a diff
+    assert await index.leading_hits(["p0"], b.block_hashes) == {"p0": 2}
+    await asyncio.sleep(0.4)  # the set expires
+    c = _computed(bm, "c", list(range(200, 232)))
+    await publish(info)
+    for req in (a, b, c):
+        assert await index.leading_hits(["p0"], req.block_hashes) == {"p0": 2}
     await client.aclose()
 
 

@@ -234,6 +234,36 @@ async def test_heartbeat_survives_failures_and_recovers(client) -> None:
     await hb.stop()
 
 
+async def test_heartbeat_never_waits_on_a_slow_after_beat(client) -> None:
+    """An after_beat that takes 6 TTLs (a busy engine answering its events late) neither stalls
+    the beats (the entry stays listed) nor piles up (one runs at a time); stop() cancels it."""
+    reg = WorkerRegistry(client, ttl_s=0.4)
+    release, calls = asyncio.Event(), []
+
+    async def get_info() -> WorkerInfo:
+        return _info("p0", role="prefill")
+
+    async def slow_publish(info: WorkerInfo) -> None:
+        calls.append(info.worker_id)
+        await release.wait()
+
+    hb = Heartbeat(reg, get_info, interval_s=0.1, after_beat=slow_publish)
+    hb.start()
+    for _ in range(12):  # 2.4 s
+        await asyncio.sleep(0.2)
+        assert [w.worker_id for w in await reg.list_workers("prefill")] == ["p0"]
+    assert calls == ["p0"]
+    release.set()
+    await asyncio.sleep(0.35)
+    assert len(calls) >= 2  # started again by a beat after the first one ended
+    release.clear()
+    await asyncio.sleep(0.25)
+    running = hb._after
+    assert running is not None and not running.done()
+    await hb.stop()
+    assert running.cancelled() and await reg.list_workers() == []
+
+
 async def test_heartbeat_survives_redis_down(dead_url: str) -> None:
     dead = connect(dead_url, timeout_s=0.2)
     reg = WorkerRegistry(dead, ttl_s=0.5)

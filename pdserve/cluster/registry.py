@@ -121,8 +121,15 @@ class Heartbeat:
     ``get_info`` is awaited again on the next beat (never started twice). So a busy worker stays
     registered (TTL ``registry.ttl_s``, at least 3 intervals) with load numbers a beat or two old.
 
-    Failures (Redis down, ``get_info`` raising) are logged once per outage and retried on the
-    next tick; they never end the task. ``stop()`` ends it and deregisters the worker.
+    NOTE: ``after_beat`` (the prefix cache's events into Redis) also asks the engine, and may
+    take as long as a step, so it runs in a task of its own, started after a beat reached the
+    registry when none is still running: the beats never wait on it. Awaited inline, a worker
+    whose steps took seconds under overload missed its TTL and dropped out of the registry
+    while it was serving (the gateway then answered 503, "no prefill worker is available").
+
+    Failures (Redis down, ``get_info`` or ``after_beat`` raising) are logged once per outage and
+    retried on the next tick; they never end the task. ``stop()`` ends it and deregisters the
+    worker.
     """
 
     def __init__(self, registry: WorkerRegistry, get_info: Callable[[], Awaitable[WorkerInfo]],
@@ -139,6 +146,8 @@ class Heartbeat:
         self._healthy = True
         self._task: asyncio.Task[None] | None = None
         self._pending: asyncio.Future[WorkerInfo] | None = None  # a get_info still running
+        self._after: asyncio.Task[None] | None = None  # an after_beat still running
+        self._after_healthy = True
 
     @property
     def running(self) -> bool:
@@ -146,11 +155,10 @@ class Heartbeat:
         return self._task is not None and not self._task.done()
 
     async def beat(self) -> bool:
-        """One heartbeat now. Returns whether it reached the registry; never raises."""
+        """One heartbeat now. Returns whether it reached the registry; never raises. Starts
+        ``after_beat`` in the background when it reached it and no earlier one still runs."""
         try:
             info = await self.registry.heartbeat(await self._info())
-            if self.after_beat is not None:
-                await self.after_beat(info)
         except Exception as e:
             if self._healthy:
                 logger.warning("heartbeat failed, will keep retrying: %s", e)
@@ -159,7 +167,26 @@ class Heartbeat:
         if not self._healthy:
             logger.info("heartbeat recovered")
         self._healthy = True
+        if self.after_beat is not None and (self._after is None or self._after.done()):
+            self._after = asyncio.ensure_future(self._run_after_beat(info))
         return True
+
+    async def settled(self) -> None:
+        """Wait for the ``after_beat`` started by the last beat, if any (tests, shutdown)."""
+        if self._after is not None:
+            await asyncio.wait({self._after})
+
+    async def _run_after_beat(self, info: WorkerInfo) -> None:
+        try:
+            await self.after_beat(info)
+        except Exception as e:
+            if self._after_healthy:
+                logger.warning("after-heartbeat publish failed, will keep retrying: %s", e)
+            self._after_healthy = False
+            return
+        if not self._after_healthy:
+            logger.info("after-heartbeat publish recovered")
+        self._after_healthy = True
 
     async def _info(self) -> WorkerInfo:
         """Fresh info if ``get_info`` answers within half an interval, else the last info."""
@@ -188,9 +215,10 @@ class Heartbeat:
             return
         task.cancel()
         await asyncio.wait({task})  # unlike `await task`, never swallows our own cancellation
-        if self._pending is not None:
-            self._pending.cancel()
-            self._pending = None
+        for running in (self._pending, self._after):
+            if running is not None:
+                running.cancel()
+        self._pending = self._after = None
         if self.last_info is not None:
             try:
                 await self.registry.deregister(self.last_info.role, self.last_info.worker_id)

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -370,18 +371,29 @@ async def prefix_events(engine: AsyncLLMEngine, full: bool) -> KVEventBatch:
 class PrefixPublisher:
     """After each heartbeat: the prefix cache's events since the last one, into Redis
     (pdserve/cluster/prefix_index.py). A batch that fails to publish is lost, so the next one
-    publishes the whole set instead."""
+    publishes the whole set instead; so does one published after the set may have expired (the
+    index's TTL passed since the last publish: the engine, asked between steps, answered late),
+    since events applied to a lapsed set would leave out every block cached before."""
 
-    def __init__(self, index: PrefixIndex, events: Callable[[bool], Awaitable[KVEventBatch]]
-                 ) -> None:
-        self.index, self.events = index, events
+    def __init__(self, index: PrefixIndex, events: Callable[[bool], Awaitable[KVEventBatch]],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.index, self.events, self.clock = index, events, clock
         self._resync = False
+        self._published_at: float | None = None  # clock() when the last publish was sent
 
     async def __call__(self, info: WorkerInfo) -> None:
         batch = await self.events(self._resync)
+        if not batch.reset and self._lapsed():
+            batch = await self.events(True)
         self._resync = True
+        sent_at = self.clock()
         await self.index.publish(info.worker_id, batch)
-        self._resync = False
+        self._resync, self._published_at = False, sent_at
+
+    def _lapsed(self) -> bool:
+        """Whether the set may have expired: a margin of a tenth of the TTL for Redis's clock."""
+        return (self._published_at is not None
+                and self.clock() - self._published_at > 0.9 * self.index.ttl_s)
 
 
 async def start_monitoring(args: argparse.Namespace, monitor: WorkerMonitor) -> Heartbeat | None:
