@@ -37,6 +37,7 @@ WHEELS=(
     xgrammar apache-tvm-ffi
     gguf
     peft
+    py-spy
 )
 # ldd names never carried: glibc's own (they must match the machine's loader), the C++ runtime
 SKIP_LIBS='^(linux-vdso|ld-linux|libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s)\.so'
@@ -75,13 +76,19 @@ ls "$KIT/whl"
 
 echo "== the load generator's tokenizer"
 python3 - "$KIT/tokenizer" <<'EOF'
+import json
 import sys
+from pathlib import Path
 
 from engine.model_loader import load_hf_config, load_tokenizer, resolve_model
 
 path = resolve_model(None)  # pdserve's bundled SmolLM2
 load_tokenizer(path).save_pretrained(sys.argv[1])
-load_hf_config(path).save_pretrained(sys.argv[1])  # loadtest's loader wants config.json
+config = load_hf_config(path)  # loadtest's loader wants config.json
+if hasattr(config, "save_pretrained"):
+    config.save_pretrained(sys.argv[1])
+else:  # engine.saved_config.SavedConfig: the GGUF cache's config.json, as read
+    (Path(sys.argv[1]) / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
 EOF
 ls "$KIT/tokenizer"
 
