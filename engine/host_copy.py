@@ -12,7 +12,7 @@ from array import array
 
 import torch
 
-_TYPECODES = {torch.int64: "q", torch.int32: "i", torch.float64: "d"}
+_TYPECODES = {torch.int64: "q", torch.int32: "i", torch.float64: "d", torch.float32: "f"}
 
 
 def to_device(values: list | array, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
