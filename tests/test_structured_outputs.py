@@ -271,21 +271,3 @@ def test_step_bitmask_fills_whole_rows_and_frees_the_others(bundled_tokenizer):
         live[1].fill_bitmask(expected, 3)
         assert torch.equal(mask, expected)
         assert mask[0].ne(-1).any() and mask[3].ne(-1).any()
-
-
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-def test_mask_logits_keeps_allowed_logits_exactly_and_the_rest_at_minus_inf(device):
-    from engine.structured.bitmask import mask_logits
-
-    gen = torch.Generator().manual_seed(4)
-    sets = [{0, 7, 8, 31, 32, 1499}, set(range(V)), set(), {V - 1}]
-    for dtype in (torch.float32, torch.bfloat16):
-        logits = (torch.randn(len(sets), V, generator=gen) * 5).to(dtype)
-        before = logits.clone()
-        masked = mask_logits(logits.to(device), _bitmask(sets)).cpu()
-        assert torch.equal(logits, before) and masked.dtype == dtype  # a copy
-        for r, s in enumerate(sets):
-            keep = torch.zeros(V, dtype=torch.bool)
-            keep[list(s)] = True
-            assert torch.equal(masked[r][keep], logits[r][keep])
-            assert bool((masked[r][~keep] == float("-inf")).all())

@@ -1,7 +1,8 @@
 """The cost of structured outputs per decode step, against unconstrained decoding in one run.
 
     python -m pdserve.bench.structured [--device cpu|cuda] [--batches 1,64] [--tokens 64]
-                                       [--model PATH | --random-1b --tokenizer DIR] [--json PATH]
+                                       [--model PATH | --random-1b | --random-shape 1b|8b]
+                                       [--tokenizer DIR] [--json PATH]
 
 Each batch size runs the same prompts twice on one loaded `LLM`, unconstrained and under a JSON
 schema (an array of at least `tokens` integers: it cannot end early, so both runs decode the
@@ -12,7 +13,9 @@ times, and the parts measured by the engine (the host's bitmask fill; the gramma
 cached after the first round). A constrained step's sampling waits for the step before to be
 appended (engine/structured/manager.py's NOTE): the overhead includes what overlap that loses.
 `--random-1b` builds the Llama-3.2-1B shape in bf16 over a real tokenizer's vocabulary
-(`--tokenizer`, the bundled SmolLM2 by default), for the GPU.
+(`--tokenizer`, the bundled SmolLM2 by default), for the GPU; `--random-shape 8b` the
+Llama-3.1-8B shape (pdserve/bench/gpu_tp.py SHAPES), whose steps are bound by the GPU rather
+than by the host.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--model", default=None, help="model folder or .gguf (default: bundled)")
     p.add_argument("--random-1b", action="store_true", help="random 1B-shaped model (GPU)")
+    p.add_argument("--random-shape", choices=("1b", "8b"), default=None,
+                   help="random model of this shape (GPU); --random-1b is --random-shape 1b")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder for --random-1b")
     p.add_argument("--batches", default="1,64")
     p.add_argument("--tokens", type=int, default=64)
@@ -43,17 +48,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the report here")
 
 
-def random_1b(tokenizer_dir: str | None, folder: Path) -> str:
-    """The 1B shape over the tokenizer's vocabulary, tokenizer files copied beside it."""
+def random_1b(tokenizer_dir: str | None, folder: Path, shape: str = "1b") -> str:
+    """The shape (1B by default) over the tokenizer's vocabulary, tokenizer files copied
+    beside it."""
+    import dataclasses
+
     from transformers import AutoTokenizer
 
     from engine.model_loader import load_tokenizer, resolve_model
-    from pdserve.bench.gpu_model import ModelShape, save_random_model
+    from pdserve.bench.gpu_model import save_random_model
+    from pdserve.bench.gpu_tp import SHAPES
 
     tok = (AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir
            else load_tokenizer(resolve_model(None)))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    save_random_model(ModelShape(vocab=len(tok)), folder, 0, device)
+    save_random_model(dataclasses.replace(SHAPES[shape], vocab=len(tok)), folder, 0, device)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (folder / name).unlink(missing_ok=True)
     tok.save_pretrained(folder)
@@ -81,7 +90,8 @@ def _run(llm: LLM, batch: int, tokens: int, so: StructuredOutputsParams | None) 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-structured-"))
     try:
-        model = random_1b(args.tokenizer, tmp) if args.random_1b else args.model
+        shape = args.random_shape or ("1b" if args.random_1b else None)
+        model = random_1b(args.tokenizer, tmp, shape) if shape else args.model
         llm = LLM(model, device=args.device, max_model_len=1024, max_num_seqs=256)
         engine = llm.llm_engine
         so = StructuredOutputsParams(json=_schema(args.tokens))
