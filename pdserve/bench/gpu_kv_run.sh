@@ -38,5 +38,5 @@ PY
 python3 -m pdserve.bench.transfer --model "$MODEL" --device cuda --num-layers 16 \
     --num-kv-heads 8 --head-dim 64 --dtype bfloat16 --kv-tokens 1024,4096,16384 \
     --transport grpc,cuda_ipc --slab-mib 2,8 --plane-slab-mib 2,32,256 --repeats 5 \
-    --output-json "$OUT/transfer_h100.json" 2>&1 | tee "$OUT/transfer.log" | grep -v " INFO "
+    --output-json "$OUT/transfer_h100.json" "$@" 2>&1 | tee "$OUT/transfer.log" | grep -v " INFO "
 exit $status

@@ -16,11 +16,14 @@
 #   tp  tensor parallelism on two GPUs against one: `python -m pdserve.bench.gpu --parts tp`.
 #   ep  expert parallelism's communication, all-to-all against replicated tokens + all-reduce
 #       (`python -m pdserve.bench.ep_comm`), Mixtral-shaped: hidden 2048, 8 experts, top 2.
+#   kv  one request's KV (the 1B shape, 1k/4k/16k tokens) from GPU 0 to a decode worker on
+#       GPU 1 over cuda_ipc and grpc, against a peer-to-peer copy_ of the same bytes
+#       (`pdserve.bench.transfer --decode-gpu 1`, through gpu_kv_run.sh without its tests).
 #
 # Arguments after the part go on to the command (e.g. `--request-rate 2,6,inf`).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PART=${1:?usage: gpu_two_run.sh prefill_heavy|decode_heavy|tp|ep [FLAGS]}
+PART=${1:?usage: gpu_two_run.sh prefill_heavy|decode_heavy|tp|ep|kv [FLAGS]}
 shift
 KIT=${KIT:-.gpu-kit}
 # shellcheck source=pdserve/bench/gpu_kit_env.sh
@@ -32,6 +35,8 @@ case "$PART" in
     decode_heavy) RATES=8,24,inf ;;
     tp) exec python3 -m pdserve.bench.gpu --parts tp --json "$OUT/gpu_tp.json" "$@" ;;
     ep) exec python3 -m pdserve.bench.ep_comm --output-json "$OUT/ep_comm.json" "$@" ;;
+    kv) OUT="$OUT/kv" TESTS=0 exec bash pdserve/bench/gpu_kv_run.sh --decode-gpu 1 \
+            --slab-mib 8 --plane-slab-mib 256 --repeats 3 "$@" ;;
     *) echo "gpu_two_run.sh: unknown part $PART" >&2; exit 2 ;;
 esac
 exec python3 -m pdserve.bench.gpu_serve --systems replicas,split_cuda_ipc,split_grpc \

@@ -97,6 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="grpc,nixl,cuda_ipc", help="data planes to measure")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="where both KV caches live")
+    parser.add_argument("--decode-gpu", type=int, default=None, metavar="N",
+                        help="with --device cuda: the decode worker on GPU N, the sending pool "
+                             "on GPU 0 (the push crosses GPUs; the copy ceiling is then a "
+                             "peer-to-peer copy_ from GPU 0 to GPU N)")
     parser.add_argument("--slab-mib", type=parse_sizes, default=[1, 4, 8], metavar="A,B,..",
                         help="PushKV slab sizes to measure")
     parser.add_argument("--plane-slab-mib", type=parse_sizes, default=[256], metavar="A,B,..",
@@ -314,34 +318,44 @@ class PushDriver:
 
 
 # ---- (c) the device's own copy bandwidth (CUDA) -------------------------------------------------
-def copy_cases(plan: Plan, pool: torch.Tensor, blocks: list[int]) -> list[Case]:
-    """A contiguous device copy of the request's bytes, and the same as a block scatter."""
+def copy_cases(plan: Plan, pool: torch.Tensor, blocks: list[int],
+               peer: torch.device | None = None) -> list[Case]:
+    """A contiguous device copy of the request's bytes, and the same as a block scatter; with
+    `peer` (another GPU), the copy goes from the pool's GPU to it (peer to peer) and the scatter
+    runs on it."""
     src = pool[:, :, blocks[: plan.num_blocks]].contiguous()
-    dst = torch.empty_like(src)
-    ids = torch.tensor(blocks[: plan.num_blocks], device=pool.device)
-    target = torch.empty_like(pool)
+    there = peer or pool.device
+    dst = torch.empty_like(src, device=there)
+    ids = torch.tensor(blocks[: plan.num_blocks], device=there)
+    target, src_there = torch.empty_like(pool, device=there), src.to(there)
+    devices = {pool.device, there}
 
     def timed(fn: Callable[[], object]) -> Callable[[], Awaitable[float]]:
         async def once() -> float:
-            torch.cuda.synchronize()
+            for d in devices:
+                torch.cuda.synchronize(d)
             start = time.perf_counter()
             fn()
-            torch.cuda.synchronize()
+            for d in devices:
+                torch.cuda.synchronize(d)
             return time.perf_counter() - start
         return once
 
-    return [Case(f"copy {plan.num_tokens} tok", plan.kv_bytes, timed(lambda: dst.copy_(src))),
+    kind = "peer copy" if peer is not None else "copy"
+    return [Case(f"{kind} {plan.num_tokens} tok", plan.kv_bytes, timed(lambda: dst.copy_(src))),
             Case(f"scatter {plan.num_tokens} tok", plan.kv_bytes,
-                 timed(lambda: target.index_copy_(2, ids, src)))]
+                 timed(lambda: target.index_copy_(2, ids, src_there)))]
 
 
 # ---- processes ----------------------------------------------------------------------------------
 @contextlib.contextmanager
-def child(argv: list[str], log: Path) -> Iterator[subprocess.Popen]:
-    """A child process logging to `log`, terminated (then killed) on exit."""
+def child(argv: list[str], log: Path, env: dict[str, str] | None = None
+          ) -> Iterator[subprocess.Popen]:
+    """A child process logging to `log` (with `env` over this one's), terminated (then
+    killed) on exit."""
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     try:
         yield proc
     finally:
@@ -378,9 +392,13 @@ async def measure(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]
     sink = [sys.executable, "-c", "from pdserve.bench.transfer import serve_raw; "
             f"serve_raw({raw_addr.rsplit(':', 1)[1]})"]
     largest = max(plans, key=lambda plan: plan.num_blocks)
+    peer, dec_env = None, None
+    if args.decode_gpu is not None:  # its GPU first, then GPU 0, as `pdserve up` lists them
+        peer = torch.device("cuda", args.decode_gpu)
+        dec_env = {"CUDA_VISIBLE_DEVICES": f"{args.decode_gpu},0"}
     with (child(sink, logs / "raw-sink.log") as sink_proc,
           child(decode_worker_argv(args, largest, int(dec_addr.rsplit(":", 1)[1])),
-                logs / "decode-worker.log") as dec_proc):
+                logs / "decode-worker.log", dec_env) as dec_proc):
         async with open_channel(raw_addr) as raw_ch, open_channel(dec_addr) as dec_ch:
             await wait_serving(raw_ch, raw_addr, sink_proc, logs / "raw-sink.log", 60, False)
             await wait_serving(dec_ch, dec_addr, dec_proc, logs / "decode-worker.log",
@@ -392,7 +410,7 @@ async def measure(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]
             pushes = {(plan.num_tokens, t, mib): driver.cases(plan, t, mib)
                       for plan in plans for t in args.transport
                       for mib in (args.slab_mib if t == "grpc" else args.plane_slab_mib)}
-            copies = ({plan.num_tokens: copy_cases(plan, driver.pool, driver.blocks)
+            copies = ({plan.num_tokens: copy_cases(plan, driver.pool, driver.blocks, peer)
                        for plan in plans} if args.device == "cuda" else {})
             try:
                 await run_rounds([*raws.values(), *(c for cs in pushes.values() for c in cs),
@@ -472,6 +490,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark for parsed `args`, print the table, write the JSON report; return it."""
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.decode_gpu is not None and (args.device != "cuda" or args.decode_gpu < 1):
+        raise ValueError("--decode-gpu needs --device cuda and a GPU other than 0 (the "
+                         f"sending pool's), got {args.decode_gpu} with --device {args.device}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     plans, started = make_plans(args), time.perf_counter()
