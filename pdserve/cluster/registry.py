@@ -124,8 +124,8 @@ class Heartbeat:
     NOTE: ``after_beat`` (the prefix cache's events into Redis) also asks the engine, and may
     take as long as a step, so it runs in a task of its own, started after a beat reached the
     registry when none is still running: the beats never wait on it. Awaited inline, a worker
-    whose steps took seconds under overload missed its TTL and dropped out of the registry
-    while it was serving (the gateway then answered 503, "no prefill worker is available").
+    whose steps took seconds under overload could miss its TTL and drop out of the registry
+    while serving (the gateway then answers 503, "no prefill worker is available").
 
     Failures (Redis down, ``get_info`` or ``after_beat`` raising) are logged once per outage and
     retried on the next tick; they never end the task. ``stop()`` ends it and deregisters the
@@ -170,11 +170,6 @@ class Heartbeat:
         if self.after_beat is not None and (self._after is None or self._after.done()):
             self._after = asyncio.ensure_future(self._run_after_beat(info))
         return True
-
-    async def settled(self) -> None:
-        """Wait for the ``after_beat`` started by the last beat, if any (tests, shutdown)."""
-        if self._after is not None:
-            await asyncio.wait({self._after})
 
     async def _run_after_beat(self, info: WorkerInfo) -> None:
         try:
