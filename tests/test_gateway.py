@@ -362,9 +362,10 @@ def test_non_stream_disconnect_aborts_in_engine(
     body = {"prompt": PROMPT, "ignore_eos": True, **greedy(480)}
     started = time.monotonic()
     assert httpx.post(f"{base_url}/v1/completions", json=body).status_code == 200
-    assert time.monotonic() - started > 0.6, "too fast to disconnect in the middle"
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base_url}/v1/completions", json=body, timeout=0.3)
+    whole = time.monotonic() - started
+    assert whole > 0.15, "too fast to disconnect in the middle"
+    with pytest.raises(httpx.ReadTimeout):  # gone a third of the way in, whatever the box's speed
+        httpx.post(f"{base_url}/v1/completions", json=body, timeout=whole / 3)
     wait_until_idle(engine)
     status, fields = store.final()
     assert status == "cancelled" and fields["output_tokens"] < 480
