@@ -12,16 +12,16 @@ import re
 import jsonschema
 import pytest
 import torch
+from test_structured_bitmask import V, _bitmask
 
 from engine.llm import build_engine_config
 from engine.llm_engine import LLMEngine
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
-from engine.structured.bitmask import allowed_tokens, bitmask_words
+from engine.structured.bitmask import allowed_tokens
 from engine.structured.params import StructuredOutputsParams
 from pdserve import LLM
 
-V = 1500
 MODES = [
     dict(temperature=0.0),
     dict(temperature=0.0, logprobs=3),
@@ -51,14 +51,6 @@ SCHEMA = {
     "required": ["name", "age", "role", "address", "tags"],
     "additionalProperties": False,
 }
-
-
-def _bitmask(allowed: list[set[int]]) -> torch.Tensor:
-    mask = torch.zeros(len(allowed), bitmask_words(V), dtype=torch.int64)
-    for r, ids in enumerate(allowed):
-        for t in ids:
-            mask[r, t // 32] |= 1 << (t % 32)
-    return mask.to(torch.int32)  # bit 31 wraps to the sign, as xgrammar's int32 words do
 
 
 def test_bitmask_unpacks_to_exactly_the_allowed_tokens():

@@ -8,25 +8,14 @@ from __future__ import annotations
 
 import torch
 
-_BITS: dict[torch.device, torch.Tensor] = {}  # [32] int32 per device: word bit b set, 1 << b
-
-
-def _bits(device: torch.device) -> torch.Tensor:
-    if device not in _BITS:  # made on the device: a copy from pageable memory would wait for
-        # every kernel queued before it (the step's forward pass)
-        one = torch.ones(32, dtype=torch.int64, device=device)
-        _BITS[device] = (one << torch.arange(32, device=device)).to(torch.int32)  # 1 << 31 wraps
-    return _BITS[device]
-
 
 def bitmask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bool [rows, vocab_size]: which tokens each row may sample."""
-    bits = (bitmask.unsqueeze(-1) & _bits(bitmask.device)) != 0  # [rows, words, 32]
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size]
+    """bool [rows, vocab_size]: which tokens each row may sample (`mask_logits`'s table)."""
+    return _byte_rows(bitmask, torch.float32)[:, :vocab_size] == 0
 
 
 def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -42,10 +31,14 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         if not bitmask.is_pinned():
             bitmask = bitmask.pin_memory()
         bitmask = bitmask.to(logits.device, non_blocking=True)
-    table = _byte_bias(logits.device, logits.dtype)
-    codes = bitmask.contiguous().view(torch.uint8).view(-1).int()  # [N * words * 4]
-    bias = torch.index_select(table, 0, codes).view(logits.shape[0], -1)
-    return bias[:, : logits.shape[-1]].add_(logits)
+    return _byte_rows(bitmask, logits.dtype)[:, : logits.shape[-1]].add_(logits)
+
+
+def _byte_rows(bitmask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, words * 32] `dtype`, new: 0 where the mask allows the token, else -inf."""
+    codes = bitmask.contiguous().view(torch.uint8).view(-1).int()  # [rows * words * 4]
+    table = _byte_bias(bitmask.device, dtype)
+    return torch.index_select(table, 0, codes).view(bitmask.shape[0], -1)
 
 
 _BIAS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -54,7 +47,8 @@ _BIAS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 def _byte_bias(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """[256, 8] `dtype`: row b, column k is 0 where bit k of byte b is set, else -inf."""
     key = (device, dtype)
-    if key not in _BIAS:  # made on the device, as _bits
+    if key not in _BIAS:  # made on the device: a copy from pageable memory would wait for
+        # every kernel queued before it (the step's forward pass)
         bits = (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
         _BIAS[key] = torch.zeros(256, 8, dtype=dtype, device=device).masked_fill_(
             bits == 0, float("-inf"))
