@@ -153,8 +153,10 @@ class ModelRunner(KVCacheSizingMixin):
     def _capture_graphs(self) -> DecodeGraphs | None:
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":
             return None
-        if self.tp.world_size > 1:  # NCCL inside captured graphs: not measured yet
-            return None
+        # With tensor parallelism every rank captures the same sizes in the same order (the
+        # warm-ups run the collectives for real, in lockstep), and each graph holds its NCCL
+        # all-reduces; a step replays on every rank or on none, chosen from the step's metadata
+        # alone, which rank 0 sends (engine/spec_graphs.py: forward_step).
         return self._make_graphs()
 
     def _make_graphs(self) -> DecodeGraphs:

@@ -120,7 +120,10 @@ def forward_step(
 ) -> torch.Tensor:  # [T, hidden]
     """One step's forward: replayed from `graphs` when one fits (a decode-only step; with
     `max_query_len` > 1 also a step of chunks that short, as decode rows), else eagerly (with
-    `on_layer` called per layer; a replayed step calls nothing). Writes the step's K/V."""
+    `on_layer` called per layer; a replayed step calls nothing). Writes the step's K/V.
+    Tensor-parallel ranks other than 0 pass no `on_layer` (only a prefill worker's rank 0 does,
+    where `max_query_len` is 1): the choice then rests on `meta`, the same on every rank, so
+    every rank replays the same graph or none (their collectives stay in step)."""
     if graphs is not None and graphs.can_run(meta):
         return graphs.run(input_ids, positions, meta)
     if (graphs is not None and graphs.ready and max_query_len > 1 and on_layer is None

@@ -144,6 +144,10 @@ def test_tp_part_on_the_cpu_and_its_skip_on_fewer_than_2_gpus(tmp_path: Path) ->
     check = tp["correctness"]
     assert check["requests"] == 8 and check["new_tokens"] == 32
     assert check["match_fraction"] == 1.0 and check["mean_common_prefix"] == 32
+    assert check["logprobs_close_fraction"] == 1.0 and check["top_logprobs"] == 5
+    hf = tp["hf_generate_batch"]
+    assert "error" not in hf and hf["requests"] == 4, hf  # hf_cb_requests of the small sizes
+    _positive(tp["over_hf_generate_batch"], "tp1", "tp2")
 
     skipped = measure_tp(tp_sizes(True, "1b"), torch.device("cuda"), 0, None, 0, False,
                          checkpoint=lambda partial: None)

@@ -13,7 +13,10 @@
 #       TPOT <= 50 ms. The summary ($OUT/<mix>/gpu_serve.json and the table) gives goodput,
 #       TTFT/TPOT/ITL p50/p99, output tok/s and the KV handover's share of the time to the
 #       second token; the load generator's reports and the servers' logs stay on the machine.
-#   tp  tensor parallelism on two GPUs against one: `python -m pdserve.bench.gpu --parts tp`.
+#   tp  tensor parallelism on two GPUs: first the two-GPU tests (tests/test_tp_cuda.py: TP=2
+#       from CUDA graphs equals TP=1, prefill TP=2 -> decode TP=1 and back equal colocated),
+#       then TP=2 against TP=1 and HF generate_batch: `python -m pdserve.bench.gpu --parts tp`
+#       (add `--tp-shape 8b` for the 8B shape).
 #   ep  expert parallelism's communication, all-to-all against replicated tokens + all-reduce
 #       (`python -m pdserve.bench.ep_comm`), Mixtral-shaped: hidden 2048, 8 experts, top 2.
 #   kv  one request's KV (the 1B shape, 1k/4k/16k tokens) from GPU 0 to a decode worker on
@@ -33,7 +36,10 @@ OUT=${OUT:-bench_results/gpu_two}
 case "$PART" in
     prefill_heavy) RATES=4,12,inf ;;
     decode_heavy) RATES=8,24,inf ;;
-    tp) exec python3 -m pdserve.bench.gpu --parts tp --json "$OUT/gpu_tp.json" "$@" ;;
+    tp) mkdir -p "$OUT"
+        python3 -m pytest -q -p no:cacheprovider tests/test_tp_cuda.py 2>&1 \
+            | tee "$OUT/test_tp_cuda.txt" | tail -15 || true
+        exec python3 -m pdserve.bench.gpu --parts tp --json "$OUT/gpu_tp.json" "$@" ;;
     ep) exec python3 -m pdserve.bench.ep_comm --output-json "$OUT/ep_comm.json" "$@" ;;
     kv) OUT="$OUT/kv" TESTS=0 exec bash pdserve/bench/gpu_kv_run.sh --decode-gpu 1 \
             --slab-mib 8 --plane-slab-mib 256 --repeats 3 "$@" ;;
