@@ -19,6 +19,8 @@ at 2048 blocks.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -59,10 +61,11 @@ def _copy_blocks_kernel(
 
 
 def check_copy_args(src: torch.Tensor, dst: torch.Tensor, layer_start: int, layer_end: int,
-                    src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+                    src_ids: torch.Tensor, dst_ids: torch.Tensor, peer: bool = False) -> None:
     """ValueError unless src and dst are contiguous pools of one dtype, device, layer count and
     block shape, the layer range lies in them, and the ids are two 1-D integer lists of one
-    length on that device. Block ids are not range-checked: that would synchronise."""
+    length on that device; with `peer`, the pools may be on other CUDA devices than the ids'.
+    Block ids are not range-checked: that would synchronise."""
     if src.dim() != 6 or dst.dim() != 6 or src.shape[1] != 2:
         raise ValueError(f"KV pools must be [L, 2, N, block_size, Hkv, D]; got src "
                          f"{tuple(src.shape)}, dst {tuple(dst.shape)}")
@@ -83,19 +86,27 @@ def check_copy_args(src: torch.Tensor, dst: torch.Tensor, layer_start: int, laye
     if src_ids.dtype not in ID_DTYPES or dst_ids.dtype not in ID_DTYPES:
         raise ValueError(f"block ids must be int64 or int32; got {src_ids.dtype}, "
                          f"{dst_ids.dtype}")
+    ids_gpu = src_ids.is_cuda and src_ids.device == dst_ids.device
+    if peer and src.is_cuda and dst.is_cuda and ids_gpu:
+        return
     if not src.device == dst.device == src_ids.device == dst_ids.device:
         raise ValueError(f"pools and ids must share a device; got src {src.device}, dst "
                          f"{dst.device}, src_ids {src_ids.device}, dst_ids {dst_ids.device}")
 
 
 def copy_kv_blocks(src: torch.Tensor, dst: torch.Tensor, layer_start: int, layer_end: int,
-                   src_ids: torch.Tensor, dst_ids: torch.Tensor, *, block: int = 2048) -> None:
+                   src_ids: torch.Tensor, dst_ids: torch.Tensor, *, block: int = 2048,
+                   num_warps: int = 4, peer: bool = False) -> None:
     """dst[l, kv, dst_ids[i]] = src[l, kv, src_ids[i]] for l in [layer_start, layer_end),
     kv in (0, 1), every i. Mutates dst only. Launch only (no synchronize); runs on the current
     CUDA stream. Ids must be in range and dst_ids distinct; if src is dst, the two id lists must
     not share a block. The Triton kernel runs on CUDA (and on CPU under TRITON_INTERPRET=1),
-    the torch reference elsewhere."""
-    check_copy_args(src, dst, layer_start, layer_end, src_ids, dst_ids)
+    the torch reference elsewhere. `block` (elements a program moves per step) and `num_warps`
+    tune the kernel (pdserve/bench/gpu_kv_copy.py times them). `peer`: src or dst may sit on
+    another GPU of this host that the ids' GPU reaches as a peer (a pool mapped by CUDA IPC,
+    peer access enabled): the kernel runs on the ids' GPU and reads or writes it directly over
+    NVLink or PCIe, one pass over the bytes."""
+    check_copy_args(src, dst, layer_start, layer_end, src_ids, dst_ids, peer)
     if block <= 0 or block & (block - 1):
         raise ValueError(f"block must be a power of 2; got {block}")
     n, num_layers = src_ids.numel(), layer_end - layer_start
@@ -105,13 +116,15 @@ def copy_kv_blocks(src: torch.Tensor, dst: torch.Tensor, layer_start: int, layer
         ref_copy_kv_blocks(src, dst, layer_start, layer_end, src_ids, dst_ids)
         return
     block_numel = src[0, 0, 0].numel()
-    _copy_blocks_kernel[(n, 2, num_layers)](
-        as_bytes(src), as_bytes(dst), src_ids, dst_ids, layer_start,
-        src_ids.stride(0), dst_ids.stride(0),
-        src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
-        BLOCK_NUMEL=block_numel, BLOCK=min(block, triton.next_power_of_2(block_numel)),
-        num_warps=4,
-    )
+    on_ids_gpu = torch.cuda.device(src_ids.device) if src_ids.is_cuda else contextlib.nullcontext()
+    with on_ids_gpu:  # the GPU the kernel runs on
+        _copy_blocks_kernel[(n, 2, num_layers)](
+            as_bytes(src), as_bytes(dst), src_ids, dst_ids, layer_start,
+            src_ids.stride(0), dst_ids.stride(0),
+            src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
+            BLOCK_NUMEL=block_numel, BLOCK=min(block, triton.next_power_of_2(block_numel)),
+            num_warps=num_warps,
+        )
 
 
 def ref_copy_kv_blocks(src: torch.Tensor, dst: torch.Tensor, layer_start: int, layer_end: int,

@@ -200,7 +200,9 @@ class PushKVSender:
                 last = None
             l0, l1, b0, b1 = ticket.slab
             try:
-                nbytes = await asyncio.to_thread(_write, plane, peer, ticket, dst_ids[b0:b1])
+                nbytes, seconds = await asyncio.to_thread(_write, plane, peer, ticket,
+                                                          dst_ids[b0:b1])
+                self.stats.write_seconds += seconds
             except ConnectionError as exc:
                 self.stats.failed += 1
                 self._forget(address)
@@ -251,14 +253,18 @@ def _written_chunk(written: decode_pb2.KVWritten) -> bytes:
     return decode_pb2.KVChunk(written=written).SerializeToString()
 
 
-def _write(plane: DataPlane, peer: Peer, ticket: SlabTicket, dst_ids: list[int]) -> int | None:
-    """Write the ticket's slab into the peer's blocks `dst_ids`; None if the ticket is stale (a
-    preemption may have handed its blocks to another request). Blocks preemption meanwhile."""
+def _write(plane: DataPlane, peer: Peer, ticket: SlabTicket, dst_ids: list[int]
+           ) -> tuple[int | None, float]:
+    """Write the ticket's slab into the peer's blocks `dst_ids`: (bytes, seconds the write
+    took), bytes None if the ticket is stale (a preemption may have handed its blocks to
+    another request). Blocks preemption meanwhile."""
     l0, l1, _, _ = ticket.slab
     with ticket.reading() as current:
         if not current:
-            return None
-        return plane.write(peer, (l0, l1), list(ticket.block_ids), dst_ids, ticket.ready)
+            return None, 0.0
+        start = time.perf_counter()
+        nbytes = plane.write(peer, (l0, l1), list(ticket.block_ids), dst_ids, ticket.ready)
+        return nbytes, time.perf_counter() - start
 
 
 class SlabStager:

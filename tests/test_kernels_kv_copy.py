@@ -232,3 +232,20 @@ def test_pool_past_int32_offsets():
     copy_kv_blocks(small, big, 0, 2, low.flip(0), high)  # and writes them
     assert torch.equal(big[:, :, high], small[:, :, low.flip(0)])
     del big
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_the_kernel_writes_another_gpus_pool_directly():
+    from pdserve.transport.cuda_ipc import _direct_peer_access
+
+    gen = torch.Generator().manual_seed(5)
+    src = torch.randn(3, 2, 10, 4, 2, 8, generator=gen).to(torch.bfloat16).to("cuda:0")
+    dst = torch.zeros(3, 2, 12, 4, 2, 8, dtype=torch.bfloat16, device="cuda:1")
+    assert _direct_peer_access(src, dst)  # GPU 0's kernel reads GPU 1's pool
+    src_ids = torch.tensor([7, 2, 9], device="cuda:0")
+    dst_ids = torch.tensor([0, 11, 5], device="cuda:0")  # the kernel's GPU, not dst's
+    copy_kv_blocks(src, dst, 1, 3, src_ids, dst_ids, peer=True)
+    torch.cuda.synchronize("cuda:0")
+    got, want = dst.cpu(), src.cpu()
+    assert torch.equal(got[1:3][:, :, dst_ids.cpu()], want[1:3][:, :, src_ids.cpu()])
+    assert not got[0].any() and not got[:, :, [1, 2, 3, 4, 6, 7, 8, 9, 10]].any()

@@ -10,15 +10,26 @@
 #      allocation now)
 #   2. `pdserve bench transfer` on the GPU: one request's KV of the 1B shape (16 layers, 8 KV
 #      heads of 64, bf16: 32 KiB a token) at 1k / 4k / 16k tokens over grpc and cuda_ipc, against
-#      the device copy and block-scatter bandwidth measured in the same run
-# Reports and logs go to $OUT. TESTS=0 skips step 1; GPU_TESTS names other test files.
+#      the device copy and block-scatter bandwidth measured in the same run; over nixl too when
+#      .gpu-nixl is carried (built here by pdserve/bench/gpu_nixl_kit.sh): VRAM to VRAM
+#   3. the block-copy kernel's settings against copy_ and index_copy_ (pdserve.bench.gpu_kv_copy)
+# Reports and logs go to $OUT. TESTS=0 skips step 1; GPU_TESTS names other test files;
+# TRANSPORTS overrides step 2's list; COPY=0 skips step 3.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench_results/gpu_kv}
 mkdir -p "$OUT"
 source pdserve/bench/gpu_kit_env.sh || exit 1
 export PDSERVE_TEST_TOKENIZER="$PWD/$KIT/tokenizer"
+TRANSPORTS=${TRANSPORTS:-grpc,cuda_ipc}
+if [ -f .gpu-nixl/nixl.tar.xz ]; then
+    # shellcheck source=pdserve/bench/gpu_nixl_env.sh
+    if source pdserve/bench/gpu_nixl_env.sh; then TRANSPORTS="$TRANSPORTS,nixl"; fi
+fi
 status=0
+if [ "${COPY:-1}" = 1 ]; then
+    python3 -m pdserve.bench.gpu_kv_copy --out "$OUT" 2>&1 | tee "$OUT/gpu_kv_copy.log"
+fi
 if [ "${TESTS:-1}" = 1 ]; then
     python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/test_kernels_kv_copy.py \
         tests/test_kv_cuda_ipc.py tests/test_transport.py tests/test_cuda_path.py} 2>&1 \
@@ -37,6 +48,6 @@ save_stand_in_tokenizer(shape.vocab, Path(sys.argv[1]))
 PY
 python3 -m pdserve.bench.transfer --model "$MODEL" --device cuda --num-layers 16 \
     --num-kv-heads 8 --head-dim 64 --dtype bfloat16 --kv-tokens 1024,4096,16384 \
-    --transport grpc,cuda_ipc --slab-mib 2,8 --plane-slab-mib 2,32,256 --repeats 5 \
+    --transport "$TRANSPORTS" --slab-mib 2,8 --plane-slab-mib 2,32,256 --repeats 5 \
     --output-json "$OUT/transfer_h100.json" "$@" 2>&1 | tee "$OUT/transfer.log" | grep -v " INFO "
 exit $status

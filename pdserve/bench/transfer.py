@@ -155,6 +155,8 @@ class Case:
     nbytes: int
     once: Callable[[], Awaitable[float]]
     seconds: list[float] = field(default_factory=list)
+    # a data-plane push's writes: seconds per call of `once`, the warm-up's first
+    write_seconds: list[float] = field(default_factory=list)
 
 
 async def run_rounds(cases: list[Case], repeats: int) -> None:
@@ -300,7 +302,15 @@ class PushDriver:
                               plane_slab_bytes=slab_mib * MIB)
         self.senders.append(sender)
         name = f"{transport} {slab_mib} MiB {plan.num_tokens} tok"
-        cases = [Case(f"push {name}", plan.kv_bytes, lambda: self.push(sender, plan, transport))]
+
+        async def push() -> float:
+            before = sender.stats.write_seconds
+            seconds = await self.push(sender, plan, transport)
+            if transport != "grpc":
+                cases[0].write_seconds.append(sender.stats.write_seconds - before)
+            return seconds
+
+        cases = [Case(f"push {name}", plan.kv_bytes, push)]
         if transport == "grpc":
             async def serialize() -> float:
                 transfer, total = self.transfer(sender, plan), 0
@@ -404,9 +414,10 @@ async def measure(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]
             await wait_serving(dec_ch, dec_addr, dec_proc, logs / "decode-worker.log",
                                args.startup_timeout)
             driver = PushDriver(dec_ch, dec_addr, largest, args.device)
-            source = os.urandom(min(largest.kv_bytes, 256 * MIB))
-            raws = {mib: raw_case(raw_ch, source, mib * MIB)
-                    for mib in sorted({args.raw_chunk_mib, *args.slab_mib})}
+            raw_sizes = sorted({args.raw_chunk_mib, *args.slab_mib})
+            # at least one message of each size, however small the request's KV
+            source = os.urandom(max(min(largest.kv_bytes, 256 * MIB), raw_sizes[-1] * MIB))
+            raws = {mib: raw_case(raw_ch, source, mib * MIB) for mib in raw_sizes}
             pushes = {(plan.num_tokens, t, mib): driver.cases(plan, t, mib)
                       for plan in plans for t in args.transport
                       for mib in (args.slab_mib if t == "grpc" else args.plane_slab_mib)}
@@ -441,6 +452,14 @@ def push_report(key: tuple[int, str, int], cases: list[Case], ceiling: Case, sam
     if copies is not None:
         out["ratio_to_copy"] = paired_ratio(push, copies[0])
         out["ratio_to_scatter"] = paired_ratio(push, copies[1])
+    if push.write_seconds:  # the data plane's writes alone, and what the rest of a push took
+        writes = push.write_seconds[-len(push.seconds):]
+        write = Case(f"write {transport}", push.nbytes, push.once, writes)
+        out["write"] = summarize(write)
+        out["control_s"] = statistics.median(p - w for p, w in zip(push.seconds, writes))
+        if copies is not None:
+            out["write_ratio_to_copy"] = paired_ratio(write, copies[0])
+            out["write_ratio_to_scatter"] = paired_ratio(write, copies[1])
     if len(cases) > 1:
         ser = summarize(cases[1])
         wire_s = max(p["median_s"] - ser["median_s"], 1e-9)
@@ -474,15 +493,22 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"device copy, {c['num_tokens']} tokens: {c['copy']['gib_per_s']:.1f} GiB/s "
                      f"contiguous, {c['scatter']['gib_per_s']:.1f} GiB/s as a block scatter")
     lines.append(f"{'tokens':>7} {'transport':<9}{'MiB':>4}{'push GiB/s':>11}{'best':>7}"
-                 f"{'push ms':>9}{'/raw':>6}{'/copy':>7}{'serial. GiB/s':>14}")
+                 f"{'push ms':>9}{'/raw':>6}{'/copy':>7}{'serial. GiB/s':>14}"
+                 f"{'write GiB/s':>12}{'/copy':>7}{'rest ms':>8}")
     for s in report["pdserve"]:
         p = s["push"]
         ser = f"{s['serialize']['gib_per_s']:>14.2f}" if "serialize" in s else f"{'-':>14}"
         copy = f"{s['ratio_to_copy']:>7.3f}" if "ratio_to_copy" in s else f"{'-':>7}"
+        write = f"{'-':>12}{'-':>7}{'-':>8}"
+        if "write" in s:
+            w_copy = s.get("write_ratio_to_copy")
+            write = (f"{s['write']['gib_per_s']:>12.2f}"
+                     + (f"{w_copy:>7.3f}" if w_copy is not None else f"{'-':>7}")
+                     + f"{1e3 * s['control_s']:>8.2f}")
         lines.append(
             f"{s['num_tokens']:>7} {s['transport']:<9}{s['slab_bytes'] // MIB:>4}"
             f"{p['gib_per_s']:>11.2f}{p['best_gib_per_s']:>7.2f}{1e3 * p['median_s']:>9.2f}"
-            f"{s['ratio_to_raw']:>6.2f}{copy}{ser}")
+            f"{s['ratio_to_raw']:>6.2f}{copy}{ser}{write}")
     return "\n".join(lines)
 
 

@@ -155,6 +155,10 @@ class TransferStats:
     completed_by_transport: dict[str, int] = field(default_factory=dict)
     stale_pools: int = 0  # prefill: data-plane pushes refused as stale (the peer restarted)
     granted: int = 0  # prefill: data-plane pushes into blocks granted on Generate (no KVTarget)
+    # prefill: seconds inside data-plane writes, each from its call to its bytes being in the
+    # peer's memory (on CUDA a write first waits for the layers computing its blocks): the data
+    # plane's share of a push; the rest is the gRPC control plane
+    write_seconds: float = 0.0
     # blocks of completed pushes not moved: the decode worker's prefix cache held them
     skipped_blocks: int = 0
 
@@ -183,6 +187,7 @@ class TransferStats:
             "kv_transfer_first_slab_to_commit_seconds": self.first_slab_to_commit_seconds,
             "kv_transfer_stale_pools": self.stale_pools,
             "kv_transfer_granted_pushes": self.granted,
+            "kv_transfer_write_seconds": self.write_seconds,
             "kv_transfer_skipped_blocks": self.skipped_blocks,
         }
 

@@ -7,6 +7,12 @@ its CUDA IPC handle and copies its blocks straight into the reserved ones, GPU t
     per slab: wait for the layers' event, copy_kv_blocks(my pool -> its pool) on a stream of
               its own, synchronize: the bytes are in the peer's memory before KVWritten goes
 
+Across two GPUs of the host the same kernel runs on this GPU and writes the peer's blocks over
+NVLink (or PCIe), one pass over the bytes, once a probe at `open_peer` has shown that it can:
+peer access enabled, the kernel reading block 0 of every layer of the mapped pool gets what the
+driver's copy gets (reading moves nothing into the peer's blocks). Otherwise each slab is
+gathered here, copied to the peer GPU and scattered there: three passes.
+
 A handle is opened once per peer pool (the driver allows one mapping per process); a restarted
 decode worker has a new pool_id, and KVTarget refuses the old one before anything is written.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from typing import Any
 
 import torch
@@ -23,6 +30,8 @@ from engine.kv_transfer import pool_layout
 from kernels.kv_block_copy import copy_kv_blocks
 from kernels.kv_cache_fp8 import as_bytes, index_copy_kv
 from pdserve.transport.base import CUDA_IPC, Peer, PeerUnreachable, PoolInfo, device_uuid
+
+logger = logging.getLogger(__name__)
 
 
 class CudaIpcPlane:
@@ -70,7 +79,12 @@ class CudaIpcPlane:
         if shape[2] != info.num_blocks:
             raise PeerUnreachable(f"KV pool {info.pool_id}: {shape[2]} blocks mapped, "
                                   f"{info.num_blocks} announced")
-        return Peer(info, CUDA_IPC, mapped)
+        direct = mapped.device == self.pool.device or _direct_peer_access(self.pool, mapped)
+        if mapped.device != self.pool.device:
+            logger.info("KV pool %s on %s: %s", info.pool_id, mapped.device,
+                        "written directly by this GPU's kernel" if direct
+                        else "gathered here, copied, scattered there (no direct peer access)")
+        return Peer(info, CUDA_IPC, mapped, {"direct": direct})
 
     def write(self, peer: Peer, layers: tuple[int, int], src_ids: list[int],
               dst_ids: list[int], ready: Any = None) -> int:
@@ -80,14 +94,17 @@ class CudaIpcPlane:
         with torch.cuda.stream(self.stream):
             if ready is not None:
                 self.stream.wait_event(ready)  # the layers that wrote these blocks
-            src = torch.tensor(src_ids, dtype=torch.long).to(self.pool.device, non_blocking=True)
-            dst = torch.tensor(dst_ids, dtype=torch.long).to(dst_pool.device, non_blocking=True)
-            if dst_pool.device == self.pool.device:
-                copy_kv_blocks(self.pool, dst_pool, layers[0], layers[1], src, dst)
+            direct = peer.extra.get("direct", dst_pool.device == self.pool.device)
+            ids = torch.tensor([src_ids, dst_ids], dtype=torch.long).to(
+                self.pool.device if direct else dst_pool.device, non_blocking=True)
+            if direct:  # this GPU's kernel writes the peer's blocks (one pass)
+                copy_kv_blocks(self.pool, dst_pool, layers[0], layers[1], ids[0], ids[1],
+                               peer=True)
             else:  # another GPU of this host: gather here, then one peer copy and a scatter
                 l0, l1 = layers
+                src = ids[0].to(self.pool.device)
                 rows = as_bytes(self.pool[l0:l1]).index_select(2, src).to(dst_pool.device)
-                index_copy_kv(as_bytes(dst_pool[l0:l1]), 2, dst, rows)  # that GPU's stream
+                index_copy_kv(as_bytes(dst_pool[l0:l1]), 2, ids[1], rows)  # that GPU's stream
                 torch.cuda.current_stream(dst_pool.device).synchronize()  # written before acks
         self.stream.synchronize()
         return len(src_ids) * (layers[1] - layers[0]) * self.layout.cell_bytes()
@@ -98,6 +115,25 @@ class CudaIpcPlane:
 
     def close(self) -> None:
         pass
+
+
+def _direct_peer_access(local: torch.Tensor, mapped: torch.Tensor) -> bool:
+    """Whether the block-copy kernel on `local`'s GPU reaches `mapped` (a pool on another GPU,
+    mapped here) directly: see the module's NOTE."""
+    here, there = local.device, mapped.device
+    if not torch.cuda.can_device_access_peer(here.index, there.index):
+        return False
+    try:
+        # device-to-device copies: torch enables the source GPU's access to the destination's
+        expected = mapped[:, :, :1].to(here)
+        expected.to(there)  # this GPU's to the peer's: what the kernel needs
+        probe = torch.empty_like(expected)
+        ids = torch.zeros(1, dtype=torch.long, device=here)
+        copy_kv_blocks(mapped, probe, 0, mapped.shape[0], ids, ids, peer=True)
+        torch.cuda.synchronize(here)
+        return torch.equal(as_bytes(probe), as_bytes(expected))
+    except (RuntimeError, ValueError):  # Triton refusing the pointer, a driver error
+        return False
 
 
 def _visible_index(uuid: str) -> int | None:

@@ -1,0 +1,40 @@
+"""`pdserve bench transfer` end to end on the CPU, small: a real decode worker, pushes over grpc
+and nixl (host memory), the raw grpcio ceiling; a data-plane push reports its writes apart from
+the rest of the push (the control plane)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.bench import transfer
+from pdserve.transport.nixl import nixl_module
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    transfer.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.skipif(nixl_module() is None, reason="needs NIXL (pdserve[nixl])")
+def test_pushes_over_grpc_and_nixl_with_the_writes_timed_apart(tmp_path: Path) -> None:
+    out = tmp_path / "transfer.json"
+    report = transfer.run(_args("--kv-tokens", "64", "--transport", "grpc,nixl", "--slab-mib",
+                                "1", "--repeats", "2",
+                                "--output-json", str(out)))
+    assert json.loads(out.read_text())["pdserve"] == report["pdserve"]
+    by_transport = {s["transport"]: s for s in report["pdserve"]}
+    assert set(by_transport) == {"grpc", "nixl"}
+    kv_bytes = report["workload"][0]["kv_bytes"]
+    for s in by_transport.values():
+        assert s["push"]["bytes"] == kv_bytes and len(s["push"]["seconds"]) == 2
+        assert s["push"]["gib_per_s"] > 0 and s["ratio_to_raw"] > 0
+    assert "write" not in by_transport["grpc"] and "serialize" in by_transport["grpc"]
+    nixl = by_transport["nixl"]
+    assert len(nixl["write"]["seconds"]) == 2  # the warm-up's write left out
+    assert all(0 < w < p for w, p in zip(nixl["write"]["seconds"], nixl["push"]["seconds"]))
+    assert 0 < nixl["control_s"] < nixl["push"]["median_s"]
