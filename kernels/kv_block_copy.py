@@ -95,14 +95,16 @@ def check_copy_args(src: torch.Tensor, dst: torch.Tensor, layer_start: int, laye
 
 
 def copy_kv_blocks(src: torch.Tensor, dst: torch.Tensor, layer_start: int, layer_end: int,
-                   src_ids: torch.Tensor, dst_ids: torch.Tensor, *, block: int = 2048,
-                   num_warps: int = 4, peer: bool = False) -> None:
+                   src_ids: torch.Tensor, dst_ids: torch.Tensor, *, block: int = 8192,
+                   num_warps: int = 8, peer: bool = False) -> None:
     """dst[l, kv, dst_ids[i]] = src[l, kv, src_ids[i]] for l in [layer_start, layer_end),
     kv in (0, 1), every i. Mutates dst only. Launch only (no synchronize); runs on the current
     CUDA stream. Ids must be in range and dst_ids distinct; if src is dst, the two id lists must
     not share a block. The Triton kernel runs on CUDA (and on CPU under TRITON_INTERPRET=1),
     the torch reference elsewhere. `block` (elements a program moves per step) and `num_warps`
-    tune the kernel (pdserve/bench/gpu_kv_copy.py times them). `peer`: src or dst may sit on
+    tune the kernel (pdserve/bench/gpu_kv_copy.py times them: on an H100, 1B-shaped blocks of
+    16 KiB, 8192 x 8 warps moved 0.43 / 0.95 / 0.97 of a contiguous copy_'s bytes per second at
+    1k / 4k / 16k tokens, 2048 x 4 0.34 / 0.93 / 0.96). `peer`: src or dst may sit on
     another GPU of this host that the ids' GPU reaches as a peer (a pool mapped by CUDA IPC,
     peer access enabled): the kernel runs on the ids' GPU and reads or writes it directly over
     NVLink or PCIe, one pass over the bytes."""

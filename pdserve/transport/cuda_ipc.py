@@ -43,6 +43,7 @@ class CudaIpcPlane:
         self.pool = pool  # [L, 2, N, block_size, Hkv, D]
         self.layout = pool_layout(pool)
         self.stream: torch.cuda.Stream | None = None  # the sender's, made on first write
+        self._ids_host = torch.empty(0, dtype=torch.long)  # pinned once a write needs it
 
     def export(self) -> dict[str, Any]:
         storage = self.pool.untyped_storage()
@@ -95,8 +96,7 @@ class CudaIpcPlane:
             if ready is not None:
                 self.stream.wait_event(ready)  # the layers that wrote these blocks
             direct = peer.extra.get("direct", dst_pool.device == self.pool.device)
-            ids = torch.tensor([src_ids, dst_ids], dtype=torch.long).to(
-                self.pool.device if direct else dst_pool.device, non_blocking=True)
+            ids = self._ids_to(self.pool.device if direct else dst_pool.device, src_ids, dst_ids)
             if direct:  # this GPU's kernel writes the peer's blocks (one pass)
                 copy_kv_blocks(self.pool, dst_pool, layers[0], layers[1], ids[0], ids[1],
                                peer=True)
@@ -108,6 +108,20 @@ class CudaIpcPlane:
                 torch.cuda.current_stream(dst_pool.device).synchronize()  # written before acks
         self.stream.synchronize()
         return len(src_ids) * (layers[1] - layers[0]) * self.layout.cell_bytes()
+
+    def _ids_to(self, device: torch.device, src_ids: list[int], dst_ids: list[int]
+                ) -> torch.Tensor:
+        """[2, n] int64 block ids on `device`, through a pinned buffer reused by every write
+        (each write synchronizes before the next fills it): a list's ints to a tensor one by
+        one cost ~0.3 ms at a thousand blocks, numpy's conversion a tenth of it."""
+        n = len(src_ids)
+        if self._ids_host.numel() < 2 * n:
+            self._ids_host = torch.empty(2 * n, dtype=torch.long, pin_memory=True)
+        host = self._ids_host[: 2 * n]
+        view = host.numpy()
+        view[:n] = src_ids
+        view[n:] = dst_ids
+        return host.view(2, n).to(device, non_blocking=True)
 
     def close_peer(self, peer: Peer) -> None:
         peer.handle = None  # the mapping closes with the last reference to its storage
