@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -42,8 +43,9 @@ class CudaIpcPlane:
             raise ValueError("the cuda_ipc KV transport needs one contiguous CUDA pool")
         self.pool = pool  # [L, 2, N, block_size, Hkv, D]
         self.layout = pool_layout(pool)
-        self.stream: torch.cuda.Stream | None = None  # the sender's, made on first write
-        self._ids_host = torch.empty(0, dtype=torch.long)  # pinned once a write needs it
+        # per writing thread (pushes of several requests write at once): its stream, so that a
+        # write waits for its own layers only, and its pinned block-id buffer
+        self._local = threading.local()
 
     def export(self) -> dict[str, Any]:
         storage = self.pool.untyped_storage()
@@ -90,11 +92,12 @@ class CudaIpcPlane:
     def write(self, peer: Peer, layers: tuple[int, int], src_ids: list[int],
               dst_ids: list[int], ready: Any = None) -> int:
         dst_pool: torch.Tensor = peer.handle
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(self.pool.device)
-        with torch.cuda.stream(self.stream):
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self.pool.device)
+        with torch.cuda.stream(stream):
             if ready is not None:
-                self.stream.wait_event(ready)  # the layers that wrote these blocks
+                stream.wait_event(ready)  # the layers that wrote these blocks
             direct = peer.extra.get("direct", dst_pool.device == self.pool.device)
             ids = self._ids_to(self.pool.device if direct else dst_pool.device, src_ids, dst_ids)
             if direct:  # this GPU's kernel writes the peer's blocks (one pass)
@@ -106,18 +109,20 @@ class CudaIpcPlane:
                 rows = as_bytes(self.pool[l0:l1]).index_select(2, src).to(dst_pool.device)
                 index_copy_kv(as_bytes(dst_pool[l0:l1]), 2, ids[1], rows)  # that GPU's stream
                 torch.cuda.current_stream(dst_pool.device).synchronize()  # written before acks
-        self.stream.synchronize()
+        stream.synchronize()
         return len(src_ids) * (layers[1] - layers[0]) * self.layout.cell_bytes()
 
     def _ids_to(self, device: torch.device, src_ids: list[int], dst_ids: list[int]
                 ) -> torch.Tensor:
-        """[2, n] int64 block ids on `device`, through a pinned buffer reused by every write
-        (each write synchronizes before the next fills it): a list's ints to a tensor one by
-        one cost ~0.3 ms at a thousand blocks, numpy's conversion a tenth of it."""
+        """[2, n] int64 block ids on `device`, through a pinned buffer of this thread's, reused
+        by its next write (a write synchronizes before it returns; writes of other pushes run
+        on other threads at the same time): a list's ints to a tensor one by one cost ~0.3 ms
+        at a thousand blocks, numpy's conversion a tenth of it."""
         n = len(src_ids)
-        if self._ids_host.numel() < 2 * n:
-            self._ids_host = torch.empty(2 * n, dtype=torch.long, pin_memory=True)
-        host = self._ids_host[: 2 * n]
+        buffer = getattr(self._local, "ids", None)
+        if buffer is None or buffer.numel() < 2 * n:
+            buffer = self._local.ids = torch.empty(2 * n, dtype=torch.long, pin_memory=True)
+        host = buffer[: 2 * n]
         view = host.numpy()
         view[:n] = src_ids
         view[n:] = dst_ids
