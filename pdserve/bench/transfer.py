@@ -105,6 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="PushKV slab sizes to measure")
     parser.add_argument("--plane-slab-mib", type=parse_sizes, default=[256], metavar="A,B,..",
                         help="slab sizes of the data planes (nixl, cuda_ipc): bytes per write")
+    parser.add_argument("--block-order", default="shuffled", choices=["shuffled", "sequential"],
+                        help="the sending pool's blocks of the request: shuffled (a fragmented "
+                             "pool: one data-plane descriptor per block) or in order; the "
+                             "decode worker reserves its own as its block manager hands them out")
     parser.add_argument("--raw-chunk-mib", type=int, default=4, help="raw stream message size")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds")
     parser.add_argument("--num-layers", type=int, default=30)
@@ -241,24 +245,27 @@ def decode_worker_argv(args: argparse.Namespace, plan: Plan, port: int) -> list[
     ]
 
 
-def sender_pool(plan: Plan, device: str, spare_blocks: int = 8) -> tuple[torch.Tensor, list[int]]:
+def sender_pool(plan: Plan, device: str, spare_blocks: int = 8, shuffled: bool = True
+                ) -> tuple[torch.Tensor, list[int]]:
     """A random KV pool [L, 2, N, bs, Hkv, D] shaped like the decode worker's (one allocation,
-    as the engine's), and the request's shuffled blocks."""
+    as the engine's), and the request's blocks: shuffled (a fragmented pool), or in order (a
+    fresh one, as the block manager hands them out)."""
     lay, total = plan.layout, plan.num_blocks + spare_blocks
     gen = torch.Generator().manual_seed(0)
     shape = (lay.num_layers, 2, total, lay.block_size, lay.num_kv_heads, lay.head_dim)
     pool = torch.randn(shape, generator=gen).to(lay.torch_dtype).to(device)
-    blocks = torch.randperm(total, generator=gen)[: plan.num_blocks].tolist()
-    return pool, blocks
+    order = torch.randperm(total, generator=gen) if shuffled else torch.arange(total)
+    return pool, order[: plan.num_blocks].tolist()
 
 
 class PushDriver:
     """Drives one decode worker the way the gateway and a prefill worker do, one push at a time."""
 
-    def __init__(self, channel: grpc.aio.Channel, address: str, plan: Plan, device: str) -> None:
+    def __init__(self, channel: grpc.aio.Channel, address: str, plan: Plan, device: str,
+                 shuffled: bool = True) -> None:
         self.stub = decode_pb2_grpc.DecodeStub(channel)
         self.address, self.plan = address, plan
-        self.pool, self.blocks = sender_pool(plan, device)
+        self.pool, self.blocks = sender_pool(plan, device, shuffled=shuffled)
         self.caches = list(self.pool.unbind(0))
         self.senders: list[PushKVSender] = []
         self.count = 0
@@ -413,7 +420,8 @@ async def measure(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]
             await wait_serving(raw_ch, raw_addr, sink_proc, logs / "raw-sink.log", 60, False)
             await wait_serving(dec_ch, dec_addr, dec_proc, logs / "decode-worker.log",
                                args.startup_timeout)
-            driver = PushDriver(dec_ch, dec_addr, largest, args.device)
+            driver = PushDriver(dec_ch, dec_addr, largest, args.device,
+                                shuffled=args.block_order == "shuffled")
             raw_sizes = sorted({args.raw_chunk_mib, *args.slab_mib})
             # at least one message of each size, however small the request's KV
             source = os.urandom(max(min(largest.kv_bytes, 256 * MIB), raw_sizes[-1] * MIB))
