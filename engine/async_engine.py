@@ -34,6 +34,7 @@ from engine.scheduler_output import SchedulerStats
 from engine.step_profiler import StepProfiler
 
 T = TypeVar("T")
+HANDOVER_S = 0.002  # the longest the engine thread waits for an event loop after commands
 _ABORTED = object()  # ends a stream whose request was aborted through `abort()`
 _Command = tuple[Callable[..., Any], tuple, asyncio.Future, asyncio.AbstractEventLoop]
 
@@ -288,24 +289,31 @@ class AsyncLLMEngine:
         return self.engine.abort_request(request_id)
 
     def _run_commands(self, block: bool) -> None:
-        """Run queued commands; with `block`, wait for at least one first (the engine is idle)."""
-        while True:
-            try:
-                command = self._commands.get(block=block)
-            except queue.Empty:
-                return
-            block = False
-            if command is None:
-                return
-            if isinstance(command, _Failed):
-                raise command.exc
-            fn, args, future, loop = command
-            try:
-                result = fn(*args)
-            except Exception as exc:  # noqa: BLE001 - handed to the caller
-                loop.call_soon_threadsafe(_settle, future, None, exc)
-            else:
-                loop.call_soon_threadsafe(_settle, future, result, None)
+        """Run queued commands; with `block`, wait for at least one first (the engine is idle).
+        Then let the callers' event loops take their answers before the next step (below)."""
+        loops: set[asyncio.AbstractEventLoop] = set()
+        try:
+            while True:
+                try:
+                    command = self._commands.get(block=block)
+                except queue.Empty:
+                    return
+                block = False
+                if command is None:
+                    return
+                if isinstance(command, _Failed):
+                    raise command.exc
+                fn, args, future, loop = command
+                loops.add(loop)
+                try:
+                    result = fn(*args)
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    loop.call_soon_threadsafe(_settle, future, None, exc)
+                else:
+                    loop.call_soon_threadsafe(_settle, future, result, None)
+        finally:
+            for loop in loops:
+                _hand_over(loop)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -320,6 +328,22 @@ class AsyncLLMEngine:
         dead.__cause__ = exc
         for future in self._granted.values():
             future.get_loop().call_soon_threadsafe(_settle, future, None, dead)
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop) -> None:
+    """Wait (at most HANDOVER_S) until `loop` has run what this thread queued on it and the
+    coroutines that woke up from it. NOTE: without this the engine thread went straight into
+    its next step, and the event loop, woken to answer (a KV commit's reply, a reservation's
+    grant), waited for the GIL behind the step's Python: ~0.8 ms of a 1.7 ms commit-to-reply on
+    a 2-core box, traced with both ends' clocks. Commands come per request, not per step."""
+    if loop.is_closed():
+        return
+    done = threading.Event()
+    try:
+        loop.call_soon_threadsafe(loop.call_soon, done.set)  # behind the woken coroutines
+    except RuntimeError:  # closed meanwhile
+        return
+    done.wait(HANDOVER_S)
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
