@@ -38,3 +38,5 @@ def test_pushes_over_grpc_and_nixl_with_the_writes_timed_apart(tmp_path: Path) -
     assert len(nixl["write"]["seconds"]) == 2  # the warm-up's write left out
     assert all(0 < w < p for w, p in zip(nixl["write"]["seconds"], nixl["push"]["seconds"]))
     assert 0 < nixl["control_s"] < nixl["push"]["median_s"]
+    for s in by_transport.values():  # the commit is sent before the reply comes
+        assert 0 < s["commit_to_reply_s"] < s["push"]["median_s"]

@@ -23,6 +23,9 @@ NOTE: what is measured, one run, the two ends of every stream in separate proces
   copy       with `--device cuda`, the ceiling of a data plane: a device-to-device copy of the
              request's bytes in this process (`copy_`, contiguous), and the same bytes as a
              scatter of whole blocks (`index_copy_`), timed with CUDA synchronisation.
+  parts      of each push: its data-plane writes (`write`; the rest of the push is `control_s`),
+             and from its commit sent to the decode worker's reply (`commit_to_reply_s`: the
+             commit's trip, the decode engine committing the request, the reply's trip)
   serialize  the sender's own share: the same push's messages built to the bytes grpc sends, in
              this process, no wire. `wire` = push - serialize: what grpc on both sides and the
              receiver (parse, scatter into the cache) add.
@@ -39,12 +42,11 @@ import argparse
 import asyncio
 import contextlib
 import os
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,14 @@ import torch
 from engine.kv_transfer import KVLayout
 from engine.sampling_params import SamplingParams
 from pdserve.bench.report import bench_main, config_of, write_report
+from pdserve.bench.transfer_cases import (
+    Case,
+    environment,
+    format_table,
+    push_report,
+    run_rounds,
+    summarize,
+)
 from pdserve.cluster.convert import sampling_params_to_pb
 from pdserve.cluster.grpc_server import GRPC_OPTIONS, check_health, open_channel
 from pdserve.ports import free_port
@@ -150,43 +160,6 @@ def make_plans(args: argparse.Namespace) -> list[Plan]:
     return [Plan(layout, max(1, args.kv_mib * MIB // Plan(layout, 1).block_bytes))]
 
 
-# ---- cases, timed in interleaved rounds ---------------------------------------------------------
-@dataclass
-class Case:
-    """One thing to time: `once()` does it and returns the seconds of its timed part."""
-
-    name: str
-    nbytes: int
-    once: Callable[[], Awaitable[float]]
-    seconds: list[float] = field(default_factory=list)
-    # a data-plane push's writes: seconds per call of `once`, the warm-up's first
-    write_seconds: list[float] = field(default_factory=list)
-
-
-async def run_rounds(cases: list[Case], repeats: int) -> None:
-    """An untimed warm-up round, then `repeats` rounds of every case in turn."""
-    for case in cases:
-        await case.once()
-    for _ in range(repeats):
-        for case in cases:
-            case.seconds.append(await case.once())
-
-
-def summarize(case: Case) -> dict[str, Any]:
-    """Median and best of a case's timings."""
-    median = statistics.median(case.seconds)
-    return {"bytes": case.nbytes, "seconds": case.seconds, "median_s": median,
-            "gib_per_s": case.nbytes / median / GIB,
-            "best_gib_per_s": case.nbytes / min(case.seconds) / GIB}
-
-
-def paired_ratio(case: Case, ceiling: Case) -> float:
-    """Median over rounds of the case's throughput over the ceiling's in the same round."""
-    return statistics.median(
-        (case.nbytes / s) / (ceiling.nbytes / c)
-        for s, c in zip(case.seconds, ceiling.seconds, strict=True))
-
-
 # ---- (a) the raw grpcio ceiling -----------------------------------------------------------------
 def serve_raw(port: int) -> None:
     """The raw sink (run in a child process): a grpc.aio server that counts the bytes of a
@@ -270,6 +243,7 @@ class PushDriver:
         self.senders: list[PushKVSender] = []
         self.count = 0
         self.use_grants = True  # data-plane pushes use the Generate's grant, as in serving
+        self.commit_to_reply = 0.0  # the last push's, seconds
 
     def transfer(self, sender: PushKVSender, plan: Plan) -> KVPush:
         """A push of KV computed already: every slab final, the first token known."""
@@ -292,7 +266,9 @@ class PushDriver:
             t.grant = ack.kv_target  # as the gateway passes it on: no KVTarget rpc
         start = time.perf_counter()
         sent = await sender.send(self.address, t)
-        seconds = time.perf_counter() - start
+        replied = time.perf_counter()
+        seconds = replied - start
+        self.commit_to_reply = replied - (t.commit_sent_at or replied)
         while (msg := await call.read()) is not grpc.aio.EOF and not msg.finish_reason:
             pass
         if sent != plan.kv_bytes:
@@ -315,6 +291,7 @@ class PushDriver:
             seconds = await self.push(sender, plan, transport)
             if transport != "grpc":
                 cases[0].write_seconds.append(sender.stats.write_seconds - before)
+            cases[0].commit_to_reply.append(self.commit_to_reply)
             return seconds
 
         cases = [Case(f"push {name}", plan.kv_bytes, push)]
@@ -444,80 +421,6 @@ async def measure(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]
             "pdserve": [push_report(key, cases, ceiling, raws.get(key[2], ceiling),
                                     copies.get(key[0]))
                         for key, cases in pushes.items()]}
-
-
-def push_report(key: tuple[int, str, int], cases: list[Case], ceiling: Case, same_size: Case,
-                copies: list[Case] | None) -> dict[str, Any]:
-    """One (tokens, transport, slab size): the push, its ratios to raw grpcio and to the
-    device copy; for grpc the serialization alone and the rest (`wire`)."""
-    tokens, transport, slab_mib = key
-    push = cases[0]
-    p = summarize(push)
-    out: dict[str, Any] = {
-        "num_tokens": tokens, "transport": transport, "slab_bytes": slab_mib * MIB, "push": p,
-        "ratio_to_raw": paired_ratio(push, ceiling),
-        "ratio_to_raw_same_size": paired_ratio(push, same_size)}
-    if copies is not None:
-        out["ratio_to_copy"] = paired_ratio(push, copies[0])
-        out["ratio_to_scatter"] = paired_ratio(push, copies[1])
-    if push.write_seconds:  # the data plane's writes alone, and what the rest of a push took
-        writes = push.write_seconds[-len(push.seconds):]
-        write = Case(f"write {transport}", push.nbytes, push.once, writes)
-        out["write"] = summarize(write)
-        out["control_s"] = statistics.median(p - w for p, w in zip(push.seconds, writes))
-        if copies is not None:
-            out["write_ratio_to_copy"] = paired_ratio(write, copies[0])
-            out["write_ratio_to_scatter"] = paired_ratio(write, copies[1])
-    if len(cases) > 1:
-        ser = summarize(cases[1])
-        wire_s = max(p["median_s"] - ser["median_s"], 1e-9)
-        out.update(serialize=ser, wire_s=wire_s, wire_gib_per_s=push.nbytes / wire_s / GIB,
-                   serialize_share=ser["median_s"] / p["median_s"])
-    return out
-
-
-def environment() -> dict[str, Any]:
-    env = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-           "torch_version": torch.__version__, "grpcio_version": grpc.__version__,
-           "load_avg_1m_at_start": os.getloadavg()[0]}
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-    return env
-
-
-def format_table(report: dict[str, Any]) -> str:
-    """The report as a readable text table."""
-    raw = report["raw"]
-    load = report["environment"]["load_avg_1m_at_start"]
-    sizes = ", ".join(f"{w['num_tokens']} tokens = {w['kv_bytes'] / MIB:.1f} MiB"
-                      for w in report["workload"])
-    lines = [
-        f"KV per request: {sizes}; {report['config']['repeats']} rounds | load average "
-        f"{load:.1f}",
-        f"raw grpcio ceiling, {raw['chunk_bytes'] // MIB} MiB messages: {raw['gib_per_s']:.2f} "
-        f"GiB/s (best {raw['best_gib_per_s']:.2f})",
-    ]
-    for c in report["copy"]:
-        lines.append(f"device copy, {c['num_tokens']} tokens: {c['copy']['gib_per_s']:.1f} GiB/s "
-                     f"contiguous, {c['scatter']['gib_per_s']:.1f} GiB/s as a block scatter")
-    lines.append(f"{'tokens':>7} {'transport':<9}{'MiB':>4}{'push GiB/s':>11}{'best':>7}"
-                 f"{'push ms':>9}{'/raw':>6}{'/copy':>7}{'serial. GiB/s':>14}"
-                 f"{'write GiB/s':>12}{'/copy':>7}{'rest ms':>8}")
-    for s in report["pdserve"]:
-        p = s["push"]
-        ser = f"{s['serialize']['gib_per_s']:>14.2f}" if "serialize" in s else f"{'-':>14}"
-        copy = f"{s['ratio_to_copy']:>7.3f}" if "ratio_to_copy" in s else f"{'-':>7}"
-        write = f"{'-':>12}{'-':>7}{'-':>8}"
-        if "write" in s:
-            w_copy = s.get("write_ratio_to_copy")
-            write = (f"{s['write']['gib_per_s']:>12.2f}"
-                     + (f"{w_copy:>7.3f}" if w_copy is not None else f"{'-':>7}")
-                     + f"{1e3 * s['control_s']:>8.2f}")
-        lines.append(
-            f"{s['num_tokens']:>7} {s['transport']:<9}{s['slab_bytes'] // MIB:>4}"
-            f"{p['gib_per_s']:>11.2f}{p['best_gib_per_s']:>7.2f}{1e3 * p['median_s']:>9.2f}"
-            f"{s['ratio_to_raw']:>6.2f}{copy}{ser}{write}")
-    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
