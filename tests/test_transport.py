@@ -30,6 +30,7 @@ import multiprocessing as mp
 import queue
 import socket
 import time
+import types
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
@@ -439,6 +440,48 @@ def test_slabs_written_one_after_another_add_up(remote: Remote) -> None:
     expected[:, :, 2:12] = src
     expected[2, :, 0] = src[2, :, 3]
     assert _same_bits(remote.contents(info), expected)
+
+
+@needs_nixl
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])
+def test_nixl_staged_write_goes_as_the_destinations_runs_chunk_by_chunk(
+        remote: Remote, dtype: str) -> None:
+    """A shuffled source through the staging buffer (always, here; on a GPU when the source's
+    order splits the runs): 1024 bytes hold one fp32 block of 2 layers (2 x 2 x 256 B), so five
+    blocks go as five chunks (fp8: four, then one); the destination's blocks 5..9 are one run."""
+    if remote.name != "nixl":
+        pytest.skip("nixl's staging")
+    from pdserve.transport.nixl import NixlPlane
+
+    info = remote.new_pool(dtype, seed=11)
+    src = _pool(SRC_BLOCKS, dtype, seed=12)
+    plane = NixlPlane(src, f"prefill-{uuid.uuid4().hex}", stage="always", stage_bytes=1024)
+    try:
+        peer = plane.open_peer(info)
+        block_bytes = 2 * 2 * 256 * src.element_size() // 4
+        assert plane.write(peer, (1, 3), [7, 2, 9, 0, 4], [5, 6, 7, 8, 9]) == 5 * block_bytes
+        assert plane.staging is not None  # registered on first use
+        plane.close_peer(peer)
+    finally:
+        plane.close()
+    expected = _pool(DST_BLOCKS, dtype, seed=11)
+    expected[1:3, :, [5, 6, 7, 8, 9]] = src[1:3, :, [7, 2, 9, 0, 4]]
+    assert _same_bits(remote.contents(info), expected)
+
+
+def test_nixl_stages_only_on_a_gpu_when_the_source_splits_the_runs() -> None:
+    from pdserve.transport.nixl import NixlPlane
+
+    plane = NixlPlane.__new__(NixlPlane)  # the policy alone: no agent
+    plane.stage, plane.pool = "auto", torch.empty(0)
+    assert not plane._stages(runs=100, dst_ids=list(range(100)))  # CPU: never
+    plane.pool = types.SimpleNamespace(device=torch.device("cuda"))
+    assert plane._stages(runs=100, dst_ids=list(range(100)))  # 100 runs against 1
+    assert not plane._stages(runs=3, dst_ids=[0, 1, 5, 6])  # 3 against 2
+    plane.stage = "never"
+    assert not plane._stages(runs=100, dst_ids=list(range(100)))
+    with pytest.raises(ValueError, match="stage"):
+        NixlPlane(torch.zeros(1, 2, 1, 1, 1, 1), "x", stage="sometimes")
 
 
 UNREACHABLE = {  # plane -> what makes a peer's PoolInfo unopenable, besides another layout
