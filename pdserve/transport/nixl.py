@@ -12,7 +12,7 @@ NOTE: staging. NIXL's cost is per descriptor (measured on an H100: 16k tokens of
 needs consecutive blocks on both sides; a fragmented source pool (a long-running prefill worker)
 breaks them where the destination's (blocks a decode worker reserves in order) would not. Then,
 on a GPU, the slab is gathered into a registered staging buffer in the destination's order
-(one gather, `index_select`), 256 MiB at a time, and each chunk goes as the destination's runs:
+(kernels/kv_block_copy.py), 256 MiB at a time, and each chunk goes as the destination's runs:
 
     pool [L, 2, N, ..] --gather src_ids[chunk]--> staging [l, 2, m, ..] --WRITE, one descriptor
                                                                           per dst run x l x 2-->
@@ -137,15 +137,17 @@ class NixlPlane:
         if per_chunk < 1:
             raise ValueError(f"a {self.stage_bytes}-byte staging buffer holds no block of "
                              f"{block_bytes} bytes")
+        from kernels.kv_block_copy import copy_kv_blocks  # Triton: loaded when first staged
+
         staging = self._staging()
-        pool = self.pool.view(torch.uint8) if self.pool.element_size() == 1 else self.pool  # fp8
+        pool = self.pool
         for i in range(0, len(src_ids), per_chunk):
             src, dst = src_ids[i:i + per_chunk], dst_ids[i:i + per_chunk]
             m = len(src)
             view = staging[: m * block_bytes].view(pool.dtype).view(l1 - l0, 2, m,
                                                                      *pool.shape[3:])
-            ids = torch.tensor(src, dtype=torch.long, device=pool.device)
-            torch.index_select(pool[l0:l1], 2, ids, out=view)
+            ids = torch.tensor([src, range(m)], dtype=torch.long, device=pool.device)
+            copy_kv_blocks(pool[l0:l1], view, 0, l1 - l0, ids[0], ids[1])  # the gather
             if self.pool.device.type == "cuda":
                 torch.cuda.current_stream(self.pool.device).synchronize()
             offsets, dst0, lengths = block_runs(list(range(m)), dst)
