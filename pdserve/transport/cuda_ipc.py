@@ -10,7 +10,8 @@ its CUDA IPC handle and copies its blocks straight into the reserved ones, GPU t
 Across two GPUs of the host the same kernel runs on this GPU and writes the peer's blocks over
 NVLink (or PCIe), one pass over the bytes, once a probe at `open_peer` has shown that it can:
 peer access enabled, the kernel reading block 0 of every layer of the mapped pool gets what the
-driver's copy gets (reading moves nothing into the peer's blocks). Otherwise each slab is
+driver's copy gets (reading moves nothing into the peer's blocks; a mismatch, the peer writing
+block 0 meanwhile, only costs the slower path). Otherwise each slab is
 gathered here, copied to the peer GPU and scattered there: three passes.
 
 A handle is opened once per peer pool (the driver allows one mapping per process); a restarted
