@@ -513,7 +513,7 @@ def test_a_grpc_slab_of_an_fp8_cache_carries_its_bytes_and_lands_as_them():
     writer puts the same bytes into its own blocks."""
     from engine.kv_transfer import KVSlab, KVSlabWriter
     from prefill_svc.push import SlabTicket
-    from prefill_svc.sender import SlabStager
+    from prefill_svc.slab_stager import SlabStager
 
     gen = torch.Generator().manual_seed(seed_of("grpc"))
     caches = [torch.randn(2, 20, 16, 2, 8, generator=gen).to(KV_FP8).to(DEVICE)

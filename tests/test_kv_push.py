@@ -16,7 +16,7 @@ from engine.kv_progress import KVProgress, KVWatch
 from engine.kv_transfer import KVLayout, plan_slabs
 from prefill_svc.frontier import SlabFrontier
 from prefill_svc.push import KVPush, SlabTicket
-from prefill_svc.sender import SlabStager
+from prefill_svc.slab_stager import SlabStager
 from protos import decode_pb2
 
 LAYOUT = KVLayout(4, 2, 8, "float32", 16)
