@@ -15,8 +15,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 C
 from conftest import _save_tiny  # noqa: E402
 from test_cuda_path import prompts  # noqa: E402
 from test_disagg_engine import run_all  # noqa: E402
+from test_tp_disagg import _split  # noqa: E402
 
-from engine.kv_transfer import KVSlabWriter, read_slabs  # noqa: E402
 from engine.llm import build_engine_config  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve import LLM, SamplingParams  # noqa: E402
@@ -86,21 +86,8 @@ def test_split_across_tp_sizes_on_gpus_equals_colocated(tp_llama_dir, prefill_tp
     prefill = _engine(tp_llama_dir, "prefill", prefill_tp)
     decode = _engine(tp_llama_dir, "decode", decode_tp)
     try:
-        for i, p in enumerate(batch):
-            prefill.add_request(f"r{i}", p, PARAMS)
-        firsts = run_all(prefill)
-        for i, p in enumerate(batch):
-            rid = f"r{i}"
-            reserved = decode.reserve_request(rid, p, PARAMS).block_ids
-            writer = KVSlabWriter(decode.runner.kv_view(), reserved)
-            for slab in read_slabs(prefill.runner.kv_view(), prefill.held_block_ids(rid),
-                                   1 << 20):
-                writer.write(slab)
-            assert writer.complete
-            assert prefill.release(rid)
-            decode.commit_request(rid, firsts[rid].outputs[0].token_ids[0], None)
-        outs = run_all(decode)
-        assert [list(outs[f"r{i}"].outputs[0].token_ids) for i in range(len(batch))] == expected
+        got = _split(prefill, decode, 1 << 20, batch, PARAMS)
+        assert [list(tokens) for tokens in got] == expected
     finally:
         prefill.shutdown()
         decode.shutdown()

@@ -23,13 +23,16 @@ def _engine(model: str, role: str, tp: int) -> LLMEngine:
                                          tensor_parallel_size=tp))
 
 
-def _split(prefill: LLMEngine, decode: LLMEngine, max_bytes: int) -> list[list[int]]:
-    for i, p in enumerate(PROMPTS):
-        prefill.add_request(f"r{i}", p, PARAMS)
+def _split(prefill: LLMEngine, decode: LLMEngine, max_bytes: int, prompts: list = PROMPTS,
+           params: SamplingParams = PARAMS) -> list[list[int]]:
+    """Each prompt prefilled on `prefill`, its KV moved in slabs of at most `max_bytes` into
+    the blocks `decode` reserved, then decoded there: the tokens, in prompt order."""
+    for i, p in enumerate(prompts):
+        prefill.add_request(f"r{i}", p, params)
     firsts = run_all(prefill)
-    for i, p in enumerate(PROMPTS):
+    for i, p in enumerate(prompts):
         rid = f"r{i}"
-        reserved = decode.reserve_request(rid, p, PARAMS).block_ids
+        reserved = decode.reserve_request(rid, p, params).block_ids
         writer = KVSlabWriter(decode.runner.kv_view(), reserved)
         for slab in read_slabs(prefill.runner.kv_view(), prefill.held_block_ids(rid), max_bytes):
             writer.write(slab)
@@ -37,7 +40,7 @@ def _split(prefill: LLMEngine, decode: LLMEngine, max_bytes: int) -> list[list[i
         assert prefill.release(rid)
         decode.commit_request(rid, firsts[rid].outputs[0].token_ids[0], None)
     outs = run_all(decode)  # the first token, sampled by the prefill worker, included
-    return [outs[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
+    return [outs[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])

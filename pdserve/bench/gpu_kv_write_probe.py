@@ -19,23 +19,11 @@ import torch
 import torch.multiprocessing as mp
 
 from kernels.kv_block_copy import copy_kv_blocks
+from pdserve.bench.gpu_kv_copy import BLOCK_SIZE, HEAD_DIM, HEADS, LAYERS, timed
 from pdserve.transport.base import CUDA_IPC, Peer
 from pdserve.transport.cuda_ipc import CudaIpcPlane
 
-LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 64, 16
 TOKENS = (1024, 4096, 16384)
-
-
-def event_ms(fn, repeats: int = 30) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def wall_ms(fn, repeats: int = 30) -> float:
@@ -56,9 +44,9 @@ def probe(mapped: torch.Tensor, tokens: int) -> str:
     src_ids = torch.randperm(total, generator=gen)[:n].cuda()
     dst_ids = torch.randperm(total, generator=gen)[:n].cuda()
     gib = LAYERS * 2 * n * src[0, 0, 0].numel() * src.element_size() / 2**30
-    local_ms = event_ms(lambda: copy_kv_blocks(src, local, 0, LAYERS, src_ids, dst_ids))
-    mapped_ms = event_ms(lambda: copy_kv_blocks(src, mapped, 0, LAYERS, src_ids, dst_ids,
-                                                peer=True))
+    local_ms = 1e3 * timed(lambda: copy_kv_blocks(src, local, 0, LAYERS, src_ids, dst_ids), 30)
+    mapped_ms = 1e3 * timed(lambda: copy_kv_blocks(src, mapped, 0, LAYERS, src_ids, dst_ids,
+                                                peer=True), 30)
     plane, peer = CudaIpcPlane(src), Peer(None, CUDA_IPC, mapped, {"direct": True})
     s, d = src_ids.tolist(), dst_ids.tolist()
     write_ms = wall_ms(lambda: plane.write(peer, (0, LAYERS), s, d))

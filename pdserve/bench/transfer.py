@@ -243,7 +243,6 @@ class PushDriver:
         self.senders: list[PushKVSender] = []
         self.count = 0
         self.use_grants = True  # data-plane pushes use the Generate's grant, as in serving
-        self.commit_to_reply = 0.0  # the last push's, seconds
 
     def transfer(self, sender: PushKVSender, plan: Plan) -> KVPush:
         """A push of KV computed already: every slab final, the first token known."""
@@ -251,9 +250,10 @@ class PushDriver:
         push = sender.new_push(f"bench-{self.count}", plan.num_tokens)
         return push.computed(self.blocks[: plan.num_blocks], 100)
 
-    async def push(self, sender: PushKVSender, plan: Plan, transport: str) -> float:
+    async def push(self, sender: PushKVSender, plan: Plan, transport: str
+                   ) -> tuple[float, float]:
         """Generate (blocks reserved) -> timed send -> Generate read to its end (blocks freed).
-        Returns the seconds of the send alone."""
+        Returns the seconds of the send alone, and of its commit sent to the reply."""
         t = self.transfer(sender, plan)
         prompt = [100 + (i * 7919 + self.count) % 20000 for i in range(t.num_tokens)]
         params = sampling_params_to_pb(SamplingParams(temperature=0, max_tokens=2), 2)
@@ -267,8 +267,6 @@ class PushDriver:
         start = time.perf_counter()
         sent = await sender.send(self.address, t)
         replied = time.perf_counter()
-        seconds = replied - start
-        self.commit_to_reply = replied - (t.commit_sent_at or replied)
         while (msg := await call.read()) is not grpc.aio.EOF and not msg.finish_reason:
             pass
         if sent != plan.kv_bytes:
@@ -276,7 +274,7 @@ class PushDriver:
         if sender.stats.bytes_by_transport.get(transport, 0) != sender.stats.bytes:
             raise RuntimeError(f"a push meant for {transport} went over "
                                f"{sorted(sender.stats.bytes_by_transport)}")
-        return seconds
+        return replied - start, replied - (t.commit_sent_at or replied)
 
     def cases(self, plan: Plan, transport: str, slab_mib: int) -> list[Case]:
         """The push of one plan, transport and slab size (and for grpc the serialization)."""
@@ -288,10 +286,10 @@ class PushDriver:
 
         async def push() -> float:
             before = sender.stats.write_seconds
-            seconds = await self.push(sender, plan, transport)
+            seconds, commit_to_reply = await self.push(sender, plan, transport)
             if transport != "grpc":
                 cases[0].write_seconds.append(sender.stats.write_seconds - before)
-            cases[0].commit_to_reply.append(self.commit_to_reply)
+            cases[0].commit_to_reply.append(commit_to_reply)
             return seconds
 
         cases = [Case(f"push {name}", plan.kv_bytes, push)]

@@ -28,6 +28,7 @@ from functools import cache
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.kv_transfer import pool_layout
@@ -125,7 +126,7 @@ class NixlPlane:
             return self.stage == "always"
         if self.pool.device.type != "cuda":  # a CPU's gather costs what the descriptors save
             return False
-        dst_runs = 1 + sum(1 for a, b in zip(dst_ids, dst_ids[1:]) if b != a + 1)
+        dst_runs = 1 + int(np.count_nonzero(np.diff(np.asarray(dst_ids)) != 1))
         return runs >= STAGE_MIN_GAIN * dst_runs
 
     def _write_staged(self, peer: Peer, layers: tuple[int, int], src_ids: list[int],
@@ -139,8 +140,7 @@ class NixlPlane:
                              f"{block_bytes} bytes")
         from kernels.kv_block_copy import copy_kv_blocks  # Triton: loaded when first staged
 
-        staging = self._staging()
-        pool = self.pool
+        staging, pool = self._staging(), self.pool
         for i in range(0, len(src_ids), per_chunk):
             src, dst = src_ids[i:i + per_chunk], dst_ids[i:i + per_chunk]
             m = len(src)
@@ -148,8 +148,8 @@ class NixlPlane:
                                                                      *pool.shape[3:])
             ids = torch.tensor([src, range(m)], dtype=torch.long, device=pool.device)
             copy_kv_blocks(pool[l0:l1], view, 0, l1 - l0, ids[0], ids[1])  # the gather
-            if self.pool.device.type == "cuda":
-                torch.cuda.current_stream(self.pool.device).synchronize()
+            if pool.device.type == "cuda":
+                torch.cuda.current_stream(pool.device).synchronize()
             offsets, dst0, lengths = block_runs(list(range(m)), dst)
             local = run_descriptors(staging.data_ptr(), m, self.half, (0, l1 - l0), offsets,
                                     lengths, self.device_id)
@@ -192,7 +192,8 @@ class NixlPlane:
             self.agent.remove_remote_agent(peer.handle)
 
     def close(self) -> None:
-        with self._lock, contextlib.suppress(Exception):
-            self.agent.deregister_memory(self.agent.get_reg_descs(self.pool))
-            if self.staging is not None:
-                self.agent.deregister_memory(self.agent.get_reg_descs(self.staging))
+        with self._lock:
+            for memory in (self.pool, self.staging):
+                if memory is not None:
+                    with contextlib.suppress(Exception):  # one failing leaves the other to go
+                        self.agent.deregister_memory(self.agent.get_reg_descs(memory))
