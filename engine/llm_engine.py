@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.gc_heap import freeze_startup_heap, unfreeze_heap
 from engine.kv_handoff import KVHandoffMixin
 from engine.kv_progress import KVWatch, StepNotes
 from engine.lora.request import LoRAInUseError, LoRARequest
@@ -98,6 +99,7 @@ class LLMEngine(KVHandoffMixin):
         self._history_bound: set[str] = set()  # requests whose sampling reads every token
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._kv_watches: dict[str, KVWatch] = {}  # prefill role: requests whose KV is shipped
+        freeze_startup_heap()  # the model, the block pool: out of full collections' walk
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -276,8 +278,10 @@ class LLMEngine(KVHandoffMixin):
         return stats
 
     def shutdown(self) -> None:
-        """Stop the engine's other tensor-parallel ranks (nothing to do without TP)."""
+        """Stop the engine's other tensor-parallel ranks (nothing to do without TP) and give the
+        frozen start-up heap back to the garbage collector."""
         self.runner.shutdown()
+        unfreeze_heap()
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

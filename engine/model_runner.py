@@ -144,6 +144,7 @@ class ModelRunner(KVCacheSizingMixin):
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._rows: dict[str, SamplingRow] = {}  # each sampling request's, until released
         self._pending: PendingTokens | None = None  # the last launch's sampled tokens
         self._pending_ids: torch.Tensor | None = None  # ranks > 0: the same tokens
         self._kv_view: list[ShardedKVLayer] | None = None
@@ -323,14 +324,20 @@ class ModelRunner(KVCacheSizingMixin):
                             positions, meta, graph_query_len(self.config), on_layer)
 
     def _sampling_row(self, req: Request) -> SamplingRow:
-        return SamplingRow(
-            params=req.sampling_params,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=req.output_token_ids,
-            eos_token_ids=req.eos_token_ids,
-            generator=self._generator(req),
-            bad_words_token_ids=req.bad_words_token_ids,
-        )
+        """The request's row, made once: it holds the request's own lists, which grow in place
+        (a row a step for 256 requests is a tenth of a millisecond of the host's step)."""
+        row = self._rows.get(req.request_id)
+        if row is None or row.output_token_ids is not req.output_token_ids \
+                or row.params is not req.sampling_params:  # the id of a request made anew
+            row = self._rows[req.request_id] = SamplingRow(
+                params=req.sampling_params,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=req.output_token_ids,
+                eos_token_ids=req.eos_token_ids,
+                generator=self._generator(req),
+                bad_words_token_ids=req.bad_words_token_ids,
+            )
+        return row
 
     def _generator(self, req: Request) -> torch.Generator | None:
         seed = req.sampling_params.seed
@@ -365,3 +372,4 @@ class ModelRunner(KVCacheSizingMixin):
     def release(self, request_id: str) -> None:
         """Forget per-request state (its seeded generator) once the request is finished."""
         self._generators.pop(request_id, None)
+        self._rows.pop(request_id, None)

@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from engine.structured.backend import GrammarMatcher
 
 
+_FINISH_REASONS = {"finished_stopped": "stop", "finished_length": "length",
+                   "finished_aborted": "abort"}
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"
@@ -35,20 +39,11 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
 
-    @property
-    def finished(self) -> bool:
-        return self in _FINISH_REASONS
-
-    @property
-    def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self)
-
-
-_FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
+    def __init__(self, value: str) -> None:
+        # Plain attributes, not properties over a dict: every request asks several times a
+        # step, and an Enum member's hash is a Python call.
+        self.finish_reason: str | None = _FINISH_REASONS.get(value)
+        self.finished = self.finish_reason is not None
 
 
 @dataclass

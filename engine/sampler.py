@@ -26,7 +26,7 @@ import torch
 from engine.host_copy import to_device
 from engine.sampling_params import SamplingParams
 from engine.structured.bitmask import mask_logits
-from engine.token_choice import index_tensor, padded, pick_tokens, select_rows
+from engine.token_choice import argmax, index_tensor, padded, pick_tokens, select_rows
 from engine.token_controls import apply_token_controls, has_controls
 
 Logprobs = tuple[float, dict[int, float]]
@@ -42,6 +42,16 @@ class SamplingRow:
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None = None  # the request's own when seeded, on the logits' device
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # Greedy, no logprobs, penalties or token controls: its token is the argmax once min_tokens
+    # is reached. Fixed for the row's life (the engine keeps a request's row across steps).
+    plain: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain = (p.greedy and p.logprobs is None
+                      and (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+                      == (1.0, 0.0, 0.0)
+                      and not has_controls(self))
 
 
 @dataclass
@@ -57,14 +67,7 @@ def argmax_suffices(rows: list[SamplingRow]) -> bool:
     logprobs, penalty or min_tokens still to enforce. Then logits in the model's dtype give the
     same tokens as their fp32 upcast (exact: it keeps their order and ties), and the sampler
     takes them as they are."""
-    return all(
-        r.params.greedy and r.params.logprobs is None
-        and len(r.output_token_ids) >= r.params.min_tokens
-        and (r.params.repetition_penalty, r.params.frequency_penalty,
-             r.params.presence_penalty) == (1.0, 0.0, 0.0)
-        and not has_controls(r)
-        for r in rows
-    )
+    return all(r.plain and len(r.output_token_ids) >= r.params.min_tokens for r in rows)
 
 
 class Sampler:
@@ -96,6 +99,8 @@ class Sampler:
         sample; the others are removed before anything else, logprobs included."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [{len(rows)}, V], got {list(logits.shape)}")
+        if bitmask is None and argmax_suffices(rows):  # skips the per-row passes below
+            return SampledTokens(argmax(logits), None)
         if bitmask is not None:
             logits = mask_logits(logits, bitmask)
         raw = RawLogprobs.compute(logits, rows)
