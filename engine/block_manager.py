@@ -143,6 +143,7 @@ class BlockManager:
         for block_id in computed_blocks:
             self._hold(block_id)
         req.block_ids.extend(computed_blocks)
+        req.block_table_version += 1
         if computed_blocks and self.enable_prefix_caching:
             req.num_registered_blocks = len(req.block_ids)
         for _ in range(max(num_new_blocks, 0)):
@@ -174,6 +175,7 @@ class BlockManager:
             self._free[block_id] = None
             self._free.move_to_end(block_id, last=False)
         del req.block_ids[keep:]
+        req.block_table_version += 1
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register `req`'s newly full and computed blocks in the prefix cache.
@@ -207,6 +209,7 @@ class BlockManager:
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
         req.block_ids = []
+        req.block_table_version += 1
         req.num_registered_blocks = 0
 
     def cached_hashes(self) -> list[bytes]:

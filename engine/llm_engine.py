@@ -174,6 +174,7 @@ class LLMEngine(KVHandoffMixin):
             seq = self._sequence_state(req, params)
             seq.sent_tokens = seq.seen_tokens = len(prior)  # the caller has them already
             group.seqs.append(seq)
+        group.lazy = all(s.lazy for s in group.seqs)
         self._groups[request_id] = group
         if kv_watch is not None:
             self._kv_watches[request_id] = kv_watch
@@ -352,7 +353,8 @@ class LLMEngine(KVHandoffMixin):
             mark_progress(req, now)
             if s.samples:
                 group = self._groups.get(req.parent_id)
-                if group is not None:  # None: aborted while the step ran
+                # None: aborted while the step ran; lazy: nothing to do before it finishes
+                if group is not None and (req.is_finished or not group.lazy):
                     touched[req.parent_id] = group
         outputs = []
         for group in touched.values():

@@ -16,7 +16,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.distributed.group import SingleRank
 from engine.distributed.kv_shards import ShardedKVLayer, sharded_layers
 from engine.distributed.sharding import check_heads, kv_head_owners
-from engine.input_batch import HostStep, PendingTokens, pack_step, step_tensors
+from engine.input_batch import HostBlockTables, HostStep, PendingTokens, pack_step, step_tensors
 from engine.kv_cache_sizing import KVCacheSizingMixin
 from engine.lora.slots import LoRASlots
 from engine.model_loader import load_hf_config
@@ -145,6 +145,7 @@ class ModelRunner(KVCacheSizingMixin):
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
         self._rows: dict[str, SamplingRow] = {}  # each sampling request's, until released
+        self._tables = HostBlockTables()  # each scheduled request's block table, until released
         self._pending: PendingTokens | None = None  # the last launch's sampled tokens
         self._pending_ids: torch.Tensor | None = None  # ranks > 0: the same tokens
         self._kv_view: list[ShardedKVLayer] | None = None
@@ -203,7 +204,7 @@ class ModelRunner(KVCacheSizingMixin):
                 planned, per_token = self.lora.plan(order)  # type: ignore[union-attr]
                 loads.extend(planned)
                 return per_token
-        host, order = pack_step(out, self.block_size, self._pending, token_loras)
+        host, order = pack_step(out, self.block_size, self._pending, token_loras, self._tables)
         for slot, request in loads:
             self.lora.place(slot, request)  # type: ignore[union-attr]
         if self.executor is None:
@@ -370,6 +371,8 @@ class ModelRunner(KVCacheSizingMixin):
             self.executor.stop()
 
     def release(self, request_id: str) -> None:
-        """Forget per-request state (its seeded generator) once the request is finished."""
+        """Forget per-request state (its seeded generator, sampling row and host block table)
+        once the request is finished."""
         self._generators.pop(request_id, None)
         self._rows.pop(request_id, None)
+        self._tables.forget(request_id)

@@ -100,6 +100,9 @@ class RequestGroup:
     seqs: list[SequenceState] = field(default_factory=list)
     tokenizer: object = None
     prompt_logprobs_sent: bool = False
+    # Every sequence lazy (final-only output, no stop strings): nothing to do for the group
+    # in a step that finishes none of them.
+    lazy: bool = False
 
     @property
     def finished(self) -> bool:

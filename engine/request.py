@@ -84,6 +84,9 @@ class Request:
     num_pending: int = 0  # tokens sampled in launched steps, not appended yet
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     block_ids: list[int] = field(default_factory=list)
+    # Bumped by the block manager whenever it changes block_ids (its only writer): host copies
+    # of the table (engine/input_batch.py's HostBlockTables) are rebuilt only then.
+    block_table_version: int = 0
     # Prefix-cache bookkeeping (block manager): chain hashes of this request's full blocks, and how
     # many of its leading blocks are registered in the cache.
     block_hashes: list[bytes] = field(default_factory=list)

@@ -188,7 +188,7 @@ class Scheduler:
                 i += 1  # its last token is on its way: nothing more to compute
                 continue
             num_new = min(req.num_tokens_to_compute, budget)
-            drafts = self._drafts(req, budget)
+            drafts = self._drafts(req, budget) if req.spec_token_ids else None
             if drafts and self.block_manager.allocate_slots(req, 1 + len(drafts)):
                 self._take(out, req, 1 + len(drafts), drafts)
                 budget -= 1 + len(drafts)
@@ -332,7 +332,7 @@ class Scheduler:
             if s.spec_token_ids:
                 self.spec_decode.count(len(s.spec_token_ids), len(emitted) - 1)
                 spec_policy.observe(req, len(s.spec_token_ids), len(emitted) - 1)
-            else:
+            elif req.spec_unverified is not None:
                 spec_policy.judge_unverified(req, emitted[0][0])
             for token_id, logprobs in emitted:
                 if self._append(req, token_id, logprobs):

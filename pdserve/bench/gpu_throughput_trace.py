@@ -14,6 +14,10 @@ benchmark):
                 to its end), with the kernels' names
     gc_s        Python's garbage collector inside the step (gc.callbacks), by generation
     prefill     prompt tokens scheduled in the step; decodes: single-token rows
+    phases_s    host phases of the step, each a wrapper's wall time (no synchronisation):
+                schedule, forward, result, update_from_output, outputs one after another, and
+                pack_step, step_tensors, compute_logits, sample inside the rest of the launch;
+                per run their means over decode steps, "other" the step outside the first five
 
 and per run: its wall time and roofline fraction, the time outside `engine.step()` (the generate
 loop's output handling), sums of the above, and its slowest steps. A diagnostic: the hooks
@@ -48,6 +52,7 @@ class Step:
     prefill: int = 0
     decodes: int = 0
     compiled: list[str] = field(default_factory=list)
+    phases_s: dict[str, float] = field(default_factory=dict)
 
 
 class Recorder:
@@ -88,8 +93,26 @@ class Recorder:
 
         self.engine.step, self.engine.scheduler.schedule = timed_step, scheduled
         model_runner.LaunchedStep.result = waited
+        runner = self.engine.runner
+        for owner, name in ((self.engine.scheduler, "schedule"), (model_runner, "pack_step"),
+                            (model_runner, "step_tensors"), (runner, "_forward"),
+                            (runner.model, "compute_logits"), (runner.sampler, "sample"),
+                            (model_runner.LaunchedStep, "result"),
+                            (self.engine.scheduler, "update_from_output"),
+                            (self.engine, "_outputs")):
+            setattr(owner, name, self._phase(name.strip("_"), getattr(owner, name)))
         gc.callbacks.append(self._on_gc)
         _set_triton_hooks(self._on_compile_start, self._on_compile_end)
+
+    def _phase(self, name: str, fn: Any) -> Any:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases = self.current.phases_s
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
+        return timed
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -145,9 +168,24 @@ def summarize_run(steps: list[Step], gcs: dict[int, list[float]], wall_s: float,
         "decode_steps": {"count": len(decode_steps), "s": sum(s.step_s for s in decode_steps),
                          "wait_s": sum(s.wait_s for s in decode_steps),
                          "mean_rows": sum(s.decodes for s in decode_steps)
-                         / max(1, len(decode_steps))},
+                         / max(1, len(decode_steps)),
+                         "phases_ms": _mean_phases_ms(decode_steps)},
         "slowest": [asdict(s) for s in sorted(steps, key=lambda s: -s.step_s)[:slowest]],
     }
+
+
+def _mean_phases_ms(steps: list[Step]) -> dict[str, float]:
+    """Each phase's mean milliseconds per step, and the step's time outside them ("other")."""
+    totals: dict[str, float] = {}
+    for s in steps:
+        for name, seconds in s.phases_s.items():
+            totals[name] = totals.get(name, 0.0) + seconds
+    n = max(1, len(steps))
+    means = {name: 1e3 * seconds / n for name, seconds in sorted(totals.items())}
+    means["other"] = 1e3 * sum(s.step_s for s in steps) / n - sum(
+        v for k, v in means.items() if k not in ("pack_step", "step_tensors", "compute_logits",
+                                                 "sample"))  # these run inside others
+    return {k: round(v, 3) for k, v in means.items()}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
