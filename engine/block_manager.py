@@ -183,8 +183,9 @@ class BlockManager:
         A block whose content is already registered under another id (two requests computed the
         same prefix at once) stays unregistered; it is freed like any private block.
         """
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching \
+                or req.num_computed_tokens // self.block_size <= req.num_registered_blocks:
+            return  # the common case, twice a step per request: no block filled since
         # tokens sampled but not yet appended have no id to hash yet
         num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
         if num_full <= req.num_registered_blocks:

@@ -86,11 +86,12 @@ class PendingTokens:
     rows: dict[str, int]
 
 
-def order_for_batch(out: SchedulerOutput) -> list[ScheduledRequest]:
-    """Prefills (more than one new token) first, then decodes, each group in schedule order."""
+def order_for_batch(out: SchedulerOutput) -> tuple[list[ScheduledRequest], list[ScheduledRequest]]:
+    """The batch's order: prefills (more than one new token) first, then decodes, each group in
+    schedule order."""
     prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
     decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
-    return prefills + decodes
+    return prefills, decodes
 
 
 def build_model_input(
@@ -134,7 +135,8 @@ def pack_step(
     """The step's inputs in host buffers, and the scheduled requests in batch order.
     `lora_slots(order)`: each token's LoRA slot for requests in that order (None: no adapter).
     `tables`: the requests' block tables kept as arrays across steps (None: converted now)."""
-    order = order_for_batch(out)
+    prefills, decodes = order_for_batch(out)
+    order = prefills + decodes
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -143,34 +145,41 @@ def pack_step(
     sample_rows: list[int] = []
     late_dst: list[int] = []  # input rows whose token is pending ...
     late_src: list[int] = []  # ... and its row in `pending.token_ids`
-    num_prefills = 0
-    for s in order:
+    for s in prefills:  # prompt chunks, and decodes with draft tokens (speculative decoding)
         req, start = s.request, s.start
         end = start + s.num_new_tokens
         table = req.block_ids
-        if s.num_new_tokens == 1:  # decodes: most of the batch, most steps
-            if start < req.num_tokens:
-                input_ids.append(req.token_ids_slice(start, end)[0])
-            else:
-                assert pending is not None, "a pending input token needs the step in flight"
-                late_dst.append(len(input_ids))
-                late_src.append(pending.rows[req.request_id])
-                input_ids.append(0)
-            positions.append(start)
-            slots.append(table[start // block_size] * block_size + start % block_size)
-        else:  # a prefill chunk, or a decode with draft tokens (speculative decoding)
-            num_prefills += 1
-            input_ids += req.token_ids_slice(start, end - len(s.spec_token_ids))
-            input_ids += s.spec_token_ids
-            positions += range(start, end)
-            slots += [table[p // block_size] * block_size + p % block_size
-                      for p in range(start, end)]
+        input_ids += req.token_ids_slice(start, end - len(s.spec_token_ids))
+        input_ids += s.spec_token_ids
+        positions += range(start, end)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
         query_start.append(query_start[-1] + s.num_new_tokens)
         seq_lens.append(end)
         if s.spec_token_ids:  # the rows of the last token and of the drafts
             sample_rows += range(query_start[-1] - 1 - len(s.spec_token_ids), query_start[-1])
         elif s.samples:
             sample_rows.append(query_start[-1] - 1)
+    # Decodes, one token each: most of the batch, most steps; built a column at a time.
+    first = len(input_ids)
+    reqs = [s.request for s in decodes]
+    starts = [s.start for s in decodes]
+    positions += starts
+    seq_lens += [p + 1 for p in starts]
+    query_start += range(first + 1, first + 1 + len(decodes))
+    slots += [r.block_ids[p // block_size] * block_size + p % block_size
+              for r, p in zip(reqs, starts)]
+    sample_rows += [first + i for i, s in enumerate(decodes) if s.samples]
+    for r, p in zip(reqs, starts):
+        prompt, output = r.prompt_token_ids, r.output_token_ids
+        if p < len(prompt):
+            input_ids.append(prompt[p])
+        elif p - len(prompt) < len(output):
+            input_ids.append(output[p - len(prompt)])
+        else:  # sampled by the step in flight: read on the device
+            assert pending is not None, "a pending input token needs the step in flight"
+            late_dst.append(len(input_ids))
+            late_src.append(pending.rows[r.request_id])
+            input_ids.append(0)
     token_loras = None if lora_slots is None else lora_slots(order)
     ints = _pack("i", [query_start, seq_lens])
     rows = [tables.row(s.request) if tables is not None else array("i", s.request.block_ids)
@@ -184,7 +193,7 @@ def pack_step(
     host = HostStep(
         longs=_pack("q", [input_ids, positions, slots, sample_rows, late_dst, late_src]),
         ints=ints,
-        num_prefills=num_prefills,
+        num_prefills=len(prefills),
         num_seqs=len(order), num_tokens=len(input_ids), num_samples=len(sample_rows),
         num_late=len(late_dst), max_blocks=max_blocks, has_lora=token_loras is not None,
     )
