@@ -213,7 +213,12 @@ def step_tensors(
     qstart_t, lens_t, tables_t, *lora_t = _views(ints, host.int_sizes(), 4)
     if host.num_late:
         assert pending_ids is not None, "a pending input token needs the step in flight"
-        ids_t.index_copy_(0, dst_t, pending_ids[src_t])
+        run = _late_run(host)
+        if run is not None:  # one slice copy instead of a gather and a scatter
+            dst, src, n = run
+            ids_t[dst:dst + n].copy_(pending_ids[src:src + n])
+        else:
+            ids_t.index_copy_(0, dst_t, pending_ids[src_t])
     s, p = host.num_seqs, host.num_prefills
     (qa, qb), (la, lb) = _bounds(host.int_sizes(), 4)[:2]
     query_start = host.ints[qa:qb].tolist()
@@ -233,6 +238,20 @@ def step_tensors(
     )
     return StepTensors(input_ids=ids_t, positions=pos_t, meta=meta, sample_rows=rows_t,
                        lora_slots=lora_t[0] if lora_t else None)
+
+
+def _late_run(host: HostStep) -> tuple[int, int, int] | None:
+    """(first input row, first row of the previous samples, count) when the late inputs are one
+    run on both sides: the usual decode step, the same requests in the same order as the step
+    before. None otherwise. Read from the host buffers, so every tensor-parallel rank agrees."""
+    (da, db), (sa, sb) = _bounds(host.long_sizes(), 2)[4:6]
+    dst, src = host.longs[da:db], host.longs[sa:sb]
+    n = len(dst)
+    if dst[-1] - dst[0] != n - 1:  # rows are increasing: contiguous iff they span n
+        return None
+    if src != array("q", range(src[0], src[0] + n)):
+        return None
+    return dst[0], src[0], n
 
 
 def _pack(typecode: str, parts: list, buf: array | None = None) -> array:
