@@ -285,7 +285,8 @@ class Scheduler:
         Blocks filled by earlier steps are registered in the prefix cache first, even while
         such a step is still running on the device: a request admitted now reads them in a
         later step, which the device runs after it."""
-        self.block_manager.cache_full_blocks(req)
+        if req.num_computed_tokens // self.block_manager.block_size > req.num_registered_blocks:
+            self.block_manager.cache_full_blocks(req)  # (its first test, inlined)
         scheduled = ScheduledRequest(req, num_new, drafts or [])
         if req.spec_token_ids:
             req.spec_token_ids = []  # a proposal serves one step
@@ -318,35 +319,43 @@ class Scheduler:
         skipped: their token is discarded.
         """
         finished: list[Request] = []
+        block_size = self.block_manager.block_size
         for s in out.scheduled:
             req = s.request
             if s.samples:
                 req.num_pending -= 1
             if req.is_finished:
                 continue
-            self.block_manager.cache_full_blocks(req)
+            if req.num_computed_tokens // block_size > req.num_registered_blocks:
+                self.block_manager.cache_full_blocks(req)  # (its first test, inlined)
             if not s.samples:
                 continue
             sampled = samples[req.request_id]
-            emitted = sampled if s.spec_token_ids else [sampled]
-            if s.spec_token_ids:
-                self.spec_decode.count(len(s.spec_token_ids), len(emitted) - 1)
-                spec_policy.observe(req, len(s.spec_token_ids), len(emitted) - 1)
-            elif req.spec_unverified is not None:
-                spec_policy.judge_unverified(req, emitted[0][0])
+            if not s.spec_token_ids:  # one token: the common case
+                if req.spec_unverified is not None:
+                    spec_policy.judge_unverified(req, sampled[0])
+                if self._append(req, *sampled):
+                    finished.append(req)
+                continue
+            emitted = sampled  # verified drafts: the accepted ones, then one more token
+            self.spec_decode.count(len(s.spec_token_ids), len(emitted) - 1)
+            spec_policy.observe(req, len(s.spec_token_ids), len(emitted) - 1)
             for token_id, logprobs in emitted:
                 if self._append(req, token_id, logprobs):
                     finished.append(req)
                     break
-            else:
-                if s.spec_token_ids:  # the rejected drafts' K/V: computed again later
-                    req.num_computed_tokens = req.num_tokens - 1
-                    self.block_manager.rollback_slots(req, req.num_computed_tokens)
+            else:  # the rejected drafts' K/V: computed again later
+                req.num_computed_tokens = req.num_tokens - 1
+                self.block_manager.rollback_slots(req, req.num_computed_tokens)
         return finished
 
     def _append(self, req: Request, token_id: int, logprobs: tuple | None) -> bool:
         """Append one token and apply token-level stops; True if `req` finished."""
         req.append_token(token_id, logprobs)
+        if (len(req.output_token_ids) < req.max_tokens and req.grammar is None
+                and token_id not in req.eos_token_ids
+                and token_id not in (req.sampling_params.stop_token_ids or ())):
+            return False  # nothing can stop it at this token (check_token_stop's rule)
         reason, stop_reason = self._check_stop(req, token_id)
         if reason is None and req.grammar is not None and req.grammar.is_terminated():
             reason = "stop"  # the grammar is complete (it accepted a stop token)

@@ -218,7 +218,9 @@ def test_a_landed_step_fills_the_next_steps_mask_before_its_outputs(tiny_llama_d
         process_text(group)
 
     manager.bitmask, engine._process_text = bitmask, text
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+    # a stop string that never matches: the text is made every step (final-only output without
+    # one is detokenized once, at the end)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=["\u00a7\u00a7"],
                             structured_outputs=StructuredOutputsParams(json=INTS))
     outs = llm.generate(["[1, 2", "numbers:"], params, use_tqdm=False)
     assert engine._overlap and all(len(o.outputs[0].token_ids) == 8 for o in outs)
