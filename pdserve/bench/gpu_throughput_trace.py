@@ -21,7 +21,9 @@ benchmark):
 
 and per run: its wall time and roofline fraction, the time outside `engine.step()` (the generate
 loop's output handling), sums of the above, and its slowest steps. A diagnostic: the hooks
-cost a few microseconds a step.
+cost a few microseconds a step. `--torch-profile DIR`: the last run's steps 20-79 (decode steps
+of ~250 rows) under torch.profiler too (engine/step_profiler.py: GPU busy time, top kernels;
+DIR/offline-<pid>.summary.json), that run's figures then slowed by the profiler.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 
 import torch
 
+from engine.step_profiler import StepProfiler
 from pdserve.bench.gpu import _llm_kwargs, resolve_sizes
 from pdserve.bench.gpu_generation import _greedy
 from pdserve.bench.gpu_kernels import measure_ceilings
@@ -60,6 +63,7 @@ class Recorder:
 
     def __init__(self, engine: Any) -> None:
         self.engine, self.steps, self.current = engine, [], Step()
+        self.profiler: StepProfiler | None = None  # torch.profiler over some steps, if set
         self.gc_by_gen: dict[int, list[float]] = {}
         self._gc_start = self._compile_start = 0.0
 
@@ -71,7 +75,7 @@ class Recorder:
 
         def timed_step():
             self.current = Step(start_s=time.perf_counter())
-            out = step()
+            out = step() if self.profiler is None else self.profiler.step(step)
             self.current.step_s = time.perf_counter() - self.current.start_s
             self.steps.append(self.current)
             return out
@@ -205,6 +209,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         recorder.take()
         runs = []
         for index in range(args.runs):
+            if args.torch_profile and index == args.runs - 1:
+                recorder.profiler = StepProfiler(args.torch_profile, "offline", skip=20, count=60)
             workload = make_workload(tok, sizes.num_requests, sizes.input_len_range,
                                      (sizes.output_len, sizes.output_len), args.seed + 100 + index)
             prompts = [{"prompt_token_ids": p} for p in workload.prompts]
@@ -213,6 +219,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             start = time.perf_counter()
             llm.generate(prompts, _greedy(sizes.output_len), use_tqdm=False)
             wall = time.perf_counter() - start
+            if recorder.profiler is not None:
+                recorder.profiler.idle()  # a window cut short by the run's end ends here
             roof = None if ceilings is None else \
                 roofline(sizes.shape, workload, BF16_BYTES, ceilings)["output_tokens_per_s"]
             runs.append(summarize_run(*recorder.take(), wall, workload.output_tokens, roof,
@@ -246,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--slowest", type=int, default=5)
+    parser.add_argument("--torch-profile", default=None, metavar="DIR",
+                        help="profile the last run's steps 20-79 with torch.profiler into DIR")
     args = parser.parse_args(argv)
     report = run(args)
     if args.json:
