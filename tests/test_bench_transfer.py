@@ -1,6 +1,6 @@
 """`pdserve bench transfer` end to end on the CPU, small: a real decode worker, pushes over grpc
 and nixl (host memory), the raw grpcio ceiling; a data-plane push reports its writes apart from
-the rest of the push (the control plane)."""
+the rest of the push (the control plane); pushes at once (`--concurrency`) report together."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_pushes_over_grpc_and_nixl_with_the_writes_timed_apart(tmp_path: Path) -> None:
     out = tmp_path / "transfer.json"
     report = transfer.run(_args("--kv-tokens", "64", "--transport", "grpc,nixl", "--slab-mib",
-                                "1", "--repeats", "2",
+                                "1", "--repeats", "2", "--concurrency", "2",
                                 "--output-json", str(out)))
     assert json.loads(out.read_text())["pdserve"] == report["pdserve"]
     by_transport = {s["transport"]: s for s in report["pdserve"]}
@@ -40,3 +40,8 @@ def test_pushes_over_grpc_and_nixl_with_the_writes_timed_apart(tmp_path: Path) -
     assert 0 < nixl["control_s"] < nixl["push"]["median_s"]
     for s in by_transport.values():  # the commit is sent before the reply comes
         assert 0 < s["commit_to_reply_s"] < s["push"]["median_s"]
+    # two pushes at once, each its own request: twice the bytes, one time for both
+    assert {c["transport"] for c in report["concurrent"]} == {"grpc", "nixl"}
+    for c in report["concurrent"]:
+        assert c["concurrency"] == 2 and c["push"]["bytes"] == 2 * kv_bytes
+        assert len(c["push"]["seconds"]) == 2 and c["push"]["gib_per_s"] > 0

@@ -23,6 +23,10 @@ NOTE: what is measured, one run, the two ends of every stream in separate proces
   copy       with `--device cuda`, the ceiling of a data plane: a device-to-device copy of the
              request's bytes in this process (`copy_`, contiguous), and the same bytes as a
              scatter of whole blocks (`index_copy_`), timed with CUDA synchronisation.
+  concurrent with `--concurrency N` (N > 1): N pushes of the request at once, each its own
+             request (reserved first, all of them), timed from the first send to the last
+             reply; their bytes over that time, paired with the copy as above: what the data
+             plane carries when the control plane's round trips overlap, as they do under load.
   parts      of each push: its data-plane writes (`write`; the rest of the push is `control_s`),
              and from its commit sent to the decode worker's reply (`commit_to_reply_s`: the
              commit's trip, the decode engine committing the request, the reply's trip)
@@ -58,6 +62,7 @@ from engine.sampling_params import SamplingParams
 from pdserve.bench.report import bench_main, config_of, write_report
 from pdserve.bench.transfer_cases import (
     Case,
+    concurrent_report,
     environment,
     format_table,
     push_report,
@@ -119,6 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the sending pool's blocks of the request: shuffled (a fragmented "
                              "pool: one data-plane descriptor per block) or in order; the "
                              "decode worker reserves its own as its block manager hands them out")
+    parser.add_argument("--concurrency", type=int, default=1, metavar="N",
+                        help="also time N pushes at once (N > 1), each its own request")
     parser.add_argument("--raw-chunk-mib", type=int, default=4, help="raw stream message size")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds")
     parser.add_argument("--num-layers", type=int, default=30)
@@ -206,14 +213,16 @@ def raw_case(channel: grpc.aio.Channel, source: bytes, chunk: int) -> Case:
 
 # ---- (b) pdserve's path: PushKVSender -> a real decode worker -----------------------------------
 def decode_worker_argv(args: argparse.Namespace, plan: Plan, port: int) -> list[str]:
-    """`pdserve decode` with room for one request of the plan's blocks (and a few spare),
-    accepting every data plane it can."""
+    """`pdserve decode` with room for `--concurrency` requests of the plan's blocks (and a few
+    spare), accepting every data plane it can."""
     model = ["--model", args.model] if args.model else []
     return [
         sys.executable, "-m", "pdserve.cli", "decode", *model, "--port", str(port),
-        "--num-kv-blocks", str(plan.num_blocks + 8), "--max-model-len", str(plan.num_tokens + 16),
+        "--num-kv-blocks", str(max(1, args.concurrency) * plan.num_blocks + 8),
+        "--max-model-len", str(plan.num_tokens + 16),
         "--dtype", args.dtype, "--block-size", str(args.block_size), "--device", args.device,
-        "--no-prefix-caching", "--max-num-seqs", "4", "--log-level", "warning",
+        "--no-prefix-caching", "--max-num-seqs", str(max(4, args.concurrency)),
+        "--log-level", "warning",
         "--kv-transport", "auto" if set(args.transport) != {"nixl"} else "nixl",
     ]
 
@@ -250,10 +259,8 @@ class PushDriver:
         push = sender.new_push(f"bench-{self.count}", plan.num_tokens)
         return push.computed(self.blocks[: plan.num_blocks], 100)
 
-    async def push(self, sender: PushKVSender, plan: Plan, transport: str
-                   ) -> tuple[float, float]:
-        """Generate (blocks reserved) -> timed send -> Generate read to its end (blocks freed).
-        Returns the seconds of the send alone, and of its commit sent to the reply."""
+    async def _open(self, sender: PushKVSender, plan: Plan) -> tuple[KVPush, Any]:
+        """Generate: the decode worker reserves the request's blocks and acknowledges."""
         t = self.transfer(sender, plan)
         prompt = [100 + (i * 7919 + self.count) % 20000 for i in range(t.num_tokens)]
         params = sampling_params_to_pb(SamplingParams(temperature=0, max_tokens=2), 2)
@@ -264,9 +271,12 @@ class PushDriver:
             raise RuntimeError("the decode worker did not acknowledge the reservation")
         if self.use_grants and ack.HasField("kv_target"):
             t.grant = ack.kv_target  # as the gateway passes it on: no KVTarget rpc
-        start = time.perf_counter()
-        sent = await sender.send(self.address, t)
-        replied = time.perf_counter()
+        return t, call
+
+    @staticmethod
+    async def _close(call: Any, sent: int, sender: PushKVSender, plan: Plan,
+                     transport: str) -> None:
+        """Read Generate to its end (the blocks are freed); check what the push carried."""
         while (msg := await call.read()) is not grpc.aio.EOF and not msg.finish_reason:
             pass
         if sent != plan.kv_bytes:
@@ -274,7 +284,38 @@ class PushDriver:
         if sender.stats.bytes_by_transport.get(transport, 0) != sender.stats.bytes:
             raise RuntimeError(f"a push meant for {transport} went over "
                                f"{sorted(sender.stats.bytes_by_transport)}")
+
+    async def push(self, sender: PushKVSender, plan: Plan, transport: str
+                   ) -> tuple[float, float]:
+        """Generate (blocks reserved) -> timed send -> Generate read to its end (blocks freed).
+        Returns the seconds of the send alone, and of its commit sent to the reply."""
+        t, call = await self._open(sender, plan)
+        start = time.perf_counter()
+        sent = await sender.send(self.address, t)
+        replied = time.perf_counter()
+        await self._close(call, sent, sender, plan, transport)
         return replied - start, replied - (t.commit_sent_at or replied)
+
+    async def push_many(self, sender: PushKVSender, plan: Plan, transport: str, n: int
+                        ) -> float:
+        """`n` requests reserved, then their pushes at once: seconds from the first send to
+        the last reply."""
+        opened = [await self._open(sender, plan) for _ in range(n)]
+        start = time.perf_counter()
+        sent = await asyncio.gather(*(sender.send(self.address, t) for t, _ in opened))
+        seconds = time.perf_counter() - start
+        for (_, call), nbytes in zip(opened, sent, strict=True):
+            await self._close(call, nbytes, sender, plan, transport)
+        return seconds
+
+    def concurrent_case(self, plan: Plan, transport: str, slab_mib: int, n: int) -> Case:
+        """`n` pushes at once over `transport` (a sender of their own), as one case."""
+        planes = None if transport == "grpc" else PeerPlanes(self.pool, transport)
+        sender = PushKVSender(self.caches, slab_bytes=slab_mib * MIB, planes=planes,
+                              plane_slab_bytes=slab_mib * MIB)
+        self.senders.append(sender)
+        return Case(f"push x{n} {transport} {slab_mib} MiB {plan.num_tokens} tok",
+                    n * plan.kv_bytes, lambda: self.push_many(sender, plan, transport, n))
 
     def cases(self, plan: Plan, transport: str, slab_mib: int) -> list[Case]:
         """The push of one plan, transport and slab size (and for grpc the serialization)."""
@@ -406,9 +447,13 @@ async def measure(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]
                       for mib in (args.slab_mib if t == "grpc" else args.plane_slab_mib)}
             copies = ({plan.num_tokens: copy_cases(plan, driver.pool, driver.blocks, peer)
                        for plan in plans} if args.device == "cuda" else {})
+            many = ({key: driver.concurrent_case(plan, key[1], key[2], args.concurrency)
+                     for plan in plans for key in pushes if key[0] == plan.num_tokens}
+                    if args.concurrency > 1 else {})
             try:
                 await run_rounds([*raws.values(), *(c for cs in pushes.values() for c in cs),
-                                  *(c for cs in copies.values() for c in cs)], args.repeats)
+                                  *many.values(), *(c for cs in copies.values() for c in cs)],
+                                 args.repeats)
             finally:
                 await driver.close()
     ceiling = raws[args.raw_chunk_mib]
@@ -418,13 +463,17 @@ async def measure(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]
                      for n, (c, sc) in copies.items()],
             "pdserve": [push_report(key, cases, ceiling, raws.get(key[2], ceiling),
                                     copies.get(key[0]))
-                        for key, cases in pushes.items()]}
+                        for key, cases in pushes.items()],
+            "concurrent": [concurrent_report(key, case, args.concurrency, copies.get(key[0]))
+                           for key, case in many.items()]}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark for parsed `args`, print the table, write the JSON report; return it."""
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
     if args.decode_gpu is not None and (args.device != "cuda" or args.decode_gpu < 1):
         raise ValueError("--decode-gpu needs --device cuda and a GPU other than 0 (the "
                          f"sending pool's), got {args.decode_gpu} with --device {args.device}")

@@ -86,6 +86,18 @@ def push_report(key: tuple[int, str, int], cases: list[Case], ceiling: Case, sam
     return out
 
 
+def concurrent_report(key: tuple[int, str, int], case: Case, n: int,
+                      copies: list[Case] | None) -> dict[str, Any]:
+    """`n` pushes at once of one (tokens, transport, slab size): their bytes over the time from
+    the first send to the last reply, and that over the device copy's rate."""
+    tokens, transport, slab_mib = key
+    out: dict[str, Any] = {"num_tokens": tokens, "transport": transport,
+                           "slab_bytes": slab_mib * MIB, "concurrency": n, "push": summarize(case)}
+    if copies is not None:
+        out["ratio_to_copy"] = paired_ratio(case, copies[0])
+    return out
+
+
 def environment() -> dict[str, Any]:
     env = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
            "torch_version": torch.__version__, "grpcio_version": grpc.__version__,
@@ -128,4 +140,10 @@ def format_table(report: dict[str, Any]) -> str:
             f"{p['gib_per_s']:>11.2f}{p['best_gib_per_s']:>7.2f}{1e3 * p['median_s']:>9.2f}"
             f"{s['ratio_to_raw']:>6.2f}{copy}{ser}{write}"
             f"{1e3 * s.get('commit_to_reply_s', float('nan')):>8.2f}")
+    for s in report.get("concurrent", []):
+        p = s["push"]
+        copy = f", {s['ratio_to_copy']:.3f} of the copy" if "ratio_to_copy" in s else ""
+        lines.append(f"{s['concurrency']} pushes at once, {s['num_tokens']} tokens each, "
+                     f"{s['transport']} {s['slab_bytes'] // MIB} MiB: {p['gib_per_s']:.2f} GiB/s "
+                     f"(best {p['best_gib_per_s']:.2f}), {1e3 * p['median_s']:.2f} ms{copy}")
     return "\n".join(lines)
