@@ -22,9 +22,9 @@ from engine.lora.slots import LoRASlots
 from engine.model_loader import load_hf_config
 from engine.models import load_model
 from engine.prompt_logprobs import add_chunk_prompt_logprobs
-from engine.request import Request
 from engine.request_checks import reads_history
 from engine.sampler import SampledTokens, Sampler, SamplingRow, argmax_suffices
+from engine.sampling_rows import SamplingRows
 from engine.scheduler_output import Sample, Samples, ScheduledRequest, SchedulerOutput
 from engine.spec_decode.draft_model import DraftModel
 from engine.spec_decode.rejection import verify
@@ -32,7 +32,6 @@ from engine.spec_graphs import capture_graphs, forward_step, graph_query_len
 from engine.structured.backend import GrammarMatcher
 from engine.structured.bitmask import mask_logits
 from engine.structured.manager import StructuredOutputs
-from engine.token_choice import skip_draws
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +142,7 @@ class ModelRunner(KVCacheSizingMixin):
         self.graphs = self._capture_graphs()
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self._generators: dict[str, torch.Generator] = {}
-        self._rows: dict[str, SamplingRow] = {}  # each sampling request's, until released
+        self._rows = SamplingRows(self.device)  # each sampling request's, until released
         self._tables = HostBlockTables()  # each scheduled request's block table, until released
         self._pending: PendingTokens | None = None  # the last launch's sampled tokens
         self._pending_ids: torch.Tensor | None = None  # ranks > 0: the same tokens
@@ -242,7 +240,7 @@ class ModelRunner(KVCacheSizingMixin):
         if not sampling:
             self._pending = None
             return LaunchedStep([], None)
-        rows = [self._sampling_row(s.request) for s in sampling]
+        rows = [self._rows.row(s.request) for s in sampling]
         logits = self.model.compute_logits(hidden, upcast=not argmax_suffices(rows))
         ids = [s.request.request_id for s in sampling]
         matchers = [s.request.grammar for s in sampling]
@@ -280,7 +278,7 @@ class ModelRunner(KVCacheSizingMixin):
     def _draft_rows(self, s: ScheduledRequest) -> list[SamplingRow]:
         """The sampling rows of a request's last token and of each of its drafts: row j sees
         the drafts before it as output history (one row for all when nothing reads it)."""
-        row = self._sampling_row(s.request)
+        row = self._rows.row(s.request)
         drafts = s.spec_token_ids
         if not reads_history(s.request.sampling_params):
             return [row] * (len(drafts) + 1)
@@ -324,33 +322,6 @@ class ModelRunner(KVCacheSizingMixin):
         return forward_step(self.model, self.kv_caches, self.backend, self.graphs, input_ids,
                             positions, meta, graph_query_len(self.config), on_layer)
 
-    def _sampling_row(self, req: Request) -> SamplingRow:
-        """The request's row, made once: it holds the request's own lists, which grow in place
-        (a row a step for 256 requests is a tenth of a millisecond of the host's step)."""
-        row = self._rows.get(req.request_id)
-        if row is None or row.output_token_ids is not req.output_token_ids \
-                or row.params is not req.sampling_params:  # the id of a request made anew
-            row = self._rows[req.request_id] = SamplingRow(
-                params=req.sampling_params,
-                prompt_token_ids=req.prompt_token_ids,
-                output_token_ids=req.output_token_ids,
-                eos_token_ids=req.eos_token_ids,
-                generator=self._generator(req),
-                bad_words_token_ids=req.bad_words_token_ids,
-            )
-        return row
-
-    def _generator(self, req: Request) -> torch.Generator | None:
-        seed = req.sampling_params.seed
-        if seed is None or req.sampling_params.greedy:
-            return None
-        gen = self._generators.get(req.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(seed)
-            skip_draws(gen, req.num_output_tokens)  # tokens sampled before: on another worker
-            self._generators[req.request_id] = gen
-        return gen
-
     def mark_ready(self) -> torch.cuda.Event | None:
         """An event recorded on the compute stream now (CUDA): work queued so far is done once
         it completes. None on the CPU, where a step's ops have finished when they return."""
@@ -373,6 +344,5 @@ class ModelRunner(KVCacheSizingMixin):
     def release(self, request_id: str) -> None:
         """Forget per-request state (its seeded generator, sampling row and host block table)
         once the request is finished."""
-        self._generators.pop(request_id, None)
-        self._rows.pop(request_id, None)
+        self._rows.release(request_id)
         self._tables.forget(request_id)
