@@ -10,8 +10,8 @@ core freezes its heap after start-up too).
 
 A frozen object is still freed when its reference count drops; only reference cycles among
 frozen objects stay until they are unfrozen. So each engine's start-up first unfreezes and
-collects what earlier engines of the process left (a test session starts hundreds), and an
-engine's shutdown unfreezes.
+collects what earlier engines of the process left (the test suite builds hundreds in one
+process), and an engine's shutdown unfreezes.
 """
 
 from __future__ import annotations

@@ -285,8 +285,7 @@ class Scheduler:
         Blocks filled by earlier steps are registered in the prefix cache first, even while
         such a step is still running on the device: a request admitted now reads them in a
         later step, which the device runs after it."""
-        if req.num_computed_tokens // self.block_manager.block_size > req.num_registered_blocks:
-            self.block_manager.cache_full_blocks(req)  # (its first test, inlined)
+        self.block_manager.cache_full_blocks(req)
         scheduled = ScheduledRequest(req, num_new, drafts or [])
         if req.spec_token_ids:
             req.spec_token_ids = []  # a proposal serves one step
@@ -319,15 +318,13 @@ class Scheduler:
         skipped: their token is discarded.
         """
         finished: list[Request] = []
-        block_size = self.block_manager.block_size
         for s in out.scheduled:
             req = s.request
             if s.samples:
                 req.num_pending -= 1
             if req.is_finished:
                 continue
-            if req.num_computed_tokens // block_size > req.num_registered_blocks:
-                self.block_manager.cache_full_blocks(req)  # (its first test, inlined)
+            self.block_manager.cache_full_blocks(req)
             if not s.samples:
                 continue
             sampled = samples[req.request_id]
