@@ -36,7 +36,9 @@ from engine.step_profiler import StepProfiler
 T = TypeVar("T")
 HANDOVER_S = 0.002  # the longest the engine thread waits for an event loop after commands
 _ABORTED = object()  # ends a stream whose request was aborted through `abort()`
-_Command = tuple[Callable[..., Any], tuple, asyncio.Future, asyncio.AbstractEventLoop]
+# (fn, args, the future its answer settles and that future's loop: None when nobody waits)
+_Command = tuple[Callable[..., Any], tuple, asyncio.Future | None,
+                 asyncio.AbstractEventLoop | None]
 
 
 class EngineDeadError(RuntimeError):
@@ -47,6 +49,13 @@ class _Failed:
     """A command that fails the engine loop (a tensor-parallel rank died while it idled)."""
 
     def __init__(self, exc: RuntimeError) -> None:
+        self.exc = exc
+
+
+class _RequestFailed:
+    """Ends one request's stream with `exc` (the engine loop itself is fine)."""
+
+    def __init__(self, exc: Exception) -> None:
         self.exc = exc
 
 
@@ -151,8 +160,17 @@ class AsyncLLMEngine:
     async def commit_remote(
         self, request_id: str, first_token_id: int, logprobs: tuple[float, dict] | None
     ) -> None:
-        """Decode role: the request's KV is in place; queue it behind its first token."""
-        await self.call(self.engine.commit_request, request_id, first_token_id, logprobs)
+        """Decode role: the request's KV is in place; queue it behind its first token.
+
+        Returns once the commit is queued, without waiting for the engine thread: that runs it
+        before its next step (a busy engine finishes the step it is in first), and commands
+        run in order, so an abort sent after this lands after the commit. NOTE: waiting made
+        every KV push's reply wait for the decode step in flight, and concurrent pushes
+        queue behind each other's steps. A commit that fails there (a bug: a request aborted
+        meanwhile is not one) aborts the request and ends its stream with the error."""
+        if self._error is not None:
+            raise EngineDeadError("the engine loop has failed") from self._error
+        self._commands.put((self._commit, (request_id, first_token_id, logprobs), None, None))
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Load an adapter now (`LLMEngine.add_lora`: ValueError if it is bad)."""
@@ -235,6 +253,8 @@ class AsyncLLMEngine:
                 item = await q.get()
                 if item is _ABORTED:
                     return
+                if isinstance(item, _RequestFailed):
+                    raise RuntimeError(f"request {request_id!r} failed: {item.exc}") from item.exc
                 if isinstance(item, BaseException):
                     raise EngineDeadError("the engine loop has failed") from item
                 finished = item.finished
@@ -281,6 +301,16 @@ class AsyncLLMEngine:
             future = self._granted.pop(request_id)
             future.get_loop().call_soon_threadsafe(_settle, future, reservation, None)
 
+    def _commit(
+        self, request_id: str, first_token_id: int, logprobs: tuple[float, dict] | None
+    ) -> None:
+        """`commit_remote`'s command: nobody waits for it, so its failure goes to the stream."""
+        try:
+            self.engine.commit_request(request_id, first_token_id, logprobs)
+        except Exception as exc:  # noqa: BLE001 - handed to the request's reader
+            if self.engine.abort_request(request_id):  # else: aborted already, nothing waits
+                self._deliver(request_id, _RequestFailed(exc))
+
     def _abort(self, request_id: str) -> bool:
         """`LLMEngine.abort_request`; a reservation queued for blocks is told None."""
         future = self._granted.pop(request_id, None)
@@ -304,6 +334,9 @@ class AsyncLLMEngine:
                 if isinstance(command, _Failed):
                     raise command.exc
                 fn, args, future, loop = command
+                if future is None:  # nobody waits for its answer
+                    fn(*args)
+                    continue
                 loops.add(loop)
                 try:
                     result = fn(*args)
@@ -315,7 +348,9 @@ class AsyncLLMEngine:
             for loop in loops:
                 _hand_over(loop)
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _deliver(
+        self, request_id: str, item: RequestOutput | BaseException | _RequestFailed
+    ) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
             loop, q = stream
