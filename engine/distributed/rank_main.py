@@ -28,6 +28,8 @@ def run_rank(config: EngineConfig, rank: int, port: int, conn: Connection) -> No
     device = resolve_device(config.device, rank)
     if device.type == "cpu":  # share the cores with the other ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    else:  # this process's GPU: CUDA graphs capture and replay on the current device's streams
+        torch.cuda.set_device(device)
     try:
         group = TPGroup(rank, world, connect(port, world, timeout), device, timeout,
                         config.parallel.enable_expert_parallel)

@@ -12,8 +12,9 @@ on one random-weight model (gpu_model.py; the Llama-3.2-1B shape, or Llama-3.1-8
                and HF transformers' `generate_batch` on the same requests, on GPU 0
 
 NOTE: both sizes run in this process one after the other, each `LLM` shut down (its other ranks
-stopped) and its memory given back before the next one loads. Both decode from CUDA graphs
-(at TP=2 each rank's graphs hold its NCCL all-reduces; `cuda_graphs` says so per run). The
+stopped) and its memory given back before the next one loads. TP=1 decodes from CUDA graphs;
+TP=2 runs eagerly unless `--tp-cuda-graphs` (each rank's graphs then hold its NCCL all-reduces;
+`cuda_graphs` says per run which it was). The
 model is built as gpu_model.RandomModel builds it, in --model-dir when given (reused as it
 is: give each --tp-shape its own folder). With fewer than 2 CUDA GPUs the part is skipped.
 `--small` ignores `--tp-shape`.
@@ -78,10 +79,11 @@ def tp_sizes(small: bool, shape: str) -> TPSizes:
 def measure_tp(
     sizes: TPSizes, device: torch.device, seed: int, model_dir: str | None,
     max_num_batched_tokens: int, use_tqdm: bool, checkpoint: Callable[[dict[str, Any]], None],
+    tp_cuda_graphs: bool = False,
 ) -> dict[str, Any]:
     """TP=1 then TP=2 on one model (built in `model_dir` unless there), and their comparison.
     Calls `checkpoint(report so far)` after TP=1; TP=2 failing is reported as "error" beside
-    TP=1's figures."""
+    TP=1's figures. `tp_cuda_graphs`: TP=2 captures CUDA graphs (else it runs eagerly)."""
     found = torch.cuda.device_count()
     if device.type == "cuda" and found < 2:
         log(f"tp: skipped: needs 2 GPUs, found {found}")
@@ -96,7 +98,8 @@ def measure_tp(
         tokens, logprobs = {}, {}
         for tp in (1, 2):
             models = RandomModel(sizes.model, device, seed, folder,
-                                 {**kwargs, "tensor_parallel_size": tp})
+                                 {**kwargs, "tensor_parallel_size": tp,
+                                  "tp_cuda_graphs": tp_cuda_graphs})
             try:
                 report["runs"][f"tp{tp}"], tokens[tp], logprobs[tp], workload = _one_size(
                     models, tp, sizes, seed, use_tqdm)
