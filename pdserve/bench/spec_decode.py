@@ -6,12 +6,13 @@
 Two workloads, chat-templated, greedy: "copy" (rewrite a given code snippet or text with a
 small change: the answer copies most of the prompt) and "free" (open questions: little to copy).
 Each (workload, batch size) runs the same requests on a plain engine and on an ngram engine per
-`--k`, alternating for `--rounds` rounds; tok/s is output tokens over wall time (prefill
-included; also per CPU-second of this process, steadier where other work shares the cores),
-and the acceptance length is tokens emitted per verification with drafts (1 + the
-accepted drafts), from the engine's counters. The outputs of both must be equal (greedy), in
-every round: `same` says whether they were (with the quantized bundled model a greedy near-tie
-can break either way: docs/benchmarks.md).
+`--k`, alternating for `--rounds` rounds (every prompt of the workload, in batches of that
+size one after the other: batch 1 is a single stream over the four prompts); tok/s is output
+tokens over wall time (prefill included; also per CPU-second of this process, steadier where
+other work shares the cores), and the acceptance length is tokens emitted per verification
+with drafts (1 + the accepted drafts), from the engine's counters. The outputs of both must be
+equal (greedy), in every round: `same` says whether they were (with the quantized bundled model
+a greedy near-tie can break either way: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -73,6 +74,18 @@ def median(values):
 def summary(values):
     return {"mean": mean(values), "variance": variance(values), "median": median(values)}
 """
+LEASE = """Rental agreement, flat 4B, 12 Mill Road.
+
+1. Term. The lease starts on 1 March and runs for twelve months. After that it continues from
+month to month until either party ends it.
+2. Rent. The rent is 950 euros a month, due on the first day of each month. Rent paid more than
+five days late incurs a late fee of 40 euros, and a further 5 euros for each day after that.
+3. Deposit. The tenant pays a deposit of two months' rent before moving in. The landlord returns
+it within thirty days after the tenant moves out, less the cost of any damage beyond normal wear.
+4. Ending the lease. During the first twelve months the tenant may end the lease only by finding
+a replacement tenant approved by the landlord. After that the tenant may end it by giving one
+month's notice in writing. The landlord must give three months' notice in writing.
+5. Pets. No pets are allowed without the landlord's written consent."""
 COPY = [
     "Rename the method `total` to `count_all` in this code. Output the whole code.\n\n"
     "```python\n" + INVENTORY + "```",
@@ -80,6 +93,8 @@ COPY = [
     "```python\n" + STATS + "```",
     "Add type hints to this code. Output the whole code.\n\n```python\n" + INVENTORY + "```",
     "Add a docstring to each function. Output the whole code.\n\n```python\n" + STATS + "```",
+    "Answer from the document below, quoting it.\n\n" + LEASE + "\n\nQuestion: what happens "
+    "if the rent is paid late, and how can the tenant end the lease?",
 ]
 FREE = [
     "Write a short story about a dragon who learns to cook.",
@@ -125,14 +140,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def conversations(workload: str, batch: int) -> list[list[dict[str, str]]]:
+    """Every prompt of the workload at least once (a batch smaller than the workload runs it
+    as several batches one after the other: one answer's greedy near-ties must not decide a
+    single stream's figure), more cycling through them to fill a larger batch."""
     prompts = COPY if workload == "copy" else FREE
-    texts = [prompts[i % len(prompts)] for i in range(batch)]
+    texts = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
     return [[{"role": "user", "content": t}] for t in texts]
 
 
-def run_once(llm: LLM, convs: list, params: SamplingParams) -> tuple[list, float, float]:
+def run_once(llm: LLM, convs: list, params: SamplingParams, batch: int
+             ) -> tuple[list, float, float]:
+    """`convs` in batches of `batch` at once, one batch after the other."""
     start, cpu = time.perf_counter(), time.process_time()
-    outs = llm.chat(convs, params, use_tqdm=False)
+    outs = [o for i in range(0, len(convs), batch)
+            for o in llm.chat(convs[i:i + batch], params, use_tqdm=False)]
     took = time.perf_counter() - start, time.process_time() - cpu
     return [o.outputs[0].token_ids for o in outs], *took
 
@@ -151,7 +172,7 @@ def measure(
     before = {name: llm.llm_engine.stats() for name, llm in engines.items()}
     for _ in range(args.rounds):
         for name, llm in engines.items():
-            ids, took, cpu = run_once(llm, convs, params)
+            ids, took, cpu = run_once(llm, convs, params, batch)
             seconds[name] += took
             cpu_seconds[name] += cpu
             tokens[name] += sum(len(t) for t in ids)
