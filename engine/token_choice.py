@@ -13,13 +13,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.host_copy import to_device
+from engine.lazy_kernels import has_triton, kernel
 from engine.sampling_params import SamplingParams
 
-try:
-    from kernels.argmax import argmax_rows
-    from kernels.sample_cdf import sample_rows
-except ImportError:  # no triton
-    argmax_rows = sample_rows = None
+argmax_rows = kernel("argmax", "argmax_rows") if has_triton() else None
+sample_rows = kernel("sample_cdf", "sample_rows") if has_triton() else None
 
 if TYPE_CHECKING:
     from engine.sampler import SamplingRow

@@ -37,8 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.lazy_kernels import kernel
 from engine.models import tp_layers
-from kernels.lora_fold import lora_fold_expand
+
+lora_fold_expand = kernel("lora_fold", "lora_fold_expand")  # CUDA GEMV plans only
 
 if TYPE_CHECKING:
     from kernels.gemv import GemvBlocks

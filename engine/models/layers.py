@@ -13,13 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:
-    from kernels.rmsnorm import rms_norm as _fused_rms_norm
-    from kernels.silu_mul import silu_and_mul as _fused_silu_and_mul
+from engine.lazy_kernels import has_triton, kernel
 
-    FUSED_KERNELS = True
-except ImportError:  # no triton (a CPU-only platform without it)
-    FUSED_KERNELS = False
+_fused_rms_norm = kernel("rmsnorm", "rms_norm")
+_fused_silu_and_mul = kernel("silu_mul", "silu_and_mul")
+FUSED_KERNELS = has_triton()  # False on a CPU-only platform without it
 
 
 def use_fused_kernels(x: torch.Tensor) -> bool:

@@ -28,13 +28,11 @@ from torch import nn
 
 from engine.distributed.group import SingleRank
 from engine.distributed.sharding import even_split
+from engine.lazy_kernels import has_triton, kernel
 from engine.models.layers import use_fused_kernels
 from engine.models.llama import LlamaMLP
 
-try:
-    from kernels.fused_moe import fused_moe as _fused_moe
-except ImportError:  # no triton
-    _fused_moe = None
+_fused_moe = kernel("fused_moe", "fused_moe") if has_triton() else None
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.lazy_kernels import has_triton, kernel
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -53,10 +55,8 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
     return torch.where(is_medium, smoothed, scaled)
 
 
-try:
-    from kernels.rotary import cos_sin_cache, rotary_embedding
-except ImportError:  # no triton
-    cos_sin_cache = rotary_embedding = None
+cos_sin_cache = kernel("rotary", "cos_sin_cache")
+rotary_embedding = kernel("rotary", "rotary_embedding")
 
 
 @dataclass
@@ -92,7 +92,7 @@ class RotaryEmbedding(nn.Module):
         """The step's rotary inputs: the fused kernels' on CUDA (or with `kernel_inputs`),
         cos/sin tables elsewhere."""
         fused = positions.is_cuda or self.kernel_inputs
-        if fused and rotary_embedding is not None and self.max_positions:
+        if fused and has_triton() and self.max_positions:
             if self._cache is None:  # before any CUDA-graph capture: the first (eager) step
                 self._cache = cos_sin_cache(self.inv_freq, self.max_positions, positions.device)
             return RopeInputs(positions=positions, cache=self._cache)

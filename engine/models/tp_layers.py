@@ -27,15 +27,17 @@ from torch import nn
 
 from engine.distributed.group import SingleRank
 from engine.distributed.sharding import vocab_shard
+from engine.lazy_kernels import kernel
 
-try:
-    from kernels.fp8_gemv import fp8_gemv
-    from kernels.gemv import gemv, gemv_supports
-    from kernels.gemv_rmsnorm import gemv_rmsnorm, gemv_rmsnorm_supports
-    from kernels.gemv_rmsnorm_swiglu import gemv_rmsnorm_swiglu, gemv_rmsnorm_swiglu_supports
-    from kernels.gemv_silu import gemv_silu, gemv_silu_supports
-except ImportError:  # no triton: no plan is ever attached (plans are made on CUDA only)
-    pass
+# called only through a GEMV plan, and plans are made on CUDA only
+fp8_gemv = kernel("fp8_gemv", "fp8_gemv")
+gemv, gemv_supports = kernel("gemv", "gemv"), kernel("gemv", "gemv_supports")
+gemv_rmsnorm = kernel("gemv_rmsnorm", "gemv_rmsnorm")
+gemv_rmsnorm_supports = kernel("gemv_rmsnorm", "gemv_rmsnorm_supports")
+gemv_rmsnorm_swiglu = kernel("gemv_rmsnorm_swiglu", "gemv_rmsnorm_swiglu")
+gemv_rmsnorm_swiglu_supports = kernel("gemv_rmsnorm_swiglu", "gemv_rmsnorm_swiglu_supports")
+gemv_silu, gemv_silu_supports = kernel("gemv_silu", "gemv_silu"), kernel("gemv_silu",
+                                                                          "gemv_silu_supports")
 
 WeightLoader = Callable[[nn.Parameter, slice, torch.Tensor, str], None]
 

@@ -19,10 +19,12 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
+from engine.lazy_kernels import kernel
 from engine.quant.blocks import FOUR_BIT, QuantWeight
 from engine.quant.kernels import DenseKernel
-from kernels.gguf_q4 import gguf_q4_linear
-from kernels.gguf_q8 import gguf_q8_linear
+
+gguf_q4_linear = kernel("gguf_q4", "gguf_q4_linear")
+gguf_q8_linear = kernel("gguf_q8", "gguf_q8_linear")
 
 Q = GGMLQuantizationType
 EIGHT_BIT = (Q.Q8_0, Q.Q6_K)

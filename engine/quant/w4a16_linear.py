@@ -20,9 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.lazy_kernels import kernel
 from engine.quant.w4a16 import W4A16Weight, concat_rows, group_order
-from kernels.w4a16 import block_k_for, dequantize_ref, pack_rows, w4a16_linear
-from kernels.w4a16_gemv import GEMV_MAX_TOKENS, gemv_rows, w4a16_gemv
+
+block_k_for, dequantize_ref = kernel("w4a16", "block_k_for"), kernel("w4a16", "dequantize_ref")
+pack_rows, w4a16_linear = kernel("w4a16", "pack_rows"), kernel("w4a16", "w4a16_linear")
+gemv_rows, w4a16_gemv = kernel("w4a16_gemv", "gemv_rows"), kernel("w4a16_gemv", "w4a16_gemv")
 
 _INT4PACK_GROUPS = (32, 64, 128, 256)
 
@@ -96,6 +99,8 @@ class W4A16Linear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, self.group_size, pairs)
             return y.to(x.dtype)
         if x.device.type == "cuda":
+            from kernels.w4a16_gemv import GEMV_MAX_TOKENS
+
             args = (self._gather(x).contiguous(), self.qweight, self.scales, self.zeros,
                     self.group_size)
             if x.shape[0] <= GEMV_MAX_TOKENS and gemv_rows(self.group_size, x.shape[1]):
