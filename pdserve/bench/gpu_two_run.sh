@@ -13,10 +13,11 @@
 #       TPOT <= 50 ms. The summary ($OUT/<mix>/gpu_serve.json and the table) gives goodput,
 #       TTFT/TPOT/ITL p50/p99, output tok/s and the KV handover's share of the time to the
 #       second token; the load generator's reports and the servers' logs stay on the machine.
-#   tp  tensor parallelism on two GPUs: first the two-GPU tests (tests/test_tp_cuda.py: TP=2,
-#       eager and from CUDA graphs, equals TP=1; prefill TP=2 -> decode TP=1 and back equal
-#       colocated; at most TP_TEST_S seconds, default 240, each test named as it ends), then
-#       TP=2 against TP=1 and HF generate_batch: `python -m pdserve.bench.gpu --parts tp`
+#   tp  tensor parallelism on two GPUs: first NCCL inside CUDA graphs alone, in a TP engine's
+#       step pattern (pdserve/bench/gpu_nccl_graph_probe.py steps), then the two-GPU tests
+#       (tests/test_tp_cuda.py: TP=2, eager and from CUDA graphs, equals TP=1; prefill TP=2 ->
+#       decode TP=1 and back equal colocated; at most TP_TEST_S seconds, default 240, each
+#       test named as it ends), then TP=2 against TP=1 and HF generate_batch: `python -m pdserve.bench.gpu --parts tp`
 #       (add `--tp-shape 8b` for the 8B shape, `--tp-cuda-graphs` for TP=2 from graphs).
 #   ep  expert parallelism's communication, all-to-all against replicated tokens + all-reduce
 #       (`python -m pdserve.bench.ep_comm`), Mixtral-shaped: hidden 2048, 8 experts, top 2.
@@ -38,6 +39,8 @@ case "$PART" in
     prefill_heavy) RATES=4,12,inf ;;
     decode_heavy) RATES=8,24,inf ;;
     tp) mkdir -p "$OUT"
+        timeout 90 python3 pdserve/bench/gpu_nccl_graph_probe.py steps 2>&1 \
+            | tee "$OUT/nccl_graph_probe.txt" | grep -E "RESULT|exitcodes" || true
         timeout "${TP_TEST_S:-240}" python3 -m pytest -v -p no:cacheprovider \
             tests/test_tp_cuda.py 2>&1 | tee "$OUT/test_tp_cuda.txt" | tail -15 || true
         exec python3 -m pdserve.bench.gpu --parts tp --json "$OUT/gpu_tp.json" "$@" ;;
