@@ -9,12 +9,14 @@ replay i, so after the last replay z = 2 * (3 + 4) + 1 = 15 on both ranks. Print
 ("ok", z) or its error, then the ranks' exit codes (None: still alive, as they should be until
 the parent kills them: a group's abort can take its whole timeout).
 
-`steps` follows a tensor-parallel engine's step pattern instead, `STEPS` times: replay a graph
-of two all-reduces over [64, 4096] bf16 (a decode step's), then eagerly gather the logits'
-halves to rank 0 and broadcast rank 0's argmax ids (the sampled tokens), with an eager
-all-reduce over [16384, 4096] (a prefill chunk's) every 50 steps. Prints ("ok", steps, ms per
-step, the sum of every id broadcast) per rank: the sums must be equal; a hang (no result within
-40 s) would be NCCL mixing replays with eager collectives, not the engine's bookkeeping.
+`steps` follows a tensor-parallel engine's step pattern instead, `STEPS` times: replay one of
+three graphs (batch 64, 32, 16, captured largest first into one memory pool, replayed in turn
+as a shrinking batch would) of two all-reduces over [batch, 4096] bf16 (a decode step's), then
+eagerly gather the logits' halves to rank 0 and broadcast rank 0's argmax ids (the sampled
+tokens), with an eager all-reduce over [16384, 4096] (a prefill chunk's) every 50 steps.
+Prints ("ok", steps, ms per step, the sum of every id broadcast) per rank: the sums must be
+equal; a hang (no result within 40 s) would be NCCL mixing replays with eager collectives, not
+the engine's bookkeeping.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ TIMEOUT_S = 30.0
 
 
 STEPS = 500
+SIZES = (64, 32, 16)  # the captured decode batch sizes, largest first
 
 
 def rank_main(rank: int, port: int, mode: str, results: Queue) -> None:
@@ -72,19 +75,21 @@ def engine_steps(group: TPGroup, device: torch.device) -> tuple:
     hidden = torch.randn(64, 4096, dtype=torch.bfloat16, device=device)
     head = torch.randn(16000, 4096, dtype=torch.bfloat16, device=device) / 64  # vocab half
     prefill = torch.randn(16384, 4096, dtype=torch.bfloat16, device=device)
-    for _ in range(2):  # warm-up, eagerly
-        group.all_reduce(group.all_reduce(hidden * 0.5))
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = group.all_reduce(group.all_reduce(hidden * 0.5) * 0.5)
+    graphs, outs, pool = {}, {}, torch.cuda.graph_pool_handle()
+    for size in SIZES:  # largest first, one memory pool, as engine/cuda_graphs.py captures
+        group.all_reduce(group.all_reduce(hidden[:size] * 0.5))  # warm-up, eagerly
+        torch.cuda.synchronize()
+        graphs[size] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[size], pool=pool):
+            outs[size] = group.all_reduce(group.all_reduce(hidden[:size] * 0.5) * 0.5)
     checksum, start = 0, time.perf_counter()
     try:
         for step in range(STEPS):
-            graph.replay()
-            logits = group.gather_last_dim(out @ head.t())  # rank 0: [64, 32000]
+            size = SIZES[step // (STEPS // len(SIZES) + 1)]  # the batch shrinks as requests end
+            graphs[size].replay()
+            logits = group.gather_last_dim(outs[size] @ head.t())  # rank 0: [size, 32000]
             ids = logits.argmax(-1) if group.rank == 0 else torch.empty(
-                64, dtype=torch.int64, device=device)
+                size, dtype=torch.int64, device=device)
             got = group.broadcast(ids)
             if step % 50 == 49:
                 group.all_reduce(prefill)
