@@ -119,8 +119,9 @@ class ParallelConfig:
     `enable_expert_parallel`: MoE experts whole on ranks (EP size = TP size), not sliced.
     `cuda_graphs`: with more than one rank on CUDA, capture the decode CUDA graphs with their
     NCCL all-reduces inside (off: tensor-parallel steps run eagerly). Off by default: on two
-    H200s (2026-11-28) a TP=2 engine capturing them hung at its first generation, cause not yet
-    found (docs/benchmarks.md, "Two GPUs")."""
+    H200s (2026-11-28) an 8B-shaped TP=2 engine capturing them served its first requests, then
+    its 64-request run did not end within the run's limit, cause not yet found
+    (docs/benchmarks.md, "Two GPUs")."""
 
     tensor_parallel_size: int = 1
     timeout_s: float = 60.0

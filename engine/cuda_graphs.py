@@ -58,7 +58,6 @@ class DecodeGraphs:
         max_batch = self.sizes[-1]
         self.max_model_len = max_model_len
         self.block_size = block_size
-        self.device = device
         blocks = -(-max_model_len // block_size)
         width = -(-blocks // 4) * 4  # rows 16-byte aligned, as engine.input_batch lays them out
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
@@ -122,10 +121,6 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every size, largest first (smaller graphs reuse the shared memory pool); with
         LoRA, each size twice: steps without an adapter replay a graph without the LoRA kernels."""
-        with torch.cuda.device(self.device):  # capture on the model's GPU's streams
-            self._capture_all()
-
-    def _capture_all(self) -> None:
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
         kinds = [(False, self.graphs, self.outputs)]

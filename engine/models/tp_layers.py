@@ -36,8 +36,8 @@ gemv_rmsnorm = kernel("gemv_rmsnorm", "gemv_rmsnorm")
 gemv_rmsnorm_supports = kernel("gemv_rmsnorm", "gemv_rmsnorm_supports")
 gemv_rmsnorm_swiglu = kernel("gemv_rmsnorm_swiglu", "gemv_rmsnorm_swiglu")
 gemv_rmsnorm_swiglu_supports = kernel("gemv_rmsnorm_swiglu", "gemv_rmsnorm_swiglu_supports")
-gemv_silu, gemv_silu_supports = kernel("gemv_silu", "gemv_silu"), kernel("gemv_silu",
-                                                                          "gemv_silu_supports")
+gemv_silu = kernel("gemv_silu", "gemv_silu")
+gemv_silu_supports = kernel("gemv_silu", "gemv_silu_supports")
 
 WeightLoader = Callable[[nn.Parameter, slice, torch.Tensor, str], None]
 
