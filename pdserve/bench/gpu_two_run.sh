@@ -16,9 +16,12 @@
 #   tp  tensor parallelism on two GPUs: first NCCL inside CUDA graphs alone, in a TP engine's
 #       step pattern (pdserve/bench/gpu_nccl_graph_probe.py steps), then the two-GPU tests
 #       (tests/test_tp_cuda.py: TP=2, eager and from CUDA graphs, equals TP=1; prefill TP=2 ->
-#       decode TP=1 and back equal colocated; at most TP_TEST_S seconds, default 240, each
-#       test named as it ends), then TP=2 against TP=1 and HF generate_batch: `python -m pdserve.bench.gpu --parts tp`
-#       (add `--tp-shape 8b` for the 8B shape, `--tp-cuda-graphs` for TP=2 from graphs).
+#       decode TP=1 and back equal colocated; at most TP_TEST_S seconds, default 170, each
+#       test named as it ends), then TP=2 against TP=1 and HF generate_batch: `python -m
+#       pdserve.bench.gpu --parts tp` (at most TP_BENCH_S seconds, default 330; add `--tp-shape
+#       8b` for the 8B shape, `--tp-cuda-graphs` for TP=2 from graphs). A step still running 20 s
+#       before its bound leaves every Python process's stacks in $OUT/stacks.txt
+#       (pdserve/bench/with_stacks.sh).
 #   ep  expert parallelism's communication, all-to-all against replicated tokens + all-reduce
 #       (`python -m pdserve.bench.ep_comm`), Mixtral-shaped: hidden 2048, 8 experts, top 2.
 #   kv  one request's KV (the 1B shape, 1k/4k/16k tokens) from GPU 0 to a decode worker on
@@ -38,12 +41,17 @@ OUT=${OUT:-bench_results/gpu_two}
 case "$PART" in
     prefill_heavy) RATES=4,12,inf ;;
     decode_heavy) RATES=8,24,inf ;;
-    tp) mkdir -p "$OUT"
-        timeout 90 python3 pdserve/bench/gpu_nccl_graph_probe.py steps 2>&1 \
+    tp) mkdir -p "$OUT"  # each step bounded; a step still running near its end: stacks.txt
+        bash pdserve/bench/with_stacks.sh 70 "$OUT/stacks.txt" \
+            python3 pdserve/bench/gpu_nccl_graph_probe.py steps 2>&1 \
             | tee "$OUT/nccl_graph_probe.txt" | grep -E "RESULT|exitcodes" || true
-        timeout "${TP_TEST_S:-240}" python3 -m pytest -v -p no:cacheprovider \
-            tests/test_tp_cuda.py 2>&1 | tee "$OUT/test_tp_cuda.txt" | tail -15 || true
-        exec python3 -m pdserve.bench.gpu --parts tp --json "$OUT/gpu_tp.json" "$@" ;;
+        bash pdserve/bench/with_stacks.sh "${TP_TEST_S:-170}" "$OUT/stacks.txt" \
+            python3 -m pytest -v -p no:cacheprovider tests/test_tp_cuda.py 2>&1 \
+            | tee "$OUT/test_tp_cuda.txt" | tail -15 || true
+        bash pdserve/bench/with_stacks.sh "${TP_BENCH_S:-330}" "$OUT/stacks.txt" \
+            python3 -m pdserve.bench.gpu --parts tp --json "$OUT/gpu_tp.json" "$@" 2>&1 \
+            | tee "$OUT/bench_tp.txt" | grep -v " INFO "
+        exit ;;
     ep) exec python3 -m pdserve.bench.ep_comm --output-json "$OUT/ep_comm.json" "$@" ;;
     kv) OUT="$OUT/kv" TESTS=0 exec bash pdserve/bench/gpu_kv_run.sh --decode-gpu 1 \
             --slab-mib 8 --plane-slab-mib 256 --repeats 3 "$@" ;;
