@@ -339,9 +339,20 @@ class ModelRunner(KVCacheSizingMixin):
             self.executor.on_failure(callback)
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (no-op without TP)."""
+        """Stop the other tensor-parallel ranks (no-op without TP), first destroying this
+        rank's CUDA graphs, which hold the communicator the stop closes."""
         if self.executor is not None:
+            self.release_graphs()
             self.executor.stop()
+
+    def release_graphs(self) -> None:
+        """Destroy the target's and the draft's CUDA graphs (steps run eagerly after)."""
+        if self.drafter is not None and self.drafter.graphs is not None:
+            self.drafter.graphs.release()
+            self.drafter.graphs = None
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (its seeded generator, sampling row and host block table)

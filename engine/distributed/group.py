@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
+import threading
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+CLOSE_TIMEOUT_S = 10.0
 
 
 def connect(port: int, world_size: int, timeout_s: float) -> dist.Store:
@@ -102,7 +107,18 @@ class TPGroup(SingleRank):
         self.host.allreduce([t], opts).wait()
         return int(t.item())
 
-    def close(self) -> None:
-        for pg in (self.dev, self.host):
-            with contextlib.suppress(RuntimeError):
-                pg.abort()
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Abort both process groups, waiting at most `timeout_s` for it: a communicator that
+        will not close (a peer gone mid-collective, a CUDA graph still holding it) is left to
+        the process's exit rather than hanging the worker's shutdown."""
+        def abort() -> None:
+            for pg in (self.dev, self.host):
+                with contextlib.suppress(RuntimeError):
+                    pg.abort()
+
+        closer = threading.Thread(target=abort, name="pdserve-tp-close", daemon=True)
+        closer.start()
+        closer.join(timeout_s)
+        if closer.is_alive():
+            logger.warning("tensor-parallel rank %d: its process groups did not close within "
+                           "%.0f s; left to the process's exit", self.rank, timeout_s)

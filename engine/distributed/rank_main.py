@@ -47,4 +47,5 @@ def run_rank(config: EngineConfig, rank: int, port: int, conn: Connection) -> No
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
         sys.exit(1)
+    runner.release_graphs()  # before the communicator they hold is closed
     group.close()

@@ -82,7 +82,7 @@ def measure_tp(
     tp_cuda_graphs: bool = False,
 ) -> dict[str, Any]:
     """TP=1 then TP=2 on one model (built in `model_dir` unless there), and their comparison.
-    Calls `checkpoint(report so far)` after TP=1; TP=2 failing is reported as "error" beside
+    Calls `checkpoint(report so far)` after each size's runs; TP=2 failing is reported as "error" beside
     TP=1's figures. `tp_cuda_graphs`: TP=2 captures CUDA graphs (else it runs eagerly)."""
     found = torch.cuda.device_count()
     if device.type == "cuda" and found < 2:
@@ -103,6 +103,7 @@ def measure_tp(
             try:
                 report["runs"][f"tp{tp}"], tokens[tp], logprobs[tp], workload = _one_size(
                     models, tp, sizes, seed, use_tqdm)
+                checkpoint(report)  # saved before the shutdown, whatever that does
             except Exception as exc:
                 if tp == 1:
                     raise
@@ -110,7 +111,6 @@ def measure_tp(
                 return {**report, "error": f"TP=2: {type(exc).__name__}: {exc}"}
             finally:
                 models.close_llm()  # stops the other ranks, frees the KV cache
-            checkpoint(report)
         report["hf_generate_batch"] = _hf_generate_batch(folder, workload, sizes, device)
     finally:
         built.remove()

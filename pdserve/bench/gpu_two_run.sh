@@ -14,7 +14,7 @@
 #       TTFT/TPOT/ITL p50/p99, output tok/s and the KV handover's share of the time to the
 #       second token; the load generator's reports and the servers' logs stay on the machine.
 #   tp  tensor parallelism on two GPUs: first NCCL inside CUDA graphs alone, in a TP engine's
-#       step pattern (pdserve/bench/gpu_nccl_graph_probe.py steps), then the two-GPU tests
+#       step pattern (pdserve/bench/gpu_nccl_graph_probe.py steps; PROBE=0 skips it), then the two-GPU tests
 #       (tests/test_tp_cuda.py: TP=2, eager and from CUDA graphs, equals TP=1; prefill TP=2 ->
 #       decode TP=1 and back equal colocated; at most TP_TEST_S seconds, default 170, each
 #       test named as it ends), then TP=2 against TP=1 and HF generate_batch: `python -m
@@ -42,9 +42,9 @@ case "$PART" in
     prefill_heavy) RATES=4,12,inf ;;
     decode_heavy) RATES=8,24,inf ;;
     tp) mkdir -p "$OUT"  # each step bounded; a step still running near its end: stacks.txt
-        bash pdserve/bench/with_stacks.sh 70 "$OUT/stacks.txt" \
+        [ "${PROBE:-1}" = 1 ] && { bash pdserve/bench/with_stacks.sh 70 "$OUT/stacks.txt" \
             python3 pdserve/bench/gpu_nccl_graph_probe.py steps 2>&1 \
-            | tee "$OUT/nccl_graph_probe.txt" | grep -E "RESULT|exitcodes" || true
+            | tee "$OUT/nccl_graph_probe.txt" | grep -E "RESULT|exitcodes" || true; }
         bash pdserve/bench/with_stacks.sh "${TP_TEST_S:-170}" "$OUT/stacks.txt" \
             python3 -m pytest -v -p no:cacheprovider tests/test_tp_cuda.py 2>&1 \
             | tee "$OUT/test_tp_cuda.txt" | tail -15 || true
