@@ -117,16 +117,12 @@ class ParallelConfig:
     `cuda:r` of the visible ones (`cuda:N` starts at N) or on the CPU (gloo). A collective that
     waits longer than `timeout_s` (a rank died or hangs) fails the step and the engine.
     `enable_expert_parallel`: MoE experts whole on ranks (EP size = TP size), not sliced.
-    `cuda_graphs`: with more than one rank on CUDA, capture the decode CUDA graphs with their
-    NCCL all-reduces inside (off: tensor-parallel steps run eagerly). Off by default: on two
-    H200s (2026-11-28) an 8B-shaped TP=2 engine capturing them served its first requests, then
-    its 64-request run did not end within the run's limit, cause not yet found
-    (docs/benchmarks.md, "Two GPUs")."""
+    On CUDA every rank captures the decode CUDA graphs (unless `enforce_eager`), each graph
+    holding its NCCL all-reduces."""
 
     tensor_parallel_size: int = 1
     timeout_s: float = 60.0
     enable_expert_parallel: bool = False
-    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -50,7 +50,6 @@ def build_engine_config(
     tensor_parallel_size: int = 1,
     distributed_timeout_s: float = 60.0,
     enable_expert_parallel: bool = False,
-    tp_cuda_graphs: bool = False,
     speculative_config: dict | None = None,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
@@ -66,7 +65,7 @@ def build_engine_config(
     GGUF (`engine.quant.resolve_quantization`). `kv_cache_dtype`: "auto" (the model's dtype) or
     "fp8" / "fp8_e4m3" (kernels/kv_cache_fp8.py). `enable_lora`: serve PEFT LoRA adapters, up to
     `max_loras` in one batch, of rank <= `max_lora_rank`, `max_cpu_loras` loaded (`LoRAConfig`).
-    `decode_gemv`: see `EngineConfig`. `tp_cuda_graphs`: `ParallelConfig.cuda_graphs`."""
+    `decode_gemv`: see `EngineConfig`."""
     speculative = None if speculative_config is None else SpeculativeConfig.from_dict(
         speculative_config)
     path = resolve_model(model)
@@ -107,7 +106,7 @@ def build_engine_config(
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=tensor_parallel_size, timeout_s=distributed_timeout_s,
-            enable_expert_parallel=enable_expert_parallel, cuda_graphs=tp_cuda_graphs,
+            enable_expert_parallel=enable_expert_parallel,
         ),
         speculative=speculative,
         lora=lora,

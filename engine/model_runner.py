@@ -153,8 +153,6 @@ class ModelRunner(KVCacheSizingMixin):
     def _capture_graphs(self) -> DecodeGraphs | None:
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":
             return None
-        if self.tp.world_size > 1 and not self.config.parallel.cuda_graphs:
-            return None  # unvalidated on GPUs: ParallelConfig.cuda_graphs
         # With tensor parallelism every rank captures the same sizes in the same order (the
         # warm-ups run the collectives for real, in lockstep), and each graph holds its NCCL
         # all-reduces; a step replays on every rank or on none, chosen from the step's metadata

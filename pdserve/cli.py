@@ -40,6 +40,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="ranks (processes) the model is sharded over")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="mixture-of-experts models: whole experts per tensor-parallel rank")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
                    help=QUANTIZATION_HELP)
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
@@ -57,7 +58,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
-        enable_expert_parallel=args.enable_expert_parallel,
+        enable_expert_parallel=args.enable_expert_parallel, enforce_eager=args.enforce_eager,
         speculative_config=speculative_config(args.speculative_config),
     )
 

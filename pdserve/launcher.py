@@ -91,6 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--dtype", "auto", help="auto, float32, bfloat16, float16")
     add_flag(p, "--quantization", None, choices=QUANTIZATION_CHOICES, help=QUANTIZATION_HELP)
     add_flag(p, "--kv-cache-dtype", "auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_DTYPE_HELP)
+    add_flag(p, "--enforce-eager", False, action="store_true",
+             help="every worker runs its steps eagerly (no CUDA graphs)")
     add_flag(p, "--speculative-config", "",
              help='speculative decoding as JSON, handed to the decode workers (with --colocated, '
                   'the engine): {"method": "ngram", "num_speculative_tokens": 3}')
@@ -130,6 +132,8 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
         engine += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.enable_expert_parallel:
         engine += ["--enable-expert-parallel"]
+    if args.enforce_eager:
+        engine += ["--enforce-eager"]
     workers = ["--kv-transport", args.kv_transport]  # prefill and decode only
     cluster = _cluster_flags(args)  # what every disaggregated service must agree on
     internal = ["--host", "127.0.0.1"]  # only the gateway listens on --host; workers: loopback

@@ -50,9 +50,10 @@ def test_service_flags_reach_the_engine(command: str, monkeypatch: pytest.Monkey
                                       "--distributed-timeout-seconds", "7.5"])
     seen = _engine_args(monkeypatch, args)
     assert (seen["tensor_parallel_size"], seen["distributed_timeout_s"]) == (2, 7.5)
-    assert seen["enable_expert_parallel"] is False
-    args = build_parser().parse_args([command, "--enable-expert-parallel"])
-    assert _engine_args(monkeypatch, args)["enable_expert_parallel"] is True
+    assert seen["enable_expert_parallel"] is False and seen["enforce_eager"] is False
+    args = build_parser().parse_args([command, "--enable-expert-parallel", "--enforce-eager"])
+    seen = _engine_args(monkeypatch, args)
+    assert seen["enable_expert_parallel"] is True and seen["enforce_eager"] is True
 
 
 def test_service_defaults_and_env_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -72,7 +73,7 @@ def test_service_defaults_and_env_fallbacks(monkeypatch: pytest.MonkeyPatch) -> 
 def test_offline_commands_take_the_tp_size(argv: list[str], expected: int) -> None:
     kwargs = _engine_kwargs(build_parser().parse_args(argv))
     assert kwargs["tensor_parallel_size"] == expected
-    assert kwargs["enable_expert_parallel"] is False
+    assert kwargs["enable_expert_parallel"] is False and kwargs["enforce_eager"] is False
     inspect.signature(build_engine_config).bind(None, **kwargs)
 
 

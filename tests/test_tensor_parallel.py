@@ -103,12 +103,3 @@ def test_bad_tensor_parallel_size_is_a_value_error(tiny_qwen2_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide the 4 query heads"):
         LLM(tiny_qwen2_dir, device="cpu", tensor_parallel_size=3)
 
-
-def test_tp_cuda_graphs_are_opt_in(tiny_qwen2_dir):
-    """TP > 1 on CUDA runs eagerly unless asked (ParallelConfig.cuda_graphs: unvalidated)."""
-    from engine.llm import build_engine_config
-
-    assert build_engine_config(tiny_qwen2_dir, device="cpu").parallel.cuda_graphs is False
-    config = build_engine_config(tiny_qwen2_dir, device="cpu", tensor_parallel_size=2,
-                                 tp_cuda_graphs=True)
-    assert config.parallel.cuda_graphs is True

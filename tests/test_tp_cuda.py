@@ -1,6 +1,6 @@
 """Tensor parallelism on CUDA GPUs (needs 2; skipped otherwise): TP=2 gives TP=1's greedy tokens
-in fp32, eagerly (the default) and from CUDA graphs whose NCCL all-reduces were captured with
-them (`tp_cuda_graphs`), both within one engine and across a split (prefill TP=2 -> decode TP=1,
+in fp32, from CUDA graphs whose NCCL all-reduces were captured with them (the default) and
+eagerly (`enforce_eager`), both within one engine and across a split (prefill TP=2 -> decode TP=1,
 and the reverse), where each worker's rank 0 moves every rank's KV heads."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_tp2_matches_tp1(tp_llama_dir, graphs):
     one.llm_engine.shutdown()
     del one
     gc.collect()
-    two = LLM(tp_llama_dir, tensor_parallel_size=2, tp_cuda_graphs=graphs, **kwargs)
+    two = LLM(tp_llama_dir, tensor_parallel_size=2, enforce_eager=not graphs, **kwargs)
     try:
         runner = two.llm_engine.runner
         assert runner.tp.world_size == 2 and (runner.graphs is not None) == graphs

@@ -191,16 +191,17 @@ def test_api_key_reaches_the_gateway_in_its_environment(monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("colocated", [False, True])
-def test_expert_parallel_reaches_every_engine(monkeypatch: pytest.MonkeyPatch,
-                                              colocated: bool) -> None:
-    argv = ["--enable-expert-parallel", "--decode-tp", "2"] + (["--colocated"] if colocated
-                                                                else [])
+def test_expert_parallel_and_eager_reach_every_engine(monkeypatch: pytest.MonkeyPatch,
+                                                        colocated: bool) -> None:
+    argv = ["--enable-expert-parallel", "--enforce-eager", "--decode-tp", "2"] + (
+        ["--colocated"] if colocated else [])
     services = plan(_up(argv, monkeypatch), "redis://127.0.0.1:6379/0", None)
     engines = [s for s in services if s.name != "tokenizer" and
                (colocated or s.name != "gateway")]
     assert engines
     for s in engines:
-        assert build_parser().parse_args(s.argv[3:]).enable_expert_parallel, s.name
+        parsed = build_parser().parse_args(s.argv[3:])
+        assert parsed.enable_expert_parallel and parsed.enforce_eager, s.name
 
 
 def test_api_server_count_starts_gateways_sharing_the_port(monkeypatch: pytest.MonkeyPatch

@@ -96,8 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gemv-ab", action="store_true",
                         help="latency: also time decode_gemv=False (the engine before the decode "
                              "GEMV) on a second LLM, after the first")
-    parser.add_argument("--tp-cuda-graphs", action="store_true",
-                        help="part tp: TP=2 captures CUDA graphs (ParallelConfig.cuda_graphs)")
+    parser.add_argument("--tp-eager", action="store_true",
+                        help="part tp: TP=2 runs eagerly (enforce_eager) instead of from CUDA "
+                             "graphs")
     parser.add_argument("--tp-shape", choices=sorted(SHAPES), default="1b",
                         help="the tp part's model: Llama-3.2-1B's or Llama-3.1-8B's shape")
     sizes = parser.add_argument_group("sizes (default: the issue's, or --small's)")
@@ -175,7 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tp": lambda: measure_tp(
             tp_sizes(args.small, args.tp_shape), device, args.seed, args.model_dir,
             args.max_num_batched_tokens, not args.no_tqdm,
-            checkpoint=lambda partial: save("tp", partial), tp_cuda_graphs=args.tp_cuda_graphs),
+            checkpoint=lambda partial: save("tp", partial), tp_eager=args.tp_eager),
     }
     try:
         for name in _run_order(args.parts):

@@ -12,10 +12,9 @@ on one random-weight model (gpu_model.py; the Llama-3.2-1B shape, or Llama-3.1-8
                and HF transformers' `generate_batch` on the same requests, on GPU 0
 
 NOTE: both sizes run in this process one after the other, each `LLM` shut down (its other ranks
-stopped) and its memory given back before the next one loads. TP=1 decodes from CUDA graphs;
-TP=2 runs eagerly unless `--tp-cuda-graphs` (each rank's graphs then hold its NCCL all-reduces;
-`cuda_graphs` says per run which it was). The
-model is built as gpu_model.RandomModel builds it, in --model-dir when given (reused as it
+stopped) and its memory given back before the next one loads. Both decode from CUDA graphs
+(TP=2's each rank's, holding its NCCL all-reduces), TP=2 eagerly with `--tp-eager`;
+`cuda_graphs` says per run which it was. The model is built as gpu_model.RandomModel builds it, in --model-dir when given (reused as it
 is: give each --tp-shape its own folder). With fewer than 2 CUDA GPUs the part is skipped.
 `--small` ignores `--tp-shape`.
 """
@@ -79,11 +78,11 @@ def tp_sizes(small: bool, shape: str) -> TPSizes:
 def measure_tp(
     sizes: TPSizes, device: torch.device, seed: int, model_dir: str | None,
     max_num_batched_tokens: int, use_tqdm: bool, checkpoint: Callable[[dict[str, Any]], None],
-    tp_cuda_graphs: bool = False,
+    tp_eager: bool = False,
 ) -> dict[str, Any]:
     """TP=1 then TP=2 on one model (built in `model_dir` unless there), and their comparison.
     Calls `checkpoint(report so far)` after each size's runs; TP=2 failing is reported as "error" beside
-    TP=1's figures. `tp_cuda_graphs`: TP=2 captures CUDA graphs (else it runs eagerly)."""
+    TP=1's figures. `tp_eager`: TP=2 without CUDA graphs."""
     found = torch.cuda.device_count()
     if device.type == "cuda" and found < 2:
         log(f"tp: skipped: needs 2 GPUs, found {found}")
@@ -99,7 +98,7 @@ def measure_tp(
         for tp in (1, 2):
             models = RandomModel(sizes.model, device, seed, folder,
                                  {**kwargs, "tensor_parallel_size": tp,
-                                  "tp_cuda_graphs": tp_cuda_graphs})
+                                  "enforce_eager": tp_eager and tp > 1})
             try:
                 report["runs"][f"tp{tp}"], tokens[tp], logprobs[tp], workload = _one_size(
                     models, tp, sizes, seed, use_tqdm)

@@ -19,7 +19,7 @@
 #       decode TP=1 and back equal colocated; at most TP_TEST_S seconds, default 170, each
 #       test named as it ends), then TP=2 against TP=1 and HF generate_batch: `python -m
 #       pdserve.bench.gpu --parts tp` (at most TP_BENCH_S seconds, default 330; add `--tp-shape
-#       8b` for the 8B shape, `--tp-cuda-graphs` for TP=2 from graphs). A step still running 20 s
+#       8b` for the 8B shape, `--tp-eager` for TP=2 without graphs). A step still running 20 s
 #       before its bound leaves every Python process's stacks in $OUT/stacks.txt
 #       (pdserve/bench/with_stacks.sh).
 #   ep  expert parallelism's communication, all-to-all against replicated tokens + all-reduce

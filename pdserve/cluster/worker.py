@@ -73,6 +73,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--enable-expert-parallel", False, action="store_true",
              help="mixture-of-experts models: whole experts per tensor-parallel rank (expert "
                   "parallelism, EP size = TP size) instead of every expert sliced across them")
+    add_flag(parser, "--enforce-eager", False, action="store_true",
+             help="run every step eagerly: no CUDA graphs (on CUDA they are captured at start)")
     add_flag(parser, "--distributed-timeout-seconds", 60.0, type=float,
              help="seconds a collective may wait for a rank before the worker fails")
     add_flag(parser, "--speculative-config", "",
@@ -107,6 +109,7 @@ def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         distributed_timeout_s=args.distributed_timeout_seconds,
+        enforce_eager=args.enforce_eager,
         speculative_config=speculative_config(args.speculative_config),
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         **lora_engine_kwargs(args),

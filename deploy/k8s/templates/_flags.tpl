@@ -18,7 +18,7 @@ prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tl
   max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, distributed-timeout-seconds,
   speculative-config, kv-slab-bytes, kv-lease-seconds, kv-transport,
   enable-lora, lora-modules, max-loras, max-lora-rank, max-cpu-loras, enable-expert-parallel,
-  disable-log-stats, log-stats-interval]
+  enforce-eager, disable-log-stats, log-stats-interval]
 decode: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
   tls-server-name, metrics-port, model, served-model-name, max-model-len,
   dtype, kv-cache-dtype, quantization, device, block-size, kv-cache-memory, num-kv-blocks,
@@ -26,7 +26,7 @@ decode: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls
   max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, distributed-timeout-seconds,
   speculative-config, kv-timeout, kv-wait-seconds, kv-wait-max-requests, kv-transport,
   kv-write-grace-seconds, enable-lora, lora-modules, max-loras, max-lora-rank, max-cpu-loras,
-  enable-expert-parallel, disable-log-stats, log-stats-interval]
+  enable-expert-parallel, enforce-eager, disable-log-stats, log-stats-interval]
 {{- end }}
 
 {{/* Flags that depend on where a pod runs, or on the pod's shape (tensor-parallel-size: its
