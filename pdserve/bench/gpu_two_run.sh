@@ -14,14 +14,14 @@
 #       TTFT/TPOT/ITL p50/p99, output tok/s and the KV handover's share of the time to the
 #       second token; the load generator's reports and the servers' logs stay on the machine.
 #   tp  tensor parallelism on two GPUs: first NCCL inside CUDA graphs alone, in a TP engine's
-#       step pattern (pdserve/bench/gpu_nccl_graph_probe.py steps; PROBE=0 skips it), then the two-GPU tests
-#       (tests/test_tp_cuda.py: TP=2, eager and from CUDA graphs, equals TP=1; prefill TP=2 ->
-#       decode TP=1 and back equal colocated; at most TP_TEST_S seconds, default 170, each
-#       test named as it ends), then TP=2 against TP=1 and HF generate_batch: `python -m
-#       pdserve.bench.gpu --parts tp` (at most TP_BENCH_S seconds, default 330; add `--tp-shape
-#       8b` for the 8B shape, `--tp-eager` for TP=2 without graphs). A step still running 20 s
-#       before its bound leaves every Python process's stacks in $OUT/stacks.txt
-#       (pdserve/bench/with_stacks.sh).
+#       step pattern (pdserve/bench/gpu_nccl_graph_probe.py steps; PROBE=0 skips it), then the
+#       two-GPU tests (tests/test_tp_cuda.py: TP=2, eager and from CUDA graphs, equals TP=1;
+#       prefill TP=2 -> decode TP=1 and back equal colocated; at most TP_TEST_S seconds, default
+#       170, each test named as it ends; TESTS=0 skips them), then TP=2 against TP=1 and HF
+#       generate_batch: `python -m pdserve.bench.gpu --parts tp` (at most TP_BENCH_S seconds,
+#       default 330; add `--tp-shape 8b` for the 8B shape, `--tp-eager` for TP=2 without
+#       graphs). A step still running 20 s before its bound leaves every Python process's
+#       stacks in $OUT/stacks.txt (pdserve/bench/with_stacks.sh).
 #   ep  expert parallelism's communication, all-to-all against replicated tokens + all-reduce
 #       (`python -m pdserve.bench.ep_comm`), Mixtral-shaped: hidden 2048, 8 experts, top 2.
 #   kv  one request's KV (the 1B shape, 1k/4k/16k tokens) from GPU 0 to a decode worker on
@@ -45,9 +45,9 @@ case "$PART" in
         [ "${PROBE:-1}" = 1 ] && { bash pdserve/bench/with_stacks.sh 70 "$OUT/stacks.txt" \
             python3 pdserve/bench/gpu_nccl_graph_probe.py steps 2>&1 \
             | tee "$OUT/nccl_graph_probe.txt" | grep -E "RESULT|exitcodes" || true; }
-        bash pdserve/bench/with_stacks.sh "${TP_TEST_S:-170}" "$OUT/stacks.txt" \
-            python3 -m pytest -v -p no:cacheprovider tests/test_tp_cuda.py 2>&1 \
-            | tee "$OUT/test_tp_cuda.txt" | tail -15 || true
+        [ "${TESTS:-1}" = 1 ] && { bash pdserve/bench/with_stacks.sh "${TP_TEST_S:-170}" \
+            "$OUT/stacks.txt" python3 -m pytest -v -p no:cacheprovider tests/test_tp_cuda.py \
+            2>&1 | tee "$OUT/test_tp_cuda.txt" | tail -15 || true; }
         bash pdserve/bench/with_stacks.sh "${TP_BENCH_S:-330}" "$OUT/stacks.txt" \
             python3 -m pdserve.bench.gpu --parts tp --json "$OUT/gpu_tp.json" "$@" 2>&1 \
             | tee "$OUT/bench_tp.txt" | grep -v " INFO "
