@@ -27,11 +27,15 @@
 #   kv  one request's KV (the 1B shape, 1k/4k/16k tokens) from GPU 0 to a decode worker on
 #       GPU 1 over cuda_ipc and grpc, against a peer-to-peer copy_ of the same bytes
 #       (`pdserve.bench.transfer --decode-gpu 1`, through gpu_kv_run.sh without its tests).
+#   kvcopy  the block-copy kernel alone between the GPUs, against a peer-to-peer copy_ of the
+#       same bytes: pushed by GPU 0 into GPU 1's pool and pulled by GPU 1 from GPU 0's, for a
+#       sweep of its settings (`python -m pdserve.bench.gpu_kv_copy --peer`; about 2 minutes;
+#       $OUT/gpu_kv_copy_peer.json and .txt).
 #
 # Arguments after the part go on to the command (e.g. `--request-rate 2,6,inf`).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PART=${1:?usage: gpu_two_run.sh prefill_heavy|decode_heavy|tp|ep|kv [FLAGS]}
+PART=${1:?usage: gpu_two_run.sh prefill_heavy|decode_heavy|tp|ep|kv|kvcopy [FLAGS]}
 shift
 KIT=${KIT:-.gpu-kit}
 # shellcheck source=pdserve/bench/gpu_kit_env.sh
@@ -55,6 +59,10 @@ case "$PART" in
     ep) exec python3 -m pdserve.bench.ep_comm --output-json "$OUT/ep_comm.json" "$@" ;;
     kv) OUT="$OUT/kv" TESTS=0 exec bash pdserve/bench/gpu_kv_run.sh --decode-gpu 1 \
             --slab-mib 8 --plane-slab-mib 256 --repeats 3 "$@" ;;
+    kvcopy) mkdir -p "$OUT"
+        python3 -m pdserve.bench.gpu_kv_copy --peer --out "$OUT" "$@" 2>&1 \
+            | tee "$OUT/gpu_kv_copy_peer.txt"
+        exit ;;
     *) echo "gpu_two_run.sh: unknown part $PART" >&2; exit 2 ;;
 esac
 exec python3 -m pdserve.bench.gpu_serve --systems replicas,split_cuda_ipc,split_grpc \
