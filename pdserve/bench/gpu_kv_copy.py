@@ -17,6 +17,9 @@ given peer access to the other), what cuda_ipc's one-pass write between GPUs run
   peer_copy  `copy_` of the same bytes, contiguous, cuda:0 to cuda:1: the ceiling
   push       `copy_kv_blocks(peer=True)` on cuda:0 (its ids there) storing into cuda:1's pool
   pull       `copy_kv_blocks(peer=True)` on cuda:1 (its ids there) loading from cuda:0's pool
+  runs       the copy engine: one cudaMemcpy2DAsync per run of blocks consecutive on both sides
+             (pdserve/transport/block_runs.py), the shuffled ids (a call a block) and sequential
+             ones (one call), queued on cuda:0
 
 each push and pull for every `--blocks` x `--warps` x `--groups` setting (by default 2048 and
 8192 elements a step, 4/8/16 warps, 1/2/4/8 blocks a program, less those whose program tile
@@ -41,6 +44,7 @@ import torch
 
 from kernels.kv_block_copy import copy_kv_blocks
 from pdserve.bench.transfer import parse_sizes
+from pdserve.transport.block_runs import copy_block_runs, runs
 
 GIB = 1 << 30
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 64, 16
@@ -157,6 +161,24 @@ def peer_case(direction: str, setting: tuple[int, int, int], pools: tuple[torch.
             "warps": w, "group": g, "seconds": seconds, "equal": equal}
 
 
+def copy_engine_case(name: str, src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor,
+                     repeats: int) -> dict[str, Any]:
+    """The copy engine instead of the kernel: one cudaMemcpy2DAsync per run of blocks
+    consecutive on both sides (pdserve/transport/block_runs.py), queued on src's GPU; `ids`
+    [2, n] on the CPU (shuffled: n runs of one block; sequential: one run)."""
+    block_runs = runs(ids[0].numpy(), ids[1].numpy())
+    run = functools.partial(copy_block_runs, src, dst, 0, LAYERS, block_runs)
+    dst.zero_()
+    torch.cuda.synchronize(dst.device)
+    run()
+    torch.cuda.synchronize(src.device)
+    equal = torch.equal(dst[:, :, ids[1].to(dst.device)].to(src.device),
+                        src[:, :, ids[0].to(src.device)])
+    seconds = timed(run, repeats, src.device, (src.device, dst.device))
+    return {"name": f"push {name}", "direction": "copy engine", "block": name, "warps": "-",
+            "group": len(block_runs), "seconds": seconds, "equal": equal}
+
+
 def measure_peer(tokens: int, settings: list[tuple[int, int, int]], repeats: int,
                  here: torch.device, there: torch.device) -> dict[str, Any]:
     """peer_copy, then every setting's push (kernel on `here`) and pull (kernel on `there`),
@@ -178,6 +200,9 @@ def measure_peer(tokens: int, settings: list[tuple[int, int, int]], repeats: int
                                                                              expected)}]
     pools = (src, dst, on["pull"][1])
     cases += [peer_case(d, s, pools, on[d], expected, repeats) for d in on for s in settings]
+    sequential = torch.stack([torch.arange(n), torch.arange(n) + n + 8])  # one run each side
+    cases += [copy_engine_case(name, src, dst, block_ids, repeats)
+              for name, block_ids in (("runs shuffled", ids), ("runs sequential", sequential))]
     for case in cases:
         case |= {"gib_per_s": nbytes / case["seconds"] / GIB,
                  "over_peer_copy": ceiling / case["seconds"]}
@@ -193,11 +218,17 @@ def print_peer(run: dict[str, Any]) -> None:
           f"{'pull GiB/s':>11} {'x copy':>7}")
     by_setting: dict[tuple[int, int, int], dict[str, str]] = {}
     for c in cases:
+        if c["direction"] == "copy engine":
+            continue
         mark = " " if c["equal"] else "!"
         by_setting.setdefault((c["block"], c["warps"], c["group"]), {})[c["direction"]] = (
             f"{c['gib_per_s']:>11.1f} {c['over_peer_copy']:>6.3f}{mark}")
     for (b, w, g), cells in by_setting.items():
         print(f"  {b:>5} {w:>5} {g:>5} {cells.get('push', ''):>19} {cells.get('pull', '')}")
+    for c in cases:
+        if c["direction"] == "copy engine":
+            print(f"  copy engine, {c['block']} ({c['group']} calls): {c['gib_per_s']:.1f} "
+                  f"GiB/s, {c['over_peer_copy']:.3f}x peer_copy{'' if c['equal'] else ' !'}")
     for direction in ("push", "pull"):
         best = max((c for c in cases if c["direction"] == direction and c["equal"]),
                    key=lambda c: c["gib_per_s"], default=None)
