@@ -23,7 +23,9 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -34,6 +36,9 @@ from kernels.kv_cache_fp8 import as_bytes, index_copy_kv
 from pdserve.transport.base import CUDA_IPC, Peer, PeerUnreachable, PoolInfo, device_uuid
 
 logger = logging.getLogger(__name__)
+# PDSERVE_KV_WRITE_TRACE=1: log each write's phases (host ms: ids, launch, synchronize; GPU ms
+# of the copy from CUDA events) at WARNING, to find where a write's time goes
+TRACE = os.environ.get("PDSERVE_KV_WRITE_TRACE") == "1"
 
 
 class CudaIpcPlane:
@@ -96,11 +101,16 @@ class CudaIpcPlane:
         stream = getattr(self._local, "stream", None)
         if stream is None:
             stream = self._local.stream = torch.cuda.Stream(self.pool.device)
+        marks = [time.perf_counter()] if TRACE else []
         with torch.cuda.stream(stream):
             if ready is not None:
                 stream.wait_event(ready)  # the layers that wrote these blocks
             direct = peer.extra.get("direct", dst_pool.device == self.pool.device)
             ids = self._ids_to(self.pool.device if direct else dst_pool.device, src_ids, dst_ids)
+            if TRACE:
+                marks.append(time.perf_counter())
+                events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                events[0].record(stream)
             if direct:  # this GPU's kernel writes the peer's blocks (one pass)
                 copy_kv_blocks(self.pool, dst_pool, layers[0], layers[1], ids[0], ids[1],
                                peer=True)
@@ -110,7 +120,18 @@ class CudaIpcPlane:
                 rows = as_bytes(self.pool[l0:l1]).index_select(2, src).to(dst_pool.device)
                 index_copy_kv(as_bytes(dst_pool[l0:l1]), 2, ids[1], rows)  # that GPU's stream
                 torch.cuda.current_stream(dst_pool.device).synchronize()  # written before acks
+            if TRACE:
+                events[1].record(stream)
+                marks.append(time.perf_counter())
         stream.synchronize()
+        if TRACE:
+            marks.append(time.perf_counter())
+            ids_ms, launch_ms, sync_ms = (1e3 * (b - a) for a, b in zip(marks, marks[1:]))
+            logger.warning("cuda_ipc write, %d blocks x %d layers to %s (%s): ids %.3f, launch "
+                           "%.3f, synchronize %.3f ms; copy on the GPU %.3f ms", len(src_ids),
+                           layers[1] - layers[0], dst_pool.device,
+                           "direct" if direct else "three passes", ids_ms, launch_ms, sync_ms,
+                           events[0].elapsed_time(events[1]))
         return len(src_ids) * (layers[1] - layers[0]) * self.layout.cell_bytes()
 
     def _ids_to(self, device: torch.device, src_ids: list[int], dst_ids: list[int]
