@@ -253,12 +253,13 @@ def test_pool_past_int32_offsets():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_the_kernel_writes_another_gpus_pool_directly():
-    from pdserve.transport.cuda_ipc import _direct_peer_access
+    from pdserve.transport.cuda_ipc import COPY_ENGINE, KERNEL, THREE_PASSES, _peer_ways
 
     gen = torch.Generator().manual_seed(5)
     src = torch.randn(3, 2, 10, 4, 2, 8, generator=gen).to(torch.bfloat16).to("cuda:0")
     dst = torch.zeros(3, 2, 12, 4, 2, 8, dtype=torch.bfloat16, device="cuda:1")
-    assert _direct_peer_access(src, dst)  # GPU 0's kernel reads GPU 1's pool
+    # GPU 0's kernel and its copy engine both read GPU 1's pool
+    assert _peer_ways(src, dst) == [KERNEL, COPY_ENGINE, THREE_PASSES]
     src_ids = torch.tensor([7, 2, 9], device="cuda:0")
     dst_ids = torch.tensor([0, 11, 5], device="cuda:0")  # the kernel's GPU, not dst's
     copy_kv_blocks(src, dst, 1, 3, src_ids, dst_ids, peer=True)

@@ -7,12 +7,20 @@ its CUDA IPC handle and copies its blocks straight into the reserved ones, GPU t
     per slab: wait for the layers' event, copy_kv_blocks(my pool -> its pool) on a stream of
               its own, synchronize: the bytes are in the peer's memory before KVWritten goes
 
-Across two GPUs of the host the same kernel runs on this GPU and writes the peer's blocks over
-NVLink (or PCIe), one pass over the bytes, once a probe at `open_peer` has shown that it can:
-peer access enabled, the kernel reading block 0 of every layer of the mapped pool gets what the
-driver's copy gets (reading moves nothing into the peer's blocks; a mismatch, the peer writing
-block 0 meanwhile, only costs the slower path). Otherwise each slab is
-gathered here, copied to the peer GPU and scattered there: three passes.
+Across two GPUs of the host a slab goes the first way of these that a probe at `open_peer`
+showed to work (each reads block 0 of every layer of the mapped pool and must get what torch's
+copy gets: reading moves nothing into the peer's blocks; a mismatch, the peer writing block 0
+meanwhile, only costs a slower way):
+
+    kernel       this GPU's block-copy kernel stores into the peer's blocks over NVLink (or
+                 PCIe), one pass. Seen failing its probe for a pool mapped by CUDA IPC on two
+                 H200s (2026-11-28), though the same kernel writes a peer GPU's own allocation
+                 at 0.95-1.05x a peer copy_ (pdserve.bench.gpu_kv_copy --peer)
+    copy engine  one cudaMemcpy2DAsync per run of blocks consecutive on both sides
+                 (pdserve/transport/block_runs.py): a peer copy's speed when the runs are few
+                 (a fresh pool's), a call a block when fragmented: used for at most
+                 MAX_COPY_ENGINE_RUNS runs a slab
+    three passes gathered here, copied to the peer GPU, scattered there (any slab)
 
 A handle is opened once per peer pool (the driver allows one mapping per process); a restarted
 decode worker has a new pool_id, and KVTarget refuses the old one before anything is written.
@@ -28,17 +36,24 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.kv_transfer import pool_layout
 from kernels.kv_block_copy import copy_kv_blocks
 from kernels.kv_cache_fp8 import as_bytes, index_copy_kv
 from pdserve.transport.base import CUDA_IPC, Peer, PeerUnreachable, PoolInfo, device_uuid
+from pdserve.transport.block_runs import copy_block_runs, runs
 
 logger = logging.getLogger(__name__)
 # PDSERVE_KV_WRITE_TRACE=1: log each write's phases (host ms: ids, launch, synchronize; GPU ms
 # of the copy from CUDA events) at WARNING, to find where a write's time goes
 TRACE = os.environ.get("PDSERVE_KV_WRITE_TRACE") == "1"
+# Past this many runs of consecutive blocks a slab's copy-engine calls cost more than the three
+# passes (pdserve.bench.gpu_kv_copy --peer, two H200s: 64 single-block calls for 32 MiB moved
+# 0.17x a peer copy_, one call 1.08x).
+MAX_COPY_ENGINE_RUNS = 8
+KERNEL, COPY_ENGINE, THREE_PASSES = "kernel", "copy engine", "three passes"
 
 
 class CudaIpcPlane:
@@ -88,12 +103,11 @@ class CudaIpcPlane:
         if shape[2] != info.num_blocks:
             raise PeerUnreachable(f"KV pool {info.pool_id}: {shape[2]} blocks mapped, "
                                   f"{info.num_blocks} announced")
-        direct = mapped.device == self.pool.device or _direct_peer_access(self.pool, mapped)
+        ways = [KERNEL] if mapped.device == self.pool.device else _peer_ways(self.pool, mapped)
         if mapped.device != self.pool.device:
-            logger.info("KV pool %s on %s: %s", info.pool_id, mapped.device,
-                        "written directly by this GPU's kernel" if direct
-                        else "gathered here, copied, scattered there (no direct peer access)")
-        return Peer(info, CUDA_IPC, mapped, {"direct": direct})
+            logger.info("KV pool %s on %s: written by %s", info.pool_id, mapped.device,
+                        " else ".join(ways))
+        return Peer(info, CUDA_IPC, mapped, {"ways": ways})
 
     def write(self, peer: Peer, layers: tuple[int, int], src_ids: list[int],
               dst_ids: list[int], ready: Any = None) -> int:
@@ -105,15 +119,18 @@ class CudaIpcPlane:
         with torch.cuda.stream(stream):
             if ready is not None:
                 stream.wait_event(ready)  # the layers that wrote these blocks
-            direct = peer.extra.get("direct", dst_pool.device == self.pool.device)
-            ids = self._ids_to(self.pool.device if direct else dst_pool.device, src_ids, dst_ids)
+            way, block_runs = self._way(peer, src_ids, dst_ids)
+            ids = None if way == COPY_ENGINE else self._ids_to(
+                self.pool.device if way == KERNEL else dst_pool.device, src_ids, dst_ids)
             if TRACE:
                 marks.append(time.perf_counter())
                 events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
                 events[0].record(stream)
-            if direct:  # this GPU's kernel writes the peer's blocks (one pass)
+            if way == KERNEL:  # this GPU's kernel writes the peer's blocks (one pass)
                 copy_kv_blocks(self.pool, dst_pool, layers[0], layers[1], ids[0], ids[1],
                                peer=True)
+            elif way == COPY_ENGINE:  # a cudaMemcpy2DAsync a run, on this stream
+                copy_block_runs(self.pool, dst_pool, layers[0], layers[1], block_runs)
             else:  # another GPU of this host: gather here, then one peer copy and a scatter
                 l0, l1 = layers
                 src = ids[0].to(self.pool.device)
@@ -129,10 +146,22 @@ class CudaIpcPlane:
             ids_ms, launch_ms, sync_ms = (1e3 * (b - a) for a, b in zip(marks, marks[1:]))
             logger.warning("cuda_ipc write, %d blocks x %d layers to %s (%s): ids %.3f, launch "
                            "%.3f, synchronize %.3f ms; copy on the GPU %.3f ms", len(src_ids),
-                           layers[1] - layers[0], dst_pool.device,
-                           "direct" if direct else "three passes", ids_ms, launch_ms, sync_ms,
-                           events[0].elapsed_time(events[1]))
+                           layers[1] - layers[0], dst_pool.device, way, ids_ms, launch_ms,
+                           sync_ms, events[0].elapsed_time(events[1]))
         return len(src_ids) * (layers[1] - layers[0]) * self.layout.cell_bytes()
+
+    @staticmethod
+    def _way(peer: Peer, src_ids: list[int], dst_ids: list[int]
+             ) -> tuple[str, list[tuple[int, int, int]]]:
+        """How this slab goes (the module's NOTE), and its runs when by the copy engine."""
+        ways = peer.extra.get("ways", [KERNEL])
+        if ways[0] == KERNEL:
+            return KERNEL, []
+        if ways[0] == COPY_ENGINE:
+            block_runs = runs(np.asarray(src_ids), np.asarray(dst_ids))
+            if len(block_runs) <= MAX_COPY_ENGINE_RUNS:
+                return COPY_ENGINE, block_runs
+        return THREE_PASSES, []
 
     def _ids_to(self, device: torch.device, src_ids: list[int], dst_ids: list[int]
                 ) -> torch.Tensor:
@@ -158,23 +187,35 @@ class CudaIpcPlane:
         pass
 
 
-def _direct_peer_access(local: torch.Tensor, mapped: torch.Tensor) -> bool:
-    """Whether the block-copy kernel on `local`'s GPU reaches `mapped` (a pool on another GPU,
-    mapped here) directly: see the module's NOTE."""
+def _peer_ways(local: torch.Tensor, mapped: torch.Tensor) -> list[str]:
+    """The ways to write `mapped` (a pool on another GPU, mapped here) from `local`'s GPU that
+    pass their probe, fastest first, three passes last (the module's NOTE). Each probe reads
+    block 0 of every layer of `mapped` and compares it with torch's copy of it."""
     here, there = local.device, mapped.device
     if not torch.cuda.can_device_access_peer(here.index, there.index):
-        return False
-    try:
-        # device-to-device copies: torch enables the source GPU's access to the destination's
-        expected = mapped[:, :, :1].to(here)
-        expected.to(there)  # this GPU's to the peer's: what the kernel needs
+        logger.info("GPU %s has no peer access to %s", here, there)
+        return [THREE_PASSES]
+    expected = mapped[:, :, :1].to(here)
+    expected.to(there)  # device-to-device copies: torch enables the source GPU's access
+    ways = []
+    for way in (KERNEL, COPY_ENGINE):
         probe = torch.empty_like(expected)
-        ids = torch.zeros(1, dtype=torch.long, device=here)
-        copy_kv_blocks(mapped, probe, 0, mapped.shape[0], ids, ids, peer=True)
-        torch.cuda.synchronize(here)
-        return torch.equal(as_bytes(probe), as_bytes(expected))
-    except (RuntimeError, ValueError):  # Triton refusing the pointer, a driver error
-        return False
+        try:
+            if way == KERNEL:
+                ids = torch.zeros(1, dtype=torch.long, device=here)
+                copy_kv_blocks(mapped, probe, 0, mapped.shape[0], ids, ids, peer=True)
+            else:
+                with torch.cuda.stream(torch.cuda.current_stream(there)):
+                    copy_block_runs(mapped, probe, 0, mapped.shape[0], [(0, 0, 1)])
+            torch.cuda.synchronize(here)
+            torch.cuda.synchronize(there)
+            if torch.equal(as_bytes(probe), as_bytes(expected)):
+                ways.append(way)
+            else:
+                logger.info("the %s's probe of %s read other bytes", way, there)
+        except (RuntimeError, ValueError) as exc:  # Triton refusing the pointer, a CUDA error
+            logger.info("the %s cannot reach the pool on %s: %s", way, there, exc)
+    return [*ways, THREE_PASSES]
 
 
 def _visible_index(uuid: str) -> int | None:
