@@ -193,7 +193,7 @@ def _peer_ways(local: torch.Tensor, mapped: torch.Tensor) -> list[str]:
     block 0 of every layer of `mapped` and compares it with torch's copy of it."""
     here, there = local.device, mapped.device
     if not torch.cuda.can_device_access_peer(here.index, there.index):
-        logger.info("GPU %s has no peer access to %s", here, there)
+        logger.warning("GPU %s has no peer access to %s", here, there)
         return [THREE_PASSES]
     expected = mapped[:, :, :1].to(here)
     expected.to(there)  # device-to-device copies: torch enables the source GPU's access
@@ -212,9 +212,9 @@ def _peer_ways(local: torch.Tensor, mapped: torch.Tensor) -> list[str]:
             if torch.equal(as_bytes(probe), as_bytes(expected)):
                 ways.append(way)
             else:
-                logger.info("the %s's probe of %s read other bytes", way, there)
+                logger.warning("the %s's probe of %s read other bytes", way, there)
         except (RuntimeError, ValueError) as exc:  # Triton refusing the pointer, a CUDA error
-            logger.info("the %s cannot reach the pool on %s: %s", way, there, exc)
+            logger.warning("the %s cannot reach the pool on %s: %s", way, there, exc)
     return [*ways, THREE_PASSES]
 
 
