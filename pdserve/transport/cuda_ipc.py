@@ -22,6 +22,13 @@ meanwhile, only costs a slower way):
                  MAX_COPY_ENGINE_RUNS runs a slab
     three passes gathered here, copied to the peer GPU, scattered there (any slab)
 
+Those ways start from the handle opened in the context of the pool's own GPU (torch's way),
+where this GPU's kernel cannot address it (Triton: "Pointer argument cannot be accessed"). The
+CUDA documentation has `cudaIpcOpenMemHandle`, on a device other than the memory's, map it into
+the current device's context with peer access enabled: with PDSERVE_CUDA_IPC_MAP_HERE=1 the
+handle is opened in this GPU's context first, and the kernel writes any slab in one pass if its
+probe passes (experimental until a two-GPU run shows it).
+
 A handle is opened once per peer pool (the driver allows one mapping per process); a restarted
 decode worker has a new pool_id, and KVTarget refuses the old one before anything is written.
 """
@@ -54,6 +61,9 @@ TRACE = os.environ.get("PDSERVE_KV_WRITE_TRACE") == "1"
 # 0.17x a peer copy_, one call 1.08x).
 MAX_COPY_ENGINE_RUNS = 8
 KERNEL, COPY_ENGINE, THREE_PASSES = "kernel", "copy engine", "three passes"
+# PDSERVE_CUDA_IPC_MAP_HERE=1 (experimental, not yet run on two GPUs): open another GPU's pool
+# in this GPU's context (the module's NOTE)
+MAP_HERE = os.environ.get("PDSERVE_CUDA_IPC_MAP_HERE") == "1"
 
 
 class CudaIpcPlane:
@@ -88,6 +98,20 @@ class CudaIpcPlane:
         if index is None:
             raise PeerUnreachable(f"the GPU of KV pool {info.pool_id} ({info.device_uuid}) is "
                                   "not visible to this worker")
+        here = self.pool.device.index
+        if MAP_HERE and index != here:
+            mapped = self._map_here(info)
+            if mapped is not None:
+                return Peer(info, CUDA_IPC, mapped, {"ways": [KERNEL]})
+        mapped = self._map(info, index)
+        ways = [KERNEL] if mapped.device == self.pool.device else _peer_ways(self.pool, mapped)
+        if mapped.device != self.pool.device:
+            logger.info("KV pool %s on %s: written by %s", info.pool_id, mapped.device,
+                        " else ".join(ways))
+        return Peer(info, CUDA_IPC, mapped, {"ways": ways})
+
+    def _map(self, info: PoolInfo, index: int) -> torch.Tensor:
+        """The peer's pool as a tensor, its handle opened in the context of GPU `index`."""
         try:
             fields = json.loads(info.cuda_ipc_handle)
             storage = torch.UntypedStorage._new_shared_cuda(
@@ -103,11 +127,31 @@ class CudaIpcPlane:
         if shape[2] != info.num_blocks:
             raise PeerUnreachable(f"KV pool {info.pool_id}: {shape[2]} blocks mapped, "
                                   f"{info.num_blocks} announced")
-        ways = [KERNEL] if mapped.device == self.pool.device else _peer_ways(self.pool, mapped)
-        if mapped.device != self.pool.device:
-            logger.info("KV pool %s on %s: written by %s", info.pool_id, mapped.device,
-                        " else ".join(ways))
-        return Peer(info, CUDA_IPC, mapped, {"ways": ways})
+        return mapped
+
+    def _map_here(self, info: PoolInfo) -> torch.Tensor | None:
+        """MAP_HERE: the peer's pool (another GPU's memory) opened in this GPU's context, where
+        the kernel can address it, if the kernel then reads what torch's copy reads; else None
+        (the mapping closed again, for `_map` to open it in its own GPU's context)."""
+        try:
+            mapped = self._map(info, self.pool.device.index)
+            expected = mapped[:, :, :1].clone()
+            probe = torch.empty_like(expected)
+            ids = torch.zeros(1, dtype=torch.long, device=self.pool.device)
+            copy_kv_blocks(mapped, probe, 0, mapped.shape[0], ids, ids)
+            torch.cuda.synchronize(self.pool.device)
+            if torch.equal(as_bytes(probe), as_bytes(expected)):
+                logger.info("KV pool %s mapped on %s: written by the kernel", info.pool_id,
+                            self.pool.device)
+                return mapped
+            logger.warning("KV pool %s mapped on %s: the kernel read other bytes",
+                           info.pool_id, self.pool.device)
+        except (PeerUnreachable, RuntimeError, ValueError) as exc:
+            logger.warning("KV pool %s cannot be mapped on %s: %s", info.pool_id,
+                           self.pool.device, exc)
+        mapped = None
+        torch.cuda.ipc_collect()
+        return None
 
     def write(self, peer: Peer, layers: tuple[int, int], src_ids: list[int],
               dst_ids: list[int], ready: Any = None) -> int:
