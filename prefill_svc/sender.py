@@ -176,35 +176,57 @@ class PushKVSender:
         """The push over a data plane: the header naming it, each slab written into the
         target blocks (off the event loop) and then announced, the commit. Reads the cache. A
         failed write forgets the peer (described again next time) and ends the push: grpc
-        cancels the call, and the blocks stay reserved there for a retried prefill."""
+        cancels the call, and the blocks stay reserved there for a retried prefill.
+
+        Each write starts before the message ahead of it goes out: the first one before the
+        header (the blocks are the grant's, reserved for this push, and nothing there waits for
+        the header before bytes land: grpc sends it while they move; on the 2-core CPU box the
+        header's send took 0.2-1.0 ms of a 3 ms push), each next one before the previous
+        slab's announcement."""
         assert self.planes is not None
         plane = self.planes.plane(peer.transport)
-        yield self._header(push, peer.transport, target.push_id)
         dst_ids = list(target.block_ids)
-        last = None  # once the first token is known, each slab's range waits for the next
-        # write, so the last one goes inside the commit: one message less before it
-        while (ticket := await push.next_slab()) is not None:
-            if last is not None:
-                yield _written_chunk(last)
-                last = None
-            l0, l1, b0, b1 = ticket.slab
-            try:
-                nbytes, seconds = await asyncio.to_thread(_write, plane, peer, ticket,
-                                                          dst_ids[b0:b1])
-                self.stats.write_seconds += seconds
-            except ConnectionError as exc:
-                self.stats.failed += 1
-                self._forget(address)
-                logger.warning("[%s] KV write to %s failed: %s", push.request_id, address, exc)
-                raise
-            if nbytes is not None:  # None: stale, a preemption; those cells come again
-                push.sent(ticket, nbytes)
-                last = decode_pb2.KVWritten(layer_start=l0, layer_end=l1, block_start=b0,
-                                            block_end=b1)
-                if push.first is None:  # more may take a while: announce it now
+        writing = asyncio.ensure_future(self._write_next(push, plane, peer, dst_ids, address))
+        try:
+            yield self._header(push, peer.transport, target.push_id)
+            last = None  # once the first token is known, each slab's range waits for the next
+            # write, so the last one goes inside the commit: one message less before it
+            while (written := await writing) is not False:
+                writing = asyncio.ensure_future(
+                    self._write_next(push, plane, peer, dst_ids, address))
+                if last is not None:
                     yield _written_chunk(last)
                     last = None
-        yield self._commit(push, last)
+                if written is not None:  # None: stale, a preemption; those cells come again
+                    last = written
+                    if push.first is None:  # more may take a while: announce it now
+                        yield _written_chunk(last)
+                        last = None
+            yield self._commit(push, last)
+        finally:
+            writing.cancel()  # a write under way finishes in its thread, its result unread
+
+    async def _write_next(self, push: KVPush, plane: DataPlane, peer: Peer, dst_ids: list[int],
+                          address: str) -> decode_pb2.KVWritten | None | bool:
+        """Write the push's next slab into the peer's blocks (off the event loop): its range,
+        None if it was stale, False once every slab is out."""
+        ticket = await push.next_slab()
+        if ticket is None:
+            return False
+        l0, l1, b0, b1 = ticket.slab
+        try:
+            nbytes, seconds = await asyncio.to_thread(_write, plane, peer, ticket,
+                                                      dst_ids[b0:b1])
+            self.stats.write_seconds += seconds
+        except ConnectionError as exc:
+            self.stats.failed += 1
+            self._forget(address)
+            logger.warning("[%s] KV write to %s failed: %s", push.request_id, address, exc)
+            raise
+        if nbytes is None:
+            return None
+        push.sent(ticket, nbytes)
+        return decode_pb2.KVWritten(layer_start=l0, layer_end=l1, block_start=b0, block_end=b1)
 
     def _header(self, push: KVPush, transport: str = GRPC, push_id: int = 0) -> bytes:
         return decode_pb2.KVChunk(header=decode_pb2.KVHeader(
