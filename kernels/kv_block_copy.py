@@ -11,12 +11,9 @@ E = block_size * Hkv * D elements are one contiguous run, and the block (l, kv, 
               '-E-'
 
 with N (and so the strides) that pool's own: src and dst may hold different numbers of blocks.
-grid (cdiv(n, GROUP), 2, layer_end - layer_start): program (g, kv, j) copies blocks
-src_ids[i] of (layer_start + j, kv) in src to blocks dst_ids[i] of the same (layer, kv) in dst
-for its GROUP ids i = g * GROUP + (0 .. GROUP - 1), BLOCK elements of each at a time: a
-[GROUP, BLOCK] tile, all of it loaded before any of it is stored, so GROUP loads are in flight
-at once (for the latency of another GPU's memory across NVLink; GROUP = 1 is one block a
-program). Offsets are int64: 32 layers of 16 tokens x 8 heads x 128 dims pass 2**31 elements
+grid (n, 2, layer_end - layer_start): program (i, kv, j) copies block src_ids[i] of
+(layer_start + j, kv) in src to block dst_ids[i] of the same (layer, kv) in dst, BLOCK elements
+at a time. Offsets are int64: 32 layers of 16 tokens x 8 heads x 128 dims pass 2**31 elements
 at 2048 blocks.
 """
 
@@ -35,34 +32,31 @@ KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, KV_FP8)  # fp8: copie
 ID_DTYPES = (torch.int64, torch.int32)
 
 
-# layer_start and n change from call to call (layer-wise transfer, each request's block count):
-# not specialised on, so a new value never costs a compile mid-serving.
-@triton.jit(do_not_specialize=["n", "layer_start"])
+# layer_start changes from call to call (layer-wise transfer): not specialised on, so a new value
+# never costs a compile mid-serving.
+@triton.jit(do_not_specialize=["layer_start"])
 def _copy_blocks_kernel(
     src_ptr,  # [L, 2, N_src, block_size, Hkv, D], contiguous
     dst_ptr,  # [L, 2, N_dst, block_size, Hkv, D], contiguous, src's dtype
     src_ids_ptr,  # [n] int32/int64, blocks of src, stride stride_src_id
     dst_ids_ptr,  # [n] int32/int64, blocks of dst, stride stride_dst_id
-    n,
     layer_start,
     stride_src_id, stride_dst_id,
     stride_src_l, stride_src_kv,  # 2 * N_src * E, N_src * E
     stride_dst_l, stride_dst_kv,  # 2 * N_dst * E, N_dst * E
     BLOCK_NUMEL: tl.constexpr,  # E = block_size * Hkv * D
-    BLOCK: tl.constexpr,  # elements of each block moved per step, a power of 2
-    GROUP: tl.constexpr,  # blocks per program, a power of 2
+    BLOCK: tl.constexpr,  # elements moved per step, a power of 2
 ):
-    i = tl.program_id(0) * GROUP + tl.arange(0, GROUP)  # [GROUP] this program's ids
+    i = tl.program_id(0)
     kv = tl.program_id(1).to(tl.int64)
     layer = tl.program_id(2).to(tl.int64) + layer_start
-    has = i < n  # the last program's group may run past the ids
-    src_block = tl.load(src_ids_ptr + i * stride_src_id, mask=has, other=0).to(tl.int64)
-    dst_block = tl.load(dst_ids_ptr + i * stride_dst_id, mask=has, other=0).to(tl.int64)
-    src = src_ptr + layer * stride_src_l + kv * stride_src_kv + src_block[:, None] * BLOCK_NUMEL
-    dst = dst_ptr + layer * stride_dst_l + kv * stride_dst_kv + dst_block[:, None] * BLOCK_NUMEL
+    src_block = tl.load(src_ids_ptr + i * stride_src_id).to(tl.int64)
+    dst_block = tl.load(dst_ids_ptr + i * stride_dst_id).to(tl.int64)
+    src = src_ptr + layer * stride_src_l + kv * stride_src_kv + src_block * BLOCK_NUMEL
+    dst = dst_ptr + layer * stride_dst_l + kv * stride_dst_kv + dst_block * BLOCK_NUMEL
     for start in range(0, BLOCK_NUMEL, BLOCK):
-        offs = start + tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
-        mask = has[:, None] & (offs < BLOCK_NUMEL)  # [GROUP, BLOCK]
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < BLOCK_NUMEL
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
@@ -102,7 +96,7 @@ def check_copy_args(src: torch.Tensor, dst: torch.Tensor, layer_start: int, laye
 
 def copy_kv_blocks(src: torch.Tensor, dst: torch.Tensor, layer_start: int, layer_end: int,
                    src_ids: torch.Tensor, dst_ids: torch.Tensor, *, block: int = 8192,
-                   num_warps: int = 8, peer: bool = False, group: int = 1) -> None:
+                   num_warps: int = 8, peer: bool = False) -> None:
     """dst[l, kv, dst_ids[i]] = src[l, kv, src_ids[i]] for l in [layer_start, layer_end),
     kv in (0, 1), every i. Mutates dst only. Launch only (no synchronize); runs on the current
     CUDA stream. Ids must be in range and dst_ids distinct; if src is dst, the two id lists must
@@ -113,15 +107,13 @@ def copy_kv_blocks(src: torch.Tensor, dst: torch.Tensor, layer_start: int, layer
     1k / 4k / 16k tokens, 2048 x 4 0.34 / 0.93 / 0.96). `peer`: src or dst may sit on
     another GPU of this host that the ids' GPU reaches as a peer (a pool mapped by CUDA IPC,
     peer access enabled): the kernel runs on the ids' GPU and reads or writes it directly over
-    NVLink or PCIe, one pass over the bytes. `group` (a power of 2) gives each program that many
-    blocks, and it loads a step of all of them before it stores any: `group` loads in flight
-    where a program had one, for a peer's memory, farther away than local HBM (`python -m
-    pdserve.bench.gpu_kv_copy --peer` sweeps it with `block` and `num_warps`); 1, one block a
-    program, is the setting timed above."""
+    NVLink or PCIe, one pass over the bytes; between two H200s these settings store into (or
+    load from) the other GPU's memory at 0.95-1.05x a peer `copy_`, and no other setting of a
+    sweep did better, several blocks a program included (`python -m pdserve.bench.gpu_kv_copy
+    --peer`, 2026-11-28)."""
     check_copy_args(src, dst, layer_start, layer_end, src_ids, dst_ids, peer)
-    for name, value in (("block", block), ("group", group)):
-        if value <= 0 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of 2; got {value}")
+    if block <= 0 or block & (block - 1):
+        raise ValueError(f"block must be a power of 2; got {block}")
     n, num_layers = src_ids.numel(), layer_end - layer_start
     if n == 0 or num_layers == 0:
         return
@@ -131,12 +123,12 @@ def copy_kv_blocks(src: torch.Tensor, dst: torch.Tensor, layer_start: int, layer
     block_numel = src[0, 0, 0].numel()
     on_ids_gpu = torch.cuda.device(src_ids.device) if src_ids.is_cuda else contextlib.nullcontext()
     with on_ids_gpu:  # the GPU the kernel runs on
-        _copy_blocks_kernel[(triton.cdiv(n, group), 2, num_layers)](
-            as_bytes(src), as_bytes(dst), src_ids, dst_ids, n, layer_start,
+        _copy_blocks_kernel[(n, 2, num_layers)](
+            as_bytes(src), as_bytes(dst), src_ids, dst_ids, layer_start,
             src_ids.stride(0), dst_ids.stride(0),
             src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
             BLOCK_NUMEL=block_numel, BLOCK=min(block, triton.next_power_of_2(block_numel)),
-            GROUP=group, num_warps=num_warps,
+            num_warps=num_warps,
         )
 
 

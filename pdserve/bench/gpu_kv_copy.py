@@ -7,7 +7,7 @@ a block per layer and K or V), shuffled block ids on both sides:
   copy      `copy_` of the same bytes, contiguous: the ceiling the data planes are held to
   scatter   torch's `index_copy_` of the gathered blocks into the shuffled ones (one pass)
   kernel    `copy_kv_blocks` (gather and scatter in one pass, what cuda_ipc runs), for each
-            `--blocks` x `--warps` (x `--groups`) setting
+            `--blocks` x `--warps` setting
 
 Across two GPUs of one host (the source pool on cuda:0, the destination pool on cuda:1, each GPU
 given peer access to the other), what cuda_ipc's one-pass write between GPUs runs:
@@ -21,10 +21,10 @@ given peer access to the other), what cuda_ipc's one-pass write between GPUs run
              (pdserve/transport/block_runs.py), the shuffled ids (a call a block) and sequential
              ones (one call), queued on cuda:0
 
-each push and pull for every `--blocks` x `--warps` x `--groups` setting (by default 2048 and
-8192 elements a step, 4/8/16 warps, 1/2/4/8 blocks a program, less those whose program tile
-would hold over `--max-thread-bytes`, 512, a thread in registers: 23 settings), each checked once
-against the source's blocks (compared on cuda:0) before it is timed.
+each push and pull for every `--blocks` x `--warps` setting (by default 2048 and 8192 elements
+a step, 4/8/16 warps), each checked once against the source's blocks (compared on cuda:0)
+before it is timed. (Its first run, 2026-11-28, also swept several blocks a program; no setting
+beat the kernel's default, and that option is gone.)
 
 Each is timed with CUDA events, recorded on the GPU that runs it, around `--repeats` (50; 20 with
 --peer) back-to-back calls after a warm-up, both GPUs synchronised around; the report gives GiB/s
@@ -51,8 +51,8 @@ LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 64, 16
 DTYPE = torch.bfloat16
 SHAPE = {"layers": LAYERS, "kv_heads": HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
          "dtype": "bfloat16"}
-# per mode (--peer or not): calls timed, elements a step, blocks a program
-DEFAULTS = {False: (50, [2048, 4096, 8192], [1]), True: (20, [2048, 8192], [1, 2, 4, 8])}
+# per mode (--peer or not): calls timed, elements a step
+DEFAULTS = {False: (50, [2048, 4096, 8192]), True: (20, [2048, 8192])}
 
 
 def timed(fn: Any, repeats: int, device: torch.device | None = None,
@@ -74,27 +74,11 @@ def timed(fn: Any, repeats: int, device: torch.device | None = None,
         return start.elapsed_time(end) / 1e3 / repeats
 
 
-def sweep(blocks: list[int], warps: list[int], groups: list[int],
-          max_thread_bytes: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-    """The (block, warps, group) settings to time, and those left out: a program's tile is
-    group x block elements over 32 x warps threads, and one over `max_thread_bytes` a thread
-    would spill its registers (ptxas for sm_90: 8192 x group 8 at 4 warps, 1 KiB a thread,
-    takes 255 registers and 200 bytes of stack; 8192 x group 4 at 4 warps, 512 bytes, 156
-    registers and none)."""
-    kept, left = [], []
-    for b in blocks:
-        for w in warps:
-            for g in groups:
-                fits = g * b * DTYPE.itemsize <= max_thread_bytes * 32 * w
-                (kept if fits else left).append((b, w, g))
-    return kept, left
+def setting_name(block: int, warps: int) -> str:
+    return f"block {block} warps {warps}"
 
 
-def setting_name(block: int, warps: int, group: int) -> str:
-    return f"block {block} warps {warps}" + (f" group {group}" if group > 1 else "")
-
-
-def measure(tokens: int, settings: list[tuple[int, int, int]], repeats: int) -> dict[str, Any]:
+def measure(tokens: int, settings: list[tuple[int, int]], repeats: int) -> dict[str, Any]:
     n = tokens // BLOCK_SIZE
     total = 2 * n + 16  # room for both id lists' blocks in one pool each
     gen = torch.Generator().manual_seed(tokens)
@@ -110,10 +94,10 @@ def measure(tokens: int, settings: list[tuple[int, int, int]], repeats: int) -> 
         "copy": timed(lambda: out.copy_(flat), repeats),
         "scatter": timed(lambda: dst.index_copy_(2, dst_ids, flat), repeats),
     }
-    for b, w, g in settings:
-        rows[f"kernel {setting_name(b, w, g)}"] = timed(
+    for b, w in settings:
+        rows[f"kernel {setting_name(b, w)}"] = timed(
             functools.partial(copy_kv_blocks, src, dst, 0, LAYERS, src_ids, dst_ids, block=b,
-                              num_warps=w, group=g), repeats)
+                              num_warps=w), repeats)
     expected = src[:, :, src_ids]
     copy_kv_blocks(src, dst, 0, LAYERS, src_ids, dst_ids)
     if not torch.equal(dst[:, :, dst_ids], expected):
@@ -141,15 +125,15 @@ def enable_peer_access(a: torch.device, b: torch.device) -> None:
     torch.cuda.synchronize(b)
 
 
-def peer_case(direction: str, setting: tuple[int, int, int], pools: tuple[torch.Tensor, ...],
+def peer_case(direction: str, setting: tuple[int, int], pools: tuple[torch.Tensor, ...],
               ids: torch.Tensor, expected: torch.Tensor, repeats: int) -> dict[str, Any]:
     """One push or pull setting: dst cleared, one copy checked against `expected` (the source's
     blocks, on src's GPU), then timed on the ids' GPU, the one that runs the kernel. `pools`:
     src, dst and dst's block ids on dst's GPU (to read the copy back)."""
     src, dst, dst_ids = pools
-    b, w, g = setting
+    b, w = setting
     run = functools.partial(copy_kv_blocks, src, dst, 0, LAYERS, ids[0], ids[1], block=b,
-                            num_warps=w, group=g, peer=True)
+                            num_warps=w, peer=True)
     gpus = (src.device, dst.device)
     dst.zero_()
     torch.cuda.synchronize(dst.device)
@@ -157,8 +141,8 @@ def peer_case(direction: str, setting: tuple[int, int, int], pools: tuple[torch.
     torch.cuda.synchronize(ids.device)
     equal = torch.equal(dst[:, :, dst_ids].to(src.device), expected)
     seconds = timed(run, repeats, ids.device, gpus)
-    return {"name": f"{direction} {setting_name(b, w, g)}", "direction": direction, "block": b,
-            "warps": w, "group": g, "seconds": seconds, "equal": equal}
+    return {"name": f"{direction} {setting_name(b, w)}", "direction": direction, "block": b,
+            "warps": w, "seconds": seconds, "equal": equal}
 
 
 def copy_engine_case(name: str, src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor,
@@ -175,11 +159,11 @@ def copy_engine_case(name: str, src: torch.Tensor, dst: torch.Tensor, ids: torch
     equal = torch.equal(dst[:, :, ids[1].to(dst.device)].to(src.device),
                         src[:, :, ids[0].to(src.device)])
     seconds = timed(run, repeats, src.device, (src.device, dst.device))
-    return {"name": f"push {name}", "direction": "copy engine", "block": name, "warps": "-",
-            "group": len(block_runs), "seconds": seconds, "equal": equal}
+    return {"name": f"push {name}", "direction": "copy engine", "calls": len(block_runs),
+            "seconds": seconds, "equal": equal}
 
 
-def measure_peer(tokens: int, settings: list[tuple[int, int, int]], repeats: int,
+def measure_peer(tokens: int, settings: list[tuple[int, int]], repeats: int,
                  here: torch.device, there: torch.device) -> dict[str, Any]:
     """peer_copy, then every setting's push (kernel on `here`) and pull (kernel on `there`),
     src's pool on `here`, dst's on `there`."""
@@ -214,20 +198,20 @@ def print_peer(run: dict[str, Any]) -> None:
     copy, *cases = run["cases"]
     print(f"{run['num_tokens']} tokens, {run['kv_bytes'] / 2**20:.0f} MiB: peer_copy "
           f"{copy['gib_per_s']:.1f} GiB/s{'' if copy['equal'] else ' !'}")
-    print(f"  {'block':>5} {'warps':>5} {'group':>5} {'push GiB/s':>11} {'x copy':>7} "
+    print(f"  {'block':>5} {'warps':>5} {'push GiB/s':>11} {'x copy':>7} "
           f"{'pull GiB/s':>11} {'x copy':>7}")
-    by_setting: dict[tuple[int, int, int], dict[str, str]] = {}
+    by_setting: dict[tuple[int, int], dict[str, str]] = {}
     for c in cases:
         if c["direction"] == "copy engine":
             continue
         mark = " " if c["equal"] else "!"
-        by_setting.setdefault((c["block"], c["warps"], c["group"]), {})[c["direction"]] = (
+        by_setting.setdefault((c["block"], c["warps"]), {})[c["direction"]] = (
             f"{c['gib_per_s']:>11.1f} {c['over_peer_copy']:>6.3f}{mark}")
-    for (b, w, g), cells in by_setting.items():
-        print(f"  {b:>5} {w:>5} {g:>5} {cells.get('push', ''):>19} {cells.get('pull', '')}")
+    for (b, w), cells in by_setting.items():
+        print(f"  {b:>5} {w:>5} {cells.get('push', ''):>19} {cells.get('pull', '')}")
     for c in cases:
         if c["direction"] == "copy engine":
-            print(f"  copy engine, {c['block']} ({c['group']} calls): {c['gib_per_s']:.1f} "
+            print(f"  copy engine, {c['name'][5:]} ({c['calls']} calls): {c['gib_per_s']:.1f} "
                   f"GiB/s, {c['over_peer_copy']:.3f}x peer_copy{'' if c['equal'] else ' !'}")
     for direction in ("push", "pull"):
         best = max((c for c in cases if c["direction"] == direction and c["equal"]),
@@ -238,8 +222,7 @@ def print_peer(run: dict[str, Any]) -> None:
         print("  ! blocks differ from the source's", flush=True)
 
 
-def main_peer(args: argparse.Namespace, settings: list[tuple[int, int, int]],
-              left: list[tuple[int, int, int]]) -> int:
+def main_peer(args: argparse.Namespace, settings: list[tuple[int, int]]) -> int:
     reason = peer_unavailable()
     if reason:
         print(f"gpu_kv_copy --peer: {reason}", file=sys.stderr)
@@ -247,8 +230,7 @@ def main_peer(args: argparse.Namespace, settings: list[tuple[int, int, int]],
     here, there = torch.device("cuda", 0), torch.device("cuda", 1)
     enable_peer_access(here, there)
     print(f"{torch.cuda.get_device_name(here)} cuda:0 -> {torch.cuda.get_device_name(there)} "
-          f"cuda:1; {len(settings)} settings each way, {len(left)} left out (over "
-          f"{args.max_thread_bytes} B a thread); {args.repeats} calls each", flush=True)
+          f"cuda:1; {len(settings)} settings each way; {args.repeats} calls each", flush=True)
     runs = []
     for tokens in args.kv_tokens:
         runs.append(measure_peer(tokens, settings, args.repeats, here, there))
@@ -259,7 +241,7 @@ def main_peer(args: argparse.Namespace, settings: list[tuple[int, int, int]],
     report = {"gpus": [torch.cuda.get_device_name(d) for d in (here, there)],
               "src": "cuda:0", "dst": "cuda:1", "push_runs_on": "cuda:0",
               "pull_runs_on": "cuda:1", "shape": SHAPE, "repeats": args.repeats,
-              "left_out": [setting_name(*s) for s in left], "runs": runs}
+              "runs": runs}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gpu_kv_copy_peer.json").write_text(json.dumps(report, indent=1))
@@ -274,20 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=parse_sizes, default=None,
                         help="elements a step (default 2048,4096,8192; --peer 2048,8192)")
     parser.add_argument("--warps", type=parse_sizes, default=[4, 8, 16])
-    parser.add_argument("--groups", type=parse_sizes, default=None,
-                        help="blocks a program (default 1; --peer 1,2,4,8)")
-    parser.add_argument("--max-thread-bytes", type=int, default=512,
-                        help="leave out settings whose program tile (group x block elements) "
-                        "is more bytes a thread than this: they would spill registers")
     parser.add_argument("--repeats", type=int, default=None, help="default 50; --peer 20")
     parser.add_argument("--out", default=None,
                         help="folder for gpu_kv_copy.json (--peer: gpu_kv_copy_peer.json)")
     args = parser.parse_args(argv)
-    repeats, blocks, groups = DEFAULTS[args.peer]
+    repeats, blocks = DEFAULTS[args.peer]
     args.repeats, args.blocks = args.repeats or repeats, args.blocks or blocks
-    settings, left = sweep(args.blocks, args.warps, args.groups or groups, args.max_thread_bytes)
+    settings = [(b, w) for b in args.blocks for w in args.warps]
     if args.peer:
-        return main_peer(args, settings, left)
+        return main_peer(args, settings)
     if not torch.cuda.is_available():
         print("gpu_kv_copy: needs a CUDA GPU", file=sys.stderr)
         return 2
