@@ -46,3 +46,25 @@ def test_copy_block_runs_equals_the_reference(peer):
     expected = torch.zeros_like(dst)
     expected[1:3, :, dst_ids] = src[1:3, :, src_ids].to(dst.device)
     assert torch.equal(dst, expected)
+
+
+def test_a_slab_takes_the_copy_engine_only_for_few_runs():
+    """cuda_ipc across GPUs: the first way that passed its probe, the copy engine only while a
+    slab has at most MAX_COPY_ENGINE_RUNS runs (else three passes)."""
+    from pdserve.transport.base import CUDA_IPC, Peer
+    from pdserve.transport.cuda_ipc import (
+        COPY_ENGINE,
+        KERNEL,
+        MAX_COPY_ENGINE_RUNS,
+        THREE_PASSES,
+        CudaIpcPlane,
+    )
+
+    way = CudaIpcPlane._way
+    engine_first = Peer(None, CUDA_IPC, None, {"ways": [COPY_ENGINE, THREE_PASSES]})
+    assert way(engine_first, [3, 4, 5], [10, 11, 12]) == (COPY_ENGINE, [(3, 10, 3)])
+    scattered = list(range(0, 2 * (MAX_COPY_ENGINE_RUNS + 1), 2))  # a run per block
+    assert way(engine_first, scattered, list(range(len(scattered))))[0] == THREE_PASSES
+    kernel_first = Peer(None, CUDA_IPC, None, {"ways": [KERNEL, COPY_ENGINE, THREE_PASSES]})
+    assert way(kernel_first, scattered, list(range(len(scattered)))) == (KERNEL, [])
+    assert way(Peer(None, CUDA_IPC, None, {"ways": [THREE_PASSES]}), [1], [2])[0] == THREE_PASSES
