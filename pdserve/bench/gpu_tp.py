@@ -14,9 +14,9 @@ on one random-weight model (gpu_model.py; the Llama-3.2-1B shape, or Llama-3.1-8
 NOTE: both sizes run in this process one after the other, each `LLM` shut down (its other ranks
 stopped) and its memory given back before the next one loads. Both decode from CUDA graphs
 (TP=2's each rank's, holding its NCCL all-reduces), TP=2 eagerly with `--tp-eager`;
-`cuda_graphs` says per run which it was. The model is built as gpu_model.RandomModel builds it, in --model-dir when given (reused as it
-is: give each --tp-shape its own folder). With fewer than 2 CUDA GPUs the part is skipped.
-`--small` ignores `--tp-shape`.
+`cuda_graphs` says per run which it was. The model is built as gpu_model.RandomModel builds
+it, in --model-dir when given (reused as it is: give each --tp-shape its own folder). With
+fewer than 2 CUDA GPUs the part is skipped. `--small` ignores `--tp-shape`.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def measure_tp(
     tp_eager: bool = False,
 ) -> dict[str, Any]:
     """TP=1 then TP=2 on one model (built in `model_dir` unless there), and their comparison.
-    Calls `checkpoint(report so far)` after each size's runs; TP=2 failing is reported as "error" beside
-    TP=1's figures. `tp_eager`: TP=2 without CUDA graphs."""
+    Calls `checkpoint(report so far)` after each size's runs; TP=2 failing is reported as
+    "error" beside TP=1's figures. `tp_eager`: TP=2 without CUDA graphs."""
     found = torch.cuda.device_count()
     if device.type == "cuda" and found < 2:
         log(f"tp: skipped: needs 2 GPUs, found {found}")
