@@ -104,8 +104,9 @@ class CudaIpcPlane:
             if mapped is not None:
                 return Peer(info, CUDA_IPC, mapped, {"ways": [KERNEL]})
         mapped = self._map(info, index)
-        ways = [KERNEL] if mapped.device == self.pool.device else _peer_ways(self.pool, mapped)
+        ways = [KERNEL]
         if mapped.device != self.pool.device:
+            ways = _peer_ways(self.pool, mapped)
             logger.info("KV pool %s on %s: written by %s", info.pool_id, mapped.device,
                         " else ".join(ways))
         return Peer(info, CUDA_IPC, mapped, {"ways": ways})
@@ -135,12 +136,7 @@ class CudaIpcPlane:
         (the mapping closed again, for `_map` to open it in its own GPU's context)."""
         try:
             mapped = self._map(info, self.pool.device.index)
-            expected = mapped[:, :, :1].clone()
-            probe = torch.empty_like(expected)
-            ids = torch.zeros(1, dtype=torch.long, device=self.pool.device)
-            copy_kv_blocks(mapped, probe, 0, mapped.shape[0], ids, ids)
-            torch.cuda.synchronize(self.pool.device)
-            if torch.equal(as_bytes(probe), as_bytes(expected)):
+            if _reads_alike(KERNEL, mapped, mapped[:, :, :1].clone()):
                 logger.info("KV pool %s mapped on %s: written by the kernel", info.pool_id,
                             self.pool.device)
                 return mapped
@@ -149,7 +145,7 @@ class CudaIpcPlane:
         except (PeerUnreachable, RuntimeError, ValueError) as exc:
             logger.warning("KV pool %s cannot be mapped on %s: %s", info.pool_id,
                            self.pool.device, exc)
-        mapped = None
+        mapped = None  # the last reference: the mapping closes before ipc_collect
         torch.cuda.ipc_collect()
         return None
 
@@ -243,23 +239,29 @@ def _peer_ways(local: torch.Tensor, mapped: torch.Tensor) -> list[str]:
     expected.to(there)  # device-to-device copies: torch enables the source GPU's access
     ways = []
     for way in (KERNEL, COPY_ENGINE):
-        probe = torch.empty_like(expected)
         try:
-            if way == KERNEL:
-                ids = torch.zeros(1, dtype=torch.long, device=here)
-                copy_kv_blocks(mapped, probe, 0, mapped.shape[0], ids, ids, peer=True)
-            else:
-                with torch.cuda.stream(torch.cuda.current_stream(there)):
-                    copy_block_runs(mapped, probe, 0, mapped.shape[0], [(0, 0, 1)])
-            torch.cuda.synchronize(here)
-            torch.cuda.synchronize(there)
-            if torch.equal(as_bytes(probe), as_bytes(expected)):
+            if _reads_alike(way, mapped, expected):
                 ways.append(way)
             else:
                 logger.warning("the %s's probe of %s read other bytes", way, there)
         except (RuntimeError, ValueError) as exc:  # Triton refusing the pointer, a CUDA error
             logger.warning("the %s cannot reach the pool on %s: %s", way, there, exc)
     return [*ways, THREE_PASSES]
+
+
+def _reads_alike(way: str, mapped: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether `way` (KERNEL or COPY_ENGINE), run on `expected`'s GPU, reads block 0 of every
+    layer of `mapped` as `expected` holds it. Raises what the way raises."""
+    probe = torch.empty_like(expected)
+    if way == KERNEL:
+        ids = torch.zeros(1, dtype=torch.long, device=expected.device)
+        copy_kv_blocks(mapped, probe, 0, mapped.shape[0], ids, ids, peer=True)
+    else:  # queued on the mapped pool's GPU, the source's
+        with torch.cuda.stream(torch.cuda.current_stream(mapped.device)):
+            copy_block_runs(mapped, probe, 0, mapped.shape[0], [(0, 0, 1)])
+    for device in {expected.device, mapped.device}:
+        torch.cuda.synchronize(device)
+    return torch.equal(as_bytes(probe), as_bytes(expected))
 
 
 def _visible_index(uuid: str) -> int | None:
