@@ -40,8 +40,17 @@ def test_pushes_over_grpc_and_nixl_with_the_writes_timed_apart(tmp_path: Path) -
     assert 0 < nixl["control_s"] < nixl["push"]["median_s"]
     for s in by_transport.values():  # the commit is sent before the reply comes
         assert 0 < s["commit_to_reply_s"] < s["push"]["median_s"]
+        assert s["decode_step_s"] > 0 and isinstance(s["handover_s"], float)
     # two pushes at once, each its own request: twice the bytes, one time for both
     assert {c["transport"] for c in report["concurrent"]} == {"grpc", "nixl"}
     for c in report["concurrent"]:
         assert c["concurrency"] == 2 and c["push"]["bytes"] == 2 * kv_bytes
         assert len(c["push"]["seconds"]) == 2 and c["push"]["gib_per_s"] > 0
+
+
+def test_handover_reads_the_first_decode_token_less_a_step():
+    # tokens 1..4 from the decode worker's steps, 0.5 s apart; the first 1.25 s after the commit
+    assert transfer.handover([(1, 10.25), (2, 10.75), (3, 11.25), (4, 11.75)], 9.0) == (0.75, 0.5)
+    # a message carrying two tokens at once: both arrived then
+    assert transfer.handover([(2, 10.0), (3, 10.5), (4, 11.0)], 9.0) == (0.5, 0.5)
+    assert transfer.handover([(1, 10.0), (2, 10.5)], 9.0) is None  # no gap between later tokens

@@ -28,8 +28,10 @@ NOTE: what is measured, one run, the two ends of every stream in separate proces
              reply; their bytes over that time, paired with the copy as above: what the data
              plane carries when the control plane's round trips overlap, as they do under load.
   parts      of each push: its data-plane writes (`write`; the rest of the push is `control_s`),
-             and from its commit sent to the decode worker's reply (`commit_to_reply_s`: the
-             commit's trip, the decode engine committing the request, the reply's trip)
+             from its commit sent to the decode worker's reply (`commit_to_reply_s`: the
+             commit's trip, the decode engine committing the request, the reply's trip), and
+             the handover: from the commit sent (every write done) to the request in the decode
+             batch, read from Generate's tokens against a decode step (`handover()`)
   serialize  the sender's own share: the same push's messages built to the bytes grpc sends, in
              this process, no wire. `wire` = push - serialize: what grpc on both sides and the
              receiver (parse, scatter into the cache) add.
@@ -46,6 +48,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -78,6 +81,7 @@ from prefill_svc.sender import PushKVSender
 from protos import decode_pb2, decode_pb2_grpc
 
 GIB, MIB = 1 << 30, 1 << 20
+HANDOVER_TOKENS = 6  # per push: the prefill's first token, then the decode steps' (handover())
 RAW_METHOD = "/pdserve.bench.Sink/Push"
 
 
@@ -263,7 +267,8 @@ class PushDriver:
         """Generate: the decode worker reserves the request's blocks and acknowledges."""
         t = self.transfer(sender, plan)
         prompt = [100 + (i * 7919 + self.count) % 20000 for i in range(t.num_tokens)]
-        params = sampling_params_to_pb(SamplingParams(temperature=0, max_tokens=2), 2)
+        params = sampling_params_to_pb(SamplingParams(temperature=0, ignore_eos=True),
+                                       HANDOVER_TOKENS)
         call = self.stub.Generate(decode_pb2.GenerateRequest(
             request_id=t.request_id, prompt_token_ids=prompt, params=params), timeout=300)
         ack = await call.read()
@@ -274,11 +279,21 @@ class PushDriver:
         return t, call
 
     @staticmethod
-    async def _close(call: Any, sent: int, sender: PushKVSender, plan: Plan,
-                     transport: str) -> None:
-        """Read Generate to its end (the blocks are freed); check what the push carried."""
-        while (msg := await call.read()) is not grpc.aio.EOF and not msg.finish_reason:
-            pass
+    async def _token_times(call: Any) -> list[tuple[int, float]]:
+        """Read Generate to its end (the blocks are freed): (tokens so far, arrival time) of
+        every message carrying tokens."""
+        times, count = [], 0
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            if msg.token_ids:
+                count += len(msg.token_ids)
+                times.append((count, time.perf_counter()))
+            if msg.finish_reason:
+                break
+        return times
+
+    @staticmethod
+    def _check(sent: int, sender: PushKVSender, plan: Plan, transport: str) -> None:
+        """What the push carried: every byte, over the transport asked for."""
         if sent != plan.kv_bytes:
             raise RuntimeError(f"the decode worker accepted {sent} of {plan.kv_bytes} bytes")
         if sender.stats.bytes_by_transport.get(transport, 0) != sender.stats.bytes:
@@ -286,15 +301,18 @@ class PushDriver:
                                f"{sorted(sender.stats.bytes_by_transport)}")
 
     async def push(self, sender: PushKVSender, plan: Plan, transport: str
-                   ) -> tuple[float, float]:
+                   ) -> tuple[float, float, tuple[float, float] | None]:
         """Generate (blocks reserved) -> timed send -> Generate read to its end (blocks freed).
-        Returns the seconds of the send alone, and of its commit sent to the reply."""
+        Returns the seconds of the send alone, of its commit sent to the reply, and the
+        handover (below; None when Generate's tokens do not tell it)."""
         t, call = await self._open(sender, plan)
+        tokens = asyncio.ensure_future(self._token_times(call))
         start = time.perf_counter()
         sent = await sender.send(self.address, t)
         replied = time.perf_counter()
-        await self._close(call, sent, sender, plan, transport)
-        return replied - start, replied - (t.commit_sent_at or replied)
+        self._check(sent, sender, plan, transport)
+        committed = t.commit_sent_at or replied
+        return replied - start, replied - committed, handover(await tokens, committed)
 
     async def push_many(self, sender: PushKVSender, plan: Plan, transport: str, n: int
                         ) -> float:
@@ -305,7 +323,8 @@ class PushDriver:
         sent = await asyncio.gather(*(sender.send(self.address, t) for t, _ in opened))
         seconds = time.perf_counter() - start
         for (_, call), nbytes in zip(opened, sent, strict=True):
-            await self._close(call, nbytes, sender, plan, transport)
+            await self._token_times(call)
+            self._check(nbytes, sender, plan, transport)
         return seconds
 
     def concurrent_case(self, plan: Plan, transport: str, slab_mib: int, n: int) -> Case:
@@ -327,10 +346,12 @@ class PushDriver:
 
         async def push() -> float:
             before = sender.stats.write_seconds
-            seconds, commit_to_reply = await self.push(sender, plan, transport)
+            seconds, commit_to_reply, handed = await self.push(sender, plan, transport)
             if transport != "grpc":
                 cases[0].write_seconds.append(sender.stats.write_seconds - before)
             cases[0].commit_to_reply.append(commit_to_reply)
+            if handed is not None:
+                cases[0].handover.append(handed)
             return seconds
 
         cases = [Case(f"push {name}", plan.kv_bytes, push)]
@@ -351,6 +372,25 @@ class PushDriver:
 
 
 # ---- (c) the device's own copy bandwidth (CUDA) -------------------------------------------------
+def handover(tokens: list[tuple[int, float]], committed: float) -> tuple[float, float] | None:
+    """(handover, step) seconds from the arrival times of Generate's tokens, all of them from
+    the decode worker's steps (Generate does not repeat the prefill's first token). From the
+    commit sent (every write synchronised) to the first of them is the handover (the commit's
+    trip, the engine taking the request into its batch), one decode step and the token's trip;
+    the median gap between the later tokens is a decode step (each token's trip the same), so
+    the handover is the first less the step. With the engine's overlap a token leaves while
+    the next step runs: on a GPU that step is in flight, on a CPU (a launch is the compute) it
+    has run, so there the first token arrives a step late and the handover reads a step high."""
+    at: dict[int, float] = {}
+    for count, t in tokens:
+        for i in range(len(at) + 1, count + 1):
+            at[i] = t
+    if len(at) < 3:
+        return None
+    step = statistics.median(at[i + 1] - at[i] for i in range(2, len(at)))
+    return at[1] - committed - step, step
+
+
 def copy_cases(plan: Plan, pool: torch.Tensor, blocks: list[int],
                peer: torch.device | None = None) -> list[Case]:
     """A contiguous device copy of the request's bytes, and the same as a block scatter; with

@@ -28,6 +28,7 @@ class Case:
     # `once`, the warm-up's first
     write_seconds: list[float] = field(default_factory=list)
     commit_to_reply: list[float] = field(default_factory=list)
+    handover: list[tuple[float, float]] = field(default_factory=list)  # (handover, step) s
 
 
 async def run_rounds(cases: list[Case], repeats: int) -> None:
@@ -70,6 +71,10 @@ def push_report(key: tuple[int, str, int], cases: list[Case], ceiling: Case, sam
         out["ratio_to_scatter"] = paired_ratio(push, copies[1])
     if push.commit_to_reply:  # the decode worker committing the request, and the reply's trip
         out["commit_to_reply_s"] = statistics.median(push.commit_to_reply[-len(push.seconds):])
+    if push.handover:  # the commit sent -> the request in the decode batch, against a step
+        handed = push.handover[-len(push.seconds):]
+        out["handover_s"] = statistics.median(h for h, _ in handed)
+        out["decode_step_s"] = statistics.median(s for _, s in handed)
     if push.write_seconds:  # the data plane's writes alone, and what the rest of a push took
         writes = push.write_seconds[-len(push.seconds):]
         write = Case(f"write {transport}", push.nbytes, push.once, writes)
@@ -124,7 +129,8 @@ def format_table(report: dict[str, Any]) -> str:
                      f"contiguous, {c['scatter']['gib_per_s']:.1f} GiB/s as a block scatter")
     lines.append(f"{'tokens':>7} {'transport':<9}{'MiB':>4}{'push GiB/s':>11}{'best':>7}"
                  f"{'push ms':>9}{'/raw':>6}{'/copy':>7}{'serial. GiB/s':>14}"
-                 f"{'write GiB/s':>12}{'/copy':>7}{'rest ms':>8}{'c->r ms':>8}")
+                 f"{'write GiB/s':>12}{'/copy':>7}{'rest ms':>8}{'c->r ms':>8}{'hand ms':>8}"
+                 f"{'step ms':>8}")
     for s in report["pdserve"]:
         p = s["push"]
         ser = f"{s['serialize']['gib_per_s']:>14.2f}" if "serialize" in s else f"{'-':>14}"
@@ -139,7 +145,9 @@ def format_table(report: dict[str, Any]) -> str:
             f"{s['num_tokens']:>7} {s['transport']:<9}{s['slab_bytes'] // MIB:>4}"
             f"{p['gib_per_s']:>11.2f}{p['best_gib_per_s']:>7.2f}{1e3 * p['median_s']:>9.2f}"
             f"{s['ratio_to_raw']:>6.2f}{copy}{ser}{write}"
-            f"{1e3 * s.get('commit_to_reply_s', float('nan')):>8.2f}")
+            f"{1e3 * s.get('commit_to_reply_s', float('nan')):>8.2f}"
+            f"{1e3 * s.get('handover_s', float('nan')):>8.2f}"
+            f"{1e3 * s.get('decode_step_s', float('nan')):>8.2f}")
     for s in report.get("concurrent", []):
         p = s["push"]
         copy = f", {s['ratio_to_copy']:.3f} of the copy" if "ratio_to_copy" in s else ""
