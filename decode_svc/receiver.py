@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 from decode_svc.convert import first_logprobs, layout_from_pb, slab_from_pb, written_range
 from decode_svc.pool import PoolExporter
+from engine import handover_trace
 from engine.async_engine import AsyncLLMEngine
 from engine.config import NO_KV_WAIT, KVWaitConfig
 from engine.kv_transfer import KVLayout, KVSlab, KVSlabWriter, layout_of
@@ -267,6 +268,7 @@ class KVReceiver:
             received, commit, first_slab_at = await self._write_all(
                 header, pending, push, chunks, transport)
             pending.committing = True  # from here the engine may hold the request
+            handover_trace.mark(request_id, "commit_in")
             await self.engine.commit_remote(request_id, commit.first_token_id,
                                             first_logprobs(commit))
         except BaseException as exc:

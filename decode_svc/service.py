@@ -13,6 +13,7 @@ import grpc
 
 from decode_svc.convert import chunk_from_wire, delta_to_pb, pool_info_to_pb
 from decode_svc.receiver import KVReceiver
+from engine import handover_trace
 from engine.async_engine import AsyncLLMEngine
 from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
 from pdserve.cluster.convert import load_to_pb, request_lora, sampling_params_from_pb
@@ -72,6 +73,8 @@ class DecodeServicer(LoRARpcs, decode_pb2_grpc.DecodeServicer):
                 msg = delta_to_pb(out)
                 if not hits_told and out.outputs[0].token_ids:
                     msg.num_cached_tokens, hits_told = out.num_cached_tokens, True
+                if msg.token_ids:
+                    handover_trace.mark(request_id, "yield")
                 yield msg
         if not finished:  # aborted here (Abort rpc, a cancellation in Redis)
             logger.info("[%s] aborted", request_id)

@@ -22,6 +22,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from engine import handover_trace
 from engine.config import NO_KV_WAIT, KVWaitConfig
 from engine.kv_handoff import KVCacheFullError, Reservation
 from engine.kv_progress import KVProgress, KVWatch
@@ -273,6 +274,8 @@ class AsyncLLMEngine:
                 self._run_commands(block=not self.engine.has_work())
                 outputs = []
                 if not self._stopping and self.engine.has_work():
+                    for request_id in handover_trace.traced():
+                        handover_trace.mark(request_id, "step")
                     outputs = (self.engine.step() if self._profiler is None
                                else self._profiler.step(self.engine.step))
                 self._grant_reservations()  # blocks freed by the commands or the step
@@ -281,6 +284,7 @@ class AsyncLLMEngine:
                 self._fail_all(exc)
                 return
             for out in outputs:
+                handover_trace.mark(out.request_id, "step_out")
                 self._deliver(out.request_id, out)
 
     def _reserve(
@@ -305,6 +309,7 @@ class AsyncLLMEngine:
         self, request_id: str, first_token_id: int, logprobs: tuple[float, dict] | None
     ) -> None:
         """`commit_remote`'s command: nobody waits for it, so its failure goes to the stream."""
+        handover_trace.mark(request_id, "commit_run")
         try:
             self.engine.commit_request(request_id, first_token_id, logprobs)
         except Exception as exc:  # noqa: BLE001 - handed to the request's reader

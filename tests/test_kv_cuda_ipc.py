@@ -44,6 +44,7 @@ from protos import (  # noqa: E402
 
 NUM_BLOCKS = 256
 MAX_TOKENS = 16
+PREFILL_CHUNK = 128  # the prefill worker's --max-num-batched-tokens, and the reference's
 GRACE_S = 0.5
 
 
@@ -106,7 +107,7 @@ class Worker:
 def _pair(model: str, dtype: str) -> tuple[Worker, Worker]:
     common = ("--device", "cuda", "--dtype", dtype, "--num-kv-blocks", str(NUM_BLOCKS),
               "--kv-transport", "cuda_ipc")
-    prefill = Worker("prefill", model, (*common, "--max-num-batched-tokens", "128"),
+    prefill = Worker("prefill", model, (*common, "--max-num-batched-tokens", str(PREFILL_CHUNK)),
                      free_port(), free_port())
     decode = Worker("decode", model, (*common, "--kv-write-grace-seconds", str(GRACE_S),
                                       "--kv-timeout", "10"), free_port(), free_port())
@@ -119,12 +120,15 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _reference(model: str, dtype: str, prompts: list[list[int]]) -> list[list[int]]:
-    """Colocated greedy tokens, one prompt at a time as the pair serves them here (in bf16 a
-    batch of three decodes through other GEMM tilings than a batch of one, and a random model's
-    near-ties then split)."""
+    """Colocated greedy tokens, one prompt at a time and in the prefill worker's chunks, as the
+    pair serves them here (in bf16 a batch of three decodes, or a 700-token prompt in one
+    chunk, goes through other GEMM tilings than a batch of one or 128-token chunks, and a
+    random model's near-ties then split: on an H200 a 700-token prompt in one chunk parted
+    from the pair's at its third token)."""
     from pdserve import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, device="cuda", num_kv_blocks=NUM_BLOCKS)
+    llm = LLM(model, dtype=dtype, device="cuda", num_kv_blocks=NUM_BLOCKS,
+              max_num_batched_tokens=PREFILL_CHUNK)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     tokens = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     del llm

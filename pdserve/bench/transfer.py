@@ -60,6 +60,7 @@ from typing import Any
 import grpc
 import torch
 
+from engine import handover_trace
 from engine.kv_transfer import KVLayout
 from engine.sampling_params import SamplingParams
 from pdserve.bench.report import bench_main, config_of, write_report
@@ -226,7 +227,7 @@ def decode_worker_argv(args: argparse.Namespace, plan: Plan, port: int) -> list[
         "--max-model-len", str(plan.num_tokens + 16),
         "--dtype", args.dtype, "--block-size", str(args.block_size), "--device", args.device,
         "--no-prefix-caching", "--max-num-seqs", str(max(4, args.concurrency)),
-        "--log-level", "warning",
+        "--log-level", "info" if handover_trace.TRACE else "warning",  # the trace's lines
         "--kv-transport", "auto" if set(args.transport) != {"nixl"} else "nixl",
     ]
 
@@ -312,7 +313,11 @@ class PushDriver:
         replied = time.perf_counter()
         self._check(sent, sender, plan, transport)
         committed = t.commit_sent_at or replied
-        return replied - start, replied - committed, handover(await tokens, committed)
+        times = await tokens
+        if handover_trace.TRACE:  # beside the decode worker's stamps, on the same clock
+            print(f"handover [{t.request_id}] commit_sent={committed:.6f} tokens="
+                  + " ".join(f"{n}@+{1e3 * (s - committed):.3f}" for n, s in times))
+        return replied - start, replied - committed, handover(times, committed)
 
     async def push_many(self, sender: PushKVSender, plan: Plan, transport: str, n: int
                         ) -> float:
