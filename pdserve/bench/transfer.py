@@ -32,6 +32,9 @@ NOTE: what is measured, one run, the two ends of every stream in separate proces
              commit's trip, the decode engine committing the request, the reply's trip), and
              the handover: from the commit sent (every write done) to the request in the decode
              batch, read from Generate's tokens against a decode step (`handover()`)
+  busy       with `--busy N`: N other requests decode in the worker all along (one-block
+             prompts pushed over grpc, `BUSY_TOKENS` tokens each, then another), so a commit
+             meets an engine in the middle of its steps, as under load
   serialize  the sender's own share: the same push's messages built to the bytes grpc sends, in
              this process, no wire. `wire` = push - serialize: what grpc on both sides and the
              receiver (parse, scatter into the cache) add.
@@ -83,6 +86,7 @@ from protos import decode_pb2, decode_pb2_grpc
 
 GIB, MIB = 1 << 30, 1 << 20
 HANDOVER_TOKENS = 6  # per push: the prefill's first token, then the decode steps' (handover())
+BUSY_TOKENS = 512  # each `--busy` request's tokens, then another takes its place
 RAW_METHOD = "/pdserve.bench.Sink/Push"
 
 
@@ -131,6 +135,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "decode worker reserves its own as its block manager hands them out")
     parser.add_argument("--concurrency", type=int, default=1, metavar="N",
                         help="also time N pushes at once (N > 1), each its own request")
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="N other requests decoding in the worker while the pushes are "
+                             "timed (a loaded decode worker: a commit waits for the step in "
+                             "flight, and the engine thread is never idle)")
     parser.add_argument("--raw-chunk-mib", type=int, default=4, help="raw stream message size")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds")
     parser.add_argument("--num-layers", type=int, default=30)
@@ -218,15 +226,16 @@ def raw_case(channel: grpc.aio.Channel, source: bytes, chunk: int) -> Case:
 
 # ---- (b) pdserve's path: PushKVSender -> a real decode worker -----------------------------------
 def decode_worker_argv(args: argparse.Namespace, plan: Plan, port: int) -> list[str]:
-    """`pdserve decode` with room for `--concurrency` requests of the plan's blocks (and a few
-    spare), accepting every data plane it can."""
+    """`pdserve decode` with room for `--concurrency` requests of the plan's blocks and the
+    `--busy` ones (and a few spare), accepting every data plane it can."""
     model = ["--model", args.model] if args.model else []
+    busy_blocks = args.busy * (-(-(args.block_size + BUSY_TOKENS) // args.block_size) + 1)
     return [
         sys.executable, "-m", "pdserve.cli", "decode", *model, "--port", str(port),
-        "--num-kv-blocks", str(max(1, args.concurrency) * plan.num_blocks + 8),
-        "--max-model-len", str(plan.num_tokens + 16),
+        "--num-kv-blocks", str(max(1, args.concurrency) * plan.num_blocks + busy_blocks + 8),
+        "--max-model-len", str(max(plan.num_tokens, args.block_size + BUSY_TOKENS) + 16),
         "--dtype", args.dtype, "--block-size", str(args.block_size), "--device", args.device,
-        "--no-prefix-caching", "--max-num-seqs", str(max(4, args.concurrency)),
+        "--no-prefix-caching", "--max-num-seqs", str(max(4, args.concurrency) + args.busy),
         "--log-level", "info" if handover_trace.TRACE else "warning",  # the trace's lines
         "--kv-transport", "auto" if set(args.transport) != {"nixl"} else "nixl",
     ]
@@ -264,12 +273,13 @@ class PushDriver:
         push = sender.new_push(f"bench-{self.count}", plan.num_tokens)
         return push.computed(self.blocks[: plan.num_blocks], 100)
 
-    async def _open(self, sender: PushKVSender, plan: Plan) -> tuple[KVPush, Any]:
+    async def _open(self, sender: PushKVSender, plan: Plan, max_tokens: int = HANDOVER_TOKENS
+                    ) -> tuple[KVPush, Any]:
         """Generate: the decode worker reserves the request's blocks and acknowledges."""
         t = self.transfer(sender, plan)
         prompt = [100 + (i * 7919 + self.count) % 20000 for i in range(t.num_tokens)]
         params = sampling_params_to_pb(SamplingParams(temperature=0, ignore_eos=True),
-                                       HANDOVER_TOKENS)
+                                       max_tokens)
         call = self.stub.Generate(decode_pb2.GenerateRequest(
             request_id=t.request_id, prompt_token_ids=prompt, params=params), timeout=300)
         ack = await call.read()
@@ -331,6 +341,31 @@ class PushDriver:
             await self._token_times(call)
             self._check(nbytes, sender, plan, transport)
         return seconds
+
+    async def keep_busy(self, n: int, stop: asyncio.Event, decoding: asyncio.Event) -> None:
+        """Keep `n` one-block requests decoding (`BUSY_TOKENS` each, then another) until `stop`;
+        `decoding` is set once all `n` have their first decode token."""
+        sender = PushKVSender(self.caches)  # over grpc: their KV is one block
+        self.senders.append(sender)
+        small = Plan(self.plan.layout, 1)
+        started: set[int] = set()
+
+        async def one(i: int) -> None:
+            while not stop.is_set():
+                t, call = await self._open(sender, small, BUSY_TOKENS)
+                await sender.send(self.address, t)
+                try:
+                    while (msg := await call.read()) is not grpc.aio.EOF:
+                        if msg.token_ids and i not in started:
+                            started.add(i)
+                            if len(started) == n:
+                                decoding.set()
+                        if msg.finish_reason or stop.is_set():
+                            break
+                finally:
+                    call.cancel()  # the worker aborts a request whose stream is gone
+
+        await asyncio.gather(*(one(i) for i in range(n)))
 
     def concurrent_case(self, plan: Plan, transport: str, slab_mib: int, n: int) -> Case:
         """`n` pushes at once over `transport` (a sender of their own), as one case."""
@@ -495,11 +530,22 @@ async def measure(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]
             many = ({key: driver.concurrent_case(plan, key[1], key[2], args.concurrency)
                      for plan in plans for key in pushes if key[0] == plan.num_tokens}
                     if args.concurrency > 1 else {})
+            stop, decoding = asyncio.Event(), asyncio.Event()
+            busy = (asyncio.ensure_future(driver.keep_busy(args.busy, stop, decoding))
+                    if args.busy else None)
             try:
+                if busy is not None:
+                    await asyncio.wait([busy, asyncio.ensure_future(decoding.wait())],
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    if busy.done():
+                        busy.result()  # raises what went wrong
                 await run_rounds([*raws.values(), *(c for cs in pushes.values() for c in cs),
                                   *many.values(), *(c for cs in copies.values() for c in cs)],
                                  args.repeats)
             finally:
+                stop.set()
+                if busy is not None:
+                    await busy
                 await driver.close()
     ceiling = raws[args.raw_chunk_mib]
     return {"raw": {"chunk_bytes": args.raw_chunk_mib * MIB, **summarize(ceiling)},
@@ -519,6 +565,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.busy < 0:
+        raise ValueError(f"--busy must be >= 0, got {args.busy}")
     if args.decode_gpu is not None and (args.device != "cuda" or args.decode_gpu < 1):
         raise ValueError("--decode-gpu needs --device cuda and a GPU other than 0 (the "
                          f"sending pool's), got {args.decode_gpu} with --device {args.device}")
