@@ -8,7 +8,8 @@ host), so a log line lines up with the prefill worker's or a benchmark's stamps.
     handover [request] commit_in=T0 commit_run=+ms step=+ms ... yield=+ms ...
 
 `commit_in` the PushKV commit read by the receiver, `commit_run` the engine thread committing it,
-`step` each engine step begun while the request waits for its tokens (`step_out` when one
+`step` each engine step begun while the request waits for its tokens (inside it `scheduled`,
+`launched`, `landed`: the previous step's tokens waited for, `sampling`; `step_out` when one
 returned outputs for it), `yield` each Generate message with its tokens handed to gRPC.
 """
 
@@ -41,6 +42,41 @@ def mark(request_id: str, phase: str) -> None:
         t0 = stamps[0][1]
         logger.info("handover [%s] %s=%.6f %s", request_id, stamps[0][0], t0, " ".join(
             f"{p}=+{1e3 * (t - t0):.3f}" for p, t in stamps[1:]))
+
+
+def mark_all(phase: str) -> None:
+    """Stamp `phase` for every request being stamped (the engine's step, phase by phase)."""
+    if TRACE:
+        for request_id in list(_marks):
+            mark(request_id, phase)
+
+
+def parse(line: str) -> tuple[str, list[tuple[str, float]]] | None:
+    """A logged line's request id and its stamps [(phase, perf_counter seconds)], or None."""
+    head, sep, rest = line.partition("handover [")
+    if not sep:
+        return None
+    request_id, _, rest = rest.partition("] ")
+    stamps, t0 = [], 0.0
+    for item in rest.split():
+        phase, _, value = item.partition("=")
+        if value.startswith("+"):
+            stamps.append((phase, t0 + float(value[1:]) / 1e3))
+        else:
+            t0 = float(value)
+            stamps.append((phase, t0))
+    return request_id, stamps
+
+
+def in_batch_at(stamps: list[tuple[str, float]]) -> float | None:
+    """When the committed request was first scheduled into a step: the first `scheduled`
+    after `commit_run`."""
+    committed = False
+    for phase, t in stamps:
+        committed = committed or phase == "commit_run"
+        if committed and phase == "scheduled":
+            return t
+    return None
 
 
 def traced() -> list[str]:

@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Iterable
 
+from engine import handover_trace
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -295,6 +296,7 @@ class LLMEngine(KVHandoffMixin):
         if self.planner is not None:
             self.planner.propose(self.scheduler.running, len(self.scheduler.waiting))
         out = self.scheduler.schedule()
+        handover_trace.mark_all("scheduled")
         if self.runner.drafter is not None:  # the step placed: the draft model guesses
             self.runner.drafter.fill(out, self.config.cache.block_size)
         notes = self._kv_notes(out) if self._kv_watches else None
@@ -304,9 +306,12 @@ class LLMEngine(KVHandoffMixin):
             notes.begin()
             launched = self.runner.launch(out, notes.on_layer)
             notes.end()
+        handover_trace.mark_all("launched")
         landed = self._land(*self._take_inflight()) if self._inflight is not None else None
+        handover_trace.mark_all("landed")
         if launched is not None:
             launched.start_sampling()  # constrained rows: their matchers have just advanced
+            handover_trace.mark_all("sampling")
         outputs = self._outputs(landed) if landed is not None else []
         if launched is not None:
             if overlap:

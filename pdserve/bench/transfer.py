@@ -233,7 +233,8 @@ def decode_worker_argv(args: argparse.Namespace, plan: Plan, port: int) -> list[
     return [
         sys.executable, "-m", "pdserve.cli", "decode", *model, "--port", str(port),
         "--num-kv-blocks", str(max(1, args.concurrency) * plan.num_blocks + busy_blocks + 8),
-        "--max-model-len", str(max(plan.num_tokens, args.block_size + BUSY_TOKENS) + 16),
+        "--max-model-len", str(max(plan.num_tokens, args.block_size + BUSY_TOKENS * bool(args.busy))
+                               + 16),
         "--dtype", args.dtype, "--block-size", str(args.block_size), "--device", args.device,
         "--no-prefix-caching", "--max-num-seqs", str(max(4, args.concurrency) + args.busy),
         "--log-level", "info" if handover_trace.TRACE else "warning",  # the trace's lines
@@ -266,6 +267,7 @@ class PushDriver:
         self.senders: list[PushKVSender] = []
         self.count = 0
         self.use_grants = True  # data-plane pushes use the Generate's grant, as in serving
+        self.last_commit: tuple[str, float] = ("", 0.0)  # the last push's request, commit sent
 
     def transfer(self, sender: PushKVSender, plan: Plan) -> KVPush:
         """A push of KV computed already: every slab final, the first token known."""
@@ -323,6 +325,7 @@ class PushDriver:
         replied = time.perf_counter()
         self._check(sent, sender, plan, transport)
         committed = t.commit_sent_at or replied
+        self.last_commit = (t.request_id, committed)
         times = await tokens
         if handover_trace.TRACE:  # beside the decode worker's stamps, on the same clock
             print(f"handover [{t.request_id}] commit_sent={committed:.6f} tokens="
@@ -390,6 +393,7 @@ class PushDriver:
             if transport != "grpc":
                 cases[0].write_seconds.append(sender.stats.write_seconds - before)
             cases[0].commit_to_reply.append(commit_to_reply)
+            cases[0].commits.append(self.last_commit)
             if handed is not None:
                 cases[0].handover.append(handed)
             return seconds
@@ -429,6 +433,22 @@ def handover(tokens: list[tuple[int, float]], committed: float) -> tuple[float, 
         return None
     step = statistics.median(at[i + 1] - at[i] for i in range(2, len(at)))
     return at[1] - committed - step, step
+
+
+def to_batch(log: Path, cases: list[Case], repeats: int) -> None:
+    """Fill each push case's `to_batch` from the decode worker's handover stamps (its log, on
+    the same clock as the commits): the commit sent -> the request's first step scheduled, for
+    the timed rounds' pushes."""
+    stamps = {}
+    for line in log.read_text().splitlines():
+        parsed = handover_trace.parse(line)
+        if parsed is not None:
+            stamps[parsed[0]] = parsed[1]
+    for case in cases:
+        for request_id, committed in case.commits[-repeats:]:
+            at = handover_trace.in_batch_at(stamps.get(request_id, []))
+            if at is not None:
+                case.to_batch.append(at - committed)
 
 
 def copy_cases(plan: Plan, pool: torch.Tensor, blocks: list[int],
@@ -547,6 +567,8 @@ async def measure(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]
                 if busy is not None:
                     await busy
                 await driver.close()
+    if handover_trace.TRACE:
+        to_batch(logs / "decode-worker.log", [cs[0] for cs in pushes.values()], args.repeats)
     ceiling = raws[args.raw_chunk_mib]
     return {"raw": {"chunk_bytes": args.raw_chunk_mib * MIB, **summarize(ceiling)},
             "raw_by_size": [{"chunk_bytes": mib * MIB, **summarize(c)} for mib, c in raws.items()],

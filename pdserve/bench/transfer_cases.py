@@ -29,6 +29,10 @@ class Case:
     write_seconds: list[float] = field(default_factory=list)
     commit_to_reply: list[float] = field(default_factory=list)
     handover: list[tuple[float, float]] = field(default_factory=list)  # (handover, step) s
+    # with PDSERVE_HANDOVER_TRACE=1: each push's (request id, commit sent), and from the decode
+    # worker's stamps the seconds from the commit sent to the request's first step
+    commits: list[tuple[str, float]] = field(default_factory=list)
+    to_batch: list[float] = field(default_factory=list)
 
 
 async def run_rounds(cases: list[Case], repeats: int) -> None:
@@ -75,6 +79,8 @@ def push_report(key: tuple[int, str, int], cases: list[Case], ceiling: Case, sam
         handed = push.handover[-len(push.seconds):]
         out["handover_s"] = statistics.median(h for h, _ in handed)
         out["decode_step_s"] = statistics.median(s for _, s in handed)
+    if push.to_batch:  # traced: the commit sent -> the request scheduled into a decode step
+        out["to_batch_s"] = statistics.median(push.to_batch)
     if push.write_seconds:  # the data plane's writes alone, and what the rest of a push took
         writes = push.write_seconds[-len(push.seconds):]
         write = Case(f"write {transport}", push.nbytes, push.once, writes)
@@ -130,7 +136,7 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(f"{'tokens':>7} {'transport':<9}{'MiB':>4}{'push GiB/s':>11}{'best':>7}"
                  f"{'push ms':>9}{'/raw':>6}{'/copy':>7}{'serial. GiB/s':>14}"
                  f"{'write GiB/s':>12}{'/copy':>7}{'rest ms':>8}{'c->r ms':>8}{'hand ms':>8}"
-                 f"{'step ms':>8}")
+                 f"{'step ms':>8}{'batch ms':>9}")
     for s in report["pdserve"]:
         p = s["push"]
         ser = f"{s['serialize']['gib_per_s']:>14.2f}" if "serialize" in s else f"{'-':>14}"
@@ -147,7 +153,8 @@ def format_table(report: dict[str, Any]) -> str:
             f"{s['ratio_to_raw']:>6.2f}{copy}{ser}{write}"
             f"{1e3 * s.get('commit_to_reply_s', float('nan')):>8.2f}"
             f"{1e3 * s.get('handover_s', float('nan')):>8.2f}"
-            f"{1e3 * s.get('decode_step_s', float('nan')):>8.2f}")
+            f"{1e3 * s.get('decode_step_s', float('nan')):>8.2f}"
+            f"{1e3 * s.get('to_batch_s', float('nan')):>9.2f}")
     for s in report.get("concurrent", []):
         p = s["push"]
         copy = f", {s['ratio_to_copy']:.3f} of the copy" if "ratio_to_copy" in s else ""
