@@ -7,27 +7,25 @@ its CUDA IPC handle and copies its blocks straight into the reserved ones, GPU t
     per slab: wait for the layers' event, copy_kv_blocks(my pool -> its pool) on a stream of
               its own, synchronize: the bytes are in the peer's memory before KVWritten goes
 
-Across two GPUs of the host a slab goes the first way of these that a probe at `open_peer`
-showed to work (each reads block 0 of every layer of the mapped pool and must get what torch's
-copy gets: reading moves nothing into the peer's blocks; a mismatch, the peer writing block 0
-meanwhile, only costs a slower way):
+Across two GPUs of the host the peer's pool is first opened in this GPU's context (CUDA's
+`cudaIpcOpenMemHandle` maps memory of another device into the current device's context, peer
+access enabled), where this GPU's block-copy kernel addresses it: then every slab is one pass
+of the kernel, storing into the peer's blocks over NVLink (or PCIe), if its probe passes (the
+kernel reads block 0 of every layer of the mapped pool and must get what torch's copy gets:
+reading moves nothing into the peer's blocks; a mismatch, the peer writing block 0 meanwhile,
+only costs a slower way). On two H200s (NV18, 2026-11-29) it passed, and the kernel wrote 16k
+tokens of the 1B shape at 0.88x a peer copy_ on the GPU (pdserve.bench.transfer --decode-gpu 1).
+PDSERVE_CUDA_IPC_MAP_HERE=0 skips it. Otherwise (or if its probe fails) the handle is opened in
+the context of the pool's own GPU (torch's way), where this GPU's Triton kernel cannot address
+it ("Pointer argument cannot be accessed", seen on the same H200s), and a slab goes the first
+way of these whose probe passes:
 
-    kernel       this GPU's block-copy kernel stores into the peer's blocks over NVLink (or
-                 PCIe), one pass. Seen failing its probe for a pool mapped by CUDA IPC on two
-                 H200s (2026-11-28), though the same kernel writes a peer GPU's own allocation
-                 at 0.95-1.05x a peer copy_ (pdserve.bench.gpu_kv_copy --peer)
+    kernel       as above (for a driver that lets it)
     copy engine  one cudaMemcpy2DAsync per run of blocks consecutive on both sides
                  (pdserve/transport/block_runs.py): a peer copy's speed when the runs are few
                  (a fresh pool's), a call a block when fragmented: used for at most
                  MAX_COPY_ENGINE_RUNS runs a slab
     three passes gathered here, copied to the peer GPU, scattered there (any slab)
-
-Those ways start from the handle opened in the context of the pool's own GPU (torch's way),
-where this GPU's kernel cannot address it (Triton: "Pointer argument cannot be accessed"). The
-CUDA documentation has `cudaIpcOpenMemHandle`, on a device other than the memory's, map it into
-the current device's context with peer access enabled: with PDSERVE_CUDA_IPC_MAP_HERE=1 the
-handle is opened in this GPU's context first, and the kernel writes any slab in one pass if its
-probe passes (experimental until a two-GPU run shows it).
 
 A handle is opened once per peer pool (the driver allows one mapping per process); a restarted
 decode worker has a new pool_id, and KVTarget refuses the old one before anything is written.
@@ -61,9 +59,8 @@ TRACE = os.environ.get("PDSERVE_KV_WRITE_TRACE") == "1"
 # 0.17x a peer copy_, one call 1.08x).
 MAX_COPY_ENGINE_RUNS = 8
 KERNEL, COPY_ENGINE, THREE_PASSES = "kernel", "copy engine", "three passes"
-# PDSERVE_CUDA_IPC_MAP_HERE=1 (experimental, not yet run on two GPUs): open another GPU's pool
-# in this GPU's context (the module's NOTE)
-MAP_HERE = os.environ.get("PDSERVE_CUDA_IPC_MAP_HERE") == "1"
+# open another GPU's pool in this GPU's context first (the module's NOTE); =0: torch's way only
+MAP_HERE = os.environ.get("PDSERVE_CUDA_IPC_MAP_HERE", "1") != "0"
 
 
 class CudaIpcPlane:
