@@ -303,12 +303,21 @@ def wait_healthy(service: Service, deadline: float, tls: TLSConfig = PLAINTEXT) 
 
 
 def stop_all(services: list[Service], grace_s: float = 15.0) -> None:
-    """SIGTERM in reverse start order (gateway first, Redis last), then SIGKILL stragglers."""
-    for s in reversed(services):
-        if s.proc is not None and s.proc.poll() is None:
-            s.proc.send_signal(signal.SIGTERM)
+    """Stop in three tiers, each SIGTERMed at once and waited for (SIGKILL after `grace_s`):
+    the gateways (no new requests), then the workers and the tokenizer together (each drains
+    what it holds; none needs another to), then Redis (the workers deregister there)."""
+    tiers: list[list[Service]] = [[], [], []]
+    for s in services:
+        tiers[0 if s.name.startswith("gateway") else 2 if s.name == "redis" else 1].append(s)
+    for tier in tiers:
+        running = [s for s in tier if s.proc is not None and s.proc.poll() is None]
+        for s in running:
+            s.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        deadline = time.monotonic() + grace_s
+        for s in running:
+            assert s.proc is not None
             try:
-                s.proc.wait(timeout=grace_s)
+                s.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 s.proc.kill()
                 s.proc.wait()
