@@ -57,6 +57,7 @@ class Worker:
     metrics_port: int
     proc: Proc | None = None
     channel: grpc.Channel | None = None
+    env: dict[str, str] | None = None  # over the test's environment (CUDA_VISIBLE_DEVICES)
 
     @property
     def address(self) -> str:
@@ -64,7 +65,7 @@ class Worker:
 
     def start(self) -> Worker:
         self.proc = spawn_worker(self.role, self.model, self.port, *self.flags,
-                                 "--metrics-port", str(self.metrics_port))
+                                 "--metrics-port", str(self.metrics_port), env=self.env)
         return self
 
     def ready(self) -> Worker:
@@ -104,13 +105,22 @@ class Worker:
             time.sleep(0.05)
 
 
-def _pair(model: str, dtype: str) -> tuple[Worker, Worker]:
+def _pair(model: str, dtype: str, gpus: tuple[str, str] | None = None
+          ) -> tuple[Worker, Worker]:
+    """A prefill and a decode worker over cuda_ipc; `gpus`: (prefill's, decode's) GPU, each
+    worker seeing its own first and the other's after it, as `pdserve up --prefill-gpus
+    --decode-gpus` starts them (None: both on the test's first GPU)."""
     common = ("--device", "cuda", "--dtype", dtype, "--num-kv-blocks", str(NUM_BLOCKS),
               "--kv-transport", "cuda_ipc")
+    envs: list[dict[str, str] | None] = [None, None]
+    if gpus is not None:
+        envs = [{"CUDA_VISIBLE_DEVICES": f"{gpus[0]},{gpus[1]}"},
+                {"CUDA_VISIBLE_DEVICES": f"{gpus[1]},{gpus[0]}"}]
     prefill = Worker("prefill", model, (*common, "--max-num-batched-tokens", str(PREFILL_CHUNK)),
-                     free_port(), free_port())
+                     free_port(), free_port(), env=envs[0])
     decode = Worker("decode", model, (*common, "--kv-write-grace-seconds", str(GRACE_S),
-                                      "--kv-timeout", "10"), free_port(), free_port())
+                                      "--kv-timeout", "10"), free_port(), free_port(),
+                    env=envs[1])
     return prefill.start(), decode.start()
 
 
@@ -243,6 +253,25 @@ def test_a_restarted_decode_worker_refuses_the_stale_handle_then_maps_anew(pair)
     assert prefill.counter("kv_transfer_granted_pushes") == granted + 1  # no KVTarget rpc
     prefill.wait_idle()
     decode.wait_idle()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_across_two_gpus_the_kernel_writes_the_peer_pool_and_tokens_equal_colocated(
+        model_dir: str) -> None:
+    """Prefill on GPU 0, decode on GPU 1: the decode worker's pool, opened in GPU 0's context,
+    is written by the block-copy kernel in one pass (its probe passed: the prefill worker says
+    so), and the tokens equal colocated."""
+    prompts = _prompts(49152)
+    ref = _reference(model_dir, "float32", prompts)
+    prefill, decode = _pair(model_dir, "float32", gpus=("0", "1"))
+    try:
+        prefill.ready(), decode.ready()
+        _check_equal_over_ipc(prefill, decode, prompts, ref, _block_bytes(model_dir, "float32"),
+                              "2gpu")
+        assert prefill.proc is not None
+        assert "written by the kernel" in prefill.proc.tail(10_000), prefill.proc.tail(60)
+    finally:
+        stop_all([w.proc for w in (prefill, decode) if w.proc is not None])
 
 
 def _start_push(prefill: Worker, decode: Worker, rid: str, prompt: list[int]):

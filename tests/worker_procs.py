@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -82,18 +83,20 @@ def stop_all(procs: list[Proc], timeout_s: float = 20.0) -> None:
             popen.wait()
 
 
-def spawn(name: str, args: list[str]) -> Proc:
+def spawn(name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
     popen = subprocess.Popen(
         [sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, bufsize=1,
+        text=True, bufsize=1, env=None if env is None else {**os.environ, **env},
     )
     return Proc(popen, name)
 
 
-def spawn_worker(role: str, model: str, port: int, *flags: str) -> Proc:
-    """`pdserve ROLE --model MODEL --port PORT FLAGS` (not yet ready: see `wait_serving`)."""
+def spawn_worker(role: str, model: str, port: int, *flags: str,
+                 env: dict[str, str] | None = None) -> Proc:
+    """`pdserve ROLE --model MODEL --port PORT FLAGS` (not yet ready: see `wait_serving`), with
+    `env` over this process's environment."""
     return spawn(f"{role}:{port}", ["-m", "pdserve.cli", role, "--model", model,
-                                    "--port", str(port), *flags])
+                                    "--port", str(port), *flags], env)
 
 
 def wait_serving(proc: Proc, address: str, timeout_s: float = 120.0) -> None:
