@@ -14,7 +14,9 @@
 #      .gpu-nixl is carried (built here by pdserve/bench/gpu_nixl_kit.sh): VRAM to VRAM
 #   3. the block-copy kernel's settings against copy_ and index_copy_ (pdserve.bench.gpu_kv_copy)
 # Reports and logs go to $OUT. TESTS=0 skips step 1; GPU_TESTS names other test files;
-# TRANSPORTS overrides step 2's list; COPY=0 skips step 3.
+# TRANSPORTS overrides step 2's list; COPY=0 skips step 3. Arguments go to step 2 (e.g.
+# `--busy 4` for a loaded decode worker; with PDSERVE_HANDOVER_TRACE=1 in the environment the
+# handover is also read from the decode worker's stamps, docs/benchmarks.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench_results/gpu_kv}
