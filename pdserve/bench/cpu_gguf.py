@@ -4,10 +4,13 @@
 
 NOTE: each (variant, round) runs in a fresh subprocess, the variants interleaved round by round,
 so that resident memory is that of one engine and a noisy neighbour hurts both alike. A
-subprocess builds `LLM(model, kv_cache_memory=256 MiB, max_model_len=1024)` and measures:
+subprocess builds `LLM(model, kv_cache_memory=--kv-cache-mib, max_model_len=--max-model-len)`
+(256 MiB and 1024 by default) and measures:
 
   load_s         seconds to build the engine (config, tokenizer, weights, KV cache)
   rss_mib        resident memory right after the engine is built (imports, weights, KV cache)
+  rss_stages     resident memory after `import torch`, after pdserve's imports, after the engine
+                 (pdserve variants: where rss_mib goes)
   weights_mib    bytes the model's modules hold (quantized kernels' packed data, or fp params)
   ms_per_token   single stream, greedy: (time of 1 + N tokens - time of 1 token) / N
   batch_tok_s    `--batch` requests of `--prompt-len` random ids, `--batch-tokens` each, at once:
@@ -53,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--batch-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--kv-cache-mib", type=int, default=256, help="the engine's KV cache")
+    parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--output-json", default="bench_results/cpu_gguf.json")
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)  # a subprocess's variant
 
@@ -113,7 +118,8 @@ def _against_peer(rounds: dict[str, list[dict[str, Any]]],
 
 def _subprocess(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     argv = [sys.executable, "-m", "pdserve.bench.cpu_gguf", "--one", variant]
-    for flag in ("model", "threads", "single_tokens", "batch", "batch_tokens", "prompt_len"):
+    for flag in ("model", "threads", "single_tokens", "batch", "batch_tokens", "prompt_len",
+                 "kv_cache_mib", "max_model_len"):
         value = getattr(args, flag)
         if value is not None:
             argv += [f"--{flag.replace('_', '-')}", str(value)]
@@ -176,17 +182,19 @@ def measure(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     """One engine of `variant`: its memory after load, single-stream and batched speed."""
     if variant == PEER:
         return measure_llamacpp(args)
+    stages = {"start": _rss_mib()}
     import torch
 
+    stages["torch"] = _rss_mib()
     from pdserve import LLM, SamplingParams
 
+    stages["pdserve"] = _rss_mib()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    llm = LLM(
-        args.model, kv_cache_memory=256 << 20, max_model_len=1024, device="cpu", **VARIANTS[variant]
-    )
+    llm = LLM(args.model, kv_cache_memory=args.kv_cache_mib << 20,
+              max_model_len=args.max_model_len, device="cpu", **VARIANTS[variant])
     load_s = time.perf_counter() - start
-    rss = _rss_mib()
+    rss = stages["engine"] = _rss_mib()
     weights = _weights_bytes(llm.llm_engine.runner.model) / 2**20
 
     def generate(prompts: list[list[int]], tokens: int) -> list[list[int]]:
@@ -196,7 +204,7 @@ def measure(args: argparse.Namespace, variant: str) -> dict[str, Any]:
 
     single, batched, first = _single_and_batched(generate, args, llm.get_tokenizer().vocab_size)
     return {"load_s": load_s, "rss_mib": rss, "weights_mib": weights, "ms_per_token": single,
-            "batch_tok_s": batched, "first_tokens": first}
+            "batch_tok_s": batched, "first_tokens": first, "rss_stages": stages}
 
 
 def _rss_mib() -> float:
