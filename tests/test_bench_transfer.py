@@ -54,3 +54,15 @@ def test_handover_reads_the_first_decode_token_less_a_step():
     # a message carrying two tokens at once: both arrived then
     assert transfer.handover([(2, 10.0), (3, 10.5), (4, 11.0)], 9.0) == (0.5, 0.5)
     assert transfer.handover([(1, 10.0), (2, 10.5)], 9.0) is None  # no gap between later tokens
+
+
+def test_to_batch_reads_the_decode_workers_stamps(tmp_path):
+    from pdserve.bench.transfer_cases import Case
+
+    log = tmp_path / "decode-worker.log"
+    log.write_text("2026-11-29 INFO engine.handover_trace: handover [bench-2] commit_in=10.000500 "
+                   "commit_run=+0.300 step=+0.310 scheduled=+0.400 yield=+1.5 yield=+2.5\n"
+                   "an unrelated line\n")
+    case = Case("push", 1, None, commits=[("bench-1", 5.0), ("bench-2", 10.0)])  # type: ignore[arg-type]
+    transfer.to_batch(log, [case], repeats=1)  # the timed rounds' pushes: the last one
+    assert case.to_batch == [pytest.approx(0.0009)]  # 10.0005 + 0.0004 - 10.0
