@@ -1,13 +1,17 @@
 """Speculative decoding (n-gram prompt lookup) against plain decoding, in one run.
 
     python -m pdserve.bench.spec_decode [--model PATH] [--device cpu] [--k 3] [--batches 1,8]
-                                        [--tokens 256] [--rounds 2] [--json PATH]
+                                        [--tokens 256] [--rounds 2] [--lengths plain|natural]
+                                        [--json PATH]
 
 Two workloads, chat-templated, greedy: "copy" (rewrite a given code snippet or text with a
 small change: the answer copies most of the prompt) and "free" (open questions: little to copy).
 Each (workload, batch size) runs the same requests on a plain engine and on an ngram engine per
 `--k`, alternating for `--rounds` rounds (every prompt of the workload, in batches of that
-size one after the other: batch 1 is a single stream over the four prompts); tok/s is output
+size one after the other: batch 1 is a single stream over the four prompts). By default every
+request makes as many tokens as the plain engine's untimed answer to it (`--lengths plain`):
+both engines do the same work, which natural stops do not guarantee (a near-tie can end an
+answer early in one of them, and a batch lasts as long as its longest answer). tok/s is output
 tokens over wall time (prefill included; also per CPU-second of this process, steadier where
 other work shares the cores), and the acceptance length is tokens emitted per verification
 with drafts (1 + the accepted drafts), from the engine's counters. The outputs of both must be
@@ -135,6 +139,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="speculative_config's disable_by_batch_size (default: none)")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--tokens", type=int, default=256, help="max output tokens per request")
+    p.add_argument("--lengths", default="plain", choices=["plain", "natural"],
+                   help="plain: every request makes as many tokens as the plain engine's "
+                        "answer to it (greedy, up to --tokens), with and without speculation: "
+                        "the same work; natural: each engine stops where its own answer ends "
+                        "(in bf16 near-ties end answers at other lengths, and a batch runs as "
+                        "long as its longest request, so tok/s then compares other work)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None, help="write the rows here")
 
@@ -148,12 +158,13 @@ def conversations(workload: str, batch: int) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": t}] for t in texts]
 
 
-def run_once(llm: LLM, convs: list, params: SamplingParams, batch: int
+def run_once(llm: LLM, convs: list, params: list[SamplingParams], batch: int
              ) -> tuple[list, float, float]:
-    """`convs` in batches of `batch` at once, one batch after the other."""
+    """`convs` in batches of `batch` at once, one batch after the other (`params`: each
+    conversation's)."""
     start, cpu = time.perf_counter(), time.process_time()
     outs = [o for i in range(0, len(convs), batch)
-            for o in llm.chat(convs[i:i + batch], params, use_tqdm=False)]
+            for o in llm.chat(convs[i:i + batch], params[i:i + batch], use_tqdm=False)]
     took = time.perf_counter() - start, time.process_time() - cpu
     return [o.outputs[0].token_ids for o in outs], *took
 
@@ -161,10 +172,14 @@ def run_once(llm: LLM, convs: list, params: SamplingParams, batch: int
 def measure(
     engines: dict[str, LLM], workload: str, batch: int, args: argparse.Namespace
 ) -> list[Row]:
-    params = SamplingParams(temperature=0, max_tokens=args.tokens)
     convs = conversations(workload, batch)
     for llm in engines.values():  # warm-up: first-call costs out of the timings
         llm.chat(convs[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=args.tokens)] * len(convs)
+    if args.lengths == "plain":  # the plain engine's answer lengths, for every engine
+        answers, _, _ = run_once(engines["off"], convs, params, batch)
+        params = [SamplingParams(temperature=0, max_tokens=len(a), ignore_eos=True)
+                  for a in answers]
     seconds = dict.fromkeys(engines, 0.0)
     cpu_seconds = dict.fromkeys(engines, 0.0)
     tokens = dict.fromkeys(engines, 0)
