@@ -274,8 +274,7 @@ class AsyncLLMEngine:
                 self._run_commands(block=not self.engine.has_work())
                 outputs = []
                 if not self._stopping and self.engine.has_work():
-                    for request_id in handover_trace.traced():
-                        handover_trace.mark(request_id, "step")
+                    handover_trace.mark_all("step")
                     outputs = (self.engine.step() if self._profiler is None
                                else self._profiler.step(self.engine.step))
                 self._grant_reservations()  # blocks freed by the commands or the step

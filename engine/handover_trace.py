@@ -53,7 +53,7 @@ def mark_all(phase: str) -> None:
 
 def parse(line: str) -> tuple[str, list[tuple[str, float]]] | None:
     """A logged line's request id and its stamps [(phase, perf_counter seconds)], or None."""
-    head, sep, rest = line.partition("handover [")
+    _, sep, rest = line.partition("handover [")
     if not sep:
         return None
     request_id, _, rest = rest.partition("] ")

@@ -58,7 +58,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import torch
@@ -255,6 +255,15 @@ def sender_pool(plan: Plan, device: str, spare_blocks: int = 8, shuffled: bool =
     return pool, order[: plan.num_blocks].tolist()
 
 
+class PushTimes(NamedTuple):
+    """One push as `PushDriver.push` timed it."""
+
+    seconds: float  # the send alone
+    commit_to_reply: float  # its commit sent -> the decode worker's reply
+    handover: tuple[float, float] | None  # `handover()`; None when the tokens do not tell it
+    commit: tuple[str, float]  # (request id, commit sent): for the decode worker's stamps
+
+
 class PushDriver:
     """Drives one decode worker the way the gateway and a prefill worker do, one push at a time."""
 
@@ -267,7 +276,6 @@ class PushDriver:
         self.senders: list[PushKVSender] = []
         self.count = 0
         self.use_grants = True  # data-plane pushes use the Generate's grant, as in serving
-        self.last_commit: tuple[str, float] = ("", 0.0)  # the last push's request, commit sent
 
     def transfer(self, sender: PushKVSender, plan: Plan) -> KVPush:
         """A push of KV computed already: every slab final, the first token known."""
@@ -313,11 +321,9 @@ class PushDriver:
             raise RuntimeError(f"a push meant for {transport} went over "
                                f"{sorted(sender.stats.bytes_by_transport)}")
 
-    async def push(self, sender: PushKVSender, plan: Plan, transport: str
-                   ) -> tuple[float, float, tuple[float, float] | None]:
-        """Generate (blocks reserved) -> timed send -> Generate read to its end (blocks freed).
-        Returns the seconds of the send alone, of its commit sent to the reply, and the
-        handover (below; None when Generate's tokens do not tell it)."""
+    async def push(self, sender: PushKVSender, plan: Plan, transport: str) -> PushTimes:
+        """Generate (blocks reserved) -> timed send -> Generate read to its end (blocks
+        freed)."""
         t, call = await self._open(sender, plan)
         tokens = asyncio.ensure_future(self._token_times(call))
         start = time.perf_counter()
@@ -325,12 +331,12 @@ class PushDriver:
         replied = time.perf_counter()
         self._check(sent, sender, plan, transport)
         committed = t.commit_sent_at or replied
-        self.last_commit = (t.request_id, committed)
         times = await tokens
         if handover_trace.TRACE:  # beside the decode worker's stamps, on the same clock
             print(f"handover [{t.request_id}] commit_sent={committed:.6f} tokens="
                   + " ".join(f"{n}@+{1e3 * (s - committed):.3f}" for n, s in times))
-        return replied - start, replied - committed, handover(times, committed)
+        return PushTimes(replied - start, replied - committed, handover(times, committed),
+                         (t.request_id, committed))
 
     async def push_many(self, sender: PushKVSender, plan: Plan, transport: str, n: int
                         ) -> float:
@@ -389,14 +395,14 @@ class PushDriver:
 
         async def push() -> float:
             before = sender.stats.write_seconds
-            seconds, commit_to_reply, handed = await self.push(sender, plan, transport)
+            timed = await self.push(sender, plan, transport)
             if transport != "grpc":
                 cases[0].write_seconds.append(sender.stats.write_seconds - before)
-            cases[0].commit_to_reply.append(commit_to_reply)
-            cases[0].commits.append(self.last_commit)
-            if handed is not None:
-                cases[0].handover.append(handed)
-            return seconds
+            cases[0].commit_to_reply.append(timed.commit_to_reply)
+            cases[0].commits.append(timed.commit)
+            if timed.handover is not None:
+                cases[0].handover.append(timed.handover)
+            return timed.seconds
 
         cases = [Case(f"push {name}", plan.kv_bytes, push)]
         if transport == "grpc":
