@@ -13,7 +13,10 @@ The layout every W4A16 checkpoint (AWQ, GPTQ, compressed-tensors) is turned into
 (act-order checkpoints arrive with K permuted so that groups are consecutive; the caller
 gathers x's columns the same way first, engine/quant/w4a16_linear.py.)
 
-NOTE: grid (M tiles, N tiles, SPLIT_K). Each program walks its share of K in BLOCK_K steps,
+NOTE: grid (M tiles x N tiles, 1, SPLIT_K), the tiles taken in groups of GROUP_M row tiles
+down one column tile before the next column (consecutive programs share W's columns and x's
+rows in L2: in row-major order a wave would stream all of a long prefill's x once per column
+tile). Each program walks its share of K in BLOCK_K steps,
 BLOCK_K dividing G so that a step lies in one group: an x tile [BM, BK], the codes of a
 [BK, BN] tile (BK / 8 rows of int32 read once, each shifted into its 8 rows), minus the group's
 zeros: small integers, exact in x's dtype; one dot into fp32, times the group's scales. With
@@ -95,12 +98,19 @@ def _w4a16_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     UPCAST: tl.constexpr,  # widen dot operands to fp32 (the interpreter; fp32 models)
     PRECISION: tl.constexpr,
 ):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0)
+    first_m = tile // (GROUP_M * tiles_n) * GROUP_M
+    height = tl.minimum(tiles_m - first_m, GROUP_M)  # row tiles in this group
+    pid_m = first_m + (tile % (GROUP_M * tiles_n)) % height
+    pid_n = (tile % (GROUP_M * tiles_n)) // height
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(2) * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
     rk = tl.arange(0, BLOCK_K)
@@ -109,7 +119,7 @@ def _w4a16_kernel(
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm  # [BM, 1]
     n_mask = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k_start, k_stop, BLOCK_K):  # K is a multiple of BLOCK_K: no K masks
+    for k in tl.range(k_start, k_stop, BLOCK_K):  # K is a multiple of BLOCK_K: no K masks
         x = tl.load(x_rows + (k + rk)[None, :], mask=rm[:, None] < M, other=0.0)  # [BM, BK]
         q_tile = q_ptr + (k // 8 + ri)[:, None].to(tl.int64) * stride_qk + rn[None, :]
         packed = tl.load(q_tile, mask=n_mask[None, :], other=0)  # [BK / 8, BN]
@@ -124,7 +134,6 @@ def _w4a16_kernel(
             part = tl.dot(x, w.to(x.dtype))
         acc += part * scale[None, :]
     mask = (rm[:, None] < M) & n_mask[None, :]
-    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     parts = part_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
     store_split_k(acc, out, mask, parts, M * N, ticket_ptr + tile, SPLIT_K)
@@ -202,6 +211,11 @@ class SplitKPlan:
     def grid(self) -> tuple[int, int, int]:
         return (*self.tiles, self.split)
 
+    @property
+    def flat_grid(self) -> tuple[int, int, int]:
+        """The tiles as one axis (the GEMM's grouped order), K shares on the third."""
+        return (self.tiles[0] * self.tiles[1], 1, self.split)
+
     def workspace(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(parts [split, M, N] fp32, tickets) for the launch (x itself when one share)."""
         if self.split == 1:
@@ -239,28 +253,50 @@ def check_inputs(what: str, x: torch.Tensor, qweight: torch.Tensor, scales: torc
         )
 
 
+@dataclass(frozen=True)
+class GemmTile:
+    """A launch shape of the GEMM: output tile BLOCK_M x BLOCK_N, warps, software pipeline
+    stages, row tiles a group (see NOTE)."""
+
+    block_m: int
+    block_n: int
+    warps: int = 4
+    stages: int = 3
+    group_m: int = 8
+
+
+def default_tile(m: int) -> GemmTile:
+    """The tile for M rows: 16-row tiles (and split-K) for decode-sized M, 64 x 64 above.
+    Larger tiles were slower still (H200, docs/benchmarks.md "W4A16 at batch and prefill
+    sizes"): above 64 rows the layer de-quantizes and calls cuBLAS instead."""
+    return GemmTile(16, 64) if m <= 16 else GemmTile(64, 64)
+
+
 def w4a16_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-    group_size: int, blocks: tuple[int, int] | None = None, split_k: int | None = None,
+    group_size: int, blocks: tuple[int, int] | GemmTile | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """[M, K] x the 4-bit W [K, N] (the layout above) -> [M, N] in x's dtype; see `w4a16_ref`.
-    `blocks`: (BLOCK_M, BLOCK_N), by default from M; `split_k`: K shares, by default enough to
-    fill the GPU at small M. ValueError for shapes, strides or dtypes it cannot take."""
+    `blocks`: a `GemmTile` or (BLOCK_M, BLOCK_N), by default `default_tile(M)`; `split_k`: K
+    shares, by default enough to fill the GPU at small M. ValueError for shapes, strides or
+    dtypes it cannot take."""
     block_k = block_k_for(group_size) if group_size > 0 else None
     check_inputs("w4a16_linear", x, qweight, scales, zeros, group_size, block_k)
     (m, k), n = x.shape, qweight.shape[1]
-    block_m, block_n = blocks or ((16, 64) if m <= 16 else (64, 64))
-    tiles = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    tile = blocks if isinstance(blocks, GemmTile) else (
+        GemmTile(*blocks) if blocks else default_tile(m))
+    tiles = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n))
     plan = split_k_plan(x, k, block_k, tiles, split_k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     parts, counters = plan.workspace(x, n)
-    _w4a16_kernel[plan.grid](
+    _w4a16_kernel[plan.flat_grid](
         x, qweight, scales, zeros, out, parts, counters, m, n, k, group_size, plan.k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=plan.split,
-        UPCAST=INTERPRET or x.dtype == torch.float32, PRECISION=dot_precision(x.dtype),
-        num_warps=4,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k, GROUP_M=tile.group_m,
+        SPLIT_K=plan.split, UPCAST=INTERPRET or x.dtype == torch.float32,
+        PRECISION=dot_precision(x.dtype), num_warps=tile.warps, num_stages=tile.stages,
     )
     return out

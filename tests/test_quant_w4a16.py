@@ -27,7 +27,9 @@ from engine.quant.w4a16_quantize import (
     quantize,
     write_checkpoint,
 )
-from kernels.w4a16 import pack_rows, unpack_rows, w4a16_linear, w4a16_ref
+from kernels.w4a16 import GemmTile, dequantize_ref, pack_rows, unpack_rows, w4a16_linear, w4a16_ref
+from kernels.w4a16_dequant import dequantize as dequantize_kernel
+from kernels.w4a16_dequant import w4a16_dequant_linear
 from kernels.w4a16_gemv import w4a16_gemv
 from pdserve import LLM
 
@@ -66,6 +68,44 @@ def test_kernel_matches_the_reference(mkn, group: int, dtype: torch.dtype, split
     assert out.dtype == dtype and out.shape == (m, n)
     ref = w4a16_ref(x, pack_rows(codes), scales, zeros, group)
     assert rel_err(out.cpu(), ref) < TOLERANCE[dtype]
+
+
+def _random_layout(k: int, n: int, group: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (k, n), generator=gen)
+    scales = torch.rand(k // group, n, generator=gen) * 0.1 + 0.01
+    zeros = torch.randint(0, 17, (k // group, n), generator=gen).to(torch.uint8)
+    return pack_rows(codes), scales, zeros
+
+
+@pytest.mark.parametrize("group_m", [1, 2, 8])
+def test_grouped_tile_order_covers_every_tile_once(group_m: int) -> None:
+    """5 x 3 output tiles of 16 x 16 (the last row and column tiles partial), taken in groups
+    of GROUP_M row tiles: every output element written once, with its own tile's sum."""
+    m, k, n, group = 70, 64, 40, 32
+    layout = _random_layout(k, n, group, seed=group_m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    tile = GemmTile(16, 16, warps=1, stages=1, group_m=group_m)
+    out = w4a16_linear(x.to(DEVICE), *[t.to(DEVICE) for t in layout], group, tile, split_k=1)
+    assert rel_err(out.cpu(), w4a16_ref(x, *layout, group)) < 1e-5
+
+
+@pytest.mark.parametrize("group", [32, 64, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_kernel_and_its_matmul(group: int, dtype: torch.dtype) -> None:
+    """The prefill path: W written in x's dtype (the reference rounded once), then torch.mm."""
+    k, n = 128, 200  # N not a multiple of the kernel's 128 columns
+    layout = _random_layout(k, n, group, seed=group)
+    w = dequantize_kernel(*[t.to(DEVICE) for t in layout], group, dtype)
+    assert w.dtype == dtype and w.shape == (k, n)
+    exact = dequantize_ref(*layout, group)  # fp32; one rounding to bf16 (the interpreter
+    ulp = 0.0 if dtype == torch.float32 else 2.0**-7  # truncates: up to one unit of it)
+    assert ((w.cpu().float() - exact).abs() <= ulp * exact.abs()).all()
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = w4a16_dequant_linear(x.to(DEVICE), *[t.to(DEVICE) for t in layout], group)
+    assert rel_err(out.cpu(), w4a16_ref(x, *layout, group)) < TOLERANCE[dtype]
+    with pytest.raises(ValueError, match="w4a16_dequant_linear"):
+        w4a16_dequant_linear(x[:, :64].to(DEVICE), *[t.to(DEVICE) for t in layout], group)
 
 
 @pytest.mark.parametrize("mkn,group", [((1, 64, 48), 32), ((3, 128, 40), 64), ((4, 96, 72), 8),

@@ -6,8 +6,10 @@ int32, `scales` [K / G, N] fp32, `zeros` [K / G, N] uint8, and `perm` [K] when a
 groups were not consecutive (x's columns are gathered by it first). Where it computes:
 
     CUDA, steps of 1 token                the W4A16 GEMV (kernels/w4a16_gemv.py, split-K)
-    CUDA, more tokens                     the W4A16 Triton GEMM (kernels/w4a16.py); a group
+    CUDA, up to GEMM_MAX_TOKENS           the W4A16 Triton GEMM (kernels/w4a16.py); a group
                                           size it cannot take (G % 16) de-quantizes
+    CUDA, more tokens (large batches,     W de-quantized to x's dtype by a Triton kernel, then
+    prefills)                             cuBLAS (kernels/w4a16_dequant.py)
     CPU, bf16, G in 32..256, N % 16 == 0  torch's packed int4 GEMM (`_weight_int4pack_mm_for_
                                           cpu`: w = (nibble - 8) * s + z', so z' = (8 - z) * s)
     CPU otherwise                         de-quantize W [N, K] into x's dtype, F.linear: in fp32
@@ -26,6 +28,12 @@ from engine.quant.w4a16 import W4A16Weight, concat_rows, group_order
 block_k_for, dequantize_ref = kernel("w4a16", "block_k_for"), kernel("w4a16", "dequantize_ref")
 pack_rows, w4a16_linear = kernel("w4a16", "pack_rows"), kernel("w4a16", "w4a16_linear")
 gemv_rows, w4a16_gemv = kernel("w4a16_gemv", "gemv_rows"), kernel("w4a16_gemv", "w4a16_gemv")
+w4a16_dequant_linear = kernel("w4a16_dequant", "w4a16_dequant_linear")
+
+# Steps of more tokens de-quantize W and call cuBLAS: on an H200 that beat the in-register
+# GEMM at every shape from 128 tokens (1.5-3.5x) and reached 0.97-1.0x bf16 from 4k tokens
+# (docs/benchmarks.md, "W4A16 at batch and prefill sizes"); at 64 the two were even.
+GEMM_MAX_TOKENS = 64
 
 _INT4PACK_GROUPS = (32, 64, 128, 256)
 
@@ -105,6 +113,8 @@ class W4A16Linear(nn.Module):
                     self.group_size)
             if x.shape[0] <= GEMV_MAX_TOKENS and gemv_rows(self.group_size, x.shape[1]):
                 return w4a16_gemv(*args)
+            if x.shape[0] > GEMM_MAX_TOKENS and block_k_for(self.group_size, 8):
+                return w4a16_dequant_linear(*args)
             if block_k_for(self.group_size) is not None:
                 return w4a16_linear(*args)
         return F.linear(x, self.dequantized(x.dtype))

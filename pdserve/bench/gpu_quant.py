@@ -2,9 +2,10 @@
 
     PYTHONPATH=. python -m pdserve.bench.gpu_quant --out DIR [--systems bf16,fp8,w4a16] [--small]
 
-The model of `pdserve bench gpu` (gpu_model.py: bf16 weights on disk) is served three ways, one
-engine after the other in this process: as it is (bf16), `quantization="fp8"` (quantized on
-load) and a W4A16 checkpoint written from it by engine/quant/w4a16_quantize.py (AutoAWQ's
+The model of `pdserve bench gpu` (gpu_model.py: bf16 weights on disk) is served several ways,
+one engine after the other in this process: as it is (bf16), `quantization="fp8"` (quantized on
+load), the same with `kv_cache_dtype="fp8"` (fp8_kv8: what `--quantization fp8 --kv-cache-dtype
+fp8` serves) and a W4A16 checkpoint written from it by engine/quant/w4a16_quantize.py (AutoAWQ's
 `gemm` layout, group 128 with zeros, round to nearest; the format detected from config.json).
 For each:
 
@@ -15,7 +16,8 @@ For each:
            w4a16: half a byte a projection weight + an fp16 scale and a 4-bit zero per group of
            128; the tied embedding/lm_head and the norms bf16 in all three)
   w1       the throughput workload (256 requests, prompts of 128-512, 128 greedy tokens each)
-           in one `generate`: output tokens/s
+           in one `generate`, `--w1-runs` times on fresh prompts: output tokens/s of each
+           run (`runs`) and their median (`output_tokens_per_s`, what the ratios compare)
   tokens   greedy tokens of 16 requests, their agreement with bf16's (quantization changes the
            weights, so late divergence is expected: reported, not asserted)
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -50,14 +53,15 @@ from pdserve.bench.gpu_model import (
 )
 from pdserve.bench.report import bench_main, config_of, write_report
 
-SYSTEMS = ("bf16", "fp8", "w4a16")
+SYSTEMS = ("bf16", "fp8", "fp8_kv8", "w4a16")
 W4A16_GROUP = 128
-TARGET_MS = {"bf16": 1.2, "fp8": 0.8, "w4a16": 0.6}
+TARGET_MS = {"bf16": 1.2, "fp8": 0.8, "fp8_kv8": 0.8, "w4a16": 0.6}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench_results", help="folder of the JSON report")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="of bf16, fp8, w4a16")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="of " + ", ".join(SYSTEMS))
+    parser.add_argument("--w1-runs", type=int, default=3, help="W1 runs per system")
     parser.add_argument("--no-w1", action="store_true", help="batch-1 latency only")
     parser.add_argument("--small", action="store_true", help="tiny shapes (checks the code)")
     parser.add_argument("--seed", type=int, default=0)
@@ -87,13 +91,17 @@ def run_system(models: RandomModel, system: str, ceilings: dict, args: argparse.
     result: dict[str, Any] = {}
     try:
         if not args.no_w1:
-            workload, result["w1"] = _run_pdserve(models, args.seed, use_tqdm=False)[0]
+            runs = _run_pdserve(models, args.seed, use_tqdm=False, runs=args.w1_runs)
+            workload = runs[0][0]
+            rates = [r["output_tokens_per_s"] for _, r in runs]
+            result["w1"] = {**runs[0][1], "runs": rates,
+                            "output_tokens_per_s": statistics.median(rates)}
             log(f"{system}: W1 {result['w1'].get('output_tokens_per_s')}")
             result["tokens"] = _tokens(models, workload)
         batch1 = measure_latency(models, None, args.seed)
         model = models.llm().llm_engine.runner.model
         batch1["decode_gemv_plan"] = getattr(model, "decode_gemv_report", None)  # CUDA only
-        need = weight_bytes(models.sizes.shape, system)
+        need = weight_bytes(models.sizes.shape, system.removesuffix("_kv8"))
         floor = need / ceilings["copy_bytes_per_s"] * 1e3
         batch1.update(weights_bytes=need, weights_floor_ms=floor,
                       over_floor=batch1["ms_per_token"] / floor)
@@ -107,13 +115,14 @@ def run_system(models: RandomModel, system: str, ceilings: dict, args: argparse.
 
 
 def engine_for(system: str, base: RandomModel, kwargs: dict[str, Any]) -> RandomModel:
-    """The engine source of `system`: the bf16 folder (fp8 quantizes it on load), or a W4A16
-    checkpoint written next to it."""
+    """The engine source of `system`: the bf16 folder (fp8 quantizes it on load; fp8_kv8 also
+    keeps its KV cache in fp8), or a W4A16 checkpoint written next to it."""
     if system == "bf16":
         return base
-    if system == "fp8":
+    if system in ("fp8", "fp8_kv8"):
+        kv = {"kv_cache_dtype": "fp8"} if system == "fp8_kv8" else {}
         return RandomModel(base.sizes, base.device, base.seed, base.folder,
-                           {**kwargs, "quantization": "fp8"})
+                           {**kwargs, "quantization": "fp8", **kv})
     from engine.quant.w4a16_quantize import write_checkpoint
 
     folder = Path(base.folder + "-awq")
