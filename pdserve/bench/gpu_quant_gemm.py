@@ -1,6 +1,6 @@
 """Quantized GEMMs at batch and prefill sizes: FP8 and W4A16 against bf16 F.linear on the
-Llama-3.2-1B projection shapes, M = 64 .. 16384 tokens (the sizes of W1's decode steps and
-prefill chunks; the decode sizes of 1-16 tokens are gpu_w4a16.py's and gpu_fp8.py's).
+Llama-3.2-1B projection shapes, M = 8 .. 16384 tokens (the sizes of W1's decode steps and
+prefill chunks; the GEMVs of 1-4 tokens are gpu_w4a16.py's and gpu_fp8.py's).
 
     python -m pdserve.bench.gpu_quant_gemm --out DIR          # on a GPU (gpu_kit_env.sh)
     python -m pdserve.bench.gpu_quant_gemm --small --out DIR  # the same code on the CPU
@@ -10,6 +10,7 @@ Per (shape, M), device ms per call replayed in a CUDA graph (median) and TFLOP/s
     bf16             F.linear on the de-quantized weights
     fp8              the FP8 layer (Triton per-token quantization + torch._scaled_mm rowwise)
     fp8_mm           torch._scaled_mm alone (x already quantized)
+    fp8_w8a16        the W8A16 Triton GEMM (fp8 weights widened in registers, bf16 x)
     w4a16_auto       the W4A16 layer's own choice at this M
     w4a16_<tile>     the in-register de-quantizing Triton GEMM, one launch shape each
                      (BLOCK_M x BLOCK_N, warps, stages; no split-K)
@@ -37,11 +38,12 @@ from pdserve.bench.gpu_w4a16 import copy_bandwidth, device_ms
 SHAPES = {"qkv 2048x3072": (3072, 2048), "o 2048x2048": (2048, 2048),
           "gate_up 2048x16384": (16384, 2048), "down 8192x2048": (2048, 8192)}
 SMALL_SHAPES = {"64x64": (64, 64), "64x128": (128, 64)}
-TOKENS = (64, 128, 256, 512, 1024, 4096, 16384)
+TOKENS = (8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 SMALL_TOKENS = (16, 40)
 # (BLOCK_M, BLOCK_N, warps, stages)
-TILES = ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3),
-         (128, 128, 8, 4), (128, 256, 8, 3), (64, 256, 8, 3))
+# (2026-11-29, H200: these two and six other shapes from 64 x 64 to 128 x 256 were all slower
+# than de-quantizing + cuBLAS above 64 tokens; docs/results/gpu_quant_gemm_h200_2026-11-29.json)
+TILES = ((64, 64, 4, 3), (128, 128, 8, 3))
 GROUP = 128
 
 
@@ -69,12 +71,14 @@ def _variants(x: torch.Tensor, w4: Any, fp8: Any, dense: torch.Tensor, group: in
               ) -> dict[str, Callable[[], torch.Tensor]]:
     from kernels.fp8 import scaled_mm
     from kernels.fp8_quant import quantize_rows
+    from kernels.fp8_w8a16 import w8a16_linear
     from kernels.w4a16 import GemmTile, w4a16_linear
     from kernels.w4a16_dequant import dequantize, w4a16_dequant_linear
 
     args = (w4.qweight, w4.scales, w4.zeros, group)
     calls: dict[str, Callable[[], torch.Tensor]] = {
         "bf16": lambda: F.linear(x, dense), "fp8": lambda: fp8(x), "w4a16_auto": lambda: w4(x),
+        "fp8_w8a16": lambda: w8a16_linear(x, fp8.qweight, fp8.weight_scale),
         "w4a16_dequant": lambda: w4a16_dequant_linear(x, *args),
         "dequant": lambda: dequantize(*args, x.dtype)}
     if cuda and fp8.use_scaled_mm:
