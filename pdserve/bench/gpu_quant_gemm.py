@@ -10,6 +10,9 @@ Per (shape, M), device ms per call replayed in a CUDA graph (median) and TFLOP/s
     bf16             F.linear on the de-quantized weights
     fp8              the FP8 layer (Triton per-token quantization + torch._scaled_mm rowwise)
     fp8_mm           torch._scaled_mm alone (x already quantized)
+    fp8_mm_fast      the same with use_fast_accum (no periodic promotion of the fp8 sums)
+    fp8_mm_swap      the transposed product y^T = W x^T (the weight's rows as the long side of
+                     the kernel's tiles), fast accumulation, then y made contiguous
     fp8_w8a16        the W8A16 Triton GEMM (fp8 weights widened in registers, bf16 x)
     w4a16_auto       the W4A16 layer's own choice at this M
     w4a16_<tile>     the in-register de-quantizing Triton GEMM, one launch shape each
@@ -69,6 +72,7 @@ def _layers(n: int, k: int, device: torch.device, group: int
 
 def _variants(x: torch.Tensor, w4: Any, fp8: Any, dense: torch.Tensor, group: int, cuda: bool
               ) -> dict[str, Callable[[], torch.Tensor]]:
+    m = x.shape[0]
     from kernels.fp8 import scaled_mm
     from kernels.fp8_quant import quantize_rows
     from kernels.fp8_w8a16 import w8a16_linear
@@ -84,6 +88,14 @@ def _variants(x: torch.Tensor, w4: Any, fp8: Any, dense: torch.Tensor, group: in
     if cuda and fp8.use_scaled_mm:
         xq, x_scale = quantize_rows(x)
         calls["fp8_mm"] = lambda: scaled_mm(xq, x_scale, fp8.qweight, fp8.scale_row)
+        calls["fp8_mm_fast"] = lambda: torch._scaled_mm(
+            xq, fp8.qweight.t(), scale_a=x_scale, scale_b=fp8.scale_row,
+            out_dtype=torch.bfloat16, use_fast_accum=True)
+        w_col, x_row = fp8.weight_scale.view(-1, 1), x_scale.view(1, -1)
+        if m % 16 == 0:
+            calls["fp8_mm_swap"] = lambda: torch._scaled_mm(
+                fp8.qweight, xq.t(), scale_a=w_col, scale_b=x_row, out_dtype=torch.bfloat16,
+                use_fast_accum=True).t().contiguous()
     for bm, bn, warps, stages in TILES if cuda else TILES[:1]:
         tile = GemmTile(bm, bn, warps, stages)
         calls[f"w4a16_{bm}x{bn}w{warps}s{stages}"] = \
@@ -102,7 +114,11 @@ def shape_rows(name: str, n: int, k: int, device: torch.device, group: int,
         row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "ms": {}, "tflops": {},
                                "rel_err": {}}
         for label, call in _variants(x, w4, fp8, dense, group, device.type == "cuda").items():
-            out = call()
+            try:
+                out = call()
+            except Exception as exc:  # a variant this build cannot run: named, not fatal
+                row.setdefault("errors", {})[label] = f"{type(exc).__name__}: {exc}"[:300]
+                continue
             if label != "dequant":
                 ref = expected["fp8" if label.startswith("fp8") else "w4a16"]
                 row["rel_err"][label] = ((out.float() - ref).norm() / ref.norm()).item()
