@@ -31,6 +31,7 @@ from kernels.w4a16 import GemmTile, dequantize_ref, pack_rows, unpack_rows, w4a1
 from kernels.w4a16_dequant import dequantize as dequantize_kernel
 from kernels.w4a16_dequant import w4a16_dequant_linear
 from kernels.w4a16_gemv import w4a16_gemv
+from kernels.w4a16_planes import w4a16_planes_linear
 from pdserve import LLM
 
 CUDA = torch.cuda.is_available()
@@ -88,6 +89,24 @@ def test_grouped_tile_order_covers_every_tile_once(group_m: int) -> None:
     tile = GemmTile(16, 16, warps=1, stages=1, group_m=group_m)
     out = w4a16_linear(x.to(DEVICE), *[t.to(DEVICE) for t in layout], group, tile, split_k=1)
     assert rel_err(out.cpu(), w4a16_ref(x, *layout, group)) < 1e-5
+
+
+@pytest.mark.parametrize("mkn", [(1, 256, 48), (5, 384, 72), (17, 128, 64), (40, 256, 130)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+def test_nibble_plane_kernel_matches_the_reference(mkn, dtype: torch.dtype, split_k: int) -> None:
+    """The sum over K taken plane by plane (nibble j of every int32 in one dot), zeros folded
+    per group: the same product; partial row and column tiles, K shares of whole groups."""
+    m, k, n = mkn
+    layout = _random_layout(k, n, 128, seed=m + n + split_k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    out = w4a16_planes_linear(x.to(DEVICE), *[t.to(DEVICE) for t in layout], 128,
+                              split_k=split_k)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert rel_err(out.cpu(), w4a16_ref(x, *layout, 128)) < TOLERANCE[dtype]
+    with pytest.raises(ValueError, match="w4a16_planes_linear"):  # one group a 128-row step
+        w4a16_planes_linear(x.to(DEVICE), *[t.to(DEVICE) for t in _random_layout(k, n, 64, 0)],
+                            64)
 
 
 @pytest.mark.parametrize("group", [32, 64, 8])

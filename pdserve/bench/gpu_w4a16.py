@@ -1,7 +1,7 @@
-"""The W4A16 Triton GEMM and GEMV (kernels/w4a16.py, w4a16_gemv.py) against bf16 F.linear on
-Llama-3.2-1B's projection shapes, a few tokens at a time (decode): device ms per call replayed
-in a CUDA graph, the kernels' tile and split-K variants, and the weight-bytes floor at the
-measured copy bandwidth.
+"""The W4A16 Triton kernels (kernels/w4a16.py's GEMM, w4a16_gemv.py, w4a16_planes.py) against
+bf16 F.linear on Llama-3.2-1B's projection shapes, 1 to 64 tokens at a time (decode batches):
+device ms per call replayed in a CUDA graph, the kernels' tile and split-K variants, and the
+weight-bytes floor at the measured copy bandwidth.
 
     python -m pdserve.bench.gpu_w4a16 --out DIR          # on a GPU (device call: gpu_kit_env.sh)
     python -m pdserve.bench.gpu_w4a16 --small --out DIR  # the same code on the CPU, tiny shapes
@@ -21,10 +21,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# name "K x N" (in x out features): (N, K), HF's [out, in]; Llama-3.2-1B: q/o, gate/up, down
-SHAPES = {"2048x2048": (2048, 2048), "2048x8192": (8192, 2048), "8192x2048": (2048, 8192)}
-SMALL_SHAPES = {"64x64": (64, 64), "64x128": (128, 64)}
-TOKENS = (1, 4, 16)
+# name "K x N" (in x out features): (N, K), HF's [out, in]; Llama-3.2-1B's fused qkv, o, fused
+# gate_up, down
+SHAPES = {"qkv 2048x3072": (3072, 2048), "o 2048x2048": (2048, 2048),
+          "gate_up 2048x16384": (16384, 2048), "down 8192x2048": (2048, 8192)}
+SMALL_SHAPES = {"128x64": (64, 128), "256x128": (128, 256)}
+TOKENS = (1, 2, 4, 8, 16, 32, 64)
+SMALL_TOKENS = (1, 5)
+# nibble-plane kernel (BLOCK_N, num_warps); BLOCK_M follows M (16..64)
+PLANE_TILES = tuple((n, w) for n in (32, 64, 128) for w in (4, 8))
 TILES = ((16, 32), (16, 64), (16, 128))  # GEMM (BLOCK_M, BLOCK_N)
 # GEMV (BLOCK_N, max ROWS, num_warps)
 GEMV_TILES = tuple((n, r, w) for n in (16, 32, 64) for r in (32, 64) for w in (2, 4))
@@ -73,6 +78,7 @@ def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool
     M <= GEMV_MAX_TOKENS every GEMV tile and split."""
     from kernels.w4a16 import w4a16_linear
     from kernels.w4a16_gemv import GEMV_MAX_TOKENS, w4a16_gemv
+    from kernels.w4a16_planes import planes_fit, w4a16_planes_linear
 
     args = (layer.qweight, layer.scales, layer.zeros, group)
     calls: dict[str, Callable[[], torch.Tensor]] = {"w4a16_auto": lambda: layer(x)}
@@ -80,6 +86,11 @@ def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool
         for split in SPLITS if cuda else SPLITS[:2]:
             calls[f"w4a16_{tile[0]}x{tile[1]}_s{split}"] = \
                 lambda t=tile, s=split: w4a16_linear(x, *args, t, s)
+    block_m = max(16, min(64, 1 << (m - 1).bit_length()))
+    for block_n, warps in (PLANE_TILES if cuda else PLANE_TILES[:1]) if planes_fit(group) else ():
+        for split in (None, *SPLITS) if cuda else (None,):
+            calls[f"w4a16_planes_{block_m}x{block_n}w{warps}_s{split or 'auto'}"] = \
+                lambda t=(block_m, block_n, warps), s=split: w4a16_planes_linear(x, *args, t, s)
     for tile in (GEMV_TILES if cuda else GEMV_TILES[:1]) if m <= GEMV_MAX_TOKENS else ():
         for split in SPLITS[:4] if cuda else SPLITS[:2]:
             calls[f"w4a16_gemv_{tile[0]}r{tile[1]}w{tile[2]}_s{split}"] = \
@@ -88,11 +99,11 @@ def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool
 
 
 def shape_rows(name: str, n: int, k: int, device: torch.device, group: int,
-               bandwidth: float | None) -> list[dict[str, Any]]:
+               bandwidth: float | None, tokens: tuple[int, ...]) -> list[dict[str, Any]]:
     layer, exact = _layer(n, k, device, group)
     dense = exact.to(torch.bfloat16)
     rows = []
-    for m in TOKENS:
+    for m in tokens:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         expected = x.float() @ exact.t()
         row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m,
@@ -124,13 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="tiny shapes (the CPU)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
-    shapes, group = (SMALL_SHAPES, 32) if args.small else (SHAPES, GROUP)
+    shapes, group = (SMALL_SHAPES, GROUP) if args.small else (SHAPES, GROUP)
+    tokens = SMALL_TOKENS if args.small else TOKENS
     bandwidth = copy_bandwidth(device)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "group_size": group, "copy_bandwidth_bytes_per_s": bandwidth, "rows": []}
     for name, (n, k) in shapes.items():
-        report["rows"] += shape_rows(name, n, k, device, group, bandwidth)
+        report["rows"] += shape_rows(name, n, k, device, group, bandwidth, tokens)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_w4a16.json").write_text(json.dumps(report, indent=2))
     return 0
