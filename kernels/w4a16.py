@@ -102,8 +102,6 @@ def _w4a16_kernel(
     SPLIT_K: tl.constexpr,
     UPCAST: tl.constexpr,  # widen dot operands to fp32 (the interpreter; fp32 models)
     PRECISION: tl.constexpr,
-    MAGIC_BITS: tl.constexpr,  # 0, or x's float bits of MAGIC_OFFSET (see `magic_bits`)
-    MAGIC_OFFSET: tl.constexpr,
 ):
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     tile = tl.program_id(0)
@@ -129,20 +127,11 @@ def _w4a16_kernel(
         scale = tl.load(s_ptr + group_row + rn, mask=n_mask, other=0.0)  # [BN]
         zero = tl.load(z_ptr + group_row + rn, mask=n_mask, other=0).to(tl.int32)  # [BN]
         codes = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK / 8, 8, BN]
-        if MAGIC_BITS:  # code + OFFSET as 16-bit float bits (exact), less zero + OFFSET
-            wide = tl.reshape((codes | MAGIC_BITS).to(tl.int16).to(x.dtype, bitcast=True),
-                              (BLOCK_K, BLOCK_N))
-            if UPCAST:  # the interpreter's 16-bit float arithmetic is wrong: subtract in fp32
-                w = wide.to(tl.float32) - (zero + MAGIC_OFFSET).to(tl.float32)[None, :]
-                part = tl.dot(x.to(tl.float32), w, input_precision=PRECISION)
-            else:
-                part = tl.dot(x, wide - (zero + MAGIC_OFFSET).to(x.dtype)[None, :])
+        w = tl.reshape(codes, (BLOCK_K, BLOCK_N)) - zero[None, :]  # [BK, BN] in -16..15
+        if UPCAST:
+            part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision=PRECISION)
         else:
-            w = tl.reshape(codes, (BLOCK_K, BLOCK_N)) - zero[None, :]  # [BK, BN] in -16..15
-            if UPCAST:
-                part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision=PRECISION)
-            else:
-                part = tl.dot(x, w.to(x.dtype))
+            part = tl.dot(x, w.to(x.dtype))
         acc += part * scale[None, :]
     mask = (rm[:, None] < M) & n_mask[None, :]
     out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
@@ -283,25 +272,15 @@ def default_tile(m: int) -> GemmTile:
     return GemmTile(16, 64) if m <= 16 else GemmTile(64, 64)
 
 
-def magic_bits(dtype: torch.dtype | None) -> dict[str, int]:
-    """The kernel's MAGIC_BITS / MAGIC_OFFSET for x's dtype: OFFSET's 16-bit float pattern has
-    a unit last mantissa bit, so (code | BITS) reads as OFFSET + code exactly (bf16: 128 =
-    0x4300, fp16: 1024 = 0x6400); none for other dtypes or when off."""
-    bits = {torch.bfloat16: (0x4300, 128), torch.float16: (0x6400, 1024)}.get(dtype)
-    return {"MAGIC_BITS": bits[0], "MAGIC_OFFSET": bits[1]} if bits else \
-        {"MAGIC_BITS": 0, "MAGIC_OFFSET": 0}
-
-
 def w4a16_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     group_size: int, blocks: tuple[int, int] | GemmTile | None = None,
-    split_k: int | None = None, magic: bool = False,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """[M, K] x the 4-bit W [K, N] (the layout above) -> [M, N] in x's dtype; see `w4a16_ref`.
     `blocks`: a `GemmTile` or (BLOCK_M, BLOCK_N), by default `default_tile(M)`; `split_k`: K
     shares, by default enough to fill the GPU at small M. ValueError for shapes, strides or
-    dtypes it cannot take. `magic`: widen the codes through 16-bit float bit patterns
-    (`magic_bits`) instead of int-to-float conversions (bf16 / fp16 x)."""
+    dtypes it cannot take."""
     block_k = block_k_for(group_size) if group_size > 0 else None
     check_inputs("w4a16_linear", x, qweight, scales, zeros, group_size, block_k)
     (m, k), n = x.shape, qweight.shape[1]
@@ -319,6 +298,5 @@ def w4a16_linear(
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k, GROUP_M=tile.group_m,
         SPLIT_K=plan.split, UPCAST=INTERPRET or x.dtype == torch.float32,
         PRECISION=dot_precision(x.dtype), num_warps=tile.warps, num_stages=tile.stages,
-        **magic_bits(x.dtype if magic else None),
     )
     return out

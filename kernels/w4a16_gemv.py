@@ -30,7 +30,6 @@ from kernels.w4a16 import check_inputs, split_k_plan, store_split_k
 GEMV_MAX_TOKENS = 1
 MAX_ROWS = 64  # int32 rows of qweight a step: 512 rows of W
 DEFAULT_BLOCKS = (32, MAX_ROWS, 2)  # (BLOCK_N, max ROWS, num_warps): the best there at M = 1
-MAGIC_DEFAULT = False
 
 
 @triton.jit
@@ -55,7 +54,6 @@ def _w4a16_gemv_kernel(
     ROWS: tl.constexpr,  # int32 rows of qweight a step
     GROUP_ROWS: tl.constexpr,  # of them in one group: G / 8, or ROWS when a group spans steps
     SPLIT_K: tl.constexpr,
-    MAGIC: tl.constexpr,  # widen the codes by bit patterns (see the loop), not conversions
 ):
     m = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -73,12 +71,7 @@ def _w4a16_gemv_kernel(
         x_sums = tl.zeros((ROWS,), dtype=tl.float32)
         for j in tl.static_range(8):
             xj = tl.load(x_row + j).to(tl.float32)  # x[k + 8 i + j]
-            codes = (packed >> (4 * j)) & 0xF
-            if MAGIC:  # 2^23 + code as fp32 bits, less 2^23: integer ops, no int->float cvt
-                w = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            else:
-                w = codes.to(tl.float32)
-            dots += w * xj[:, None]
+            dots += ((packed >> (4 * j)) & 0xF).to(tl.float32) * xj[:, None]
             x_sums += xj
         dots_g = tl.sum(tl.reshape(dots, (GROUPS, GROUP_ROWS, BLOCK_N)), axis=1)  # [GROUPS, BN]
         x_sums_g = tl.sum(tl.reshape(x_sums, (GROUPS, GROUP_ROWS)), axis=1)  # [GROUPS]
@@ -108,12 +101,10 @@ def gemv_rows(group_size: int, k: int, max_rows: int = MAX_ROWS) -> tuple[int, i
 def w4a16_gemv(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     group_size: int, blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
-    magic: bool = MAGIC_DEFAULT,
 ) -> torch.Tensor:
     """[M, K] x the 4-bit W [K, N] -> [M, N] in x's dtype (kernels/w4a16.py `w4a16_ref`).
     `blocks`: (BLOCK_N, max ROWS, num_warps); `split_k`: K shares, by default enough to fill
-    the GPU; `magic`: widen the codes with integer ops on fp32 bit patterns (exact) instead of
-    int-to-float conversions. ValueError for shapes, strides or dtypes it cannot take."""
+    the GPU. ValueError for shapes, strides or dtypes it cannot take."""
     block_n, max_rows, warps = blocks or DEFAULT_BLOCKS
     k = x.shape[-1]
     rows = gemv_rows(group_size, k, max_rows) if group_size > 0 and k % group_size == 0 \
@@ -130,7 +121,6 @@ def w4a16_gemv(
     _w4a16_gemv_kernel[plan.grid](
         x, qweight, scales, zeros, out, parts, counters, m, n, k, group_size, plan.k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=plan.split, MAGIC=magic,
-        num_warps=warps,
+        BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=plan.split, num_warps=warps,
     )
     return out

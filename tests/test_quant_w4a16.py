@@ -57,9 +57,7 @@ def test_pack_rows_round_trips() -> None:
                                        ((3, 64, 16), 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("magic", [False, True])  # fp32 x: no bit patterns, the plain path
-def test_kernel_matches_the_reference(mkn, group: int, dtype: torch.dtype, split_k: int,
-                                      magic: bool) -> None:
+def test_kernel_matches_the_reference(mkn, group: int, dtype: torch.dtype, split_k: int) -> None:
     m, k, n = mkn
     gen = torch.Generator().manual_seed(m * k + n)
     codes = torch.randint(0, 16, (k, n), generator=gen)
@@ -67,7 +65,7 @@ def test_kernel_matches_the_reference(mkn, group: int, dtype: torch.dtype, split
     zeros = torch.randint(0, 17, (k // group, n), generator=gen).to(torch.uint8)  # asymmetric
     x = torch.randn(m, k, generator=gen).to(dtype)
     args = [t.to(DEVICE) for t in (pack_rows(codes), scales, zeros)]
-    out = w4a16_linear(x.to(DEVICE), *args, group, split_k=split_k, magic=magic)
+    out = w4a16_linear(x.to(DEVICE), *args, group, split_k=split_k)
     assert out.dtype == dtype and out.shape == (m, n)
     ref = w4a16_ref(x, pack_rows(codes), scales, zeros, group)
     assert rel_err(out.cpu(), ref) < TOLERANCE[dtype]
@@ -134,9 +132,8 @@ def test_dequantize_kernel_and_its_matmul(group: int, dtype: torch.dtype) -> Non
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split_k", [1, 2, 3])
 @pytest.mark.parametrize("max_rows", [8, 2])  # steps of several groups, or within one
-@pytest.mark.parametrize("magic", [False, True])
 def test_gemv_kernel_matches_the_reference(mkn, group: int, dtype: torch.dtype, split_k: int,
-                                           max_rows: int, magic: bool) -> None:
+                                           max_rows: int) -> None:
     m, k, n = mkn
     gen = torch.Generator().manual_seed(m * k + n + 1)
     codes = torch.randint(0, 16, (k, n), generator=gen)
@@ -144,8 +141,7 @@ def test_gemv_kernel_matches_the_reference(mkn, group: int, dtype: torch.dtype, 
     zeros = torch.randint(0, 17, (k // group, n), generator=gen).to(torch.uint8)
     x = torch.randn(m, k, generator=gen).to(dtype)
     args = [t.to(DEVICE) for t in (pack_rows(codes), scales, zeros)]
-    out = w4a16_gemv(x.to(DEVICE), *args, group, blocks=(16, max_rows, 1), split_k=split_k,
-                     magic=magic)
+    out = w4a16_gemv(x.to(DEVICE), *args, group, blocks=(16, max_rows, 1), split_k=split_k)
     assert out.dtype == dtype and out.shape == (m, n)
     ref = w4a16_ref(x, pack_rows(codes), scales, zeros, group)
     assert rel_err(out.cpu(), ref) < TOLERANCE[dtype]

@@ -3,7 +3,7 @@ bf16 F.linear on Llama-3.2-1B's projection shapes, 1 to 64 tokens at a time (dec
 device ms per call replayed in a CUDA graph, the kernels' tile and split-K variants, and the
 weight-bytes floor at the measured copy bandwidth.
 
-    python -m pdserve.bench.gpu_w4a16 --out DIR [--tokens 1,4] [--planes]  # a GPU (gpu_kit_env.sh)
+    python -m pdserve.bench.gpu_w4a16 --out DIR          # on a GPU (device call: gpu_kit_env.sh)
     python -m pdserve.bench.gpu_w4a16 --small --out DIR  # the same code on the CPU, tiny shapes
 
 Writes DIR/gpu_w4a16.json and prints one line per (shape, M).
@@ -32,8 +32,7 @@ SMALL_TOKENS = (1, 5)
 PLANE_TILES = tuple((n, w) for n in (32, 64, 128) for w in (4, 8))
 TILES = ((16, 32), (16, 64), (16, 128))  # GEMM (BLOCK_M, BLOCK_N)
 # GEMV (BLOCK_N, max ROWS, num_warps)
-# (16-wide and 4-warp tiles lost at every shape on the H100 and the H200: dropped)
-GEMV_TILES = tuple((n, r, 2) for n in (32, 64) for r in (32, 64))
+GEMV_TILES = tuple((n, r, w) for n in (16, 32, 64) for r in (32, 64) for w in (2, 4))
 SPLITS = (1, 2, 4, 8, 16)
 GROUP = 128
 
@@ -73,38 +72,34 @@ def _layer(n: int, k: int, device: torch.device, group: int) -> tuple[Any, torch
     return layer, dequantize(w).to(device)
 
 
-def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool, planes: bool
+def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool
               ) -> dict[str, Callable[[], torch.Tensor]]:
-    """Name -> call: the layer (its default path), every GEMM tile and split, for M <=
-    GEMV_MAX_TOKENS every GEMV tile and split, each with its codes widened by conversions and
-    by bit patterns ("_magic"); with `planes` the nibble-plane kernel's tiles and splits."""
+    """Name -> call: the layer (its default path), every GEMM tile and split, and for
+    M <= GEMV_MAX_TOKENS every GEMV tile and split."""
     from kernels.w4a16 import w4a16_linear
     from kernels.w4a16_gemv import GEMV_MAX_TOKENS, w4a16_gemv
     from kernels.w4a16_planes import planes_fit, w4a16_planes_linear
 
     args = (layer.qweight, layer.scales, layer.zeros, group)
     calls: dict[str, Callable[[], torch.Tensor]] = {"w4a16_auto": lambda: layer(x)}
-    for magic, tag in ((False, ""), (True, "_magic")):
-        for tile in TILES if cuda else TILES[:1]:
-            for split in SPLITS if cuda else SPLITS[:2]:
-                calls[f"w4a16_{tile[0]}x{tile[1]}_s{split}{tag}"] = \
-                    lambda t=tile, s=split, g=magic: w4a16_linear(x, *args, t, s, magic=g)
-        for tile in (GEMV_TILES if cuda else GEMV_TILES[:1]) if m <= GEMV_MAX_TOKENS else ():
-            for split in SPLITS[:4] if cuda else SPLITS[:2]:
-                calls[f"w4a16_gemv_{tile[0]}r{tile[1]}w{tile[2]}_s{split}{tag}"] = \
-                    lambda t=tile, s=split, g=magic: w4a16_gemv(x, *args, t, s, magic=g)
+    for tile in TILES if cuda else TILES[:1]:
+        for split in SPLITS if cuda else SPLITS[:2]:
+            calls[f"w4a16_{tile[0]}x{tile[1]}_s{split}"] = \
+                lambda t=tile, s=split: w4a16_linear(x, *args, t, s)
     block_m = max(16, min(64, 1 << (m - 1).bit_length()))
-    for block_n, warps in (PLANE_TILES if cuda else PLANE_TILES[:1]) \
-            if planes and planes_fit(group) else ():
+    for block_n, warps in (PLANE_TILES if cuda else PLANE_TILES[:1]) if planes_fit(group) else ():
         for split in (None, *SPLITS) if cuda else (None,):
             calls[f"w4a16_planes_{block_m}x{block_n}w{warps}_s{split or 'auto'}"] = \
                 lambda t=(block_m, block_n, warps), s=split: w4a16_planes_linear(x, *args, t, s)
+    for tile in (GEMV_TILES if cuda else GEMV_TILES[:1]) if m <= GEMV_MAX_TOKENS else ():
+        for split in SPLITS[:4] if cuda else SPLITS[:2]:
+            calls[f"w4a16_gemv_{tile[0]}r{tile[1]}w{tile[2]}_s{split}"] = \
+                lambda t=tile, s=split: w4a16_gemv(x, *args, t, s)
     return calls
 
 
 def shape_rows(name: str, n: int, k: int, device: torch.device, group: int,
-               bandwidth: float | None, tokens: tuple[int, ...], planes: bool
-               ) -> list[dict[str, Any]]:
+               bandwidth: float | None, tokens: tuple[int, ...]) -> list[dict[str, Any]]:
     layer, exact = _layer(n, k, device, group)
     dense = exact.to(torch.bfloat16)
     rows = []
@@ -114,7 +109,7 @@ def shape_rows(name: str, n: int, k: int, device: torch.device, group: int,
         row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m,
                                "bf16_linear_ms": device_ms(lambda x=x: F.linear(x, dense), device)}
         errors = {}
-        for label, call in _variants(m, x, layer, group, device.type == "cuda", planes).items():
+        for label, call in _variants(m, x, layer, group, device.type == "cuda").items():
             errors[label] = ((call().float() - expected).norm() / expected.norm()).item()
             row[f"{label}_ms"] = device_ms(call, device)
         row["rel_err"] = errors["w4a16_auto"]
@@ -138,21 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--small", action="store_true", help="tiny shapes (the CPU)")
-    parser.add_argument("--tokens", default=None, help="comma-separated M values")
-    parser.add_argument("--planes", action="store_true",
-                        help="also the nibble-plane kernel (kernels/w4a16_planes.py)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     shapes, group = (SMALL_SHAPES, GROUP) if args.small else (SHAPES, GROUP)
-    tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else (
-        SMALL_TOKENS if args.small else TOKENS)
+    tokens = SMALL_TOKENS if args.small else TOKENS
     bandwidth = copy_bandwidth(device)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "group_size": group, "copy_bandwidth_bytes_per_s": bandwidth, "rows": []}
     for name, (n, k) in shapes.items():
-        report["rows"] += shape_rows(name, n, k, device, group, bandwidth, tokens,
-                                     args.planes)
+        report["rows"] += shape_rows(name, n, k, device, group, bandwidth, tokens)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_w4a16.json").write_text(json.dumps(report, indent=2))
     return 0
