@@ -402,3 +402,19 @@ def test_checkpoint_on_the_gpu_agrees_with_it_dequantized(tiny_llama_dir: str,
     w = dequantized["model.layers.0.mlp.gate_proj.weight"].cuda()
     gate = layer.mlp.gate_up_proj(x)[:, :128]
     assert rel_err(gate, x.float() @ w.t()) < 1e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="the W4A16 layer's CUDA paths")
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_layer_on_the_gpu_at_every_path(act_order: bool) -> None:
+    """One token (the GEMV), a decode batch (the split-K GEMM) and a prefill-sized step (W
+    de-quantized, then cuBLAS): each the de-quantized matmul, act-order permutation included."""
+    from engine.quant.w4a16_linear import GEMM_MAX_TOKENS
+
+    w = _random_weight(384, 256, 128, seed=7, symmetric=False, act_order=act_order)
+    layer = W4A16Linear(256, 384, bias=False).to(device="cuda", dtype=torch.bfloat16)
+    layer.weight.weight_loader(layer.weight, slice(None), w, "w")
+    exact = dequantize(w).cuda()
+    for m in (1, 24, GEMM_MAX_TOKENS + 36):
+        x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
+        assert rel_err(layer(x), x.float() @ exact.t()) < 1e-2, m
