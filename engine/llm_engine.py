@@ -74,7 +74,8 @@ class LLMEngine(KVHandoffMixin):
         self._tokenizer = tokenizer
         # what the engine encodes prompts and decodes outputs with: the `tokenizers` library
         # alone where that gives HF's results (engine/text_codec.py), else the HF tokenizer
-        self.codec = tokenizer or load_text_codec(config.model) or self.tokenizer
+        self.codec = tokenizer if tokenizer is not None else (
+            load_text_codec(config.model) or self.tokenizer)
         self.runner = ModelRunner(config)
         self.max_model_len = config.scheduler.max_model_len
         capacity = self.runner.num_blocks * config.cache.block_size
