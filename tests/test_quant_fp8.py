@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.llm import build_engine_config
 from engine.model_loader import iter_model_weights
-from engine.quant.fp8 import Fp8Linear, Fp8Weight, dequantize, quantize_weight
+from engine.quant.fp8 import W8A16_MAX_TOKENS, Fp8Linear, Fp8Weight, dequantize, quantize_weight
 from kernels.fp8 import (
     FP8,
     quantize_rows_ref,
@@ -81,7 +81,7 @@ def test_quantizer_is_per_channel_and_exact_for_a_zero_row() -> None:
 
 
 @pytest.mark.skipif(not CUDA, reason="torch._scaled_mm needs a CUDA GPU")
-@pytest.mark.parametrize("m", [1, 64, 256])
+@pytest.mark.parametrize("m", [1, 12, 64, 256])  # the GEMV, W8A16, then _scaled_mm
 def test_scaled_mm_and_the_layer_match_the_reference_on_the_gpu(m: int) -> None:
     if not scaled_mm_supported(torch.device("cuda"), 256, 512):
         pytest.skip("no fp8 tensor cores (compute capability < 8.9)")
@@ -94,7 +94,8 @@ def test_scaled_mm_and_the_layer_match_the_reference_on_the_gpu(m: int) -> None:
     layer.weight.weight_loader(layer.weight, slice(None), w, "w")
     assert layer.use_scaled_mm
     exact = x.float() @ dequantize(w).t()
-    assert rel_err(layer(x), exact) < 0.06  # activations in fp8 too
+    # activations in fp8 too from 17 tokens; up to 16 the W8A16 GEMM keeps them in bf16
+    assert rel_err(layer(x), exact) < (1e-2 if m <= W8A16_MAX_TOKENS else 0.06)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from engine.text_codec import TextCodec, load_codec
 
 TEXTS = [
     "Hello, world!", "  leading and trailing spaces  ", "tabs\tand\nnewlines\r\n",
-    "naïve café — “quotes” 日本語 🚀 emoji", "don't , . ! ? isn't", "<|im_start|>user\nhi<|im_end|>",
+    "naïve café — “quotes” 日本語 🚀 emoji", "don't , . ! ? isn't",
+    "<|im_start|>user\nhi<|im_end|>",
     "x" * 300, "def f(a, b):\n    return a + b  # comment", "1234567890 3.14159 -42",
     " <|endoftext|> between <|im_end|>", "\u00a0non-breaking\u2009thin", "",
 ]

@@ -11,6 +11,8 @@ Where `Fp8Linear` computes (the weights stay fp8 everywhere; half the bytes of b
                                                     them (engine/models/gemv_plan.py: with the
                                                     RMSNorm / SwiGLU fusions, as for bf16),
                                                     else the FP8-weight GEMV (kernels/fp8_gemv.py)
+    CUDA, steps of <= W8A16_MAX_TOKENS tokens,      W8A16 Triton GEMM (kernels/fp8_w8a16.py):
+    activations scaled per token at run time        x kept in bf16 (faster there, and exact)
     CUDA, capability >= 8.9, bf16, dims % 16 == 0   per-token fp8 x (kernels/fp8_quant.py),
                                                     torch._scaled_mm with rowwise scales
     other CUDA                                      W8A16 Triton GEMM (kernels/fp8_w8a16.py)
@@ -36,6 +38,12 @@ from kernels.fp8 import (
 )
 
 FP8_METHOD = "fp8"
+# Up to this many tokens the W8A16 GEMM beat per-token quantization + torch._scaled_mm on every
+# 1B projection on an H200 (8 and 16 tokens: 6.6-7.1 against 9.7-9.9 us for qkv and o, 14.2-23.0
+# against 15.0-24.1 for gate_up and down) and lost from 32 (docs/benchmarks.md); its error is
+# bf16's (1.7e-3 against the fp8 weights' product, 2.7e-2 with fp8 activations). Checkpoints
+# with a static input scale keep their W8A8 arithmetic.
+W8A16_MAX_TOKENS = 16
 
 
 @dataclass
@@ -151,7 +159,8 @@ class Fp8Linear(nn.Module):
         x = x.contiguous()
         if x.shape[0] <= GEMV_MAX_TOKENS:  # the planned GEMV, or kernels/fp8_gemv.py
             return dense_linear(x, self.qweight)
-        if not self.use_scaled_mm or x.dtype != torch.bfloat16:
+        if (not self.use_scaled_mm or x.dtype != torch.bfloat16
+                or (x.shape[0] <= W8A16_MAX_TOKENS and self.input_scale is None)):
             return w8a16_linear(x, self.qweight, self.weight_scale)
         if self.input_scale is None:
             xq, x_scale = quantize_rows(x)
