@@ -35,11 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.bench.gpu_w4a16 import copy_bandwidth, device_ms
+from pdserve.bench.gpu_w4a16 import SHAPES, copy_bandwidth, device_ms
 
-# name "K x N": (N, K), HF's [out, in]; Llama-3.2-1B's fused qkv, o, fused gate_up, down
-SHAPES = {"qkv 2048x3072": (3072, 2048), "o 2048x2048": (2048, 2048),
-          "gate_up 2048x16384": (16384, 2048), "down 8192x2048": (2048, 8192)}
 SMALL_SHAPES = {"64x64": (64, 64), "64x128": (128, 64)}
 TOKENS = (8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 SMALL_TOKENS = (16, 40)

@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="tiny shapes (the CPU)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
-    shapes, group = (SMALL_SHAPES, GROUP) if args.small else (SHAPES, GROUP)
-    tokens = SMALL_TOKENS if args.small else TOKENS
+    shapes, tokens = (SMALL_SHAPES, SMALL_TOKENS) if args.small else (SHAPES, TOKENS)
+    group = GROUP
     bandwidth = copy_bandwidth(device)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
