@@ -3,7 +3,9 @@
 The pool gets a new id per process start, so a prefill worker holding a handle of an earlier
 process is refused (KVTarget) before it writes anything. Data planes start on demand: the CUDA
 IPC handle is exported when asked for, a NIXL agent is created on the first DescribeKV that
-names nixl (an agent costs a UCX context; most CPU deployments never use one).
+names nixl (an agent costs a UCX context; most CPU deployments never use one). A description
+with a data plane's export also names the worker's commit doorbell, if it has one
+(pdserve/transport/doorbell.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class PoolExporter:
         self.offered = offered_transports(configured, pool.device.type, nixl_wanted(configured))
         self._planes: dict[str, DataPlane] = {}
         self._exports: dict[str, dict[str, Any]] = {}
+        self.doorbell = ""  # the commit doorbell's name, published with a data plane's export
 
     def describe(self, wanted: list[str]) -> PoolInfo:
         """The pool, with the exports of the planes both sides have (started if need be). A
@@ -47,6 +50,8 @@ class PoolExporter:
             except Exception as exc:  # noqa: BLE001 - a plane that cannot start is not offered
                 logger.warning("KV transport %s unavailable: %s", name, exc)
                 self.offered = tuple(t for t in self.offered if t != name)
+        if fields:  # a data plane's push may ring the doorbell with its commit
+            fields["doorbell"] = self.doorbell
         return PoolInfo(
             pool_id=self.pool_id, host_id=host_id(), layout=self.layout,
             num_blocks=self.pool.shape[2], device_type=self.pool.device.type,

@@ -26,6 +26,10 @@ physical ids first (becoming the current push, as a newer PushKV does), writes i
 one-sided, and announces each slab written with KVWritten on its PushKV stream (the last one
 inside the commit). Generate's first message grants the blocks to push 1 ahead (`grant`), so
 the first prefill worker needs no KVTarget rpc: one round trip less before the first write.
+A data-plane push on this host also rings the commit doorbell as it sends its commit
+(pdserve/transport/doorbell.py): the engine thread commits the request between steps
+(`ring`) and the commit chunk, when it comes, only confirms it. State a doorbell reads and
+changes (the current push, committing) is changed under `_lock` on both threads.
 This side cannot stop such writes, so it fences them in time instead:
 
     KVTarget while an older data-plane push is open ─▶ waits for it to end (up to the grace
@@ -46,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -61,6 +66,7 @@ from engine.sampling_params import SamplingParams
 from pdserve.cluster.grpc_server import NotFoundError, PreconditionError
 from pdserve.cluster.worker import TransferStats
 from pdserve.transport.base import GRPC, PoolInfo
+from pdserve.transport.doorbell import Ring
 from protos import decode_pb2
 
 logger = logging.getLogger(__name__)
@@ -83,6 +89,8 @@ class Pending:
     error: str | None = None
     pushes: int = 0  # PushKV streams begun for the request; the latest one owns the blocks
     committing: bool = False
+    streaming: int = 0  # the latest data-plane push whose stream's header was read here
+    rung: int = 0  # the push whose doorbell committed the request (0: none)
     one_sided: bool = False  # KVTarget handed the block ids to a data-plane writer
     writers: int = 0  # open data-plane push streams of the request
     writers_idle: asyncio.Event = field(default_factory=lambda: _set(asyncio.Event()))
@@ -107,6 +115,8 @@ class KVReceiver:
         self.pending: dict[str, Pending] = {}
         self.stats = TransferStats()
         self._fenced: dict[str, asyncio.Task] = {}  # frees waiting for data-plane writers
+        self._lock = threading.Lock()  # the event loop's and the doorbell's (engine thread)
+        self._loop = asyncio.get_running_loop()
 
     async def expect(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -181,11 +191,12 @@ class KVReceiver:
         grpc push supersedes the grant."""
         if not any(self.exporter.accepts(t) for t in self.exporter.offered if t != GRPC):
             return None
-        pending = self._waiting_for_kv(request_id)
-        assert pending.block_ids is not None
-        pending.pushes += 1
-        pending.one_sided = True
-        return self.exporter.pool_id, list(pending.block_ids), pending.pushes
+        with self._lock:
+            pending = self._waiting_for_kv(request_id)
+            assert pending.block_ids is not None
+            pending.pushes += 1
+            pending.one_sided = True
+            return self.exporter.pool_id, list(pending.block_ids), pending.pushes
 
     def describe(self, wanted: list[str]) -> PoolInfo:
         """This worker's pool for a prefill worker that could use `wanted` data planes."""
@@ -205,12 +216,32 @@ class KVReceiver:
         if pending.writers:  # an older writer may still be writing: let it finish first
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(pending.writers_idle.wait(), self.write_grace_s)
+        with self._lock:
             pending = self._waiting_for_kv(request_id)
-        assert pending.block_ids is not None
-        pending.pushes += 1
-        pending.one_sided = True
-        pending.progress_at = time.monotonic()
-        return list(pending.block_ids), pending.pushes
+            assert pending.block_ids is not None
+            pending.pushes += 1
+            pending.one_sided = True
+            pending.progress_at = time.monotonic()
+            return list(pending.block_ids), pending.pushes
+
+    def ring(self, ring: Ring) -> None:
+        """A commit doorbell's record, on the engine thread (`AsyncLLMEngine.between_steps`):
+        commit the request now if the ringing push is its current one, its stream is open here
+        (the header read: that stream then ends in the commit or is cut) and nothing ended the
+        request; else ignore the record (the push's commit chunk, or its absence, decides as
+        without a doorbell). The request's Generate is woken on the event loop."""
+        with self._lock:
+            pending = self.pending.get(ring.request_id)
+            if (pending is None or pending.block_ids is None or pending.done.is_set()
+                    or pending.committing or pending.pushes != ring.push_id
+                    or pending.streaming != ring.push_id):  # else its stream commits
+                return
+            pending.committing = True
+            pending.rung = ring.push_id
+        handover_trace.mark(ring.request_id, "commit_in")
+        self.engine.commit_here(ring.request_id, ring.first_token_id, None)
+        self.stats.doorbell_commits += 1
+        self._loop.call_soon_threadsafe(pending.done.set)
 
     def _waiting_for_kv(self, request_id: str) -> Pending:
         """The request's Pending if a push may still write its KV; NotFoundError if not."""
@@ -253,27 +284,38 @@ class KVReceiver:
         pending = self._waiting_for_kv(request_id)
         transport = header.transport or GRPC
         if transport == GRPC:
-            pending.pushes += 1
-            push = pending.pushes
+            with self._lock:
+                pending = self._waiting_for_kv(request_id)
+                pending.pushes += 1
+                push = pending.pushes
         else:  # the push KVTarget named
             if not self.exporter.accepts(transport):
                 raise ValueError(f"KV transport {transport!r} is not offered here")
-            if header.push_id != pending.pushes:
-                raise PushCut("a newer push of the request took over its blocks")
-            push = header.push_id
+            with self._lock:
+                if header.push_id != pending.pushes:
+                    raise PushCut("a newer push of the request took over its blocks")
+                push = pending.streaming = header.push_id
             pending.writers += 1
             pending.writers_idle.clear()
         started = time.perf_counter()
         try:
             received, commit, first_slab_at = await self._write_all(
                 header, pending, push, chunks, transport)
-            pending.committing = True  # from here the engine may hold the request
-            handover_trace.mark(request_id, "commit_in")
-            await self.engine.commit_remote(request_id, commit.first_token_id,
-                                            first_logprobs(commit))
+            with self._lock:
+                rung = pending.rung == push  # the doorbell committed it already
+                pending.committing = True  # from here the engine may hold the request
+            if not rung:
+                handover_trace.mark(request_id, "commit_in")
+                await self.engine.commit_remote(request_id, commit.first_token_id,
+                                                first_logprobs(commit))
         except BaseException as exc:
             superseded = pending.pushes != push  # whatever it did wrong, it owns nothing now
             cut = isinstance(exc, (asyncio.CancelledError, PushCut)) and not pending.committing
+            if pending.rung == push and isinstance(exc, (asyncio.CancelledError, PushCut)):
+                # its doorbell committed the request (every block written): nothing is lost
+                logger.info("[%s] KV push ended after its doorbell: %s", request_id,
+                            _reason(exc))
+                raise
             if not (superseded or cut):
                 await self._fail(request_id, pending, exc)
                 raise
@@ -371,10 +413,10 @@ def _reason(exc: BaseException) -> str:
 def _check_current(request_id: str, pending: Pending, push: int) -> None:
     """PushCut once a newer push of the request took over its blocks; NotFoundError once `drop`
     ended the request mid-transfer (timeout, cancelled Generate, Abort): its blocks are freed,
-    maybe another request's already."""
+    maybe another request's already. A push whose doorbell committed the request is current."""
     if pending.pushes != push:
         raise PushCut("a newer push of the request took over its blocks")
-    if pending.done.is_set():
+    if pending.done.is_set() and pending.rung != push:
         raise NotFoundError(
             f"request {request_id!r} was dropped while its KV arrived: {pending.error}"
         )

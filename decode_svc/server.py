@@ -17,6 +17,8 @@ from pdserve.cluster.worker import (
     run_worker,
     watch_cancellations,
 )
+from pdserve.transport.base import GRPC
+from pdserve.transport.doorbell import DoorbellListener
 
 DEFAULT_PORT = 50061
 
@@ -35,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="after a request whose KV a data plane (cuda_ipc, nixl) writes is dropped, "
                   "seconds its blocks stay reserved once the writing pushes ended (a cancelled "
                   "sender's last write may still land)")
+    add_flag(parser, "--kv-doorbell", "on", choices=["on", "off"],
+             help="on: a data-plane push from this host commits its request through a Unix "
+                  "datagram the engine thread reads between steps, ahead of its gRPC commit "
+                  "(pdserve/transport/doorbell.py); off: the gRPC commit alone")
     add_flag(parser, "--kv-wait-max-requests", 64, type=int,
              help="Generates that may wait for free KV blocks at a time; more get "
                   "RESOURCE_EXHAUSTED at once")
@@ -47,17 +53,31 @@ async def serve(args: argparse.Namespace) -> None:
     await asyncio.to_thread(engine.engine.runner.kv_view)  # every rank's pool mapped here
     receiver = KVReceiver(engine, KVWaitConfig(args.kv_wait_seconds, args.kv_wait_max_requests),
                           exporter, args.kv_write_grace_seconds, args.kv_timeout)
+    doorbell = None
+    if args.kv_doorbell == "on" and any(t != GRPC for t in exporter.offered):
+        doorbell = DoorbellListener(exporter.pool_id)
+        exporter.doorbell = doorbell.name
+        engine.between_steps(lambda: _answer(doorbell, receiver))
+        doorbell.wake_on_ring(engine.wake)
     cancels = watch_cancellations(args, receiver.drop)
     servicer = DecodeServicer(engine, receiver, args.kv_timeout, cancels)
 
     async def on_stop() -> None:
         await cancels.stop()
         exporter.close()
+        if doorbell is not None:
+            doorbell.close()
 
     await run_worker(
         args, "decode", engine, lambda s: add_to_server(servicer, s),
         receiver.stats, on_stop,
     )
+
+
+def _answer(doorbell: DoorbellListener, receiver: KVReceiver) -> None:
+    """The engine thread, before each step: commit what rang since."""
+    for ring in doorbell.drain():
+        receiver.ring(ring)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -72,6 +72,7 @@ class AsyncLLMEngine:
         # Engine thread only: reservations queued for free blocks -> the future their blocks
         # (or None: aborted while queued) are handed to.
         self._granted: dict[str, asyncio.Future] = {}
+        self._polls: list[Callable[[], None]] = []  # `between_steps`
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
         engine.runner.on_rank_failure(lambda exc: self._commands.put(_Failed(exc)))
@@ -173,6 +174,25 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine loop has failed") from self._error
         self._commands.put((self._commit, (request_id, first_token_id, logprobs), None, None))
 
+    def between_steps(self, poll: Callable[[], None]) -> None:
+        """Call `poll()` on the engine thread before each round of queued commands, that is
+        before every step, without waiting for any event loop (a KV commit doorbell: it may
+        call `commit_here`). Exceptions it raises fail the engine loop."""
+        self._polls.append(poll)
+
+    def wake(self) -> None:
+        """Wake the engine thread if it idles, so it runs its `between_steps` polls (from any
+        thread: a doorbell's waker)."""
+        self._commands.put((_nothing, (), None, None))
+
+    def commit_here(
+        self, request_id: str, first_token_id: int, logprobs: tuple[float, dict] | None
+    ) -> None:
+        """`commit_remote` for a caller on the engine thread (a `between_steps` poll): the
+        request joins the step about to be scheduled."""
+        assert threading.current_thread() is self._thread, "commit_here: engine thread only"
+        self._commit(request_id, first_token_id, logprobs)
+
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Load an adapter now (`LLMEngine.add_lora`: ValueError if it is bad)."""
         await self.call(self.engine.add_lora, lora_request)
@@ -271,6 +291,8 @@ class AsyncLLMEngine:
             try:
                 if self._profiler is not None and not self.engine.has_work():
                     self._profiler.idle()
+                for poll in self._polls:
+                    poll()
                 self._run_commands(block=not self.engine.has_work())
                 outputs = []
                 if not self._stopping and self.engine.has_work():
@@ -367,6 +389,10 @@ class AsyncLLMEngine:
         dead.__cause__ = exc
         for future in self._granted.values():
             future.get_loop().call_soon_threadsafe(_settle, future, None, dead)
+
+
+def _nothing() -> None:
+    """`wake`'s command."""
 
 
 def _hand_over(loop: asyncio.AbstractEventLoop) -> None:

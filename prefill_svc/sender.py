@@ -6,7 +6,9 @@
     slab, slab, ...                                  as `KVPush.next_slab` hands them out: layer
                                                      groups and blocks the engine noted final
     commit (first token, its logprobs)               once the first token is sampled and every
-                                                     layer x block has gone
+                                                     layer x block has gone; over a data plane
+                                                     also rung on the peer's doorbell when it is
+                                                     on this host (`_ring`)
 
 The slabs' bytes travel in the stream (grpc) or over the data plane chosen for the decode
 worker (`prefill_svc/planes.py`: cuda_ipc, nixl): then the decode worker's grant (passed on by
@@ -40,7 +42,8 @@ from pdserve.cluster.convert import logprobs_to_pb
 from pdserve.cluster.grpc_server import open_channel
 from pdserve.cluster.tls import PLAINTEXT, TLSConfig
 from pdserve.cluster.worker import TransferStats
-from pdserve.transport.base import GRPC, DataPlane, Peer
+from pdserve.transport.base import GRPC, DataPlane, Peer, host_id
+from pdserve.transport.doorbell import DoorbellSender, Ring
 from prefill_svc.planes import PeerPlanes
 from prefill_svc.push import KVPush, SlabTicket
 from prefill_svc.slab_stager import SlabStager, cells
@@ -84,6 +87,7 @@ class PushKVSender:
         self.plane_slab_bytes = plane_slab_bytes
         self.stats = TransferStats()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._doorbell: DoorbellSender | None = None
 
     def new_push(self, request_id: str, num_tokens: int, skip_blocks: int = 0) -> KVPush:
         """An empty push of this worker's layout and slab size, for the engine to fill; its
@@ -202,7 +206,9 @@ class PushKVSender:
                     if push.first is None:  # more may take a while: announce it now
                         yield _written_chunk(last)
                         last = None
-            yield self._commit(push, last)
+            commit = self._commit(push, last)
+            self._ring(push, peer, target.push_id)
+            yield commit
         finally:
             writing.cancel()  # a write under way finishes in its thread, its result unread
 
@@ -227,6 +233,20 @@ class PushKVSender:
             return None
         push.sent(ticket, nbytes)
         return decode_pb2.KVWritten(layer_start=l0, layer_end=l1, block_start=b0, block_end=b1)
+
+    def _ring(self, push: KVPush, peer: Peer, push_id: int) -> None:
+        """Every slab is in the peer's blocks: ring its commit doorbell, when it has one on
+        this host, so its engine commits the request without waiting for the commit chunk
+        (pdserve/transport/doorbell.py). Not for a first token with logprobs (the record has
+        no room for them): that commit goes in the chunk alone."""
+        doorbell = peer.info.doorbell
+        assert push.first is not None
+        if not doorbell or push.first[1] is not None or peer.info.host_id != host_id():
+            return
+        if self._doorbell is None:
+            self._doorbell = DoorbellSender()
+        self._doorbell.ring(doorbell, Ring(push.request_id, push_id, push.first[0],
+                                           peer.info.pool_id))
 
     def _header(self, push: KVPush, transport: str = GRPC, push_id: int = 0) -> bytes:
         return decode_pb2.KVChunk(header=decode_pb2.KVHeader(
@@ -258,6 +278,8 @@ class PushKVSender:
             await self._drop_channel(address)
         if self.planes is not None:
             self.planes.close()
+        if self._doorbell is not None:
+            self._doorbell.close()
 
 
 def _written_chunk(written: decode_pb2.KVWritten) -> bytes:

@@ -61,7 +61,10 @@ def _counter(metrics_address: str, name: str, **labels: str) -> float:
 
 def test_the_first_prefill_writes_into_the_granted_blocks(cluster):
     """The first push to the decode worker describes it (no grant yet: nothing exported); every
-    later one writes into the blocks its Generate granted. All KV goes over nixl."""
+    later one writes into the blocks its Generate granted. All KV goes over nixl, and the
+    pushes ring the decode worker's commit doorbell (both on this host): its engine commits
+    them ahead of their commit chunks (all but one that lost the race would do)."""
+    rung = _worker_counter(cluster, "decode", "kv_transfer_doorbell_commits")
     first = asyncio.run(_complete(cluster, PROMPTS[0]))
     granted = _worker_counter(cluster, "prefill", "kv_transfer_granted_pushes")
     grpc_bytes = _worker_counter(cluster, "decode", "kv_transfer_bytes", transport="grpc")
@@ -70,6 +73,7 @@ def test_the_first_prefill_writes_into_the_granted_blocks(cluster):
     assert _worker_counter(cluster, "prefill", "kv_transfer_granted_pushes") == granted + 2
     assert _worker_counter(cluster, "decode", "kv_transfer_bytes", transport="grpc") == grpc_bytes
     assert _worker_counter(cluster, "decode", "kv_transfer_bytes", transport="nixl") > 0
+    assert _worker_counter(cluster, "decode", "kv_transfer_doorbell_commits") >= rung + 1
     _assert_no_blocks_held(cluster)
 
 

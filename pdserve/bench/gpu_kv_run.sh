@@ -39,7 +39,7 @@ if [ "${TESTS:-1}" = 1 ]; then
     status=${PIPESTATUS[0]}
 fi
 MODEL=/tmp/model-1b-16k
-python3 - "$MODEL" <<'PY'
+[ -f "$MODEL/config.json" ] || python3 - "$MODEL" <<'PY'
 import sys
 from pathlib import Path
 from pdserve.bench.gpu_model import ModelShape, save_stand_in_tokenizer

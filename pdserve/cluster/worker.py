@@ -164,6 +164,9 @@ class TransferStats:
     write_seconds: float = 0.0
     # blocks of completed pushes not moved: the decode worker's prefix cache held them
     skipped_blocks: int = 0
+    # decode: requests committed by their push's doorbell (pdserve/transport/doorbell.py)
+    # before the commit chunk came
+    doorbell_commits: int = 0
 
     def record(self, num_bytes: int, seconds: float, transport: str = "grpc") -> None:
         self.bytes += num_bytes
@@ -192,6 +195,7 @@ class TransferStats:
             "kv_transfer_granted_pushes": self.granted,
             "kv_transfer_write_seconds": self.write_seconds,
             "kv_transfer_skipped_blocks": self.skipped_blocks,
+            "kv_transfer_doorbell_commits": self.doorbell_commits,
         }
 
     def by_transport(self) -> dict[str, dict[str, float]]:

@@ -52,6 +52,7 @@ class PoolInfo:
     nixl_metadata: bytes = b""
     nixl_pool_address: int = 0
     nixl_device_id: int = 0
+    doorbell: str = ""  # the commit doorbell's name on this host (pdserve/transport/doorbell.py)
 
 
 @dataclass
