@@ -9,7 +9,8 @@
 # write per push) with the decode worker's stamps on (PDSERVE_HANDOVER_TRACE=1), ROUNDS times
 # (default 2): with BUSY (default 4) other requests decoding, the doorbell on, then off
 # (PDSERVE_KV_DOORBELL); then once idle with it on. Each run's report and decode worker log in
-# $OUT/<busy|idle>_<on|off>_<round>/. GPU_TESTS, when set, runs those test files first.
+# <busy|idle>_<on|off>_<round>/ of $OUT/runs.tgz. GPU_TESTS, when set, runs those test files
+# first.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench_results/gpu_handover}
@@ -44,4 +45,6 @@ for round in $(seq 1 "$ROUNDS"); do
     run "busy_off_$round" off "$BUSY"
 done
 run idle_on_1 on 0
+# one archive: the device tool brings back a few files per call
+(cd "$OUT" && tar czf runs.tgz busy_* idle_* && rm -rf busy_* idle_*)
 exit $status
