@@ -97,15 +97,23 @@ def test_gemv_rmsnorm_matches_reference(dtype, m, with_residual):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_gemv_rmsnorm_swiglu_matches_reference(dtype, m, with_residual):
+@pytest.mark.parametrize("block_k", [64, 16], ids=["one-tile", "k-loop"])
+def test_gemv_rmsnorm_swiglu_matches_reference(dtype, m, with_residual, block_k):
     inter, k = 19, 64  # I odd: the last program's rows clamp
     x, res = randn(m, k, dtype=dtype, seed=m), randn(m, k, dtype=dtype, seed=30 + m)
     res = res if with_residual else None
     nw, w = randn(k, dtype=dtype, seed=8), randn(2 * inter, k, dtype=dtype, seed=9)
-    out, s = gemv_rmsnorm_swiglu(x, res, nw, 1e-5, w, GemvBlocks(4, k, 4))
+    out, s = gemv_rmsnorm_swiglu(x, res, nw, 1e-5, w, GemvBlocks(4, block_k, 4))
     ref_out, ref_s = gemv_rmsnorm_swiglu_ref(x, res, nw, 1e-5, w)
     assert_close(s, ref_s)
     assert_close(out, ref_out)
+
+
+def test_gemv_rmsnorm_swiglu_refuses_a_k_step_that_is_no_power_of_two():
+    x, nw, w = torch.zeros(1, 64), torch.ones(64), torch.zeros(8, 64)
+    for block_k in (24, 8):
+        with pytest.raises(ValueError, match="BLOCK_K"):
+            gemv_rmsnorm_swiglu(x, None, nw, 1e-5, w, GemvBlocks(4, block_k, 4))
 
 
 def test_gemv_refuses_what_it_cannot_take():
@@ -150,9 +158,11 @@ def test_silu_mul_linear_only_where_planned():
         assert silu_mul_linear(gate_up[:1], down) is None  # M = 1: cuBLAS was chosen
 
 
-def _plan_everything(model: torch.nn.Module, swiglu: bool) -> None:
+def _plan_everything(model: torch.nn.Module, swiglu: bool, gated_k_step: int | None = None
+                     ) -> None:
     """Plans as the load would make them on CUDA, every fusion on at M = 1 (tiles for K 64 /
-    128), none above; with `swiglu`, norm + gate_up + SwiGLU in one GEMV too."""
+    128), none above; with `swiglu`, norm + gate_up + SwiGLU in one GEMV too (its K-loop
+    kernel, steps of `gated_k_step`, when given)."""
     from engine.models.gemv_plan import (
         _dense_weights,
         _down_weights,
@@ -174,7 +184,7 @@ def _plan_everything(model: torch.nn.Module, swiglu: bool) -> None:
             w.gemv_norm_plan = GemvPlan(((1, GemvBlocks(4, k, 4)),))
     for (_, k), pairs in _gated_weights(model).items() if swiglu else ():
         for w, _ in pairs:
-            w.gemv_norm_silu_plan = GemvPlan(((1, GemvBlocks(2, k, 4)),))
+            w.gemv_norm_silu_plan = GemvPlan(((1, GemvBlocks(2, gated_k_step or k, 4)),))
 
 
 @pytest.mark.parametrize("swiglu", [False, True], ids=["silu+down", "norm+gate_up+silu"])
@@ -313,7 +323,8 @@ def test_gemv_rmsnorm_swiglu_gpu_full_size(m):
     nw = randn(2048, dtype=torch.bfloat16, seed=3, device="cuda")
     w = randn(16384, 2048, dtype=torch.bfloat16, seed=4, device="cuda", scale=0.02)
     for blocks in (GemvBlocks(1, 2048, 4), GemvBlocks(2, 2048, 4), GemvBlocks(4, 2048, 8),
-                   GemvBlocks(2, 2048, 8, pdl=True)):
+                   GemvBlocks(2, 2048, 8, pdl=True), GemvBlocks(16, 256, 4),
+                   GemvBlocks(8, 512, 4, pdl=True)):
         _poisoned_empty(m, 8192, torch.bfloat16)
         out, s = gemv_rmsnorm_swiglu(x, res, nw, 1e-5, w, blocks)
         ref_out, ref_s = gemv_rmsnorm_swiglu_ref(x, res, nw, 1e-5, w)

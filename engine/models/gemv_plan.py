@@ -70,6 +70,8 @@ SILU_CANDIDATES: dict[int, tuple[GemvBlocks, ...]] = {
 # (BLOCK_N, warps, pdl) of the fused norm kernels (the tile spans K; M = 1 only)
 NORM_ROWS = ((4, 4, False), (4, 8, False), (8, 8, False), (4, 4, True), (4, 8, True))
 GATED_ROWS = ((1, 4, False), (2, 8, False), (1, 4, True), (2, 8, True))  # two tiles each
+# (BLOCK_N, BLOCK_K, warps, pdl): the fused gate_up's K-loop kernel (kernels/fp8_gemv.py's shape)
+GATED_KLOOP = ((16, 256, 4, True), (8, 512, 4, True))
 # FP8 codes (engine/quant/fp8.py): a row is half a bf16 row's bytes, so tiles twice as long
 # along K or twice as many rows keep as many bytes in flight; timed besides the ones above.
 FP8_CANDIDATES: dict[str, dict[int, tuple]] = {
@@ -79,7 +81,8 @@ FP8_CANDIDATES: dict[str, dict[int, tuple]] = {
     "silu+down": {1: (GemvBlocks(8, 2048, 8), GemvBlocks(4, 4096, 8),
                       GemvBlocks(8, 2048, 8, pdl=True))},
     "norm+linear": {1: ((8, 8, True), (16, 8, False))},
-    "norm+gate_up+silu": {1: ((4, 8, False), (4, 8, True))},
+    "norm+gate_up+silu": {1: ((4, 8, False), (4, 8, True), (16, 256, 4, False),
+                              (32, 256, 8, True), (16, 512, 8, True))},
 }
 
 
@@ -141,7 +144,8 @@ def plan_decode_gemv(model: nn.Module, store: PlanStore | None = None) -> dict[s
             for w, _ in pairs:
                 w.gemv_norm_plan = chosen
         for (n, k), pairs in _gated_weights(model).items():
-            tiles = {1: tuple(GemvBlocks(bn, k, warps, pdl) for bn, warps, pdl in GATED_ROWS)}
+            tiles = {1: tuple(GemvBlocks(bn, k, warps, pdl) for bn, warps, pdl in GATED_ROWS)
+                     + tuple(GemvBlocks(*t) for t in GATED_KLOOP if t[1] < k)}
             chosen = plan("norm+gate_up+silu", n, k, pairs, gated_calls, tiles)
             for w, _ in pairs:
                 w.gemv_norm_silu_plan = chosen
@@ -154,9 +158,16 @@ def plan_decode_gemv(model: nn.Module, store: PlanStore | None = None) -> dict[s
 
 def _with_fp8_tiles(what: str, k: int, candidates: dict[int, tuple[GemvBlocks, ...]]
                     ) -> dict[int, tuple[GemvBlocks, ...]]:
-    """`candidates` and FP8_CANDIDATES[what] (norm kernels: their rows spanning K)."""
-    more = {m: tuple(GemvBlocks(t[0], k, t[1], t[2]) if what.startswith("norm") else t
-                     for t in tiles)
+    """`candidates` and FP8_CANDIDATES[what] (norm kernels: (rows, warps, pdl) spanning K, or
+    a K-loop tile of four, kept where its BLOCK_K is shorter than K)."""
+    def tile(t: tuple) -> GemvBlocks | None:
+        if not what.startswith("norm"):
+            return GemvBlocks(*t)
+        if len(t) == 4:
+            return GemvBlocks(*t) if t[1] < k else None
+        return GemvBlocks(t[0], k, t[1], t[2])
+
+    more = {m: tuple(b for t in tiles if (b := tile(t)) is not None)
             for m, tiles in FP8_CANDIDATES.get(what, {}).items()}
     return {m: candidates.get(m, ()) + more.get(m, ()) for m in {*candidates, *more}}
 

@@ -1,6 +1,7 @@
 """Where a batch-1 decode step of the random Llama-3.2-1B shape spends its GPU time (H100).
 
     PYTHONPATH=. python -m pdserve.bench.gpu_decode_profile [--out DIR] [--no-sweep]
+    PYTHONPATH=. python -m pdserve.bench.gpu_decode_profile --systems bf16,fp8,w4a16 [--out DIR]
 
 NOTE: one LLM (bf16, CUDA graphs, the decode GEMV plan made at load: engine/models/gemv_plan.py)
 on a random model built by pdserve/bench/gpu_model.py. Then, in this one process:
@@ -16,6 +17,11 @@ on a random model built by pdserve/bench/gpu_model.py. Then, in this one process
      hooks) and per kernel; greedy tokens and first-step logits with against without.
 Steps 2 and 3: pdserve/bench/gpu_decode_gemms.py, gpu_decode_step.py. Tables print last;
 everything goes to DIR/decode_profile.json.
+
+With `--systems`: per system of pdserve.bench.gpu_quant (bf16, fp8 quantized on load, w4a16 an
+AWQ checkpoint written from the bf16 one) only the step: the batch-1 graph's replay and eager
+tail timed, and the kernels inside the replay (kineto) against the replay's wall time, so what
+the kernels' own time leaves is the launches' gaps. DIR/decode_profile_systems.json.
 """
 
 from __future__ import annotations
@@ -160,6 +166,50 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return report
 
 
+@torch.inference_mode()
+def run_systems(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """`--systems`: each system's batch-1 step (see the NOTE)."""
+    from pdserve.bench.gpu_model import ModelSizes, RandomModel
+    from pdserve.bench.gpu_quant import engine_for
+
+    device = torch.device("cuda")
+    kwargs: dict[str, Any] = {"dtype": "bfloat16", "max_num_seqs": 4,
+                              "kv_cache_memory": 4 << 30}
+    base = RandomModel(ModelSizes(), device, args.seed, args.model_dir, kwargs)
+    report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "systems": {}}
+    for system in args.systems.split(","):
+        source = engine_for(system, base, kwargs)
+        try:
+            runner = source.llm().llm_engine.runner
+            fill_cache(runner)
+            graphs = batch1_graph(runner)
+            steps = [time_step(graphs, runner) for _ in range(5)]
+            kernels = profile_replay(graphs)
+            replay = statistics.median(r for r, _ in steps)
+            in_kernels = sum(v["us_per_step"] for v in kernels.values())
+            report["systems"][system] = {
+                "replay_us": replay, "tail_us": statistics.median(t for _, t in steps),
+                "kernels_us": in_kernels, "gaps_us": replay - in_kernels,
+                "launches": sum(v["calls_per_step"] for v in kernels.values()),
+                "kernels": kernels}
+            log(f"{system}: replay {replay:.1f} us, kernels {in_kernels:.1f} us")
+        finally:
+            source.close_llm()
+        (out / "decode_profile_systems.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def format_systems(r: dict[str, Any]) -> str:
+    lines = [f"batch-1 step by system | {r['gpu']}"]
+    for name, s in r["systems"].items():
+        lines.append(f"\n{name}: replay {s['replay_us']:.1f} us + tail {s['tail_us']:.1f} us; "
+                     f"kernels {s['kernels_us']:.1f} us in {s['launches']:.0f} launches, gaps "
+                     f"{s['gaps_us']:.1f} us")
+        for key, v in sorted(s["kernels"].items(), key=lambda kv: -kv[1]["us_per_step"])[:16]:
+            lines.append(f"  {v['us_per_step']:>7.1f} us {v['calls_per_step']:>5.0f}x  {key[:90]}")
+    return "\n".join(lines)
+
+
 def format_tables(r: dict[str, Any]) -> str:
     rate, nan = r["copy_bytes_per_s"], float("nan")
     lines = [f"decode profile | {r['gpu']} | copy {rate / 1e12:.2f} TB/s", f"plan: {r['plan']}",
@@ -206,9 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-sweep", action="store_true", help="cuBLAS only, no tile sweep")
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens to compare")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--systems", default=None,
+                        help="bf16,fp8,w4a16: only each system's step (see the NOTE)")
     args = parser.parse_args(argv)
     out = Path(args.out or ".")
     out.mkdir(parents=True, exist_ok=True)
+    if args.systems:
+        print(format_systems(run_systems(args, out)), flush=True)
+        return 0
     report = run(args, out)
     (out / "decode_profile.json").write_text(json.dumps(report, indent=1, default=str))
     print(format_tables(report), flush=True)
