@@ -191,7 +191,8 @@ def run_systems(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 "replay_us": replay, "tail_us": statistics.median(t for _, t in steps),
                 "kernels_us": in_kernels, "gaps_us": replay - in_kernels,
                 "launches": sum(v["calls_per_step"] for v in kernels.values()),
-                "kernels": kernels}
+                "kernels": kernels,
+                "plan": getattr(runner.model, "decode_gemv_report", None)}
             log(f"{system}: replay {replay:.1f} us, kernels {in_kernels:.1f} us")
         finally:
             source.close_llm()
@@ -207,6 +208,10 @@ def format_systems(r: dict[str, Any]) -> str:
                      f"{s['gaps_us']:.1f} us")
         for key, v in sorted(s["kernels"].items(), key=lambda kv: -kv[1]["us_per_step"])[:16]:
             lines.append(f"  {v['us_per_step']:>7.1f} us {v['calls_per_step']:>5.0f}x  {key[:90]}")
+        for shape, timed in (s["plan"] or {}).items():
+            lines.append(f"  plan {shape}: {timed['choice']} " + ", ".join(
+                f"{c} {us:.1f}" if isinstance(us, float) else f"{c} {us}"
+                for c, us in timed["us"].items() if c.startswith("M1")))
     return "\n".join(lines)
 
 
