@@ -14,10 +14,10 @@ then reads `a`. The roundings are those of the three kernels it replaces. An FP8
 multiply g and u before they are rounded (kernels/gemv.py).
 
 A tile whose BLOCK_K is shorter than K takes the K-loop kernel instead (kernels/fp8_gemv.py's
-shape, the one that streams FP8 gate_up rows fastest on an H200: many rows, short steps along
-K, products summed once at the end): it norms the whole row first only for its rstd, then per
-step re-reads its [BM, BLOCK_K] slice of s (from L2), norms and weights it as above, and
-multiplies it into [BLOCK_N, BLOCK_K] tiles of both halves.
+shape, the one that streams FP8 gate_up rows fastest on an H200: one token row per program,
+short steps along K, products summed once at the end): it norms the whole row first only for
+its rstd, then per step re-reads its BLOCK_K slice of s (from L2), norms and weights it as
+above, and multiplies it into [BLOCK_N, BLOCK_K] tiles of both halves.
 """
 
 from __future__ import annotations
@@ -99,18 +99,17 @@ def _gemv_rmsnorm_swiglu_kloop_kernel(
     stride_om,
     stride_sm,
     K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """Grid (M, I / BLOCK_N): one token row per program, as kernels/fp8_gemv.py."""
     dtype = out_ptr.dtype.element_ty
-    rm = tl.arange(0, BLOCK_M)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rb = tl.arange(0, BLOCK_K)
-    rows = tl.minimum(rm, M - 1).to(tl.int64)[:, None]  # [BM, 1]
     gate_rows = w_ptr + tl.minimum(rn, inter - 1).to(tl.int64)[:, None] * stride_wn  # [BN, 1]
     up_rows = gate_rows + inter * stride_wn
     w_gate = tl.load(gate_rows + rb[None, :])  # the first step's tiles, before the wait
@@ -119,40 +118,37 @@ def _gemv_rmsnorm_swiglu_kloop_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     rk = tl.arange(0, K)
-    s = tl.load(x_ptr + rows * stride_xm + rk[None, :]).to(tl.float32)  # [BM, K]
+    s = tl.load(x_ptr + m * stride_xm + rk).to(tl.float32)  # [K]
     if HAS_RESIDUAL:
-        s += tl.load(res_ptr + rows * stride_rm + rk[None, :]).to(tl.float32)
-        s = s.to(dtype).to(tl.float32)
-        if tl.program_id(0) == 0:
-            tl.store(res_out_ptr + rm.to(tl.int64)[:, None] * stride_sm + rk[None, :],
-                     s.to(dtype), mask=rm[:, None] < M)
-    rstd = tl.math.rsqrt(tl.sum(s * s, axis=1) / K + eps)[:, None]  # [BM, 1]
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        s = (s + tl.load(res_ptr + m * stride_rm + rk).to(tl.float32)).to(dtype).to(tl.float32)
+        if tl.program_id(1) == 0:
+            tl.store(res_out_ptr + m * stride_sm + rk, s.to(dtype))
+    rstd = tl.math.rsqrt(tl.sum(s * s, axis=0) / K + eps)
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         kk = k + rb
         if k > 0:
             w_gate = tl.load(gate_rows + kk[None, :])
             w_up = tl.load(up_rows + kk[None, :])
-        sk = tl.load(x_ptr + rows * stride_xm + kk[None, :]).to(tl.float32)  # [BM, BK]
+        sk = tl.load(x_ptr + m * stride_xm + kk).to(tl.float32)  # [BK]
         if HAS_RESIDUAL:
-            sk = (sk + tl.load(res_ptr + rows * stride_rm + kk[None, :]).to(tl.float32)
-                  ).to(dtype).to(tl.float32)
+            sk = (sk + tl.load(res_ptr + m * stride_rm + kk).to(tl.float32)).to(dtype)
+            sk = sk.to(tl.float32)
         normed = (sk * rstd).to(dtype).to(tl.float32)
-        xk = (tl.load(nw_ptr + kk).to(tl.float32)[None, :] * normed).to(dtype).to(tl.float32)
-        acc_g += xk[:, None, :] * w_gate.to(tl.float32)[None, :, :]
-        acc_u += xk[:, None, :] * w_up.to(tl.float32)[None, :, :]
-    g = tl.sum(acc_g, axis=2)  # [BM, BN]
-    u = tl.sum(acc_u, axis=2)
+        xk = (tl.load(nw_ptr + kk).to(tl.float32) * normed).to(dtype).to(tl.float32)
+        acc_g += w_gate.to(tl.float32) * xk[None, :]
+        acc_u += w_up.to(tl.float32) * xk[None, :]
+    g = tl.sum(acc_g, axis=1)  # [BN]
+    u = tl.sum(acc_u, axis=1)
     if HAS_SCALE:
         j = tl.minimum(rn, inter - 1)
-        g *= tl.load(s_ptr + j)[None, :]
-        u *= tl.load(s_ptr + inter + j)[None, :]
+        g *= tl.load(s_ptr + j)
+        u *= tl.load(s_ptr + inter + j)
     g = g.to(dtype).to(tl.float32)
     u = u.to(dtype).to(tl.float32)
     a = g / (1.0 + tl.exp(-g)) * u
-    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    tl.store(out, a.to(dtype), mask=(rm[:, None] < M) & (rn[None, :] < inter))
+    tl.store(out_ptr + m * stride_om + rn, a.to(dtype), mask=rn < inter)
 
 
 def gemv_rmsnorm_swiglu_supports(x: torch.Tensor, residual: torch.Tensor | None,
@@ -193,14 +189,16 @@ def gemv_rmsnorm_swiglu(
     if kloop and (blocks.block_k & (blocks.block_k - 1) or blocks.block_k < 16):
         raise ValueError(f"gemv_rmsnorm_swiglu: BLOCK_K {blocks.block_k} is not a power of two "
                          f">= 16")
-    kernel = _gemv_rmsnorm_swiglu_kloop_kernel if kloop else _gemv_rmsnorm_swiglu_kernel
-    extra = {"BLOCK_K": blocks.block_k} if kloop else {}
-    kernel[(triton.cdiv(inter, blocks.block_n),)](
-        x, res, norm_weight, weight, scale_arg(weight, scale), out, res_out, m, inter, eps,
-        x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
-        K=k, BLOCK_M=block_m_of(m), BLOCK_N=blocks.block_n, HAS_RESIDUAL=residual is not None,
-        HAS_SCALE=scale is not None, USE_PDL=blocks.pdl, **extra, **launch_options(blocks),
-    )
+    args = (x, res, norm_weight, weight, scale_arg(weight, scale), out, res_out, m, inter, eps,
+            x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0))
+    flags = {"HAS_RESIDUAL": residual is not None, "HAS_SCALE": scale is not None,
+             "USE_PDL": blocks.pdl, **launch_options(blocks)}
+    if kloop:
+        _gemv_rmsnorm_swiglu_kloop_kernel[(m, triton.cdiv(inter, blocks.block_n))](
+            *args, K=k, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, **flags)
+    else:
+        _gemv_rmsnorm_swiglu_kernel[(triton.cdiv(inter, blocks.block_n),)](
+            *args, K=k, BLOCK_M=block_m_of(m), BLOCK_N=blocks.block_n, **flags)
     return out, res_out
 
 
