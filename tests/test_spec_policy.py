@@ -53,6 +53,17 @@ def test_plan_stops_before_the_jump_in_cost():
     assert plan_drafts([0.9], [4], 1, lambda t: None) == [4]  # nothing measured: all
 
 
+def test_plan_takes_drafts_only_for_a_gain_beyond_the_margin():
+    # batch 8, each draft row adds 1/32 of the step. a = 0.5: one draft gives 8.5 tokens for
+    # 1.03 of the time, the best plan (+3%), under the margin: none. a = 0.9: three drafts give
+    # 10.44 tokens for 1.09 of the time (+19%)
+    def cost(t: int) -> float:
+        return 1.0 + (t - 8) / 32
+
+    assert plan_drafts([0.5] + [0.0] * 7, [3] + [0] * 7, 8, cost) == [0] * 8
+    assert plan_drafts([0.9] + [0.0] * 7, [3] + [0] * 7, 8, cost) == [3] + [0] * 7
+
+
 def test_plan_takes_the_likeliest_drafts_of_the_batch_first():
     def linear(t: int) -> float:  # a row costs a sixth of the step's fixed cost
         return 6.0 + t

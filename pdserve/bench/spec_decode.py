@@ -7,8 +7,9 @@
 Two workloads, chat-templated, greedy: "copy" (rewrite a given code snippet or text with a
 small change: the answer copies most of the prompt) and "free" (open questions: little to copy).
 Each (workload, batch size) runs the same requests on a plain engine and on an ngram engine per
-`--k`, alternating for `--rounds` rounds (every prompt of the workload, in batches of that
-size one after the other: batch 1 is a single stream over the four prompts). By default every
+`--k`, alternating for `--rounds` rounds, every other round in reverse order (every prompt of
+the workload, in batches of that size one after the other: batch 1 is a single stream over the
+four prompts). By default every
 request makes as many tokens as the plain engine's untimed answer to it (`--lengths plain`):
 both engines do the same work, which natural stops do not guarantee (a near-tie can end an
 answer early in one of them, and a batch lasts as long as its longest answer). tok/s is output
@@ -185,8 +186,9 @@ def measure(
     tokens = dict.fromkeys(engines, 0)
     outputs: dict[str, list] = {name: [] for name in engines}  # every round's
     before = {name: llm.llm_engine.stats() for name, llm in engines.items()}
-    for _ in range(args.rounds):
-        for name, llm in engines.items():
+    for round_ in range(args.rounds):
+        order = list(engines.items())
+        for name, llm in order[::-1] if round_ % 2 else order:  # ABBA: a drift cancels
             ids, took, cpu = run_once(llm, convs, params, batch)
             seconds[name] += took
             cpu_seconds[name] += cpu
