@@ -17,7 +17,9 @@ tokens over wall time (prefill included; also per CPU-second of this process, st
 other work shares the cores), and the acceptance length is tokens emitted per verification
 with drafts (1 + the accepted drafts), from the engine's counters. The outputs of both must be
 equal (greedy), in every round: `same` says whether they were (with the quantized bundled model
-a greedy near-tie can break either way: docs/benchmarks.md).
+a greedy near-tie can break either way: docs/benchmarks.md). In the JSON, a speculating
+engine's row also has `steps`: its timed decode steps by query-token count (count, mean ms) and
+its planner's cost estimate for each count at the end, what the draft plan went by.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class Row:
     cpu_seconds: float  # this process's CPU time (all threads): steadier on a shared box
     acceptance_length: float | None
     same_output: bool
+    steps: dict[int, dict[str, float]] | None = None  # speculating engines: see the NOTE
 
     @property
     def tok_s(self) -> float:
@@ -186,6 +189,7 @@ def measure(
     tokens = dict.fromkeys(engines, 0)
     outputs: dict[str, list] = {name: [] for name in engines}  # every round's
     before = {name: llm.llm_engine.stats() for name, llm in engines.items()}
+    steps = {name: _watch_steps(llm) for name, llm in engines.items()}
     for round_ in range(args.rounds):
         order = list(engines.items())
         for name, llm in order[::-1] if round_ % 2 else order:  # ABBA: a drift cancels
@@ -209,9 +213,40 @@ def measure(
                 cpu_seconds[name],
                 1 + taken / drafts if drafts else None,
                 outputs[name] == outputs["off"],
+                _step_summary(llm, steps[name]),
             )
         )
     return rows
+
+
+def _watch_steps(llm: LLM) -> list[tuple[int, float]] | None:
+    """Record a speculating engine's decode steps (query tokens, seconds) from now on, as its
+    planner sees them; None for a plain engine."""
+    planner = llm.llm_engine.planner
+    if planner is None:
+        return None
+    seen: list[tuple[int, float]] = []
+    measured = planner.measured
+
+    def watched(out: Any, seconds: float) -> None:
+        seen.append((sum(s.num_new_tokens for s in out.scheduled), seconds))
+        measured(out, seconds)
+
+    planner.measured = watched
+    return seen
+
+
+def _step_summary(llm: LLM, seen: list[tuple[int, float]] | None
+                  ) -> dict[int, dict[str, float]] | None:
+    if seen is None:
+        return None
+    del llm.llm_engine.planner.measured  # the class's own again
+    by: dict[int, list[float]] = {}
+    for tokens, seconds in seen:
+        by.setdefault(tokens, []).append(seconds)
+    estimate = llm.llm_engine.planner.costs.estimate
+    return {t: {"steps": len(s), "mean_ms": 1e3 * sum(s) / len(s),
+                "planned_ms": 1e3 * (estimate(t) or float("nan"))} for t, s in sorted(by.items())}
 
 
 def run(args: argparse.Namespace) -> bool:
