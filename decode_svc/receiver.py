@@ -309,9 +309,13 @@ class KVReceiver:
                 await self.engine.commit_remote(request_id, commit.first_token_id,
                                                 first_logprobs(commit))
         except BaseException as exc:
+            with self._lock:  # a ring of this push arriving from here is ignored
+                rung = pending.rung == push
+                if pending.streaming == push and not rung:
+                    pending.streaming = 0
             superseded = pending.pushes != push  # whatever it did wrong, it owns nothing now
             cut = isinstance(exc, (asyncio.CancelledError, PushCut)) and not pending.committing
-            if pending.rung == push and isinstance(exc, (asyncio.CancelledError, PushCut)):
+            if rung and isinstance(exc, (asyncio.CancelledError, PushCut)):
                 # its doorbell committed the request (every block written): nothing is lost
                 logger.info("[%s] KV push ended after its doorbell: %s", request_id,
                             _reason(exc))

@@ -227,6 +227,22 @@ async def test_a_push_cut_after_its_ring_loses_nothing(w) -> None:
     assert tokens[0] == RUNG_TOKEN and len(tokens) == 3
 
 
+async def test_a_ring_after_its_push_was_cut_is_ignored(w) -> None:
+    """The push's stream broke before its ring came: the blocks wait for the retried prefill
+    as without a doorbell, and its push (KVTarget: push 2) commits them."""
+    gate = asyncio.Event()
+    gate.set()
+    with pytest.raises(PushCut):
+        await w.receiver.receive(_push(1, gate, commit=False))
+    w.sender.ring(w.bell.name, Ring("r", 1, RUNG_TOKEN, POOL))
+    await _polled(w.engine)
+    assert w.receiver.stats.doorbell_commits == 0 and not w.receiver.pending["r"].done.is_set()
+    assert (await w.receiver.target("r", POOL, "nixl"))[1] == 2
+    await w.receiver.receive(_push(2, gate))
+    assert await w.receiver.wait("r", 5)
+    assert (await _tokens(w.engine))[0] == CHUNK_TOKEN
+
+
 async def test_a_ring_after_the_commit_chunk_is_ignored(w) -> None:
     gate = asyncio.Event()
     gate.set()
