@@ -281,7 +281,6 @@ class KVReceiver:
         propagate to the sender."""
         header = await _first_header(chunks)
         request_id = header.request_id
-        pending = self._waiting_for_kv(request_id)
         transport = header.transport or GRPC
         if transport == GRPC:
             with self._lock:
@@ -289,6 +288,7 @@ class KVReceiver:
                 pending.pushes += 1
                 push = pending.pushes
         else:  # the push KVTarget named
+            pending = self._waiting_for_kv(request_id)
             if not self.exporter.accepts(transport):
                 raise ValueError(f"KV transport {transport!r} is not offered here")
             with self._lock:

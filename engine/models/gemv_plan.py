@@ -145,7 +145,7 @@ def plan_decode_gemv(model: nn.Module, store: PlanStore | None = None) -> dict[s
                 w.gemv_norm_plan = chosen
         for (n, k), pairs in _gated_weights(model).items():
             tiles = {1: tuple(GemvBlocks(bn, k, warps, pdl) for bn, warps, pdl in GATED_ROWS)
-                     + tuple(GemvBlocks(*t) for t in GATED_KLOOP if t[1] < k)}
+                     + tuple(b for t in GATED_KLOOP if (b := _norm_tile(t, k)) is not None)}
             chosen = plan("norm+gate_up+silu", n, k, pairs, gated_calls, tiles)
             for w, _ in pairs:
                 w.gemv_norm_silu_plan = chosen
@@ -160,16 +160,18 @@ def _with_fp8_tiles(what: str, k: int, candidates: dict[int, tuple[GemvBlocks, .
                     ) -> dict[int, tuple[GemvBlocks, ...]]:
     """`candidates` and FP8_CANDIDATES[what] (norm kernels: (rows, warps, pdl) spanning K, or
     a K-loop tile of four, kept where its BLOCK_K is shorter than K)."""
-    def tile(t: tuple) -> GemvBlocks | None:
-        if not what.startswith("norm"):
-            return GemvBlocks(*t)
-        if len(t) == 4:
-            return GemvBlocks(*t) if t[1] < k else None
-        return GemvBlocks(t[0], k, t[1], t[2])
-
-    more = {m: tuple(b for t in tiles if (b := tile(t)) is not None)
+    norm = what.startswith("norm")
+    more = {m: tuple(b for t in tiles if (b := _norm_tile(t, k) if norm else t) is not None)
             for m, tiles in FP8_CANDIDATES.get(what, {}).items()}
     return {m: candidates.get(m, ()) + more.get(m, ()) for m in {*candidates, *more}}
+
+
+def _norm_tile(t: tuple, k: int) -> GemvBlocks | None:
+    """A fused norm kernel's candidate: (rows, warps, pdl) spanning K, or a K-loop tile
+    (rows, BLOCK_K, warps, pdl), None where its BLOCK_K is not shorter than K."""
+    if len(t) == 4:
+        return GemvBlocks(*t) if t[1] < k else None
+    return GemvBlocks(t[0], k, t[1], t[2])
 
 
 def clear_decode_gemv(model: nn.Module) -> None:
