@@ -3,7 +3,8 @@
     Int4PackKernel  Q4_0 / Q4_1 / Q4_K: torch's packed int4 CPU GEMM, bf16 activations. torch's
                     group convention is w = (nibble - 8) * s + z, so a block with w = s * code + b
                     and nibble = code + offset (offset 8 for Q4_0, else 0) has
-                    z = b + s * (8 - offset). Scales and zeros are held in bf16.
+                    z = b + s * (8 - offset). Scales and zeros are held in bf16. Steps of many
+                    tokens multiply a transient de-quantized bf16 copy instead (int4_dense.py).
     SplitInt8Kernel Q8_0 with bf16 activations: an int8 code is 16 * hi + lo with hi in -8..7,
                     lo in 0..15, so the matmul is two int4 GEMMs (hi with scale 16 s, lo with s).
     DequantKernel   any format, any dtype: de-quantizes `tile_rows` rows at a time into the
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from engine.quant.blocks import FOUR_BIT, QuantWeight, dequantize
+from engine.quant.int4_dense import DENSE_MIN_TOKENS, dense_supported, dense_weight_t
 
 Q = GGMLQuantizationType
 _GROUP = 32  # the int4 kernels' group size (one GGUF block)
@@ -57,6 +59,7 @@ class Int4PackKernel:
         # [K / 32, N, 2]: torch's qScaleAndZeros layout
         self.scales_and_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
         self.scales_and_zeros = self.scales_and_zeros.to(torch.bfloat16)
+        self.densifies = dense_supported(self.packed)
 
     @classmethod
     def from_quant(cls, w: QuantWeight) -> Int4PackKernel:
@@ -73,8 +76,14 @@ class Int4PackKernel:
 
     def bf16(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] bf16 -> [T, N] bf16
         """The GEMM alone (no casts): the resolved overload, skipping the op packet's Python
-        dispatch (a decode step makes 120 of these calls)."""
+        dispatch (a decode step makes 120 of these calls); from DENSE_MIN_TOKENS rows, a bf16
+        matmul with the de-quantized weight (int4_dense.py)."""
+        if self.densifies and x.shape[0] >= DENSE_MIN_TOKENS:
+            return x @ self.dense_t()
         return _INT4_MM(x, self.packed, _GROUP, self.scales_and_zeros)
+
+    def dense_t(self) -> torch.Tensor:  # [K, N] bf16, made for one call
+        return dense_weight_t(self.packed, self.scales_and_zeros)
 
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_and_zeros.nbytes
@@ -95,6 +104,8 @@ class SplitInt8Kernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16)  # both halves' input, cast once
+        if self.high.densifies and x.shape[0] >= DENSE_MIN_TOKENS:  # one matmul, W summed
+            return (xb @ (self.high.dense_t() + self.low.dense_t())).to(x.dtype)
         return (self.high.bf16(xb).float() + self.low.bf16(xb)).to(x.dtype)  # summed in fp32
 
     def nbytes(self) -> int:
