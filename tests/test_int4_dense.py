@@ -67,3 +67,12 @@ def test_no_dense_path_where_rows_are_not_whole_blocks() -> None:
         pytest.skip("no packed int4 CPU kernel")
     kernel = Int4PackKernel(torch.randint(0, 16, (80, 64)), torch.rand(80, 2), torch.rand(80, 2))
     assert not kernel.densifies  # 80 rows: not a multiple of 64 (or of 32 with 16 left)
+
+
+def test_rows_read_back_from_the_packing_equal_the_nibbles() -> None:
+    if not int4pack_available() or int4_dense.pack_block_rows() is None:
+        pytest.skip("no packed int4 CPU kernel, or an unknown packing")
+    nibbles = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(6))
+    packed = Int4PackKernel(nibbles, torch.rand(192, 3), torch.rand(192, 3)).packed
+    ids = torch.tensor([0, 31, 32, 63, 64, 191, 100, 5, 5])
+    assert torch.equal(int4_dense.nibble_rows(packed, ids), nibbles[ids].to(torch.uint8))

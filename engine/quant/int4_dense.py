@@ -19,9 +19,11 @@ torch packs the nibbles of each block of B rows (B = 64 with AVX-512, 32 with AV
     packed [N / B, K, B / 2] --(& 15, >> 4)--> nib [N / B, K, B]      (= W^T per block of rows)
     W^T[k, n] = nib * s[k / 32, n] + (z - 8 s)[k / 32, n]             (torch's (nib - 8) s + z)
 
-written straight into a [K, N] tensor through a permuted view. The layout is torch's private
-business, so `pack_block_rows` finds B by packing a probe and unpacking it, once per process;
-if neither size reproduces the probe, or the CPU has no bf16 dot product, nothing changes.
+written straight into a [K, N] tensor through a permuted view. The same layout gives single
+rows back (`nibble_rows`: an embedding lookup in the lm_head's packed table). The layout is
+torch's private business, so `pack_block_rows` finds B by packing a probe and unpacking it,
+once per process; if neither size reproduces the probe nothing here is used, and without a bf16
+dot product on the CPU the GEMMs stay int4.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ _GROUP = 32  # one GGUF block: the int4 kernels' group size
 
 @functools.cache
 def pack_block_rows() -> int | None:
-    """Rows per block of torch's CPU int4 packing (64 or 32), None where the dense path is off:
-    no bf16 dot product on this CPU, or a packing this module does not read back exactly."""
-    if not _has_bf16_dot() or not hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
+    """Rows per block of torch's CPU int4 packing (64 or 32), None for a packing this module
+    does not read back exactly (or no packing op)."""
+    if not hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
         return None
     generator = torch.Generator().manual_seed(0)
     nibbles = torch.randint(0, 16, (128, 64), generator=generator, dtype=torch.int32)
@@ -49,6 +51,7 @@ def pack_block_rows() -> int | None:
     return None
 
 
+@functools.cache
 def _has_bf16_dot() -> bool:
     cpu = torch.cpu
     return any(getattr(cpu, name, lambda: False)()
@@ -65,10 +68,27 @@ def unpack_nibbles(packed: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def dense_supported(packed: torch.Tensor) -> bool:
-    """Whether `dense_weight_t` takes this packed weight (whole blocks of rows)."""
+def nibble_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """packed [N, K / 2] uint8, ids [R] -> the nibbles of rows `ids`, [R, K] uint8
+    (`pack_block_rows` not None, N whole blocks)."""
     rows = pack_block_rows()
-    return rows is not None and packed.shape[0] % rows == 0 and (packed.shape[1] * 2) % _GROUP == 0
+    half = rows // 2
+    blocks = packed.view(packed.shape[0] // rows, packed.shape[1] * 2, half)
+    within = ids % rows
+    data = blocks[ids // rows, :, within % half]  # [R, K]: the bytes holding each row
+    return torch.where((within >= half)[:, None], data >> 4, data & 15)
+
+
+def whole_blocks(packed: torch.Tensor) -> bool:
+    """Whether this module reads `packed` [N, K / 2]: a known layout and whole blocks of rows."""
+    rows = pack_block_rows()
+    return rows is not None and packed.shape[0] % rows == 0
+
+
+def dense_supported(packed: torch.Tensor) -> bool:
+    """Whether `dense_weight_t` takes this packed weight: whole blocks of rows, whole groups,
+    and a CPU with a bf16 dot product (else the int4 GEMM is the faster one)."""
+    return _has_bf16_dot() and whole_blocks(packed) and (packed.shape[1] * 2) % _GROUP == 0
 
 
 def dense_weight_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:

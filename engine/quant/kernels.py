@@ -17,15 +17,18 @@ correct version: gguf's own de-quantization of the raw blocks, then a matmul.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from engine.quant.blocks import FOUR_BIT, QuantWeight, dequantize
-from engine.quant.int4_dense import DENSE_MIN_TOKENS, dense_supported, dense_weight_t
+from engine.quant.int4_dense import (
+    DENSE_MIN_TOKENS,
+    dense_supported,
+    dense_weight_t,
+    nibble_rows,
+)
 
 Q = GGMLQuantizationType
 _GROUP = 32  # the int4 kernels' group size (one GGUF block)
@@ -113,36 +116,9 @@ class SplitInt8Kernel:
 
     def codes(self, rows: torch.Tensor) -> torch.Tensor:  # [R] row ids -> [R, K] int8
         """The int8 codes of some rows, read back from the two packed nibble tensors (so an
-        embedding table needs no other copy of them); see `_packed_positions`."""
-        k = self.high.packed.shape[1] * 2
-        pos = (
-            _packed_positions(k)[rows % _PACK_ROWS] + (rows // _PACK_ROWS * _PACK_ROWS * k)[:, None]
-        )  # [R, K] nibble index into the flattened packed bytes
-
-        def nibbles(kernel: Int4PackKernel) -> torch.Tensor:
-            data = kernel.packed.view(-1)[pos // 2].int()
-            return (data >> ((pos & 1) * 4)) & 15
-
-        return (16 * (nibbles(self.high) - 8) + nibbles(self.low)).to(torch.int8)
-
-
-_PACK_ROWS = 64  # _convert_weight_to_int4pack_for_cpu keeps rows in blocks of 64
-
-
-@functools.cache
-def _packed_positions(k: int) -> torch.Tensor:
-    """[64, k]: where torch's CPU int4 packing puts nibble (row, col) of a block of 64 rows
-    (index into the block's bytes, two nibbles each, low first). The layout is torch's
-    private business: found by packing the bits of each element's index, one bit per
-    packing, and checked by `SplitInt8Kernel` users against the codes before trusting it."""
-    index = torch.arange(_PACK_ROWS * k).view(_PACK_ROWS, k)
-    source = torch.zeros(_PACK_ROWS * k, dtype=torch.int64)
-    for bit in range((_PACK_ROWS * k - 1).bit_length()):
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(((index >> bit) & 1).int(), 1)
-        source |= torch.stack([packed & 15, packed >> 4], -1).flatten().long() << bit
-    positions = torch.empty_like(source)
-    positions[source] = torch.arange(source.numel())
-    return positions.view(_PACK_ROWS, k)
+        embedding table needs no other copy of them); `whole_blocks(high.packed)` first."""
+        hi, lo = (nibble_rows(k.packed, rows).to(torch.int16) for k in (self.high, self.low))
+        return (16 * (hi - 8) + lo).to(torch.int8)
 
 
 class DequantKernel:

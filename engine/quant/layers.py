@@ -24,6 +24,7 @@ from torch import nn
 
 from engine.quant.blocks import QuantWeight, dequantize
 from engine.quant.gguf_cuda import CudaKernel, make_cuda_kernel
+from engine.quant.int4_dense import whole_blocks
 from engine.quant.kernels import (
     DenseKernel,
     DequantKernel,
@@ -221,10 +222,10 @@ def _kernel(part: Part, weight: nn.Parameter, activation: torch.dtype | None
 
 
 def _codes_read_back(head: SplitInt8Kernel, table: QuantWeight) -> bool:
-    """Whether the head's packed nibbles give back the table's codes (whole 64-row blocks only;
-    checked on the first and last blocks and a spread of rows)."""
+    """Whether the head's packed nibbles give back the table's codes (whole blocks of a known
+    packing only, int4_dense.py; checked on the first and last blocks and a spread of rows)."""
     rows = table.shape[0]
-    if rows % 64:
+    if not whole_blocks(head.high.packed) or rows < 64:
         return False
     ids = torch.cat([torch.arange(64), torch.arange(rows - 64, rows), torch.arange(0, rows, 997)])
     return torch.equal(head.codes(ids), table.codes[ids])
