@@ -39,6 +39,18 @@ def test_fp32_rms_norm_is_hf_bit_for_bit(tokens: int, hidden: int) -> None:
     assert torch.equal(out, _hf_rms_norm(x + residual, norm.weight, 1e-5))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (17, 960), (300, 64)])
+def test_16_bit_rms_norm_is_hf_bit_for_bit(tokens: int, hidden: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(tokens)
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(hidden).to(dtype)
+    x, residual = (torch.randn(tokens, hidden) * 7).to(dtype), torch.randn(tokens, hidden).to(dtype)
+    assert torch.equal(norm(x), _hf_rms_norm(x, norm.weight, 1e-5))
+    out, summed = norm(x, residual)
+    assert torch.equal(out, _hf_rms_norm(x + residual, norm.weight, 1e-5))
+
+
 def _rope(tokens: int, head_dim: int) -> RopeInputs:
     rotary = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": 10000.0})
     return rotary.inputs(torch.arange(7, 7 + tokens), torch.float32)

@@ -3,8 +3,9 @@
 On CUDA they run pdserve's fused Triton kernels (kernels/rmsnorm.py, kernels/silu_mul.py); on the
 CPU the same math in eager torch. Both follow transformers' op order. An fp32 RMSNorm on the CPU is
 one `F.rms_norm` call (its ops run in C++, not one Python call each): for fp32 it computes what
-HF's op order does, bit for bit (tests/test_cpu_decode_ops.py checks it); for other dtypes it
-multiplies by the weight before casting back, so those keep HF's ops.
+HF's op order does, bit for bit (tests/test_cpu_decode_ops.py checks it); for other dtypes HF
+casts back before multiplying by the weight, so F.rms_norm normalises the fp32 copy without a
+weight and the weight's multiply follows the cast (bit for bit HF's too).
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
             return out if residual is None else (out, x)
-        input_dtype = x.dtype
-        x32 = x.float()
-        variance = x32.pow(2).mean(-1, keepdim=True)  # [T, 1]
-        out = self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+        # HF's x32 * rsqrt(mean(x32^2) + eps), cast, then scaled: the normalisation as one
+        # F.rms_norm without a weight (bit for bit the same, fewer ops)
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        out = self.weight * normed
         return out if residual is None else (out, x)
 
 
