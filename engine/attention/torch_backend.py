@@ -5,7 +5,9 @@ NOTE: per step, `prepare` turns the block tables into gather plans once; every l
     prefills  one SDPA call each. A whole prompt (no earlier context) attends its own k/v with
               is_causal. A chunk continuing a sequence gathers the sequence's cache blocks and
               uses a causal mask shifted by the earlier context: query t sits at position
-              p = seq_len - q_len + t and sees keys 0..p.
+              p = seq_len - q_len + t and sees keys 0..p. Chunks of at most SHORT_CHUNK tokens
+              (speculative verification, small prompt chunks) are batched instead, as decodes
+              are: one SDPA call for all of them (engine/attention/torch_chunks.py).
     decodes   one batched SDPA call for all of them. Whole blocks are gathered
               (index_select of [block_size, Hkv, D] rows, far cheaper than per-slot gathers), the
               tail past each sequence's length is masked out. GQA without copies: a decode has
@@ -41,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_chunks import chunk_attention, chunk_plan, short_seqs
 from engine.attention.torch_kv_cache import gather_blocks, gather_rows, store_kv
 from engine.models.rotary import RopeInputs, rotate_qk
 from kernels.kv_cache_fp8 import check_scales
@@ -79,8 +82,10 @@ class StepMemo:
 
 @dataclass(frozen=True)
 class TorchAttentionState:
-    prefills: tuple[PrefillPlan, ...]
+    prefills: tuple[PrefillPlan | None, ...]  # None: a short chunk, batched (`short`)
     decode: DecodePlan | None
+    short: tuple[int, ...] = ()  # prefill positions of the short chunks
+    meta: AttentionMetadata | None = None  # the step's, for the short chunks' plan
     memo: StepMemo = field(default_factory=StepMemo)
 
 
@@ -92,10 +97,13 @@ class TorchAttentionBackend:
         self.k_scale, self.v_scale = k_scale, v_scale
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        """Build the step's gather plans into `meta.backend_state` (mutates `meta`)."""
-        prefills = tuple(_prefill_plan(meta, i) for i in range(meta.num_prefills))
+        """Build the step's gather plans into `meta.backend_state` (mutates `meta`); the short
+        chunks' plan waits for the first layer (it needs the heads' grouping)."""
+        short = short_seqs(meta)
+        prefills = tuple(None if i in short else _prefill_plan(meta, i)
+                         for i in range(meta.num_prefills))
         decode = _decode_plan(meta) if meta.num_decodes else None
-        meta.backend_state = TorchAttentionState(prefills, decode)
+        meta.backend_state = TorchAttentionState(prefills, decode, short, meta)
 
     def forward(
         self,
@@ -117,7 +125,9 @@ class TorchAttentionBackend:
         kv_scales = (self.k_scale, self.v_scale)
         check_scales("torch attention", kv_cache.dtype, *kv_scales)
         store_kv(k, v, kv_cache, meta.slot_mapping, *kv_scales)
-        outs = [_prefill_attention(q, k, v, kv_cache, plan, scale, kv_scales)
+        chunks = iter(_short_chunks(q, kv_cache, state, scale, kv_scales))
+        outs = [next(chunks) if plan is None
+                else _prefill_attention(q, k, v, kv_cache, plan, scale, kv_scales)
                 for plan in state.prefills]
         if state.decode is not None:
             outs.append(_decode_attention(q, kv_cache, state.decode, scale, kv_scales, state.memo))
@@ -252,6 +262,23 @@ def _decode_attention(
         scale=scale,
     )  # [B, Hkv, G, D]
     return out.reshape(batch, num_heads, head_dim)
+
+
+def _short_chunks(
+    q: torch.Tensor, kv_cache: torch.Tensor, state: TorchAttentionState, scale: float,
+    kv_scales: tuple[float, float],
+) -> list[torch.Tensor]:  # each short chunk's [q_len, H, D], in order
+    if not state.short:
+        return []
+    group = q.shape[1] // kv_cache.shape[-2]
+    num_blocks, memo = kv_cache.shape[1], state.memo
+    plan = memo.get(("chunks", group), lambda: chunk_plan(state.meta, state.short, group))
+    rows = memo.get(("chunk_rows", num_blocks),
+                    lambda: torch.cat((plan.block_ids, plan.block_ids + num_blocks)))
+    mask = memo.get(("chunk_mask", q.dtype), lambda: _additive_mask(plan.sees, q.dtype))
+    out = chunk_attention(q, kv_cache, plan, rows, mask, scale, kv_scales)  # [S, Q, H, D]
+    starts = state.meta.query_start_loc_cpu
+    return [out[j, : starts[i + 1] - starts[i]] for j, i in enumerate(state.short)]
 
 
 def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
