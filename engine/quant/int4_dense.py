@@ -2,16 +2,16 @@
 
 NOTE: torch's int4 CPU GEMM (`_weight_int4pack_mm_for_cpu`) widens every weight to fp32 and
 multiplies on the vector units; its cost grows with the rows of x as a plain fp32 GEMM's does.
-On a CPU with bf16 dot products (AVX512-BF16, AMX) a bf16 GEMM is 3-4x faster than that at
+On a CPU with bf16 dot products (AVX512-BF16, AMX) a bf16 GEMM is ~3x faster than that at
 prefill sizes, so a step of `DENSE_MIN_TOKENS` or more rows de-quantizes the weight into a
-transient bf16 [K, N] (~0.4 ns an element on the 2-core EPYC pdserve is developed on) and
-multiplies that; smaller steps (decodes) keep the int4 GEMM, which reads a quarter of the bytes.
-Nothing dense is held: the matrix lives for one call.
+transient bf16 [K, N] and multiplies that; smaller steps (decodes) keep the int4 GEMM, which
+reads a quarter of the bytes. Nothing dense is held: the matrix lives for one call.
 
-Measured on that box (2026-12-01, 2 threads, bf16 x, `_weight_int4pack_mm_for_cpu` against
-de-quantize + matmul): gate_up 3072 x 576 at 128 / 256 / 512 / 2048 rows 1.34 / 2.63 / 5.24 /
-21.5 ms against 1.60 / 1.86 / 3.10 / 9.50; down 576 x 1536 0.66 / 1.30 / 2.60 / 10.4 against
-0.88 / 1.12 / 1.53 / 4.28. Hence 256.
+`python -m pdserve.bench.cpu_int4_gemm` times the three ways (2026-12-01 on the 2-core EPYC
+pdserve is developed on, docs/benchmarks.md): gate_up 3072 x 576 at 128 / 256 / 2048 rows
+1.37 / 2.70 / 21.9 ms int4 against 1.15 / 1.62 / 8.88 de-quantized (0.61 ms of it the
+de-quantization); down 576 x 1536 0.68 / 1.37 / 10.9 against 0.67 / 0.90 / 4.29. At 128 rows
+the two are about even; 256 leaves a margin.
 
 torch packs the nibbles of each block of B rows (B = 64 with AVX-512, 32 with AVX2) as bytes
 [K, B / 2]: byte j of column k holds row j in its low nibble and row j + B / 2 in its high one.
