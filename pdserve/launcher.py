@@ -14,6 +14,7 @@ decode worker (--decode-tp, --decode-gpus).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -323,6 +325,25 @@ def stop_all(services: list[Service], grace_s: float = 15.0) -> None:
                 s.proc.wait()
 
 
+@contextlib.contextmanager
+def kill_on_signal(services: list[Service]) -> Iterator[None]:
+    """While the block runs, SIGINT and SIGTERM SIGKILL every service still running instead of
+    interrupting it: a second Ctrl-C during the graceful stop ends the cluster at once, and
+    leaves no service behind (the stop's waits then return)."""
+    def kill_all(signum: int, frame: object) -> None:
+        print("pdserve up: stopping now (SIGKILL)", file=sys.stderr)
+        for s in services:
+            if s.proc is not None and s.proc.poll() is None:
+                s.proc.kill()
+
+    before = {sig: signal.signal(sig, kill_all) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def run(args: argparse.Namespace) -> int:
     redis_port = None if (args.redis_url or args.colocated) else free_port()
     redis_url = args.redis_url or (f"redis://127.0.0.1:{redis_port}/0" if redis_port else "")
@@ -353,7 +374,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         print("pdserve up: stopping every service ...", file=sys.stderr)
-        stop_all(services)
+        with kill_on_signal(services):  # a second Ctrl-C / SIGTERM: no grace left
+            stop_all(services)
         cluster_file().unlink(missing_ok=True)
 
 
