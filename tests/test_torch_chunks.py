@@ -54,7 +54,9 @@ def test_short_chunks_batched_equal_the_reference(
     torch.testing.assert_close(out[rows], want[rows], rtol=1e-5, atol=1e-5)
 
 
-def test_no_short_chunks_without_earlier_context_or_when_long() -> None:
+def test_no_short_chunks_without_earlier_context_when_long_or_alone() -> None:
     chunks = [SeqChunk([0, 1, 2], 0, 5), SeqChunk([3, 4, 5, 6], 2, SHORT_CHUNK + 1),
-              SeqChunk([7, 8], 4, 1)]
-    assert short_seqs(build_metadata(chunks, BS)) == ()
+              SeqChunk([9, 10], 3, 4), SeqChunk([7, 8], 4, 1)]
+    assert short_seqs(build_metadata(chunks, BS)) == ()  # one short chunk: not batched
+    two = [*chunks[:3], SeqChunk([11, 12], 5, 2), chunks[3]]
+    assert short_seqs(build_metadata(two, BS)) == (2, 3)

@@ -14,6 +14,11 @@ additive mask built once a step:
 
 A padded row (t >= q_len_s) may see key 0 only: finite, dropped. Every key a real row sees is in
 its sequence's blocks (the cache's masked tail is finite: torch_backend.py's NOTE).
+
+Only a step with two or more such chunks batches them. A lone chunk keeps the per-sequence path,
+whose rounding matches a whole prompt's closely enough that a request replayed over its own
+cached prefix gives the same greedy tokens (tests/test_cluster.py's streamed-equals-unstreamed
+check flipped a near-tie on the bundled model when a lone chunk took this path).
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ SHORT_CHUNK = 8  # the most new tokens a chunk may have to take this path
 
 
 def short_seqs(meta: AttentionMetadata) -> tuple[int, ...]:
-    """This step's prefill sequences with earlier context and at most SHORT_CHUNK new tokens."""
+    """This step's prefill sequences with earlier context and at most SHORT_CHUNK new tokens,
+    when there are two or more of them (else none: see the NOTE)."""
     starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    return tuple(i for i in range(meta.num_prefills)
+    seqs = tuple(i for i in range(meta.num_prefills)
                  if (q := starts[i + 1] - starts[i]) <= SHORT_CHUNK and lens[i] > q)
+    return seqs if len(seqs) >= 2 else ()
 
 
 @dataclass(frozen=True)
