@@ -14,15 +14,15 @@ the timings do not depend on the values.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.bench.report import bench_main, config_of, write_report
+from engine.quant.int4_dense import dense_supported, dense_weight_t
+from engine.quant.kernels import Int4PackKernel, int4pack_available
+from pdserve.bench.report import bench_main, config_of, median_wall_ms, write_report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,19 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _ms(fn: Callable[[], Any], repeats: int) -> float:
-    fn(), fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_wall_ms(fn, repeats, warmup=2)
 
 
 def _row(n: int, k: int, m: int, packed: torch.Tensor, sz: torch.Tensor, w: torch.Tensor,
          dense: bool, dequant_ms: float | None, repeats: int) -> dict[str, Any]:
-    from engine.quant.int4_dense import dense_weight_t
-
     x = torch.randn(m, k).bfloat16()
     row = {"n": n, "k": k, "m": m, "dequant_ms": dequant_ms,
            "int4_ms": _ms(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz),
@@ -64,9 +56,6 @@ def _row(n: int, k: int, m: int, packed: torch.Tensor, sz: torch.Tensor, w: torc
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.quant.int4_dense import dense_supported, dense_weight_t
-    from engine.quant.kernels import Int4PackKernel, int4pack_available
-
     if not int4pack_available():
         raise ValueError("this torch has no packed int4 CPU GEMM")
     rows = [int(m) for m in args.rows.split(",")]

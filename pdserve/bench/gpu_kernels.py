@@ -13,8 +13,6 @@ our kernel on the same tensors, and reports the relative L2 error of ours agains
 from __future__ import annotations
 
 import os
-import statistics
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.bench.report import median_wall_ms
 
 
 @dataclass(frozen=True)
@@ -57,13 +57,7 @@ def time_ms(fn: Callable[[], object], device: torch.device, cpu_reps: int = 3) -
         from triton.testing import do_bench
 
         return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    fn()
-    times = []
-    for _ in range(cpu_reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_wall_ms(fn, cpu_reps)
 
 
 def rel_err(ours: Tensors, peer: Tensors) -> float:

@@ -12,28 +12,16 @@ the synchronisation. The difference between the write and the kernel is the host
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.multiprocessing as mp
 
 from kernels.kv_block_copy import copy_kv_blocks
 from pdserve.bench.gpu_kv_copy import BLOCK_SIZE, HEAD_DIM, HEADS, LAYERS, timed
+from pdserve.bench.report import median_wall_ms
 from pdserve.transport.base import CUDA_IPC, Peer
 from pdserve.transport.cuda_ipc import CudaIpcPlane
 
 TOKENS = (1024, 4096, 16384)
-
-
-def wall_ms(fn, repeats: int = 30) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def probe(mapped: torch.Tensor, tokens: int) -> str:
@@ -49,7 +37,7 @@ def probe(mapped: torch.Tensor, tokens: int) -> str:
                                                 peer=True), 30)
     plane, peer = CudaIpcPlane(src), Peer(None, CUDA_IPC, mapped, {"direct": True})
     s, d = src_ids.tolist(), dst_ids.tolist()
-    write_ms = wall_ms(lambda: plane.write(peer, (0, LAYERS), s, d))
+    write_ms = median_wall_ms(lambda: plane.write(peer, (0, LAYERS), s, d), 30)
     return (f"{tokens} tokens, {gib * 1024:.0f} MiB: kernel into a local pool {local_ms:.3f} ms "
             f"({gib / local_ms * 1e3:.0f} GiB/s), into the mapped pool {mapped_ms:.3f} ms "
             f"({gib / mapped_ms * 1e3:.0f} GiB/s); CudaIpcPlane.write {write_ms:.3f} ms "

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,19 @@ def write_report(report: dict[str, Any], output_json: str) -> Path:
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {path}")
     return path
+
+
+def median_wall_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median wall-clock milliseconds of one `fn()` over `repeats` calls after `warmup` untimed
+    ones (host timing: nothing is synchronised)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def config_of(args: argparse.Namespace) -> dict[str, Any]:
