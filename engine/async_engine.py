@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -32,7 +33,10 @@ from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SchedulerStats
+from engine.step_budget import server_step_tokens
 from engine.step_profiler import StepProfiler
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 HANDOVER_S = 0.002  # the longest the engine thread waits for an event loop after commands
@@ -79,7 +83,14 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> AsyncLLMEngine:
-        """Build from the same arguments as `LLM`."""
+        """Build from the same arguments as `LLM`; without `max_num_batched_tokens` (and with
+        chunked prefill) a step takes the server's budget for the device
+        (engine/step_budget.py)."""
+        if (kwargs.get("max_num_batched_tokens") is None
+                and kwargs.get("enable_chunked_prefill", True)):
+            budget = server_step_tokens(kwargs.get("device", "auto"))
+            logger.info("max_num_batched_tokens %d (the server's default on this device)", budget)
+            kwargs["max_num_batched_tokens"] = budget
         return cls(LLMEngine(build_engine_config(model, **kwargs)))
 
     # ---- requests ------------------------------------------------------------------------
