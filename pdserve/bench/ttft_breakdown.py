@@ -1,0 +1,125 @@
+"""Where a split cluster's first tokens waited: a load test's report against the cluster's log.
+
+    python -m pdserve.bench.ttft_breakdown LOADTEST_JSON CLUSTER_LOG [--run -1]
+
+For each request of the run (the report's `runs[--run]`), read from the log of `pdserve up`
+(gpu_serve's `cluster_<system>.log`) the gateway's "finished in S" line (S counts from the
+request's arrival in the gateway's handler) and the prefill worker's "prefilled" line, and
+split the client's time to first token into:
+
+  before the handler   the client's end-to-end time minus the gateway's: the load generator's
+                       send, the connection and FastAPI's parsing (and the client reading the
+                       last bytes, a few ms)
+  handler -> prefilled the gateway's tokenize, Redis, routing and reservation, the wait in the
+                       prefill worker's queue and its step (handler start = the gateway's log
+                       time minus S; both clocks are the host's)
+  the rest             the first token's way back to the client
+
+Prints the medians (and p90) of each part and the prefill worker's steps during the run
+(completions less than 5 ms apart are one step). The log's times have millisecond resolution.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+_TIME = re.compile(r"(\d\d):(\d\d):(\d\d),(\d\d\d)")
+_FINISHED = re.compile(r"(cmpl-[0-9a-f]+|chatcmpl-[0-9a-f]+): \w+ in ([0-9.]+)s")
+_PREFILLED = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] prefilled ")
+STEP_GAP_S = 0.005
+
+
+def _seconds(line: str) -> float | None:
+    m = _TIME.search(line)
+    if m is None:
+        return None
+    h, mi, s, ms = map(int, m.groups())
+    return h * 3600 + mi * 60 + s + ms / 1000
+
+
+def read_log(path: Path) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+    """({request id: (gateway log time, its elapsed s)}, {request id: prefilled log time})."""
+    finished: dict[str, tuple[float, float]] = {}
+    prefilled: dict[str, float] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        t = _seconds(line)
+        if t is None:
+            continue
+        if (m := _FINISHED.search(line)) and line.startswith("[gateway"):
+            finished[m.group(1)] = (t, float(m.group(2)))
+        elif m := _PREFILLED.search(line):
+            prefilled[m.group(1)] = t
+    return finished, prefilled
+
+
+def breakdown(report: dict, finished: dict, prefilled: dict, run: int = -1) -> dict:
+    parts: dict[str, list[float]] = {"ttft": [], "before_handler": [], "handler_to_prefilled": [],
+                                     "rest": []}
+    done_at = []
+    for req in report["runs"][run]["requests"]:
+        rid = req.get("request_id")
+        if rid not in finished or rid not in prefilled or not req.get("chunk_at"):
+            continue
+        ttft = req["chunk_at"][0] - req["sent_at"]
+        logged, elapsed = finished[rid]
+        before = (req["done_at"] - req["sent_at"]) - elapsed
+        to_prefilled = prefilled[rid] - (logged - elapsed)
+        for key, value in (("ttft", ttft), ("before_handler", before),
+                           ("handler_to_prefilled", to_prefilled),
+                           ("rest", ttft - before - to_prefilled)):
+            parts[key].append(value)
+        done_at.append(prefilled[rid])
+    if not done_at:
+        raise ValueError("no request of the run is in the log (wrong log or run?)")
+    return {"requests": len(done_at),
+            "ms": {k: {"p50": round(1e3 * statistics.median(v), 1), "p90": _q(v, 0.9)}
+                   for k, v in parts.items()},
+            "prefill_steps": _steps(sorted(done_at))}
+
+
+def _q(values: list[float], q: float) -> float:
+    """The nearest-rank quantile, in ms."""
+    ordered = sorted(values)
+    return round(1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+
+
+def _steps(times: list[float]) -> dict:
+    """The prefill worker's completions grouped into steps: sizes and gaps between them."""
+    groups = [[times[0]]]
+    for t in times[1:]:
+        if t - groups[-1][-1] > STEP_GAP_S:
+            groups.append([])
+        groups[-1].append(t)
+    starts = [g[0] for g in groups]
+    return {"span_ms": round(1e3 * (times[-1] - times[0]), 1), "count": len(groups),
+            "prompts": [len(g) for g in groups],
+            "gap_ms": [round(1e3 * (b - a), 1) for a, b in zip(starts, starts[1:])],
+            "median_gap_ms": round(1e3 * statistics.median(
+                [b - a for a, b in zip(starts, starts[1:])] or [0.0]), 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.ttft_breakdown",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("report", type=Path, help="the load generator's --output-json")
+    p.add_argument("log", type=Path, help="the cluster's log (pdserve up's output)")
+    p.add_argument("--run", type=int, default=-1, help="which of the report's runs (rates)")
+    args = p.parse_args(argv)
+    finished, prefilled = read_log(args.log)
+    try:
+        result = breakdown(json.loads(args.report.read_text()), finished, prefilled, args.run)
+    except (ValueError, IndexError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
