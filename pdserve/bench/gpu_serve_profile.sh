@@ -11,11 +11,14 @@
 # Into $OUT: what gpu_kit_run.sh writes, proc_cpu.json, {prefill,decode}_gil.txt. Arguments go on
 # to gpu_kit_run.sh. py-spy starts when the load generator does (`-m loadtest`) and samples for
 # PROFILE_S seconds (default 14: the 16 req/s run's ~7 s and the all-at-once run's ~3 s).
+# PYSPY_FLAGS (default --gil) picks what py-spy samples: "--idle" or "" for every thread's
+# stack, whether it holds the GIL or not.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench_results/gpu_serve}
 SITE=${SITE:-/tmp/site}
 PROFILE_S=${PROFILE_S:-14}
+PYSPY_FLAGS=${PYSPY_FLAGS---gil}
 mkdir -p "$OUT"
 bash pdserve/bench/gpu_kit_run.sh --out-dir "$OUT" "$@" &
 run=$!
@@ -27,7 +30,7 @@ profile() {  # $1: the worker's subcommand; waits for the load, then samples the
     local pid=""
     while ! pgrep -f "[-]m loadtest" >/dev/null && kill -0 "$run" 2>/dev/null; do sleep 0.2; done
     pid=$(pgrep -f "pdserve.cli $1 " | head -1)
-    [ -n "$pid" ] && "$SITE/bin/py-spy" record --pid "$pid" --gil --rate 200 --nonblocking \
+    [ -n "$pid" ] && "$SITE/bin/py-spy" record --pid "$pid" $PYSPY_FLAGS --rate 200 --nonblocking \
         --duration "$PROFILE_S" --format raw --output "$OUT/$1_gil.txt" >/dev/null 2>&1
 }
 profile prefill &
