@@ -8,7 +8,8 @@
 #   run(carry=[".gpu-kit"], command="bash pdserve/bench/gpu_serve_profile.sh --systems cuda_ipc
 #       --api-server-count 4")
 #
-# Into $OUT: what gpu_kit_run.sh writes, proc_cpu.json, {prefill,decode}_gil.txt. Arguments go on
+# Into $OUT: what gpu_kit_run.sh writes, proc_cpu.json, {prefill,decode}_gil.txt and py-spy's
+# own output ({prefill,decode}_pyspy.log: its errors and sample counts). Arguments go on
 # to gpu_kit_run.sh. py-spy starts when the load generator does (`-m loadtest`) and samples for
 # PROFILE_S seconds (default 14: the 16 req/s run's ~7 s and the all-at-once run's ~3 s).
 # PYSPY_FLAGS (default --gil) picks what py-spy samples: "--idle" or "" for every thread's
@@ -31,7 +32,7 @@ profile() {  # $1: the worker's subcommand; waits for the load, then samples the
     while ! pgrep -f "[-]m loadtest" >/dev/null && kill -0 "$run" 2>/dev/null; do sleep 0.2; done
     pid=$(pgrep -f "pdserve.cli $1 " | head -1)
     [ -n "$pid" ] && "$SITE/bin/py-spy" record --pid "$pid" $PYSPY_FLAGS --rate 200 --nonblocking \
-        --duration "$PROFILE_S" --format raw --output "$OUT/$1_gil.txt" >/dev/null 2>&1
+        --duration "$PROFILE_S" --format raw --output "$OUT/$1_gil.txt" >"$OUT/$1_pyspy.log" 2>&1
 }
 profile prefill &
 profile decode &
