@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.model_runner import resolve_device
+
 SMALL_BUDGET = 2048
 LARGE_GPU_BUDGET = 8192
 LARGE_GPU_BYTES = 70 << 30
@@ -23,10 +25,10 @@ LARGE_GPU_BYTES = 70 << 30
 
 def server_step_tokens(device: str) -> int:
     """The server's default max_num_batched_tokens on `device` ("auto", "cpu", "cuda[:N]")."""
-    if device == "cpu" or not torch.cuda.is_available():
+    resolved = resolve_device(device)
+    if resolved.type != "cuda" or not torch.cuda.is_available():
         return SMALL_BUDGET
-    index = torch.device(device).index if device.startswith("cuda") else None
-    props = torch.cuda.get_device_properties(index or 0)
+    props = torch.cuda.get_device_properties(resolved)
     return large_gpu_budget(props.total_memory, props.name)
 
 
