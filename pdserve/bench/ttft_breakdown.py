@@ -28,6 +28,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from pdserve.bench.report import bench_main
+
 _TIME = re.compile(r"(\d\d):(\d\d):(\d\d),(\d\d\d)")
 _FINISHED = re.compile(r"(cmpl-[0-9a-f]+|chatcmpl-[0-9a-f]+): \w+ in ([0-9.]+)s")
 _PREFILLED = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] prefilled ")
@@ -96,29 +98,32 @@ def _steps(times: list[float]) -> dict:
             groups.append([])
         groups[-1].append(t)
     starts = [g[0] for g in groups]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
     return {"span_ms": round(1e3 * (times[-1] - times[0]), 1), "count": len(groups),
             "prompts": [len(g) for g in groups],
-            "gap_ms": [round(1e3 * (b - a), 1) for a, b in zip(starts, starts[1:])],
-            "median_gap_ms": round(1e3 * statistics.median(
-                [b - a for a, b in zip(starts, starts[1:])] or [0.0]), 1)}
+            "gap_ms": [round(1e3 * gap, 1) for gap in gaps],
+            "median_gap_ms": round(1e3 * statistics.median(gaps or [0.0]), 1)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdserve.bench.ttft_breakdown",
-                                description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("report", type=Path, help="the load generator's --output-json")
     p.add_argument("log", type=Path, help="the cluster's log (pdserve up's output)")
     p.add_argument("--run", type=int, default=-1, help="which of the report's runs (rates)")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
     finished, prefilled = read_log(args.log)
     try:
         result = breakdown(json.loads(args.report.read_text()), finished, prefilled, args.run)
-    except (ValueError, IndexError, KeyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (IndexError, KeyError) as exc:
+        raise ValueError(f"{args.report} is not a load test report with run {args.run}: "
+                         f"{exc!r}") from exc
     print(json.dumps(result, indent=1))
-    return 0
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("ttft_breakdown", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
