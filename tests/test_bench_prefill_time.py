@@ -13,16 +13,17 @@ from pdserve.bench import prefill_time
 
 def test_ab_dense_times_both_ways_and_restores_the_threshold(tmp_path, monkeypatch) -> None:
     seen = []
-    real = kernels.Int4PackKernel.bf16
-    monkeypatch.setattr(kernels.Int4PackKernel, "bf16",
-                        lambda self, x: seen.append(kernels.DENSE_MIN_TOKENS) or real(self, x))
+    for kernel, method in ((kernels.Int4PackKernel, "bf16"), (kernels.NibbleKernel, "__call__")):
+        real = getattr(kernel, method)
+        monkeypatch.setattr(kernel, method, lambda self, x, real=real: seen.append(
+            kernels.DENSE_MIN_TOKENS) or real(self, x))
     out = tmp_path / "r.json"
     assert prefill_time.main(["--lens", "5,9", "--repeats", "2", "--kv-cache-mib", "16",
                               "--ab-dense", "--output-json", str(out)]) == 0
     report = json.loads(out.read_text())
     for way in ("dense", "int4"):
         assert {n: len(t) for n, t in report["seconds"][way].items()} == {"5": 2, "9": 2}
-    assert set(seen) == {DENSE_MIN_TOKENS, 1 << 62}  # the bundled GGUF's int4 GEMMs saw both
+    assert set(seen) == {DENSE_MIN_TOKENS, 1 << 62}  # the bundled GGUF's GEMMs saw both
     assert kernels.DENSE_MIN_TOKENS == DENSE_MIN_TOKENS
 
 

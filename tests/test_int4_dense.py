@@ -1,7 +1,8 @@
 """engine/quant/int4_dense.py: the dense bf16 matrix read back from torch's packed CPU int4
 weights equals the exact de-quantization rounded once to bf16, and the GGUF kernels take it
 for steps of DENSE_MIN_TOKENS rows or more (within the bf16 kernels' tolerance of gguf's own
-de-quantization), the int4 GEMM below that."""
+de-quantization), the int4 GEMM below that. These are the kernels where kernels/cpu_nibble.c
+does not run, so make_kernel is kept from picking it here."""
 
 from __future__ import annotations
 
@@ -14,12 +15,18 @@ from engine.quant import int4_dense
 from engine.quant.blocks import unpack
 from engine.quant.int4_dense import DENSE_MIN_TOKENS, dense_weight_t, pack_block_rows
 from engine.quant.kernels import Int4PackKernel, int4pack_available, make_kernel, reference_linear
+from kernels import cpu_nibble
 
 Q = GGMLQuantizationType
 needs_dense = pytest.mark.skipif(
     not int4pack_available() or pack_block_rows() is None,
     reason="no packed int4 CPU kernel, no bf16 dot product, or an unknown packing",
 )
+
+
+@pytest.fixture(autouse=True)
+def _torch_int4_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_nibble, "available", lambda: False)
 
 
 @needs_dense

@@ -24,11 +24,13 @@ from engine.quant.gguf_weights import iter_gguf_weights
 from engine.quant.kernels import (
     DequantKernel,
     Int4PackKernel,
+    NibbleKernel,
     SplitInt8Kernel,
     make_kernel,
     reference_linear,
 )
 from engine.quant.layers import GGUFEmbedding, GGUFLinear
+from kernels import cpu_nibble
 from pdserve import LLM, SamplingParams
 
 Q = GGMLQuantizationType
@@ -63,7 +65,7 @@ def test_unpacked_blocks_equal_gguf_dequantize_bit_for_bit(qtype: GGMLQuantizati
     assert np.array_equal(dequantize(w.rows(torch.tensor([4, 1]))).numpy(), expected[[4, 1]])
 
 
-KERNELS = {  # (format, activation dtype) -> the kernel make_kernel picks
+KERNELS = {  # (format, activation dtype) -> the kernel make_kernel picks without cpu_nibble
     **{(t, torch.float32): DequantKernel for t in FORMATS},
     (Q.Q4_0, torch.bfloat16): Int4PackKernel,
     (Q.Q4_1, torch.bfloat16): Int4PackKernel,
@@ -71,18 +73,26 @@ KERNELS = {  # (format, activation dtype) -> the kernel make_kernel picks
     (Q.Q8_0, torch.bfloat16): SplitInt8Kernel,
     (Q.Q6_K, torch.bfloat16): DequantKernel,
 }
+NIBBLE_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0)  # bf16 with AVX512-BF16: kernels/cpu_nibble
 
 
+@pytest.mark.parametrize("nibble", [True, False], ids=["nibble", "torch_int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("tokens", [1, 7])
 def test_kernels_match_the_reference(
-    qtype: GGMLQuantizationType, dtype: torch.dtype, tokens: int
+    qtype: GGMLQuantizationType, dtype: torch.dtype, tokens: int, nibble: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if nibble and not cpu_nibble.available():
+        pytest.skip("kernels/cpu_nibble.c does not run here (no AVX512-BF16 or no C compiler)")
+    if not nibble:
+        monkeypatch.setattr(cpu_nibble, "available", lambda: False)
     rows, cols = 1104, 256  # more rows than one de-quantized tile (1024 at 256 columns)
     raw = random_blocks(qtype, rows, cols, seed=2)
     kernel = make_kernel(unpack(qtype, raw, (rows, cols), "w"), dtype)
-    assert type(kernel) is KERNELS[qtype, dtype]
+    nibble_picked = nibble and dtype == torch.bfloat16 and qtype in NIBBLE_FORMATS
+    assert type(kernel) is (NibbleKernel if nibble_picked else KERNELS[qtype, dtype])
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(3))
     out = kernel(x.to(dtype))
     ref = reference_linear(x.to(dtype), raw, qtype, (rows, cols))

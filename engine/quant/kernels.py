@@ -1,5 +1,11 @@
 """CPU matmuls over GGUF weights in the unpacked layout of `blocks.py`, each beside its reference.
 
+    NibbleKernel    Q4_0 / Q4_1 / Q4_K / Q8_0 with bf16 activations on a CPU with AVX512-BF16:
+                    the codes fed to bf16 dot products as they are (kernels/cpu_nibble.py),
+                    outputs in the activations' dtype (fp32 sums, not rounded to bf16 for fp32
+                    activations). Steps of DENSE_MIN_TOKENS rows or more multiply a transient
+                    de-quantized bf16 W^T. Where it cannot run (no AVX512-BF16, no C compiler),
+                    the two kernels below serve these formats.
     Int4PackKernel  Q4_0 / Q4_1 / Q4_K: torch's packed int4 CPU GEMM, bf16 activations. torch's
                     group convention is w = (nibble - 8) * s + z, so a block with w = s * code + b
                     and nibble = code + offset (offset 8 for Q4_0, else 0) has
@@ -28,7 +34,9 @@ from engine.quant.int4_dense import (
     dense_supported,
     dense_weight_t,
     nibble_rows,
+    whole_blocks,
 )
+from kernels import cpu_nibble
 
 Q = GGMLQuantizationType
 _GROUP = 32  # the int4 kernels' group size (one GGUF block)
@@ -116,11 +124,70 @@ class SplitInt8Kernel:
     def nbytes(self) -> int:
         return self.high.nbytes() + self.low.nbytes()
 
+    def codes_readable(self) -> bool:  # whole blocks of a known packing only (int4_dense.py)
+        return whole_blocks(self.high.packed)
+
     def codes(self, rows: torch.Tensor) -> torch.Tensor:  # [R] row ids -> [R, K] int8
         """The int8 codes of some rows, read back from the two packed nibble tensors (so an
         embedding table needs no other copy of them); `whole_blocks(high.packed)` first."""
         hi, lo = (nibble_rows(k.packed, rows).to(torch.int16) for k in (self.high, self.low))
         return (16 * (hi - 8) + lo).to(torch.int8)
+
+
+class NibbleKernel:
+    """A Q4 (w = s q + z, q = code + offset in 0..15) or Q8_0 (w = d c) matrix in
+    kernels/cpu_nibble.py's packed layout: y = x W^T with x rounded to bf16, summed in fp32."""
+
+    def __init__(self, w: QuantWeight) -> None:
+        rows, cols = w.shape
+        if w.group != _GROUP or rows % 16 or cols % _GROUP:
+            raise ValueError(f"NibbleKernel needs groups of {_GROUP}, rows % 16 == 0 and "
+                             f"columns % {_GROUP} == 0, got {w.qtype.name} {tuple(w.shape)}")
+        self.out_features, self.in_features = rows, cols
+        if w.qtype == Q.Q8_0:
+            self.fmt, self.codes_packed = cpu_nibble.Q8, cpu_nibble.pack_q8(w.codes)
+            self.zero = None
+        elif w.qtype in FOUR_BIT:
+            offset = 8 if w.qtype == Q.Q4_0 else 0
+            self.fmt = cpu_nibble.Q4
+            self.codes_packed = cpu_nibble.pack_q4(w.codes.to(torch.int16) + offset)
+            zero = -offset * w.scale if w.bias is None else w.bias - offset * w.scale
+            self.zero = cpu_nibble.pack_groups(zero)
+        else:
+            raise ValueError(f"NibbleKernel takes Q4_0, Q4_1, Q4_K or Q8_0, got {w.qtype.name}")
+        self.scale = cpu_nibble.pack_groups(w.scale)
+        self.gemm = cpu_nibble.Gemm(self.fmt, self.codes_packed, self.scale, self.zero, rows)
+
+    @staticmethod
+    def fits(w: QuantWeight) -> bool:
+        rows, cols = w.shape
+        return (cpu_nibble.available() and (w.qtype in FOUR_BIT or w.qtype == Q.Q8_0)
+                and w.group == _GROUP and rows % 16 == 0 and cols % _GROUP == 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N] in x's dtype
+        dtype = x.dtype
+        xb = x if dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        if x.shape[0] >= DENSE_MIN_TOKENS:
+            return (xb @ self.dense_t()).to(dtype)
+        if dtype == torch.float32 or dtype == torch.bfloat16:
+            return self.gemm(xb, dtype)
+        return self.gemm(xb, torch.float32).to(dtype)
+
+    def dense_t(self) -> torch.Tensor:  # [K, N] bf16, made for one call
+        return cpu_nibble.dequant_t(self.fmt, self.codes_packed, self.scale, self.zero,
+                                    self.out_features, self.in_features)
+
+    def codes_readable(self) -> bool:
+        return self.fmt == cpu_nibble.Q8
+
+    def codes(self, rows: torch.Tensor) -> torch.Tensor:  # [R] row ids -> [R, K] int8
+        """A Q8_0 table's codes of some rows, read back from the packed bytes (an embedding
+        table then needs no other copy of them)."""
+        return cpu_nibble.unpack_rows(self.fmt, self.codes_packed, rows).to(torch.int8)
+
+    def nbytes(self) -> int:
+        extra = 0 if self.zero is None else self.zero.nbytes
+        return self.codes_packed.nbytes + self.scale.nbytes + extra
 
 
 class DequantKernel:
@@ -159,14 +226,17 @@ class DenseKernel:
         return self.weight.nbytes
 
 
-Kernel = Int4PackKernel | SplitInt8Kernel | DequantKernel | DenseKernel
+Kernel = NibbleKernel | Int4PackKernel | SplitInt8Kernel | DequantKernel | DenseKernel
 
 
 def make_kernel(w: QuantWeight | torch.Tensor, dtype: torch.dtype) -> Kernel:
-    """The fastest kernel for `w` with activations in `dtype`: the packed int4 GEMMs need bf16
-    (torch's fp32 variant is a slow reference loop), else the tiled de-quantizing matmul."""
+    """The fastest kernel for `w` with activations in `dtype`: the bf16-dot kernel or torch's
+    packed int4 GEMMs need bf16 (torch's fp32 variant is a slow reference loop), else the tiled
+    de-quantizing matmul (exact in fp32)."""
     if isinstance(w, torch.Tensor):
         return DenseKernel(w.to(dtype))
+    if dtype == torch.bfloat16 and NibbleKernel.fits(w):
+        return NibbleKernel(w)
     rows_fit = w.shape[0] % _ROW_MULTIPLE == 0
     if dtype == torch.bfloat16 and int4pack_available() and w.group == _GROUP and rows_fit:
         if w.qtype in FOUR_BIT:

@@ -24,17 +24,18 @@ from torch import nn
 
 from engine.quant.blocks import QuantWeight, dequantize
 from engine.quant.gguf_cuda import CudaKernel, make_cuda_kernel
-from engine.quant.int4_dense import whole_blocks
 from engine.quant.kernels import (
     DenseKernel,
     DequantKernel,
     Int4PackKernel,
     Kernel,
+    NibbleKernel,
     SplitInt8Kernel,
     make_kernel,
 )
 
-_ROUNDING_KERNELS = (Int4PackKernel, SplitInt8Kernel)  # outputs rounded to bf16
+# activations (and for torch's kernels, outputs) rounded to bf16
+_ROUNDING_KERNELS = (NibbleKernel, Int4PackKernel, SplitInt8Kernel)
 
 
 Part = QuantWeight | torch.Tensor
@@ -167,7 +168,8 @@ class GGUFEmbedding(nn.Module):
             return
         self.table = tensor.to(dtype) if isinstance(tensor, torch.Tensor) else tensor
         self.head = make_kernel(self.table, self.activation_dtype or dtype)
-        if isinstance(self.head, SplitInt8Kernel) and _codes_read_back(self.head, self.table):
+        if isinstance(self.head, (SplitInt8Kernel, NibbleKernel)) and _codes_read_back(
+                self.head, self.table):
             # a fresh empty tensor: a [:0] view would keep the whole codes' storage alive
             self.table.codes = self.table.codes.new_empty((0, *self.table.codes.shape[1:]))
 
@@ -221,11 +223,11 @@ def _kernel(part: Part, weight: nn.Parameter, activation: torch.dtype | None
     return make_kernel(part, activation or weight.dtype)
 
 
-def _codes_read_back(head: SplitInt8Kernel, table: QuantWeight) -> bool:
-    """Whether the head's packed nibbles give back the table's codes (whole blocks of a known
-    packing only, int4_dense.py; checked on the first and last blocks and a spread of rows)."""
+def _codes_read_back(head: SplitInt8Kernel | NibbleKernel, table: QuantWeight) -> bool:
+    """Whether the head's packed codes give back the table's (checked on the first and last
+    blocks and a spread of rows)."""
     rows = table.shape[0]
-    if not whole_blocks(head.high.packed) or rows < 64:
+    if not head.codes_readable() or rows < 64:
         return False
     ids = torch.cat([torch.arange(64), torch.arange(rows - 64, rows), torch.arange(0, rows, 997)])
     return torch.equal(head.codes(ids), table.codes[ids])

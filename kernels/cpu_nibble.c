@@ -1,0 +1,230 @@
+// GGUF weights kept quantized on the CPU: y = x W^T with bf16 activations on AVX512-BF16 dot
+// products, W read as 4-bit codes (Q4_0, Q4_1, Q4_K) or 8-bit ones (Q8_0) in groups of 32 along K.
+// kernels/cpu_nibble.py builds this file with the system C compiler, packs the weights and holds
+// the torch reference; the layout and the arithmetic are described there.
+//
+// The idea, per output column n and group g of 32 inputs:
+//   Q4: a nibble q (0..15) ORed into the bf16 bits 0x4300 is the number 128 + q exactly, so one
+//       VDPBF16PS over half a 32-byte load (two 16-bit words per output lane) accumulates
+//       acc = sum_k x_k (128 + q_k) in fp32 with no conversion of the codes, and
+//       x . w_g = s (acc - 128 sx) + z sx = s acc + (z - 128 s) sx,          w = s q + z
+//   Q8: a byte u = c + 128 (0..255) is exactly a bf16 number; converted through fp32 (two
+//       widenings and one rounding that rounds nothing), acc = sum_k x_k u_k and
+//       x . w_g = d (acc - 128 sx),                                           w = d c
+//   where sx = sum_k x_k over the group (computed once per call).
+// Every row runs the same sequence of operations whatever the number of rows or threads, so a
+// request's logits do not depend on what else is in the batch.
+
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+enum { FMT_Q4 = 0, FMT_Q8 = 1 };
+
+static inline __m512 load_f16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+static inline __m512 load_bf16(const uint16_t *p) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+// Rows r0..r0+R-1 of x against column tiles nt0..nt0+T-1 (16 columns each), R * T <= 12 (8 with
+// T = 4). Each (row, tile) keeps two accumulator chains (Q4: the low and the high nibbles; Q8:
+// even and odd loads) so that the dot products' latency does not bound a single row; the
+// running sums across groups live in `out`, on the stack (L1), not in registers.
+static inline __attribute__((always_inline)) void block(
+    const int R, const int T, const int FMT, const uint16_t *x, ptrdiff_t ldx, const float *sx,
+    int K, const uint8_t *w, const uint16_t *s, const uint16_t *z, int nt0, void *y,
+    ptrdiff_t ldy, int out_bf16)
+{
+    const int G = K / 32;
+    const int L = FMT == FMT_Q4 ? 8 : 16;  // 32-byte loads per group and tile
+    const __m512i low4 = _mm512_set1_epi16(0x000F);
+    const __m512i lo_bits = _mm512_set1_epi16(0x4300);
+    __m512 out[6][4];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) out[r][t] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m512 acc[6][4], acc2[6][4];
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++) acc[r][t] = acc2[r][t] = _mm512_setzero_ps();
+        for (int st = 0; st < L; st++) {
+            __m512i lo[4], hi[4];
+            for (int t = 0; t < T; t++) {
+                const uint8_t *src = w + ((size_t)(nt0 + t) * G * L + (size_t)g * L + st) * 32;
+                // few rows read the weights from memory faster than they use them: fetch ahead
+                if (R <= 4 && (st & 1) == 0) _mm_prefetch((const char *)src + 2048, _MM_HINT_T1);
+                if (FMT == FMT_Q4) {
+                    __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)src));
+                    lo[t] = _mm512_or_si512(_mm512_and_si512(v, low4), lo_bits);
+                    hi[t] = _mm512_or_si512(_mm512_srli_epi16(v, 4), lo_bits);
+                } else {  // words 0..15 and 16..31 of the load, each widened to fp32
+                    __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                        _mm_loadu_si128((const __m128i *)src)));
+                    __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                        _mm_loadu_si128((const __m128i *)(src + 16))));
+                    lo[t] = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+                }
+            }
+            // Q4: a load holds inputs k, k+1 (low nibbles) and k+2, k+3 (high); Q8: k, k+1
+            const int k = g * 32 + (FMT == FMT_Q4 ? st * 4 : st * 2);
+            for (int r = 0; r < R; r++) {
+                const uint16_t *xr = x + r * ldx + k;
+                __m512bh xa = (__m512bh)_mm512_set1_epi32(*(const int32_t *)xr);
+                if (FMT == FMT_Q4) {
+                    __m512bh xb = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(xr + 2));
+                    for (int t = 0; t < T; t++) {
+                        acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xa, (__m512bh)lo[t]);
+                        acc2[r][t] = _mm512_dpbf16_ps(acc2[r][t], xb, (__m512bh)hi[t]);
+                    }
+                } else if (st & 1) {
+                    for (int t = 0; t < T; t++)
+                        acc2[r][t] = _mm512_dpbf16_ps(acc2[r][t], xa, (__m512bh)lo[t]);
+                } else {
+                    for (int t = 0; t < T; t++)
+                        acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xa, (__m512bh)lo[t]);
+                }
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            const size_t at = ((size_t)(nt0 + t) * G + g) * 16;
+            __m512 sc = load_f16(s + at);
+            if (FMT == FMT_Q4) {
+                __m512 zc = _mm512_fnmadd_ps(sc, _mm512_set1_ps(128.f), load_f16(z + at));
+                for (int r = 0; r < R; r++) {
+                    __m512 dot = _mm512_add_ps(acc[r][t], acc2[r][t]);
+                    __m512 part = _mm512_fmadd_ps(zc, _mm512_set1_ps(sx[r * G + g]),
+                                                  _mm512_mul_ps(sc, dot));
+                    out[r][t] = _mm512_add_ps(out[r][t], part);
+                }
+            } else {
+                for (int r = 0; r < R; r++) {
+                    __m512 dot = _mm512_add_ps(acc[r][t], acc2[r][t]);
+                    __m512 centred = _mm512_fnmadd_ps(_mm512_set1_ps(128.f),
+                                                      _mm512_set1_ps(sx[r * G + g]), dot);
+                    out[r][t] = _mm512_fmadd_ps(sc, centred, out[r][t]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) {
+            const size_t at = (size_t)r * ldy + (size_t)(nt0 + t) * 16;
+            if (out_bf16)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)y + at),
+                                    (__m256i)_mm512_cvtneps_pbh(out[r][t]));
+            else
+                _mm512_storeu_ps((float *)y + at, out[r][t]);
+        }
+}
+
+#define BLOCK(RR, TT, NT0, F) block(RR, TT, F, x + (ptrdiff_t)m * ldx, ldx, sx + (size_t)m * G, \
+                                    K, w, s, z, NT0, (char *)y + (size_t)m * N * osize, N, \
+                                    out_bf16)
+
+// One job: `tiles` (1, 2 or 4) tiles from nt for every row. Blocks of 6 rows take the tiles two
+// at a time; the last rows take as many tiles at once as the registers hold, so that a single
+// row still has 4 independent accumulator chains (the dot products' latency, not the loads,
+// bounds one row otherwise). A column's arithmetic is the same in every block shape.
+#define JOB(F) do { int m = 0; \
+    for (; m + 6 <= M; m += 6) { \
+        if (tiles == 1) BLOCK(6, 1, nt, F); \
+        else for (int t = 0; t < tiles; t += 2) BLOCK(6, 2, nt + t, F); } \
+    const int left = M - m; \
+    if (left == 0) break; \
+    if (tiles == 4 && left <= 2) { \
+        if (left == 1) BLOCK(1, 4, nt, F); else BLOCK(2, 4, nt, F); \
+    } else { \
+        for (int t = 0; t < tiles; t += 2) { \
+            const int tt = tiles - t >= 2 ? 2 : 1; \
+            switch (left * 2 + (tt == 2)) { \
+            case 11: BLOCK(5, 2, nt + t, F); break; case 10: BLOCK(5, 1, nt + t, F); break; \
+            case 9: BLOCK(4, 2, nt + t, F); break; case 8: BLOCK(4, 1, nt + t, F); break; \
+            case 7: BLOCK(3, 2, nt + t, F); break; case 6: BLOCK(3, 1, nt + t, F); break; \
+            case 5: BLOCK(2, 2, nt + t, F); break; case 4: BLOCK(2, 1, nt + t, F); break; \
+            case 3: BLOCK(1, 2, nt + t, F); break; case 2: BLOCK(1, 1, nt + t, F); break; } \
+        } \
+    } } while (0)
+
+// x [M, K] bf16 (row stride ldx), y [M, N] fp32 or bf16 (contiguous); nthreads: torch's
+// intra-op thread count. w, s, z as kernels/cpu_nibble.py packs them (z unused for Q8).
+// K % 32 == 0, N % 16 == 0. Returns 0, or -1 if the row sums' scratch could not be allocated.
+int nibble_gemm(const uint16_t *x, ptrdiff_t ldx, int M, int K, int N, int fmt,
+                const uint8_t *w, const uint16_t *s, const uint16_t *z, void *y, int out_bf16,
+                int nthreads) {
+    const int G = K / 32, NT = N / 16;
+    const size_t osize = out_bf16 ? 2 : 4;
+    float stack_sx[4096];
+    float *sx = (size_t)M * G <= 4096 ? stack_sx : malloc((size_t)M * G * sizeof(float));
+    if (!sx) return -1;
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < G; g++) {
+            const uint16_t *p = x + (ptrdiff_t)m * ldx + g * 32;
+            sx[(size_t)m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(load_bf16(p),
+                                                                       load_bf16(p + 16)));
+        }
+    const int quads = NT / 4, rest = NT % 4;  // jobs of 4 tiles, then 2 and 1 for the rest
+    const int jobs = quads + (rest >= 2) + (rest & 1);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int job = 0; job < jobs; job++) {
+        int nt, tiles;
+        if (job < quads) { nt = job * 4; tiles = 4; }
+        else if (job == quads && rest >= 2) { nt = quads * 4; tiles = 2; }
+        else { nt = NT - 1; tiles = 1; }
+        if (fmt == FMT_Q4) JOB(FMT_Q4); else JOB(FMT_Q8);
+    }
+    if (sx != stack_sx) free(sx);
+    return 0;
+}
+
+// W^T [K, N] in bf16 (each value rounded once from fp32), for steps long enough that a dense
+// bf16 GEMM over it beats nibble_gemm. A job is a run of CHUNK tiles written group by group, so
+// the stores of one input row are contiguous (a 49152-column lm_head written tile by tile would
+// touch a new page at every row).
+#define CHUNK 32
+void nibble_dequant_t(int K, int N, int fmt, const uint8_t *w, const uint16_t *s,
+                      const uint16_t *z, uint16_t *out, int nthreads) {
+    const int G = K / 32, NT = N / 16;
+    const int L = fmt == FMT_Q4 ? 8 : 16;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int chunk = 0; chunk < (NT + CHUNK - 1) / CHUNK; chunk++) {
+        const int end = chunk * CHUNK + CHUNK < NT ? chunk * CHUNK + CHUNK : NT;
+        for (int g = 0; g < G; g++) {
+            for (int nt = chunk * CHUNK; nt < end; nt++) {
+                const size_t at = ((size_t)nt * G + g) * 16;
+                const __m512 sc = load_f16(s + at);
+                const __m512 zc = fmt == FMT_Q4 ? load_f16(z + at)
+                                                : _mm512_mul_ps(sc, _mm512_set1_ps(-128.f));
+                for (int st = 0; st < L; st++) {
+                    const uint8_t *src = w + ((size_t)nt * G * L + (size_t)g * L + st) * 32;
+                    // lane i: column i; its two 16-bit words hold bytes 2i and 2i + 1
+                    __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)src));
+                    const int k = g * 32 + (fmt == FMT_Q4 ? st * 4 : st * 2);
+                    __m512i codes[4];
+                    int n_codes;
+                    if (fmt == FMT_Q4) {  // inputs k, k + 1 (low nibbles), k + 2, k + 3 (high)
+                        const __m512i m4 = _mm512_set1_epi32(0xF);
+                        codes[0] = _mm512_and_si512(v, m4);
+                        codes[1] = _mm512_and_si512(_mm512_srli_epi32(v, 16), m4);
+                        codes[2] = _mm512_and_si512(_mm512_srli_epi32(v, 4), m4);
+                        codes[3] = _mm512_and_si512(_mm512_srli_epi32(v, 20), m4);
+                        n_codes = 4;
+                    } else {  // inputs k, k + 1
+                        codes[0] = _mm512_and_si512(v, _mm512_set1_epi32(0xFF));
+                        codes[1] = _mm512_srli_epi32(v, 16);
+                        n_codes = 2;
+                    }
+                    for (int j = 0; j < n_codes; j++) {
+                        __m512 val = _mm512_fmadd_ps(_mm512_cvtepi32_ps(codes[j]), sc, zc);
+                        _mm256_storeu_si256(
+                            (__m256i *)(out + (size_t)(k + j) * N + (size_t)nt * 16),
+                            (__m256i)_mm512_cvtneps_pbh(val));
+                    }
+                }
+            }
+        }
+    }
+}

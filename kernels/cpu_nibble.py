@@ -1,0 +1,200 @@
+"""CPU GEMMs over 4-bit and 8-bit GGUF codes on AVX512-BF16 dot products (kernels/cpu_nibble.c).
+
+torch's packed int4 CPU GEMM widens every weight to fp32 and multiplies on the fp32 vector units;
+its cost grows with the rows of x by ~1.5 ms per row over a decode step of the bundled model, which
+is what a speculative verification (k + 1 rows) and a batch of decodes pay. This kernel feeds the
+codes to VDPBF16PS as they are: a nibble q ORed into the bf16 bits 0x4300 *is* the number
+128 + q, so the unpacking is an AND, a shift and two ORs per 32-byte load, the dot products
+accumulate in fp32, and the group's scale and offset (and the 128) are applied once per group of
+32 inputs (the C file gives the algebra). A row's arithmetic does not depend on the other rows or
+on the thread count.
+
+Packed layout (N % 16 == 0, K % 32 == 0), per tile of 16 output columns, then group, then load:
+
+    Q4 (Q4_0 / Q4_1 / Q4_K: w = s q + z, q in 0..15)
+        codes [N/16, K/4, 32] uint8: byte 2i + j of load k4 holds column i's q[4 k4 + j] in its
+        low nibble and q[4 k4 + 2 + j] in its high one (j = 0, 1)
+        s, z  [N/16, K/32, 16] fp16
+    Q8 (Q8_0: w = d c, c in -128..127, stored as u = c + 128)
+        codes [N/16, K/2, 32] uint8: byte 2i + j of load k2 holds column i's u[2 k2 + j]
+        s = d [N/16, K/32, 16] fp16 (no z)
+
+The scales stay fp16 as the file holds them (Q4_K's d * sc products are rounded to fp16 here),
+so the weights take the file's bytes per block plus nothing. `nibble_dequant_t` writes W^T in
+bf16 for steps long enough that a dense bf16 GEMM wins.
+
+The shared object is compiled once per machine with the system's C compiler (`$CC`, else
+`cc`) into pdserve's cache folder and loaded after torch, whose OpenMP runtime it then shares
+(same soname). No compiler, no AVX512-BF16, or a failed build: `library()` is None and the
+callers keep torch's int4 kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".c")
+FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
+         "-mavx512bf16", "-mf16c", "-mfma"]
+GROUP = 32
+Q4, Q8 = 0, 1  # the C file's FMT_Q4, FMT_Q8
+DISABLE_ENV = "PDSERVE_CPU_NIBBLE"  # "0": never build or use this kernel
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdserve")
+    return Path(root) / "cpu_kernels"
+
+
+def _cpu_has_bf16_dot() -> bool:
+    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
+def build(source: Path = SOURCE, out_dir: Path | None = None) -> Path:
+    """Compile `source` (once: the file is named by a hash of the source, flags and compiler)
+    and return the shared object's path; raises OSError / CalledProcessError on failure."""
+    cc = os.environ.get("CC") or "cc"
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    text = source.read_bytes()
+    digest = hashlib.sha256(text + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    out_dir = out_dir or _cache_root()
+    target = out_dir / f"{source.stem}-{digest}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # a temporary name, then an atomic rename: workers starting together may build at once
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True,
+                       check=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where they cannot run here (logged once)."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return None
+    if not _cpu_has_bf16_dot():
+        log.info("cpu_nibble: no AVX512-BF16 on this CPU; torch's int4 kernel serves GGUF weights")
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning("cpu_nibble: could not build %s (%s); torch's int4 kernel serves GGUF "
+                    "weights", SOURCE.name, detail.strip()[:500])
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.nibble_gemm.argtypes = [p, ctypes.c_ssize_t, i, i, i, i, p, p, p, p, i, i]
+    lib.nibble_gemm.restype = i
+    lib.nibble_dequant_t.argtypes = [i, i, i, p, p, p, p, i]
+    lib.nibble_dequant_t.restype = None
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def pack_q4(nibbles: torch.Tensor) -> torch.Tensor:  # [N, K] in 0..15 -> [N/16, K/4, 32] uint8
+    n, k = nibbles.shape
+    q = nibbles.to(torch.uint8).view(n // 16, 16, k // 4, 2, 2)  # tile, i, k4, half, j
+    packed = q[..., 0, :] | (q[..., 1, :] << 4)  # low nibble: k4*4 + j, high: k4*4 + 2 + j
+    return packed.permute(0, 2, 1, 3).reshape(n // 16, k // 4, 32).contiguous()
+
+
+def pack_q8(codes: torch.Tensor) -> torch.Tensor:  # [N, K] int8 -> [N/16, K/2, 32] uint8
+    n, k = codes.shape
+    u = (codes.to(torch.int16) + 128).to(torch.uint8).view(n // 16, 16, k // 2, 2)
+    return u.permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32).contiguous()
+
+
+def pack_groups(values: torch.Tensor) -> torch.Tensor:  # [N, K/32] -> [N/16, K/32, 16] fp16
+    n, g = values.shape
+    return values.to(torch.float16).view(n // 16, 16, g).transpose(1, 2).contiguous()
+
+
+def unpack_rows(fmt: int, codes: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The codes of some output rows (q for Q4, c for Q8) read back from the packed layout:
+    [R] row ids -> [R, K] int16."""
+    tiles, lane = rows // 16, rows % 16
+    if fmt == Q4:
+        b = codes.view(codes.shape[0], -1, 16, 2)[tiles, :, lane]  # [R, K/4, 2]
+        q = torch.stack([b & 15, b >> 4], dim=-2)  # [R, K/4, half, j]: k = 4 k4 + 2 half + j
+        return q.reshape(len(rows), -1).to(torch.int16)
+    u = codes.view(codes.shape[0], -1, 16, 2)[tiles, :, lane]  # [R, K/2, j]
+    return u.reshape(len(rows), -1).to(torch.int16) - 128
+
+
+def unpack_groups(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # -> [R, K/32] fp32
+    return values[rows // 16, :, rows % 16].float()
+
+
+class Gemm:
+    """y = x W^T for one packed matrix: `fmt`, codes, s, z as packed above, N outputs. The
+    pointers are taken once; a call costs one tensor allocation and the C call."""
+
+    def __init__(self, fmt: int, codes: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
+                 n: int) -> None:
+        self.tensors = (codes, s, z)  # kept alive: the C side holds their pointers
+        self.n, self.k = n, codes.shape[1] * (4 if fmt == Q4 else 2)  # K/4 or K/2 loads a tile
+        self._head = (fmt, codes.data_ptr(), s.data_ptr(), 0 if z is None else z.data_ptr())
+        self._call = library().nibble_gemm
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """x [M, K] bf16 -> [M, N] in out_dtype (float32 or bfloat16)."""
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self.n, dtype=out_dtype)
+        if self._call(x.data_ptr(), x.stride(0), m, self.k, self.n, *self._head, y.data_ptr(),
+                      out_dtype == torch.bfloat16, torch.get_num_threads()):
+            raise MemoryError(f"cpu_nibble: no scratch for {m} x {self.k // GROUP} row sums")
+        return y
+
+
+def gemm(x: torch.Tensor, fmt: int, codes: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
+         n: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] bf16 (rows contiguous) -> [M, n] in out_dtype (float32 or bfloat16)."""
+    return Gemm(fmt, codes, s, z, n)(x, out_dtype)
+
+
+def dequant_t(fmt: int, codes: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, n: int,
+              k: int) -> torch.Tensor:
+    """W^T [K, N] in bf16, made for one call."""
+    out = torch.empty(k, n, dtype=torch.bfloat16)
+    library().nibble_dequant_t(k, n, fmt, codes.data_ptr(), s.data_ptr(),
+                               0 if z is None else z.data_ptr(), out.data_ptr(),
+                               torch.get_num_threads())
+    return out
+
+
+def reference(x: torch.Tensor, fmt: int, codes: torch.Tensor, s: torch.Tensor,
+              z: torch.Tensor | None, n: int) -> torch.Tensor:
+    """The same product in fp32 from the packed tensors: x rounded to bf16 as the kernel reads
+    it, the weights de-quantized from the unpacked codes and fp16 scales."""
+    rows = torch.arange(n)
+    q = unpack_rows(fmt, codes, rows).float()  # [N, K]
+    scale = unpack_groups(s, rows).repeat_interleave(GROUP, dim=1)
+    w = q * scale
+    if fmt == Q4:
+        w = w + unpack_groups(z, rows).repeat_interleave(GROUP, dim=1)
+    return x.to(torch.bfloat16).float() @ w.t()

@@ -1,0 +1,116 @@
+"""kernels/cpu_nibble: the AVX512-BF16 GEMM over packed GGUF codes against its fp32 reference
+(every block shape: 6-row blocks, the last rows, 4-, 2- and 1-tile jobs), a row's output the
+same whatever else is in the batch or the thread count, the de-quantized W^T, the codes read
+back, the build cached and its failure reported, and NibbleKernel against gguf's own
+de-quantization."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from test_quant_gguf import random_blocks
+
+from engine.quant.blocks import QuantWeight, unpack
+from engine.quant.kernels import NibbleKernel, reference_linear
+from kernels import cpu_nibble
+
+Q = GGMLQuantizationType
+pytestmark = pytest.mark.skipif(not cpu_nibble.available(),
+                                reason="no AVX512-BF16 or no C compiler here")
+
+
+def _packed(fmt: int, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    groups = k // cpu_nibble.GROUP
+    if fmt == cpu_nibble.Q4:
+        codes = cpu_nibble.pack_q4(torch.randint(0, 16, (n, k), generator=g))
+        zero = cpu_nibble.pack_groups(-torch.rand(n, groups, generator=g) * 0.1)
+        return codes, cpu_nibble.pack_groups(torch.rand(n, groups, generator=g) * 0.02), zero
+    codes = cpu_nibble.pack_q8(torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8))
+    return codes, cpu_nibble.pack_groups(torch.rand(n, groups, generator=g) * 2e-3), None
+
+
+@pytest.mark.parametrize("fmt", [cpu_nibble.Q4, cpu_nibble.Q8], ids=["q4", "q8"])
+@pytest.mark.parametrize("n", [112, 48, 16])  # 7 tiles: a 4-, a 2- and a 1-tile job; 3; 1
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 13])
+def test_gemm_matches_the_reference_and_rows_are_independent(fmt: int, n: int, m: int) -> None:
+    k = 96
+    codes, s, z = _packed(fmt, n, k, seed=n + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    ref = cpu_nibble.reference(x, fmt, codes, s, z, n)
+    y = cpu_nibble.gemm(x, fmt, codes, s, z, n, torch.float32)
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()  # fp32 sums of exact products
+    yb = cpu_nibble.gemm(x, fmt, codes, s, z, n, torch.bfloat16)
+    assert torch.equal(yb, y.bfloat16())  # the bf16 output is the fp32 one rounded once
+    # each row alone, and on one thread, gives the same bits as in the batch
+    for r in range(m):
+        assert torch.equal(cpu_nibble.gemm(x[r:r + 1], fmt, codes, s, z, n, torch.float32)[0],
+                           y[r])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_nibble.gemm(x, fmt, codes, s, z, n, torch.float32), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("fmt", [cpu_nibble.Q4, cpu_nibble.Q8], ids=["q4", "q8"])
+def test_dequantized_transpose_and_rows_read_back(fmt: int) -> None:
+    n, k = 48, 64
+    codes, s, z = _packed(fmt, n, k, seed=7)
+    rows = torch.arange(n)
+    w = cpu_nibble.unpack_rows(fmt, codes, rows).float() * cpu_nibble.unpack_groups(
+        s, rows).repeat_interleave(32, dim=1)
+    if fmt == cpu_nibble.Q4:
+        w += cpu_nibble.unpack_groups(z, rows).repeat_interleave(32, dim=1)
+    assert torch.equal(cpu_nibble.dequant_t(fmt, codes, s, z, n, k), w.t().bfloat16())
+    # the packing is a bijection: the unpacked codes pack back to the same bytes
+    q = cpu_nibble.unpack_rows(fmt, codes, rows)
+    repacked = cpu_nibble.pack_q4(q) if fmt == cpu_nibble.Q4 else cpu_nibble.pack_q8(q)
+    assert torch.equal(repacked, codes)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 7, 256])  # 256: the de-quantized dense path
+def test_nibble_kernel_matches_gguf_dequantization(qtype: GGMLQuantizationType,
+                                                   tokens: int) -> None:
+    rows, cols = 80, 256  # Q4_K: one super-block of 256 a row
+    raw = random_blocks(qtype, rows, cols, seed=3)
+    w = unpack(qtype, raw, (rows, cols), "w")
+    kernel = NibbleKernel(w)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(4))
+    ref = reference_linear(x.bfloat16(), raw, qtype, (rows, cols))
+    out = kernel(x)  # fp32 activations: rounded to bf16 on the way in, fp32 out
+    assert out.dtype == torch.float32
+    # fp16 scales (Q4_K's products rounded), bf16 W^T on the dense path
+    tolerance = 1e-5 if tokens < 256 and qtype != Q.Q4_K else 5e-3
+    assert (out - ref).abs().max() <= tolerance * ref.abs().max()
+    if qtype == Q.Q8_0:
+        ids = torch.tensor([0, 17, 79])
+        assert kernel.codes_readable() and torch.equal(kernel.codes(ids), w.codes[ids])
+
+
+def test_shapes_it_does_not_take_are_refused() -> None:
+    w = QuantWeight(Q.Q4_1, torch.zeros(24, 64, dtype=torch.int8), torch.ones(24, 2), None, 32)
+    assert not NibbleKernel.fits(w)  # 24 rows: not whole tiles of 16
+    with pytest.raises(ValueError, match="rows % 16"):
+        NibbleKernel(w)
+
+
+def test_the_build_is_cached_and_a_failed_build_raises(tmp_path: Path, monkeypatch) -> None:
+    first = cpu_nibble.build(out_dir=tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_nibble.build(out_dir=tmp_path) == first and first.stat().st_mtime_ns == stamp
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    with pytest.raises(subprocess.CalledProcessError):
+        cpu_nibble.build(source=bad, out_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, "bad.c"])  # no debris
+    monkeypatch.setitem(os.environ, "CC", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(OSError):
+        cpu_nibble.build(out_dir=tmp_path / "other")
