@@ -27,6 +27,12 @@ The shared object is compiled once per machine with the system's C compiler (`$C
 `cc`) into pdserve's cache folder and loaded after torch, whose OpenMP runtime it then shares
 (same soname). No compiler, no AVX512-BF16, or a failed build: `library()` is None and the
 callers keep torch's int4 kernel.
+
+Where it pays (`preferred()`): a CPU with AVX512-BF16 but no AMX. On the 2-core EPYC pdserve is
+developed on it is 1.3-2.9x torch's int4 GEMM from 4 rows up (`python -m
+pdserve.bench.cpu_int4_gemm`, docs/benchmarks.md); on a 16-core Xeon with AMX the two were even
+up to 32 rows and torch's (AMX tiles) was 2-7x faster from 256, so there torch's stays.
+`PDSERVE_CPU_NIBBLE=1` takes this kernel wherever it runs, `0` never.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mav
          "-mavx512bf16", "-mf16c", "-mfma"]
 GROUP = 32
 Q4, Q8 = 0, 1  # the C file's FMT_Q4, FMT_Q8
-DISABLE_ENV = "PDSERVE_CPU_NIBBLE"  # "0": never build or use this kernel
+CHOICE_ENV = "PDSERVE_CPU_NIBBLE"  # "0": never; "1": wherever it runs; unset: preferred()
 
 
 def _cache_root() -> Path:
@@ -58,8 +64,8 @@ def _cache_root() -> Path:
     return Path(root) / "cpu_kernels"
 
 
-def _cpu_has_bf16_dot() -> bool:
-    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+def _cpu_has(probe: str) -> bool:
+    return bool(getattr(torch.cpu, probe, lambda: False)())
 
 
 def build(source: Path = SOURCE, out_dir: Path | None = None) -> Path:
@@ -90,9 +96,9 @@ def build(source: Path = SOURCE, out_dir: Path | None = None) -> Path:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None where they cannot run here (logged once)."""
-    if os.environ.get(DISABLE_ENV) == "0":
+    if os.environ.get(CHOICE_ENV) == "0":
         return None
-    if not _cpu_has_bf16_dot():
+    if not _cpu_has("_is_avx512_bf16_supported"):
         log.info("cpu_nibble: no AVX512-BF16 on this CPU; torch's int4 kernel serves GGUF weights")
         return None
     try:
@@ -111,7 +117,15 @@ def library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
+    """Whether the kernel runs here."""
     return library() is not None
+
+
+def preferred() -> bool:
+    """Whether GGUF weights should take it here (see the module's note on AMX)."""
+    if not available():
+        return False
+    return os.environ.get(CHOICE_ENV) == "1" or not _cpu_has("_is_amx_tile_supported")
 
 
 def pack_q4(nibbles: torch.Tensor) -> torch.Tensor:  # [N, K] in 0..15 -> [N/16, K/4, 32] uint8

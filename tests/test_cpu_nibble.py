@@ -114,3 +114,15 @@ def test_the_build_is_cached_and_a_failed_build_raises(tmp_path: Path, monkeypat
     monkeypatch.setitem(os.environ, "CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises(OSError):
         cpu_nibble.build(out_dir=tmp_path / "other")
+
+
+@pytest.mark.parametrize(("amx", "choice", "expected"), [
+    (False, None, True), (True, None, False), (True, "1", True)])
+def test_amx_cpus_keep_torch_kernels_unless_asked(amx: bool, choice: str | None, expected: bool,
+                                                   monkeypatch) -> None:
+    monkeypatch.setattr(cpu_nibble, "_cpu_has", lambda probe: amx or "amx" not in probe)
+    if choice is None:
+        monkeypatch.delenv(cpu_nibble.CHOICE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(cpu_nibble.CHOICE_ENV, choice)
+    assert cpu_nibble.preferred() is expected

@@ -26,7 +26,7 @@ needs_dense = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def _torch_int4_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_nibble, "available", lambda: False)
+    monkeypatch.setattr(cpu_nibble, "preferred", lambda: False)
 
 
 @needs_dense

@@ -1,11 +1,12 @@
 """CPU matmuls over GGUF weights in the unpacked layout of `blocks.py`, each beside its reference.
 
-    NibbleKernel    Q4_0 / Q4_1 / Q4_K / Q8_0 with bf16 activations on a CPU with AVX512-BF16:
+    NibbleKernel    Q4_0 / Q4_1 / Q4_K / Q8_0 with bf16 activations on a CPU with AVX512-BF16
+                    and no AMX (`cpu_nibble.preferred()`):
                     the codes fed to bf16 dot products as they are (kernels/cpu_nibble.py),
                     outputs in the activations' dtype (fp32 sums, not rounded to bf16 for fp32
                     activations). Steps of DENSE_MIN_TOKENS rows or more multiply a transient
-                    de-quantized bf16 W^T. Where it cannot run (no AVX512-BF16, no C compiler),
-                    the two kernels below serve these formats.
+                    de-quantized bf16 W^T. Elsewhere (AMX, no AVX512-BF16, no C compiler) the
+                    two kernels below serve these formats.
     Int4PackKernel  Q4_0 / Q4_1 / Q4_K: torch's packed int4 CPU GEMM, bf16 activations. torch's
                     group convention is w = (nibble - 8) * s + z, so a block with w = s * code + b
                     and nibble = code + offset (offset 8 for Q4_0, else 0) has
@@ -161,7 +162,7 @@ class NibbleKernel:
     @staticmethod
     def fits(w: QuantWeight) -> bool:
         rows, cols = w.shape
-        return (cpu_nibble.available() and (w.qtype in FOUR_BIT or w.qtype == Q.Q8_0)
+        return (cpu_nibble.preferred() and (w.qtype in FOUR_BIT or w.qtype == Q.Q8_0)
                 and w.group == _GROUP and rows % 16 == 0 and cols % _GROUP == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N] in x's dtype
