@@ -1,7 +1,7 @@
 """The CPU GEMMs over GGUF codes against each other and against a plain bf16 matmul.
 
     python -m pdserve.bench.cpu_int4_gemm [--shapes 3072x576,576x1536,960x576] [--rows 1,32,...]
-        [--q8-shapes 49152x576]
+        [--q8-shapes 49152x576] [--threads N]
 
 For each weight shape N x K (default: the bundled SmolLM2's fused gate_up, down and qkv, all
 Q4_1) and each row count M of x (bf16), milliseconds, medians of `--repeats` timed calls after
@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--stream-mib", type=float, default=96.0,
                    help="the *_mem columns cycle through this many MiB of weight copies")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--output-json", default="bench_results/cpu_int4_gemm.json")
 
 
@@ -133,6 +134,8 @@ def _row(qtype: GGMLQuantizationType, n: int, k: int, m: int, nibble: list[Nibbl
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if not int4pack_available() and not cpu_nibble.available():
         raise ValueError("neither torch's packed int4 CPU GEMM nor kernels/cpu_nibble runs here")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = [int(m) for m in args.rows.split(",")]
     g = torch.Generator().manual_seed(0)
     results = []
