@@ -9,7 +9,7 @@ import torch
 
 from engine.sampler import Sampler, SamplingRow, apply_penalties, argmax_suffices
 from engine.sampling_params import SamplingParams
-from engine.token_choice import apply_top_k_top_p
+from engine.token_choice import apply_top_k_top_p, argmax, top_ids
 
 EOS = 2
 # Five live tokens, then -inf padding: the vocabulary is wider than the sampler's top-p candidate
@@ -46,6 +46,20 @@ def test_greedy_is_argmax_and_logits_untouched() -> None:
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 6
     assert torch.equal(logits, before)
+
+
+def test_cpu_argmax_and_top_ids_agree_with_torch() -> None:
+    """numpy's argmax and partition on the CPU give torch's answers: the lowest id on a tie, a
+    NaN as the largest, strided and bf16 rows, a single row; top_ids the same set as topk."""
+    x = torch.randn(5, 1000, generator=torch.Generator().manual_seed(2))
+    x[1, 3] = x[1, 7] = 100.0
+    x[2, 9] = x[2, 4] = math.nan
+    for logits in (x, x[:, ::3], x.bfloat16(), x[0]):
+        expected = logits.float().argmax(dim=-1)
+        assert argmax(logits).dtype == torch.int64 and torch.equal(argmax(logits), expected)
+    rows = x[[0, 3, 4]]
+    assert torch.equal(top_ids(rows, 8).sort(dim=-1).values,
+                       rows.topk(8, dim=-1).indices.sort(dim=-1).values)
 
 
 @pytest.mark.parametrize(("params", "output", "suffices"), [

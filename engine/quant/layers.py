@@ -33,6 +33,7 @@ from engine.quant.kernels import (
     SplitInt8Kernel,
     make_kernel,
 )
+from engine.token_choice import top_ids
 
 # activations (and for torch's kernels, outputs) rounded to bf16
 _ROUNDING_KERNELS = (NibbleKernel, Int4PackKernel, SplitInt8Kernel)
@@ -190,7 +191,7 @@ class GGUFEmbedding(nn.Module):
         logits = self.head(hidden)
         rounded = isinstance(self.head, _ROUNDING_KERNELS) and hidden.dtype == torch.float32
         if isinstance(self.table, QuantWeight) and rounded:
-            top = logits.topk(min(self.REFINE, self.vocab_size), dim=-1).indices  # [N, R]
+            top = top_ids(logits, min(self.REFINE, self.vocab_size))  # [N, R]
             rows = dequantize(self._rows(top.flatten()))  # [N * R, hidden] fp32
             exact = (rows.view(*top.shape, -1) @ hidden.unsqueeze(-1)).squeeze(-1)
             logits = logits.scatter(-1, top, exact)
