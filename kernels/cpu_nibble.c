@@ -149,17 +149,36 @@ static inline __attribute__((always_inline)) void block(
         } \
     } } while (0)
 
-// x [M, K] bf16 (row stride ldx), y [M, N] fp32 or bf16 (contiguous); nthreads: torch's
-// intra-op thread count. w, s, z as kernels/cpu_nibble.py packs them (z unused for Q8).
-// K % 32 == 0, N % 16 == 0. Returns 0, or -1 if the row sums' scratch could not be allocated.
-int nibble_gemm(const uint16_t *x, ptrdiff_t ldx, int M, int K, int N, int fmt,
+// x [M, K] bf16, or fp32 when x_fp32 (then rounded to bf16 here, to nearest even, as torch's
+// .to(torch.bfloat16) rounds), row stride ldx; y [M, N] fp32 or bf16 (contiguous); nthreads:
+// torch's intra-op thread count. w, s, z as kernels/cpu_nibble.py packs them (z unused for Q8).
+// K % 32 == 0, N % 16 == 0. Returns 0, or -1 if the scratch could not be allocated.
+int nibble_gemm(const void *x_in, int x_fp32, ptrdiff_t ldx, int M, int K, int N, int fmt,
                 const uint8_t *w, const uint16_t *s, const uint16_t *z, void *y, int out_bf16,
                 int nthreads) {
     const int G = K / 32, NT = N / 16;
     const size_t osize = out_bf16 ? 2 : 4;
-    float stack_sx[4096];
-    float *sx = (size_t)M * G <= 4096 ? stack_sx : malloc((size_t)M * G * sizeof(float));
-    if (!sx) return -1;
+    float stack_sx[1024];
+    uint16_t stack_x[8192];
+    const size_t x_words = x_fp32 ? (size_t)M * K : 0;
+    float *sx = (size_t)M * G <= 1024 ? stack_sx : malloc((size_t)M * G * sizeof(float));
+    uint16_t *xb = x_words <= 8192 ? stack_x : malloc(x_words * sizeof(uint16_t));
+    if (!sx || !xb) {
+        if (sx && sx != stack_sx) free(sx);
+        if (xb && xb != stack_x) free(xb);
+        return -1;
+    }
+    const uint16_t *x = x_in;
+    if (x_fp32) {  // rows rounded into xb, which the kernels then read with stride K
+        for (int m = 0; m < M; m++)
+            for (int k = 0; k < K; k += 16) {
+                __m512 v = _mm512_loadu_ps((const float *)x_in + (ptrdiff_t)m * ldx + k);
+                _mm256_storeu_si256((__m256i *)(xb + (size_t)m * K + k),
+                                    (__m256i)_mm512_cvtneps_pbh(v));
+            }
+        x = xb;
+        ldx = K;
+    }
     for (int m = 0; m < M; m++)
         for (int g = 0; g < G; g++) {
             const uint16_t *p = x + (ptrdiff_t)m * ldx + g * 32;
@@ -177,6 +196,7 @@ int nibble_gemm(const uint16_t *x, ptrdiff_t ldx, int M, int K, int N, int fmt,
         if (fmt == FMT_Q4) JOB(FMT_Q4); else JOB(FMT_Q8);
     }
     if (sx != stack_sx) free(sx);
+    if (xb != stack_x) free(xb);
     return 0;
 }
 

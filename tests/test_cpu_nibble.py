@@ -126,3 +126,18 @@ def test_amx_cpus_keep_torch_kernels_unless_asked(amx: bool, choice: str | None,
     else:
         monkeypatch.setenv(cpu_nibble.CHOICE_ENV, choice)
     assert cpu_nibble.preferred() is expected
+
+
+@pytest.mark.parametrize("m", [1, 7])
+def test_fp32_activations_are_rounded_as_torch_rounds_them(m: int) -> None:
+    n, k = 48, 64
+    codes, s, z = _packed(cpu_nibble.Q4, n, k, seed=11)
+    x = torch.randn(m, 2 * k, generator=torch.Generator().manual_seed(12))[:, ::2]  # strided
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(12)) if m == 1 else x
+    rounded = cpu_nibble.gemm(x.bfloat16(), cpu_nibble.Q4, codes, s, z, n, torch.float32)
+    assert torch.equal(cpu_nibble.gemm(x, cpu_nibble.Q4, codes, s, z, n, torch.float32), rounded)
+    wide = torch.randn(m, 4096 + 32)  # more than the kernel's stack scratch: the heap path
+    codes, s, z = _packed(cpu_nibble.Q8, 16, wide.shape[1], seed=13)
+    assert torch.equal(cpu_nibble.gemm(wide, cpu_nibble.Q8, codes, s, z, 16, torch.float32),
+                       cpu_nibble.gemm(wide.bfloat16(), cpu_nibble.Q8, codes, s, z, 16,
+                                       torch.float32))

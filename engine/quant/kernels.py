@@ -167,12 +167,11 @@ class NibbleKernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N] in x's dtype
         dtype = x.dtype
-        xb = x if dtype == torch.bfloat16 else x.to(torch.bfloat16)
         if x.shape[0] >= DENSE_MIN_TOKENS:
-            return (xb @ self.dense_t()).to(dtype)
-        if dtype == torch.float32 or dtype == torch.bfloat16:
-            return self.gemm(xb, dtype)
-        return self.gemm(xb, torch.float32).to(dtype)
+            return (x.to(torch.bfloat16) @ self.dense_t()).to(dtype)
+        if dtype == torch.float32 or dtype == torch.bfloat16:  # fp32 x: rounded in the kernel
+            return self.gemm(x, dtype)
+        return self.gemm(x, torch.float32).to(dtype)
 
     def dense_t(self) -> torch.Tensor:  # [K, N] bf16, made for one call
         return cpu_nibble.dequant_t(self.fmt, self.codes_packed, self.scale, self.zero,
