@@ -29,9 +29,10 @@ The shared object is compiled once per machine with the system's C compiler (`$C
 callers keep torch's int4 kernel.
 
 Where it pays (`preferred()`): a CPU with AVX512-BF16 but no AMX. On the 2-core EPYC pdserve is
-developed on it is 1.3-2.9x torch's int4 GEMM from 4 rows up (`python -m
-pdserve.bench.cpu_int4_gemm`, docs/benchmarks.md); on a 16-core Xeon with AMX the two were even
-up to 32 rows and torch's (AMX tiles) was 2-7x faster from 256, so there torch's stays.
+developed on, weights streamed from memory, it is about even with torch's int4 GEMM at 1 row
+(0.70-1.13x), 0.94-1.32x at 4 and 1.2-3.4x from 8 rows (`python -m pdserve.bench.cpu_int4_gemm`,
+docs/benchmarks.md); on a 16-core Xeon with AMX the two were even up to 32 rows and torch's (AMX
+tiles) was 2-7x faster from 256, so there torch's stays.
 `PDSERVE_CPU_NIBBLE=1` takes this kernel wherever it runs, `0` never.
 """
 
