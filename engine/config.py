@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
+from kernels.cache_root import cache_root
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROLES = ("colocated", "prefill", "decode")
 # vLLM's names: "auto" keeps K/V in the model's dtype; "fp8" (= "fp8_e4m3") stores them as
@@ -33,11 +35,8 @@ QUANTIZATION_HELP = (
 
 
 def default_gemv_cache() -> str:
-    """$PDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve; the plan file in
-    it (vLLM keeps its caches under ~/.cache/vllm the same way)."""
-    root = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdserve")
-    return os.path.join(root, "decode_gemv_plans.json")
+    """The plan file in kernels/cache_root.py's folder."""
+    return os.path.join(cache_root(), "decode_gemv_plans.json")
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.is_cuda and argmax_rows is not None:
         return argmax_rows(logits)
     if logits.device.type == "cpu":
-        rows = logits if logits.dtype == torch.float32 else logits.float()
-        return torch.as_tensor(np.argmax(rows.numpy(), axis=-1), dtype=torch.int64)
+        rows = logits.float().numpy()  # .float(): the tensor itself when already fp32
+        return torch.as_tensor(np.argmax(rows, axis=-1), dtype=torch.int64)
     return logits.argmax(dim=-1)
 
 
@@ -51,8 +51,7 @@ def top_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
     partition on the CPU (linear in V; torch's topk of 8 over 49k logits cost about what its
     argmax does, above), torch's topk elsewhere."""
     if logits.device.type == "cpu":
-        rows = logits if logits.dtype == torch.float32 else logits.float()
-        ids = np.argpartition(rows.numpy(), -k, axis=-1)[..., -k:]
+        ids = np.argpartition(logits.float().numpy(), -k, axis=-1)[..., -k:]
         return torch.from_numpy(np.ascontiguousarray(ids)).to(torch.int64)
     return logits.topk(k, dim=-1).indices
 

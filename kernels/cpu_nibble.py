@@ -49,6 +49,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.cache_root import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
@@ -59,10 +61,6 @@ Q4, Q8 = 0, 1  # the C file's FMT_Q4, FMT_Q8
 CHOICE_ENV = "PDSERVE_CPU_NIBBLE"  # "0": never; "1": wherever it runs; unset: preferred()
 
 
-def _cache_root() -> Path:
-    root = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdserve")
-    return Path(root) / "cpu_kernels"
 
 
 def _cpu_has(probe: str) -> bool:
@@ -76,7 +74,7 @@ def build(source: Path = SOURCE, out_dir: Path | None = None) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     text = source.read_bytes()
     digest = hashlib.sha256(text + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-    out_dir = out_dir or _cache_root()
+    out_dir = out_dir or Path(cache_root()) / "cpu_kernels"
     target = out_dir / f"{source.stem}-{digest}.so"
     if target.exists():
         return target

@@ -141,7 +141,7 @@ class NibbleKernel:
 
     def __init__(self, w: QuantWeight) -> None:
         rows, cols = w.shape
-        if w.group != _GROUP or rows % 16 or cols % _GROUP:
+        if not self._shape_fits(w):
             raise ValueError(f"NibbleKernel needs groups of {_GROUP}, rows % 16 == 0 and "
                              f"columns % {_GROUP} == 0, got {w.qtype.name} {tuple(w.shape)}")
         self.out_features, self.in_features = rows, cols
@@ -160,10 +160,15 @@ class NibbleKernel:
         self.gemm = cpu_nibble.Gemm(self.fmt, self.codes_packed, self.scale, self.zero, rows)
 
     @staticmethod
-    def fits(w: QuantWeight) -> bool:
+    def _shape_fits(w: QuantWeight) -> bool:  # whole tiles of 16 rows, whole groups of 32
         rows, cols = w.shape
+        return w.group == _GROUP and rows % 16 == 0 and cols % _GROUP == 0
+
+    @staticmethod
+    def fits(w: QuantWeight) -> bool:
+        """Whether make_kernel should take this kernel for `w` here."""
         return (cpu_nibble.preferred() and (w.qtype in FOUR_BIT or w.qtype == Q.Q8_0)
-                and w.group == _GROUP and rows % 16 == 0 and cols % _GROUP == 0)
+                and NibbleKernel._shape_fits(w))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N] in x's dtype
         dtype = x.dtype
