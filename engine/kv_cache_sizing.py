@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine import zero_pages
 from engine.attention.metadata import AttentionMetadata
 from engine.distributed.sharding import head_shard
 from engine.models.llama import head_dim_of
@@ -154,4 +155,4 @@ class KVCacheSizingMixin:
                 num_blocks, self.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
                 num_blocks * self.block_bytes() / 2**20,
             )
-        return torch.zeros((layers, *shape), dtype=self.kv_cache_dtype, device=self.device)
+        return zero_pages.zeros((layers, *shape), self.kv_cache_dtype, self.device)

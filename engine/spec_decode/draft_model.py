@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import zero_pages
 from engine.attention.backend import AttentionBackend
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
@@ -102,7 +103,7 @@ class DraftModel:
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
         shape = self._pool_shape(num_blocks, block_size)
-        self.kv_caches = list(torch.zeros(shape, dtype=self.dtype, device=self.device).unbind(0))
+        self.kv_caches = list(zero_pages.zeros(shape, self.dtype, self.device).unbind(0))
 
     def propose(self, req: Request) -> list[int]:
         """Placeholders for `req`'s k drafts: the scheduler sizes the step by them, `fill`
