@@ -23,6 +23,10 @@ from engine.spec_decode.step_costs import StepCosts
 CPU_COSTS = {1: 16.0, 2: 17.0, 3: 18.0, 4: 20.0, 5: 32.0}
 
 
+def cpu_costs(t: int, drafted: bool) -> float | None:
+    return CPU_COSTS.get(t)
+
+
 def make_req(acceptance: float = 1.0) -> Request:
     req = Request("r", [1, 2, 3], SamplingParams(temperature=0), max_tokens=16)
     req.spec_acceptance = acceptance
@@ -40,24 +44,53 @@ def test_step_costs_interpolate_and_guess_unmeasured_sizes_cheap():
     assert costs.estimate(3) == pytest.approx(0.030)  # between: interpolated
     assert costs.estimate(9) == pytest.approx(0.040)  # above the largest: as cheap as it
     costs.observe(5, 0.060)
-    assert costs.estimate(5) == pytest.approx(0.044)  # a moving average
-    costs.observe(5, 10.0)  # another process took the cores: counts as twice the average
-    assert costs.estimate(5) == pytest.approx(0.0528)
+    assert costs.estimate(5) == pytest.approx(0.050, rel=0.01)  # its second step: the mean
+    costs.observe(5, 10.0)  # another process took the cores: counts as twice the estimate
+    assert costs.estimate(5) == pytest.approx(0.069, rel=0.02)  # (0.04 + 0.06 + 2 x 0.05) / 3
+
+
+def test_drafted_steps_are_costed_apart_and_never_below_plain_ones():
+    costs = StepCosts()
+    for seconds in (1.0, 0.025, 0.025):
+        costs.observe(8, seconds)
+    assert costs.estimate(9, drafted=True) == pytest.approx(0.025)  # none drafted yet: plain's
+    for seconds in (1.0, 0.040, 0.040):
+        costs.observe(9, seconds, drafted=True)
+    assert costs.estimate(9, drafted=True) == pytest.approx(0.040)
+    assert costs.estimate(9) == pytest.approx(0.025)  # plain: above the largest, as cheap
+    assert costs.estimate(4, drafted=True) == pytest.approx(0.0178, rel=0.01)  # scaled down
+    assert costs.estimate(8, drafted=True) == pytest.approx(0.0356, rel=0.01)
+    for seconds in (1.0, 0.020, 0.020):  # a drafted size measured cheaper than plain's
+        costs.observe(8, seconds, drafted=True)
+    assert costs.estimate(8, drafted=True) == pytest.approx(costs.estimate(8))
+
+
+def test_a_size_measured_long_ago_follows_the_level_of_todays_steps():
+    # plain 8-token steps at 25 ms, drafted 12-token ones at 35; then the contexts grow and the
+    # plain steps take 34 ms: the drafted size, not measured since, is priced up with them
+    costs = StepCosts()
+    for _ in range(20):
+        costs.observe(8, 0.025)
+        costs.observe(12, 0.035, drafted=True)
+    for _ in range(30):
+        costs.observe(8, 0.034)
+    assert costs.estimate(8) == pytest.approx(0.034, rel=0.01)
+    assert costs.estimate(12, drafted=True) > 0.044  # 0.035 * 34 / 25 = 0.048 had it all
 
 
 def test_plan_stops_before_the_jump_in_cost():
     # a = 0.9: 1 + 0.9 + 0.81 + 0.729 = 3.439 tokens in 20 s beats 4.095 in 32 s
-    assert plan_drafts([0.9], [4], 1, CPU_COSTS.get) == [3]
-    assert plan_drafts([0.2], [4], 1, CPU_COSTS.get) == [1]  # 1.2 / 17 > 1.24 / 18 > 1 / 16
-    assert plan_drafts([0.05], [4], 1, CPU_COSTS.get) == [0]
-    assert plan_drafts([0.9], [4], 1, lambda t: None) == [4]  # nothing measured: all
+    assert plan_drafts([0.9], [4], 1, cpu_costs) == [3]
+    assert plan_drafts([0.2], [4], 1, cpu_costs) == [1]  # 1.2 / 17 > 1.24 / 18 > 1 / 16
+    assert plan_drafts([0.05], [4], 1, cpu_costs) == [0]
+    assert plan_drafts([0.9], [4], 1, lambda t, d: None) == [4]  # nothing measured: all
 
 
 def test_plan_takes_drafts_only_for_a_gain_beyond_the_margin():
     # batch 8, each draft row adds 1/32 of the step. a = 0.5: one draft gives 8.5 tokens for
     # 1.03 of the time, the best plan (+3%), under the margin: none. a = 0.9: three drafts give
     # 10.44 tokens for 1.09 of the time (+19%)
-    def cost(t: int) -> float:
+    def cost(t: int, drafted: bool) -> float:
         return 1.0 + (t - 8) / 32
 
     assert plan_drafts([0.5] + [0.0] * 7, [3] + [0] * 7, 8, cost) == [0] * 8
@@ -65,13 +98,13 @@ def test_plan_takes_drafts_only_for_a_gain_beyond_the_margin():
 
 
 def test_plan_takes_the_likeliest_drafts_of_the_batch_first():
-    def linear(t: int) -> float:  # a row costs a sixth of the step's fixed cost
+    def linear(t: int, drafted: bool) -> float:  # a row costs a sixth of the step's fixed cost
         return 6.0 + t
 
     # 2 requests: the first's drafts pass with 0.9, the second's with 0.2
     assert plan_drafts([0.9, 0.2], [3, 3], 2, linear) == [3, 0]
     # eight requests where a row costs what a token gives: none
-    assert plan_drafts([0.6] * 8, [3] * 8, 8, lambda t: float(t)) == [0] * 8
+    assert plan_drafts([0.6] * 8, [3] * 8, 8, lambda t, d=False: float(t)) == [0] * 8
 
 
 def test_unverified_drafts_are_judged_against_the_emitted_token():
@@ -113,10 +146,10 @@ def test_planner_cuts_drafts_by_cost_and_keeps_seeded_requests_to_their_history(
     planner = DraftPlanner(NgramProposer(spec), None)
     greedy = decoding("g", [1, 2, 3, 4, 1, 2])  # proposes 3 4 1
     seeded = decoding("s", [1, 2, 3, 4, 1, 2], temperature=1.0, seed=3)
-    planner.costs.estimate = lambda t: float(t)  # a row costs what a token gives: none pay
+    planner.costs.estimate = lambda t, d=False: float(t)  # a row costs what a token gives: none pay
     planner.propose([greedy, seeded], 0)
     assert greedy.spec_token_ids == [] and greedy.spec_unverified == 3  # watched for free
     assert seeded.spec_token_ids == [3]  # 0.5 >= 0.3 > 0.25, whatever the costs
-    planner.costs.estimate = lambda t: 1.0  # rows for free: all
+    planner.costs.estimate = lambda t, d=False: 1.0  # rows for free: all
     planner.propose([greedy, seeded], 0)
     assert greedy.spec_token_ids == [3, 4, 1] and greedy.spec_unverified is None

@@ -59,7 +59,8 @@ class DraftPlanner:
         of query tokens when it was decodes and verifications only."""
         steps = out.scheduled
         if steps and all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in steps):
-            self.costs.observe(out.num_batched_tokens, seconds)
+            drafted = any(s.spec_token_ids for s in steps)
+            self.costs.observe(out.num_batched_tokens, seconds, drafted)
 
 
 def _seeded(req: Request) -> bool:

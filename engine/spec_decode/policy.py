@@ -8,14 +8,16 @@ average of the chance a that a draft passes (drafts after the first rejection ar
 they were never judged), so its draft j (from 0) is used with chance a^(j + 1). Over the batch,
 the candidate drafts are sorted by that chance and the m most likely are verified, m maximising
 
-    expected tokens per second = (B + chance of the m drafts) / cost(B + m)
+    expected tokens per second = (B + chance of the m drafts) / drafted cost(B + m)
 
-(B: the step's tokens without drafts), and taken only when that beats the step without drafts
-by PAY_MARGIN: the costs are moving averages keyed by T alone (a step's context length moves
-them too) and the chances are guesses, so a plan promising a few percent is inside their error
-(traced on the 2-core CPU box, free-form prompts at batch 8: steps verifying 6 drafts cost 60 ms
-against 36 for plain ones while the averages said 66 against 52, and the speculating engine ran
-0.91-0.96x the plain one). A request's drafts are taken in order, since their chances fall
+(B: the step's tokens without drafts), and taken only when that beats the step without drafts,
+plain cost(B), by PAY_MARGIN: the costs are estimates (step_costs.py: a level that follows the
+contexts' growth times a shape per size, drafted and plain steps apart) and the chances are
+guesses, so a plan promising a few percent is inside their error (traced on the 2-core CPU box,
+free-form prompts at batch 8: steps verifying 6 drafts cost 60 ms against 36 for plain ones
+while the averages said 66 against 52, and the speculating engine ran 0.91-0.96x the plain one;
+with one average per size for both kinds, verifications of 4-12 drafts cost 36-42 ms where they
+were estimated at 32, against 25 for a plain step: 0.90x). A request's drafts are taken in order, since their chances fall
 with j. A request given no drafts is still watched: an n-gram proposal costs nothing to make,
 so its first draft is compared with the token the step emits (`judge_unverified`): for a greedy
 request exactly whether it would have passed, for a sampled one a draw of that chance
@@ -59,21 +61,22 @@ def plan_drafts(
     acceptance: list[float],  # per request, its chance a that a draft passes
     proposed: list[int],  # per request, how many drafts it has
     base_tokens: int,  # the step's query tokens without drafts
-    cost: Callable[[int], float | None],  # seconds of a step of T query tokens (None: unknown)
+    # seconds of a step of T query tokens, verifying drafts or not (None: unknown)
+    cost: Callable[[int, bool], float | None],
 ) -> list[int]:
     """Per request, how many of its drafts to verify (see the NOTE): all when nothing is known
     of the costs yet."""
     chances = sorted(((a ** (j + 1), i) for i, (a, n) in enumerate(zip(acceptance, proposed,
                                                                         strict=True))
                       for j in range(n)), key=lambda c: -c[0])
-    base_cost = cost(base_tokens)
+    base_cost = cost(base_tokens, False)
     if base_cost is None:
         return list(proposed)
     base_rate = base_tokens / base_cost
     best_rate, best_m, gain = base_rate * (1 + PAY_MARGIN), 0, float(base_tokens)
     for m, (chance, _) in enumerate(chances, 1):
         gain += chance
-        seconds = cost(base_tokens + m) or base_cost
+        seconds = cost(base_tokens + m, True) or base_cost
         if gain / seconds > best_rate:
             best_rate, best_m = gain / seconds, m
     counts = [0] * len(proposed)

@@ -18,8 +18,9 @@ other work shares the cores), and the acceptance length is tokens emitted per ve
 with drafts (1 + the accepted drafts), from the engine's counters. The outputs of both must be
 equal (greedy), in every round: `same` says whether they were (with the quantized bundled model
 a greedy near-tie can break either way: docs/benchmarks.md). In the JSON, a speculating
-engine's row also has `steps`: its timed decode steps by query-token count (count, mean ms) and
-its planner's cost estimate for each count at the end, what the draft plan went by.
+engine's row also has `steps`: its timed decode steps by query-token count and whether they
+verified drafts ("9 drafted"; count, mean ms) and its planner's cost estimate for each at the
+end, what the draft plan went by.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class Row:
     cpu_seconds: float  # this process's CPU time (all threads): steadier on a shared box
     acceptance_length: float | None
     same_output: bool
-    steps: dict[int, dict[str, float]] | None = None  # speculating engines: see the NOTE
+    steps: dict[str, dict[str, float]] | None = None  # speculating engines: see the NOTE
 
     @property
     def tok_s(self) -> float:
@@ -219,34 +220,38 @@ def measure(
     return rows
 
 
-def _watch_steps(llm: LLM) -> list[tuple[int, float]] | None:
-    """Record a speculating engine's decode steps (query tokens, seconds) from now on, as its
-    planner sees them; None for a plain engine."""
+def _watch_steps(llm: LLM) -> list[tuple[int, bool, float]] | None:
+    """Record a speculating engine's decode steps (query tokens, verified drafts or not,
+    seconds) from now on, as its planner sees them; None for a plain engine."""
     planner = llm.llm_engine.planner
     if planner is None:
         return None
-    seen: list[tuple[int, float]] = []
+    seen: list[tuple[int, bool, float]] = []
     measured = planner.measured
 
     def watched(out: Any, seconds: float) -> None:
-        seen.append((sum(s.num_new_tokens for s in out.scheduled), seconds))
+        seen.append((sum(s.num_new_tokens for s in out.scheduled),
+                     any(s.spec_token_ids for s in out.scheduled), seconds))
         measured(out, seconds)
 
     planner.measured = watched
     return seen
 
 
-def _step_summary(llm: LLM, seen: list[tuple[int, float]] | None
-                  ) -> dict[int, dict[str, float]] | None:
+def _step_summary(llm: LLM, seen: list[tuple[int, bool, float]] | None
+                  ) -> dict[str, dict[str, float]] | None:
+    """By kind of step ("8": 8 query tokens, plain; "9 drafted": 9 with drafts verified)."""
     if seen is None:
         return None
     del llm.llm_engine.planner.measured  # the class's own again
-    by: dict[int, list[float]] = {}
-    for tokens, seconds in seen:
-        by.setdefault(tokens, []).append(seconds)
+    by: dict[tuple[int, bool], list[float]] = {}
+    for tokens, drafted, seconds in seen:
+        by.setdefault((tokens, drafted), []).append(seconds)
     estimate = llm.llm_engine.planner.costs.estimate
-    return {t: {"steps": len(s), "mean_ms": 1e3 * sum(s) / len(s),
-                "planned_ms": 1e3 * (estimate(t) or float("nan"))} for t, s in sorted(by.items())}
+    return {f"{t} drafted" if d else str(t):
+            {"steps": len(s), "mean_ms": 1e3 * sum(s) / len(s),
+             "planned_ms": 1e3 * (estimate(t, d) or float("nan"))}
+            for (t, d), s in sorted(by.items())}
 
 
 def run(args: argparse.Namespace) -> bool:
