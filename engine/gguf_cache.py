@@ -14,7 +14,8 @@ Mixtures of experts convert the same way where transformers reads them (Qwen2-Mo
 their stacked experts arrive as transformers' fused expert tensors); other files with experts
 are refused before anything is written (engine/gguf_families.py).
 
-The cache root is `$PDSERVE_CACHE_DIR`, else `~/.cache/pdserve`, read when called. The folder
+The cache root is kernels/cache_root.py's (`$PDSERVE_CACHE_DIR`, else
+`$XDG_CACHE_HOME/pdserve`, else `~/.cache/pdserve`), read when called. The folder
 name changes whenever the GGUF file is replaced, so a stale entry is never read. A conversion is
 written into a temporary sibling folder and renamed into place: other processes see either no
 folder or a complete one. Two processes converting at once both succeed; the later rename loses
@@ -35,17 +36,16 @@ import torch
 from safetensors.torch import save_file
 
 from engine.gguf_families import check_gguf_readable, config_overrides
+from kernels.cache_root import cache_root
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-CACHE_DIR_ENV = "PDSERVE_CACHE_DIR"
 
 
 def default_cache_root() -> Path:
-    """`$PDSERVE_CACHE_DIR` if set, else `~/.cache/pdserve` (read at call time, not import)."""
-    root = os.environ.get(CACHE_DIR_ENV)
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "pdserve"
+    """kernels/cache_root.py's folder (read at call time, not import)."""
+    return Path(cache_root())
 
 
 def gguf_cache_dir(gguf_path: str | Path, cache_root: str | Path | None = None) -> Path:

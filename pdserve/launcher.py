@@ -36,6 +36,7 @@ from engine.config import (
     QUANTIZATION_CHOICES,
     QUANTIZATION_HELP,
 )
+from kernels.cache_root import cache_root
 from pdserve.cluster.flags import (
     add_chat_template_flag,
     add_flag,
@@ -52,8 +53,7 @@ def cluster_file() -> Path:
     """Where `pdserve up` records its cluster (gateway URL, Redis URL, pids) for `status`."""
     if os.environ.get("PDSERVE_CLUSTER_FILE"):
         return Path(os.environ["PDSERVE_CLUSTER_FILE"])
-    root = os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve"
-    return Path(root) / "cluster.json"
+    return Path(cache_root()) / "cluster.json"
 
 
 @dataclass

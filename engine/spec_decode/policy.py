@@ -17,13 +17,13 @@ guesses, so a plan promising a few percent is inside their error (traced on the 
 free-form prompts at batch 8: steps verifying 6 drafts cost 60 ms against 36 for plain ones
 while the averages said 66 against 52, and the speculating engine ran 0.91-0.96x the plain one;
 with one average per size for both kinds, verifications of 4-12 drafts cost 36-42 ms where they
-were estimated at 32, against 25 for a plain step: 0.90x). A request's drafts are taken in order, since their chances fall
-with j. A request given no drafts is still watched: an n-gram proposal costs nothing to make,
-so its first draft is compared with the token the step emits (`judge_unverified`): for a greedy
-request exactly whether it would have passed, for a sampled one a draw of that chance
-(P(token = d) = p(d)). Drafts that cost a forward to make (a draft model) are not made for it;
-such a request verifies one draft every `PROBE_EVERY` steps instead, to notice when its text
-becomes predictable again.
+were estimated at 32, against 25 for a plain step: 0.90x). A request's drafts are taken in
+order, since their chances fall with j. A request given no drafts is still watched: an n-gram
+proposal costs nothing to make, so its first draft is compared with the token the step emits
+(`judge_unverified`): for a greedy request exactly whether it would have passed, for a sampled
+one a draw of that chance (P(token = d) = p(d)). Drafts that cost a forward to make (a draft
+model) are not made for it; such a request verifies one draft every `PROBE_EVERY` steps
+instead, to notice when its text becomes predictable again.
 
 A seeded sampled request draws two uniforms from its own generator per verified row, so its
 tokens depend on how many drafts it verifies: that must not depend on the batch or the clock
