@@ -43,13 +43,14 @@ class RMSNorm(nn.Module):
             return _fused_rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        weight = self.weight  # once: a parameter's lookup through nn.Module costs ~0.5 us
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            out = F.rms_norm(x, weight.shape, weight, self.eps)
             return out if residual is None else (out, x)
         # HF's x32 * rsqrt(mean(x32^2) + eps), cast, then scaled: the normalisation as one
         # F.rms_norm without a weight (bit for bit the same, fewer ops)
-        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
-        out = self.weight * normed
+        normed = F.rms_norm(x.float(), weight.shape, None, self.eps).to(x.dtype)
+        out = weight * normed
         return out if residual is None else (out, x)
 
 

@@ -162,16 +162,18 @@ class LlamaMLP(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (MLP output, x + residual)
         """self(norm(x + residual)) with the norm (and SwiGLU) inside the gate_up GEMV, where
         the load planned it (decode sizes, CUDA: engine/models/gemv_plan.py); None elsewhere."""
-        fused = rmsnorm_swiglu_linear(x, residual, norm, self.gate_up_proj)
+        gate_up = self.gate_up_proj
+        fused = rmsnorm_swiglu_linear(x, residual, norm, gate_up)
         if fused is not None:  # (activations [T, I], residual)
             return self.down_proj(fused[0]), fused[1]
-        fused = rmsnorm_linear(x, residual, norm, self.gate_up_proj)
+        fused = rmsnorm_linear(x, residual, norm, gate_up)
         return None if fused is None else (self.down(fused[0]), fused[1])
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, hidden]
         """down_proj(silu(gate) * up): one GEMV at decode sizes on CUDA where planned."""
-        fused = silu_mul_linear(gate_up, self.down_proj)
-        return fused if fused is not None else self.down_proj(silu_and_mul(gate_up))
+        down = self.down_proj  # submodules once each: an nn.Module lookup costs ~0.5 us
+        fused = silu_mul_linear(gate_up, down)
+        return fused if fused is not None else down(silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -208,26 +210,27 @@ class LlamaDecoderLayer(nn.Module):
         deferred into the next norm (one fused kernel on CUDA; at decode sizes, where the load
         planned it, fused into the projection after the norm: engine/models/gemv_plan.py)."""
         x, residual = self._attention(h, residual, rope, kv_cache, meta)
-        if isinstance(self.mlp, LlamaMLP):
-            fused = self.mlp.normed(x, residual, self.post_attention_layernorm)
+        mlp, norm = self.mlp, self.post_attention_layernorm  # once each (~0.5 us a lookup)
+        if isinstance(mlp, LlamaMLP):
+            fused = mlp.normed(x, residual, norm)
             if fused is not None:
                 return fused
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x, residual = norm(x, residual)
+        return mlp(x), residual
 
     def _attention(
         self, h: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs,
         kv_cache: torch.Tensor, meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (attention output, residual stream)
-        fused = rmsnorm_linear(h, residual, self.input_layernorm,
-                               getattr(self.self_attn, "qkv_proj", None))
+        attn, norm = self.self_attn, self.input_layernorm
+        fused = rmsnorm_linear(h, residual, norm, getattr(attn, "qkv_proj", None))
         if fused is not None:  # (qkv, residual)
-            return self.self_attn(h, rope, kv_cache, meta, qkv=fused[0]), fused[1]
+            return attn(h, rope, kv_cache, meta, qkv=fused[0]), fused[1]
         if residual is None:
-            x, residual = self.input_layernorm(h), h
+            x, residual = norm(h), h
         else:
-            x, residual = self.input_layernorm(h, residual)
-        return self.self_attn(x, rope, kv_cache, meta), residual
+            x, residual = norm(h, residual)
+        return attn(x, rope, kv_cache, meta), residual
 
 
 class LlamaModel(nn.Module):

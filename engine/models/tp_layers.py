@@ -85,7 +85,21 @@ def gemv_weight(module: nn.Module | None) -> torch.Tensor | None:
     layer's `gemv_weight` (FP8 codes), or None (the module takes no decode GEMV)."""
     if isinstance(module, (Linear, RowParallelLinear)):
         return module.weight
-    return getattr(module, "gemv_weight", None)
+    return module.gemv_weight if _has(module, "gemv_weight") else None
+
+
+def _has(module: object, name: str) -> bool:
+    """Whether `module`'s class defines `name` (a method or property), remembered per class:
+    a miss through nn.Module's __getattr__ costs ~1 us and one on the type ~0.4, a few per
+    layer every step."""
+    key = (type(module), name)
+    found = _CLASS_HAS.get(key)
+    if found is None:
+        found = _CLASS_HAS[key] = hasattr(key[0], name)
+    return found
+
+
+_CLASS_HAS: dict[tuple[type, str], bool] = {}
 
 
 def dense_linear(
@@ -108,7 +122,7 @@ def dense_linear(
 def silu_mul_linear(gate_up: torch.Tensor, down: nn.Module) -> torch.Tensor | None:
     """down(silu(gate) * up) as one GEMV (kernels/gemv_silu.py) where `down`'s decode weight's
     `gemv_silu_plan` chose it for gate_up's token count; None where it did not."""
-    if hasattr(down, "silu_mul_linear"):  # a wrapper's own (multi-LoRA: engine/lora/layers.py)
+    if _has(down, "silu_mul_linear"):  # a wrapper's own (multi-LoRA: engine/lora/layers.py)
         return down.silu_mul_linear(gate_up)
     w = gemv_weight(down)
     plan = getattr(w, "gemv_silu_plan", None)
@@ -129,7 +143,7 @@ def rmsnorm_linear(
     """(proj(norm(x + residual)), x + residual) as one GEMV (kernels/gemv_rmsnorm.py) where
     `proj.weight`'s `gemv_norm_plan` chose it for x's token count; None where it did not.
     `norm`: an RMSNorm (its `weight` and `eps`); `residual` None: norm(x), and x."""
-    if hasattr(proj, "rmsnorm_linear"):  # a wrapper's own (multi-LoRA: engine/lora/layers.py)
+    if _has(proj, "rmsnorm_linear"):  # a wrapper's own (multi-LoRA: engine/lora/layers.py)
         return proj.rmsnorm_linear(x, residual, norm)
     w = gemv_weight(proj)
     plan = getattr(w, "gemv_norm_plan", None)
@@ -147,7 +161,7 @@ def rmsnorm_swiglu_linear(
     """(silu(gate) * up of gate_up(norm(x + residual)), x + residual) as one GEMV
     (kernels/gemv_rmsnorm_swiglu.py) where `gate_up.weight`'s `gemv_norm_silu_plan` chose it;
     None where it did not."""
-    if hasattr(gate_up, "rmsnorm_swiglu_linear"):  # a wrapper's own (engine/lora/layers.py)
+    if _has(gate_up, "rmsnorm_swiglu_linear"):  # a wrapper's own (engine/lora/layers.py)
         return gate_up.rmsnorm_swiglu_linear(x, residual, norm)
     w = gemv_weight(gate_up)
     plan = getattr(w, "gemv_norm_silu_plan", None)
