@@ -18,7 +18,8 @@ NOTE: per step, `prepare` turns the block tables into gather plans once; every l
         mask [B, 1, 1, max_blocks * block_size]: True where key position < seq_len
 
 The masked tail of a sequence's last block is read too, so the cache must hold finite values
-there: allocate it with torch.zeros, not torch.empty (0 * NaN is NaN even under a mask).
+there: allocate it zeroed (engine/zero_pages.py on the CPU), not with torch.empty (0 * NaN is NaN
+even under a mask).
 
 Per-op overhead dominates a CPU decode step (~50 small ops a layer at ~2-5 us each), so the layer
 path keeps its op count low, bit for bit what the plain ops compute: q and k rotated as one
