@@ -547,27 +547,34 @@ def test_preemption_with_speculation_keeps_the_outputs(copy_llama_dir, pair):
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
-def test_bundled_model_copies_with_speculation():
+@pytest.fixture(scope="module")
+def bundled_off():
+    return LLM(None, kv_cache_memory=16 << 20, max_model_len=256)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_bundled_model_copies_with_speculation(bundled_off, k):
     """The bundled model asked to repeat a sentence: the same greedy text, most drafts taken."""
-    kw = dict(kv_cache_memory=16 << 20, max_model_len=256)
     on = verify_every_draft(LLM(
         None,
         speculative_config={
             "method": "ngram",
-            "num_speculative_tokens": 4,
+            "num_speculative_tokens": k,
             "prompt_lookup_max": 3,
             "prompt_lookup_min": 2,
         },
-        **kw,
+        kv_cache_memory=16 << 20,
+        max_model_len=256,
     ))
-    off = LLM(None, **kw)
+    off = bundled_off
     text = (
         "Repeat this sentence exactly: the red fox ran over the green hill to find the "
         "old oak tree.\nRepeat: the red fox"
     )
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     assert results(on, [text], params) == results(off, [text], params)
-    assert on.llm_engine.stats().spec_decode_mean_acceptance_length > 1.5
+    # most drafts taken: measured 1.86 / 3.25 / 4.33 tokens a verification at k = 1 / 3 / 5
+    assert on.llm_engine.stats().spec_decode_mean_acceptance_length > 1 + k / 2
 
 
 def test_decode_role_speculates_after_imported_kv(copy_llama_dir, pair):
