@@ -46,7 +46,7 @@ from pdserve.cluster.flags import (
 )
 from pdserve.cluster.lora import add_lora_flags, lora_argv
 from pdserve.cluster.tls import PLAINTEXT, TLSConfig, tls_from_args
-from pdserve.ports import free_port
+from pdserve.ports import free_port, reserve
 
 
 def cluster_file() -> Path:
@@ -345,6 +345,7 @@ def kill_on_signal(services: list[Service]) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    reserve(args.port)  # the gateway's, bound last: no other service may draw it meanwhile
     redis_port = None if (args.redis_url or args.colocated) else free_port()
     redis_url = args.redis_url or (f"redis://127.0.0.1:{redis_port}/0" if redis_port else "")
     services = plan(args, redis_url, redis_port)

@@ -54,3 +54,11 @@ def free_port() -> int:
                 _given.add(port)
                 return port
     raise RuntimeError(f"no free TCP port found in {LOWEST}-{low - 1}")
+
+
+def reserve(port: int) -> None:
+    """Never hand `port` out from this process: one already chosen for a service that binds it
+    later (`pdserve up`'s gateway port, picked by its caller: a worker drew the same port before
+    the gateway bound it, and failed to bind)."""
+    with _lock:
+        _given.add(port)

@@ -44,3 +44,17 @@ def test_a_busy_port_is_skipped(monkeypatch):
         assert ports.free_port() == free  # the busy port was drawn twice and skipped
         with pytest.raises(RuntimeError, match="no free TCP port"):
             ports.free_port()  # it is handed out once: nothing else is ever drawn
+
+
+def test_a_reserved_port_is_never_drawn(monkeypatch):
+    with socket.socket() as spare:
+        spare.bind(("127.0.0.1", 0))
+        taken = spare.getsockname()[1]
+    with socket.socket() as spare:
+        spare.bind(("127.0.0.1", 0))
+        free = spare.getsockname()[1]
+    monkeypatch.setattr(ports, "_given", set())
+    ports.reserve(taken)  # free now, bound later by another service
+    draws = itertools.chain([taken, taken], itertools.repeat(free))
+    monkeypatch.setattr(ports.random, "randrange", lambda a, b: next(draws))
+    assert ports.free_port() == free
