@@ -36,16 +36,15 @@ import torch
 from safetensors.torch import save_file
 
 from engine.gguf_families import check_gguf_readable, config_overrides
-from kernels.cache_root import cache_root
+from kernels.cache_root import cache_root as machine_cache_root
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-
 def default_cache_root() -> Path:
     """kernels/cache_root.py's folder (read at call time, not import)."""
-    return Path(cache_root())
+    return Path(machine_cache_root())  # (this module's functions take a `cache_root` argument)
 
 
 def gguf_cache_dir(gguf_path: str | Path, cache_root: str | Path | None = None) -> Path:

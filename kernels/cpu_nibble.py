@@ -61,8 +61,6 @@ Q4, Q8 = 0, 1  # the C file's FMT_Q4, FMT_Q8
 CHOICE_ENV = "PDSERVE_CPU_NIBBLE"  # "0": never; "1": wherever it runs; unset: preferred()
 
 
-
-
 def _cpu_has(probe: str) -> bool:
     return bool(getattr(torch.cpu, probe, lambda: False)())
 
