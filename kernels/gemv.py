@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.widen import widen
+
 GEMV_MAX_TOKENS = 4
 FP8 = torch.float8_e4m3fn
 
@@ -100,14 +102,14 @@ def _gemv_kernel(
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn  # [BN, 1]
     x_rows = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[:, None] * stride_xm  # [BM, 1]
-    w = tl.load(w_rows + rk[None, :]).to(tl.float32)  # the first step, peeled: [BN, BK]
+    w = widen(tl.load(w_rows + rk[None, :]))  # the first step, peeled: [BN, BK]
     if USE_PDL:  # the first W tile is on its way; x comes from the kernel ahead (launch_options)
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     x = tl.load(x_rows + rk[None, :]).to(tl.float32)  # [BM, BK]
     acc = x[:, None, :] * w[None, :, :]  # [BM, BN, BK]
     for k in range(BLOCK_K, K, BLOCK_K):
-        w = tl.load(w_rows + (k + rk)[None, :]).to(tl.float32)  # [BN, BK]
+        w = widen(tl.load(w_rows + (k + rk)[None, :]))  # [BN, BK]
         x = tl.load(x_rows + (k + rk)[None, :]).to(tl.float32)  # [BM, BK]
         acc += x[:, None, :] * w[None, :, :]
     y = tl.sum(acc, axis=2)  # [BM, BN]

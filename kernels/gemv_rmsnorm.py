@@ -30,6 +30,7 @@ from kernels.gemv import (
     scale_arg,
     weight_fits,
 )
+from kernels.widen import widen
 
 
 @triton.jit
@@ -91,7 +92,7 @@ def _gemv_rmsnorm_kernel(
         tl.extra.cuda.gdc_wait()
     x = add_rmsnorm_rows(x_ptr, res_ptr, nw_ptr, res_out_ptr, rm, rows, rk, M, eps,
                          stride_xm, stride_rm, stride_sm, K, HAS_RESIDUAL)  # [BM, K]
-    y = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [BM, BN]
+    y = tl.sum(x[:, None, :] * widen(w)[None, :, :], axis=2)  # [BM, BN]
     if HAS_SCALE:
         y *= tl.load(s_ptr + tl.minimum(rn, N - 1))[None, :]
     if HAS_BIAS:

@@ -35,6 +35,7 @@ from kernels.gemv import (
     weight_fits,
 )
 from kernels.gemv_rmsnorm import add_rmsnorm_rows
+from kernels.widen import widen
 
 
 @triton.jit
@@ -74,8 +75,8 @@ def _gemv_rmsnorm_swiglu_kernel(
         tl.extra.cuda.gdc_wait()
     x = add_rmsnorm_rows(x_ptr, res_ptr, nw_ptr, res_out_ptr, rm, rows, rk, M, eps,
                          stride_xm, stride_rm, stride_sm, K, HAS_RESIDUAL)  # [BM, K]
-    g = tl.sum(x[:, None, :] * w_gate.to(tl.float32)[None, :, :], axis=2)  # [BM, BN]
-    u = tl.sum(x[:, None, :] * w_up.to(tl.float32)[None, :, :], axis=2)
+    g = tl.sum(x[:, None, :] * widen(w_gate)[None, :, :], axis=2)  # [BM, BN]
+    u = tl.sum(x[:, None, :] * widen(w_up)[None, :, :], axis=2)
     if HAS_SCALE:
         j = tl.minimum(rn, inter - 1)
         g *= tl.load(s_ptr + j)[None, :]
@@ -137,8 +138,8 @@ def _gemv_rmsnorm_swiglu_kloop_kernel(
             sk = sk.to(tl.float32)
         normed = (sk * rstd).to(dtype).to(tl.float32)
         xk = (tl.load(nw_ptr + kk).to(tl.float32) * normed).to(dtype).to(tl.float32)
-        acc_g += w_gate.to(tl.float32) * xk[None, :]
-        acc_u += w_up.to(tl.float32) * xk[None, :]
+        acc_g += widen(w_gate) * xk[None, :]
+        acc_u += widen(w_up) * xk[None, :]
     g = tl.sum(acc_g, axis=1)  # [BN]
     u = tl.sum(acc_u, axis=1)
     if HAS_SCALE:

@@ -29,6 +29,7 @@ from kernels.gemv import (
     scale_arg,
     weight_fits,
 )
+from kernels.widen import widen
 
 
 @triton.jit
@@ -59,7 +60,7 @@ def _gemv_silu_kernel(
     g_rows = gu_ptr + tl.minimum(rm, M - 1).to(tl.int64)[:, None] * stride_gm  # [BM, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, inter, BLOCK_K):
-        w = tl.load(w_rows + (k + rk)[None, :]).to(tl.float32)  # [BN, BK]
+        w = widen(tl.load(w_rows + (k + rk)[None, :]))  # [BN, BK]
         gate = tl.load(g_rows + (k + rk)[None, :]).to(tl.float32)  # [BM, BK]
         up = tl.load(g_rows + inter + (k + rk)[None, :]).to(tl.float32)
         a = (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty).to(tl.float32)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.w4a16 import check_inputs, split_k_plan, store_split_k
+from kernels.widen import nibble_times
 
 # H100, Llama-3.2-1B shapes (docs/benchmarks.md): at M = 1 this GEMV beat the GEMM and bf16
 # F.linear; at M = 4 the GEMM (split-K) beat it. M = 2, 3 not measured: they take the GEMM.
@@ -59,28 +60,30 @@ def _w4a16_gemv_kernel(
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(2) * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
-    ri = tl.arange(0, ROWS)
-    GROUPS: tl.constexpr = ROWS // GROUP_ROWS  # groups a step
-    n_mask = rn < N
-    acc = tl.zeros((GROUPS, BLOCK_N), dtype=tl.float32)
+    ri = tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    n_mask = rn[None, :] < N  # [1, BN]
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k in range(k_start, k_stop, 8 * ROWS):  # K is a multiple of 8 ROWS: no K masks
-        q_tile = q_ptr + (k // 8 + ri)[:, None].to(tl.int64) * stride_qk + rn[None, :]
-        packed = tl.load(q_tile, mask=n_mask[None, :], other=0)  # [ROWS, BN]
-        x_row = x_ptr + m * stride_xm + k + ri * 8  # [ROWS]: x[k + 8 i]
+        packed = tl.load(q_ptr + (k // 8 + ri).to(tl.int64) * stride_qk + rn[None, :],
+                         mask=n_mask, other=0)  # [ROWS, BN]
+        high = (packed >> 20) & 0xFFF  # nibbles 5..7 moved down to bits 0..11
+        x_row = x_ptr + m * stride_xm + k + ri * 8  # [ROWS, 1]: x[k + 8 i]
         dots = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        x_sums = tl.zeros((ROWS,), dtype=tl.float32)
+        x_sums = tl.zeros((ROWS, 1), dtype=tl.float32)
         for j in tl.static_range(8):
             xj = tl.load(x_row + j).to(tl.float32)  # x[k + 8 i + j]
-            dots += ((packed >> (4 * j)) & 0xF).to(tl.float32) * xj[:, None]
+            codes = nibble_times(packed if j < 5 else high, j % 5)  # q * 2^(4 (j % 5))
+            dots += codes * (xj * 2.0 ** (-4 * (j % 5)))
             x_sums += xj
-        dots_g = tl.sum(tl.reshape(dots, (GROUPS, GROUP_ROWS, BLOCK_N)), axis=1)  # [GROUPS, BN]
-        x_sums_g = tl.sum(tl.reshape(x_sums, (GROUPS, GROUP_ROWS)), axis=1)  # [GROUPS]
-        rows = (k // group_size + tl.arange(0, GROUPS)).to(tl.int64)[:, None] * stride_sg
-        scale = tl.load(s_ptr + rows + rn[None, :], mask=n_mask[None, :], other=0.0)
-        zero = tl.load(z_ptr + rows + rn[None, :], mask=n_mask[None, :], other=0).to(tl.float32)
-        acc += scale * (dots_g - zero * x_sums_g[:, None])
+        if ROWS <= GROUP_ROWS:  # the step lies in one group: a row of scales and zeros
+            rows = (k // group_size) * stride_sg  # < 2^31: K / G groups x N
+        else:  # several groups a step: each int32 row reads its own group's
+            rows = ((k + 8 * ri) // group_size).to(tl.int64) * stride_sg  # [ROWS, 1]
+        scale = tl.load(s_ptr + rows + rn[None, :], mask=n_mask, other=0.0)
+        zero = tl.load(z_ptr + rows + rn[None, :], mask=n_mask, other=0).to(tl.float32)
+        acc += scale * (dots - zero * x_sums)
     tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    store_split_k(tl.sum(acc, axis=0), out_ptr + m * stride_om + rn, n_mask,
+    store_split_k(tl.sum(acc, axis=0), out_ptr + m * stride_om + rn, rn < N,
                   part_ptr + m * N + rn, M * N, ticket_ptr + tile, SPLIT_K)
 
 

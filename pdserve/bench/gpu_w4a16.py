@@ -32,7 +32,8 @@ SMALL_TOKENS = (1, 5)
 PLANE_TILES = tuple((n, w) for n in (32, 64, 128) for w in (4, 8))
 TILES = ((16, 32), (16, 64), (16, 128))  # GEMM (BLOCK_M, BLOCK_N)
 # GEMV (BLOCK_N, max ROWS, num_warps)
-GEMV_TILES = tuple((n, r, w) for n in (16, 32, 64) for r in (32, 64) for w in (2, 4))
+GEMV_TILES = ((16, 16, 1), (32, 16, 2), (64, 16, 4), (16, 32, 1), (32, 32, 2), (32, 32, 4),
+              (64, 32, 4), (32, 64, 2), (32, 64, 4), (64, 64, 4))
 SPLITS = (1, 2, 4, 8, 16)
 GROUP = 128
 
@@ -133,9 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--small", action="store_true", help="tiny shapes (the CPU)")
+    parser.add_argument("--tokens", default=None, help="comma-separated M (default 1 to 64)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     shapes, tokens = (SMALL_SHAPES, SMALL_TOKENS) if args.small else (SHAPES, TOKENS)
+    if args.tokens:
+        tokens = tuple(int(m) for m in args.tokens.split(","))
     group = GROUP
     bandwidth = copy_bandwidth(device)
     report: dict[str, Any] = {

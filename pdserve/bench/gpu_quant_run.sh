@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The quantized decode kernels on a lent GPU, one device call per part, from the checkout with
+# .gpu-kit carried (docs/benchmarks.md, "Quantized weights end to end"):
+#
+#   run(carry=[".gpu-kit"], command="bash pdserve/bench/gpu_quant_run.sh kernels")
+#
+# Parts (any of them, in order; default "tests kernels latency"):
+#   tests     the quantized kernels' test files on the GPU (GPU_TESTS to change the list)
+#   kernels   pdserve.bench.gpu_w4a16 at TOKENS (default 1): each projection's W4A16 GEMV tiles
+#   latency   pdserve.bench.gpu_quant --no-w1: batch-1 ms per token for SYSTEMS
+#             (default bf16,fp8,w4a16), each against its weights-read floor
+#   profile   pdserve.bench.gpu_decode_profile for SYSTEMS: the kernels inside the decode graph
+#             and the GEMV plan's timings
+#   w1        pdserve.bench.gpu_quant's W1 offline throughput, W1_RUNS (default 3) per system
+# Reports in $OUT; a fresh PDSERVE_CACHE_DIR, so every GEMV plan is timed, none recorded.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-bench_results/gpu_quant}
+SYSTEMS=${SYSTEMS:-bf16,fp8,w4a16}
+GPU_TESTS=${GPU_TESTS:-tests/test_kernel_widen.py tests/test_kernel_gemv_fp8.py \
+tests/test_quant_fp8.py tests/test_quant_w4a16.py}
+mkdir -p "$OUT"
+source pdserve/bench/gpu_kit_env.sh || exit 1
+export PDSERVE_CACHE_DIR
+PDSERVE_CACHE_DIR=$(mktemp -d)
+status=0
+for part in "${@:-tests kernels latency}"; do
+  for p in $part; do
+    echo "== $p"
+    case $p in
+      tests) python3 -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -15
+             status=$((status | PIPESTATUS[0])) ;;
+      kernels) python3 -m pdserve.bench.gpu_w4a16 --out "$OUT" --tokens "${TOKENS:-1}" \
+               || status=1 ;;
+      latency) python3 -m pdserve.bench.gpu_quant --out "$OUT" --systems "$SYSTEMS" --no-w1 \
+               || status=1 ;;
+      profile) python3 -m pdserve.bench.gpu_decode_profile --systems "$SYSTEMS" --out "$OUT" \
+               || status=1 ;;
+      w1) python3 -m pdserve.bench.gpu_quant --out "$OUT" --systems "$SYSTEMS" \
+          --w1-runs "${W1_RUNS:-3}" || status=1 ;;
+      *) echo "unknown part $p"; status=1 ;;
+    esac
+  done
+done
+exit $status
