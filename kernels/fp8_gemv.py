@@ -43,9 +43,9 @@ def _fp8_gemv_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         kk = k + rk
-        x = tl.load(x_ptr + m * stride_xm + kk[None, :], mask=kk[None, :] < K, other=0.0)
+        x = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
         w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-        acc += widen(w) * x.to(tl.float32)
+        acc += widen(w) * x[None, :]
     scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0)
     y = tl.sum(acc, axis=1) * scale
     tl.store(out_ptr + m * stride_om + rn, y.to(out_ptr.dtype.element_ty), mask=rn < N)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemv_kloop import _gemv_kloop_kernel
 from kernels.widen import widen
 
 GEMV_MAX_TOKENS = 4
@@ -36,12 +37,14 @@ FP8 = torch.float8_e4m3fn
 
 class GemvBlocks(NamedTuple):
     """One tile configuration: rows of W per program, K per step, warps per program; `pdl`:
-    launched as a programmatic dependent launch (Hopper; see `launch_options`)."""
+    launched as a programmatic dependent launch (Hopper; see `launch_options`); `kloop`: one
+    token row per program in [BLOCK_N, BLOCK_K] steps (kernels/gemv_kloop.py; `gemv` only)."""
 
     block_n: int
     block_k: int
     num_warps: int
     pdl: bool = False
+    kloop: bool = False
 
 
 def launch_options(blocks: GemvBlocks) -> dict:
@@ -148,6 +151,14 @@ def gemv(
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv: bias {tuple(bias.shape)}, expected ({n},)")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if blocks.kloop:
+        _gemv_kloop_kernel[(m, triton.cdiv(n, blocks.block_n))](
+            x, weight, scale_arg(weight, scale), weight if bias is None else bias, out, n, k,
+            x.stride(0), weight.stride(0), out.stride(0),
+            BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, HAS_SCALE=scale is not None,
+            HAS_BIAS=bias is not None, USE_PDL=blocks.pdl, **launch_options(blocks),
+        )
+        return out
     _gemv_kernel[(triton.cdiv(n, blocks.block_n),)](
         x, weight, scale_arg(weight, scale), weight if bias is None else bias, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),

@@ -30,7 +30,17 @@ from kernels.widen import nibble_times
 # F.linear; at M = 4 the GEMM (split-K) beat it. M = 2, 3 not measured: they take the GEMM.
 GEMV_MAX_TOKENS = 1
 MAX_ROWS = 64  # int32 rows of qweight a step: 512 rows of W
-DEFAULT_BLOCKS = (32, MAX_ROWS, 2)  # (BLOCK_N, max ROWS, num_warps): the best there at M = 1
+# (BLOCK_N, max ROWS, num_warps) by weight size, the best of a sweep on an H200 at M = 1
+# (2026-12-02, pdserve/bench/gpu_w4a16.py): a small weight wants many small programs (the
+# 2048 x 3072 q/k/v: 4.6 us with 16 x 16 x 1 against 5.0 with 32 x 64 x 4), a large one long
+# steps (the 2048 x 16384 gate_up: 10.8 us with 64 x 64 x 4 against 11.0 and 20.6 with the
+# former default 32 x 64 x 2, whose layout leaves barriers in the loop).
+SMALL_BLOCKS, LARGE_BLOCKS = (16, 16, 1), (64, MAX_ROWS, 4)
+LARGE_WEIGHT = 1 << 24  # K x N codes from which LARGE_BLOCKS
+
+
+def default_blocks(k: int, n: int) -> tuple[int, int, int]:
+    return LARGE_BLOCKS if k * n >= LARGE_WEIGHT else SMALL_BLOCKS
 
 
 @triton.jit
@@ -108,8 +118,8 @@ def w4a16_gemv(
     """[M, K] x the 4-bit W [K, N] -> [M, N] in x's dtype (kernels/w4a16.py `w4a16_ref`).
     `blocks`: (BLOCK_N, max ROWS, num_warps); `split_k`: K shares, by default enough to fill
     the GPU. ValueError for shapes, strides or dtypes it cannot take."""
-    block_n, max_rows, warps = blocks or DEFAULT_BLOCKS
     k = x.shape[-1]
+    block_n, max_rows, warps = blocks or default_blocks(k, qweight.shape[-1])
     rows = gemv_rows(group_size, k, max_rows) if group_size > 0 and k % group_size == 0 \
         else None
     check_inputs("w4a16_gemv", x, qweight, scales, zeros, group_size,

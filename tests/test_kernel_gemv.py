@@ -52,7 +52,8 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 # ---- CPU, under TRITON_INTERPRET=1 (conftest sets it without a GPU) --------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("blocks", [GemvBlocks(4, 32, 4), GemvBlocks(16, 64, 4)], ids=str)
+@pytest.mark.parametrize("blocks", [GemvBlocks(4, 32, 4), GemvBlocks(16, 64, 4),
+                                    GemvBlocks(8, 32, 4, kloop=True)], ids=str)
 def test_gemv_matches_reference(dtype, m, blocks):
     n, k = 37, 128  # N odd (the last program's rows clamp), K two and four blocks
     x, w = randn(m, k, dtype=dtype, seed=m), randn(n, k, dtype=dtype, seed=10 + m)
@@ -66,6 +67,7 @@ def test_gemv_bias_and_strided_rows(dtype):
     x = x_wide[:, :k]  # rows strided, columns contiguous
     w, b = randn(n, k, dtype=dtype, seed=2), randn(n, dtype=dtype, seed=3)
     assert_close(gemv(x, w, b, GemvBlocks(4, 32, 4)), gemv_ref(x, w, b))
+    assert_close(gemv(x, w, b, GemvBlocks(4, 32, 4, kloop=True)), gemv_ref(x, w, b))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -41,8 +41,9 @@ def test_gemv_with_fp8_weight_matches_the_dequantized_reference(dtype, m):
     x = randn(m, k, dtype=dtype, seed=m)
     q, s = fp8_weight(n, k, seed=4)
     b = randn(n, dtype=dtype, seed=5)
-    out = gemv(x, q, b, GemvBlocks(4, 32, 4), scale=s)
-    assert_close(out, (w8a16_ref(x, q, s).float() + b.float()).to(dtype))
+    for blocks in (GemvBlocks(4, 32, 4), GemvBlocks(8, 32, 4, kloop=True)):
+        out = gemv(x, q, b, blocks, scale=s)
+        assert_close(out, (w8a16_ref(x, q, s).float() + b.float()).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

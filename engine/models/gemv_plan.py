@@ -72,17 +72,23 @@ NORM_ROWS = ((4, 4, False), (4, 8, False), (8, 8, False), (4, 4, True), (4, 8, T
 GATED_ROWS = ((1, 4, False), (2, 8, False), (1, 4, True), (2, 8, True))  # two tiles each
 # (BLOCK_N, BLOCK_K, warps, pdl): the fused gate_up's K-loop kernel (kernels/fp8_gemv.py's shape)
 GATED_KLOOP = ((4, 512, 4, True), (8, 256, 4, True))
+# one token row per program, [BLOCK_N, BLOCK_K] steps (kernels/gemv_kloop.py): the shape of the
+# fused gate_up's K loop, which streamed FP8 rows at 2.66 TB/s on an H200 (docs/benchmarks.md)
+KLOOP_CANDIDATES = tuple(GemvBlocks(bn, bk, 4, True, True)
+                         for bn, bk in ((4, 512), (8, 256), (8, 512), (16, 256)))
 # FP8 codes (engine/quant/fp8.py): a row is half a bf16 row's bytes, so tiles twice as long
 # along K or twice as many rows keep as many bytes in flight; timed besides the ones above.
 FP8_CANDIDATES: dict[str, dict[int, tuple]] = {
     "linear": {1: (GemvBlocks(4, 2048, 4), GemvBlocks(8, 1024, 4),
-                   GemvBlocks(4, 2048, 4, pdl=True), GemvBlocks(8, 1024, 4, pdl=True)),
+                   GemvBlocks(4, 2048, 4, pdl=True), GemvBlocks(8, 1024, 4, pdl=True),
+                   *KLOOP_CANDIDATES),
                2: (GemvBlocks(4, 1024, 4),), 4: (GemvBlocks(4, 512, 4),)},
     "silu+down": {1: (GemvBlocks(8, 2048, 8), GemvBlocks(4, 4096, 8),
                       GemvBlocks(8, 2048, 8, pdl=True))},
     "norm+linear": {1: ((8, 8, True), (16, 8, False))},
     "norm+gate_up+silu": {1: ((4, 8, False), (4, 8, True), (8, 256, 4, False),
-                              (8, 256, 4, True), (16, 256, 4, True), (8, 512, 4, True))},
+                              (8, 256, 4, True), (16, 256, 4, True), (8, 512, 4, True),
+                              (16, 512, 4, True), (32, 256, 4, True), (16, 256, 8, True))},
 }
 
 
