@@ -4,6 +4,8 @@ the dense-linear path that uses them (engine/models/tp_layers.py) with and witho
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -29,6 +31,10 @@ from kernels.silu_mul import silu_and_mul_ref  # noqa: E402
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CUDA = torch.cuda.is_available()
 gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+# the small-shape tests hand CPU tensors to the kernels: Triton's interpreter only (on a GPU the
+# kernels compile for it and the *_gpu_full_size tests below check them)
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU tensors: needs TRITON_INTERPRET=1")
 
 
 def randn(*shape, dtype, seed, device="cpu", scale=1.0):
@@ -50,6 +56,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 # ---- CPU, under TRITON_INTERPRET=1 (conftest sets it without a GPU) --------------------------
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("blocks", [GemvBlocks(4, 32, 4), GemvBlocks(16, 64, 4),
@@ -60,6 +67,7 @@ def test_gemv_matches_reference(dtype, m, blocks):
     assert_close(gemv(x, w, None, blocks), gemv_ref(x, w))
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gemv_bias_and_strided_rows(dtype):
     n, k = 19, 64
@@ -70,6 +78,7 @@ def test_gemv_bias_and_strided_rows(dtype):
     assert_close(gemv(x, w, b, GemvBlocks(4, 32, 4, kloop=True)), gemv_ref(x, w, b))
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [1, 3, 4])
 def test_gemv_silu_matches_reference(dtype, m):
@@ -81,6 +90,7 @@ def test_gemv_silu_matches_reference(dtype, m):
     assert_close(out, gemv_ref(silu_and_mul_ref(gate_up), w))
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [1, 2, 4])
 @pytest.mark.parametrize("with_residual", [True, False])
@@ -96,6 +106,7 @@ def test_gemv_rmsnorm_matches_reference(dtype, m, with_residual):
     assert_close(out, ref_out)
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("with_residual", [True, False])
@@ -111,6 +122,7 @@ def test_gemv_rmsnorm_swiglu_matches_reference(dtype, m, with_residual, block_k)
     assert_close(out, ref_out)
 
 
+@interpreted
 def test_gemv_rmsnorm_swiglu_refuses_a_k_step_that_is_no_power_of_two():
     x, nw, w = torch.zeros(1, 64), torch.ones(64), torch.zeros(8, 64)
     for block_k in (24, 8):
@@ -118,6 +130,7 @@ def test_gemv_rmsnorm_swiglu_refuses_a_k_step_that_is_no_power_of_two():
             gemv_rmsnorm_swiglu(x, None, nw, 1e-5, w, GemvBlocks(4, block_k, 4))
 
 
+@interpreted
 def test_gemv_refuses_what_it_cannot_take():
     w = torch.zeros(8, 96)
     blocks = GemvBlocks(4, 64, 4)
@@ -135,6 +148,7 @@ def test_plan_picks_per_token_count():
     assert plan.used and not GemvPlan(((1, None),)).used
 
 
+@interpreted
 def test_dense_linear_without_a_plan_is_f_linear_and_with_one_is_the_gemv():
     """CPU behaviour is unchanged (no plan is made off CUDA); a plan, where given, routes
     decode-sized inputs to the GEMV and larger ones to F.linear."""
@@ -149,6 +163,7 @@ def test_dense_linear_without_a_plan_is_f_linear_and_with_one_is_the_gemv():
                            torch.nn.functional.linear(x8, layer.weight, layer.bias))
 
 
+@interpreted
 def test_silu_mul_linear_only_where_planned():
     down = RowParallelLinear(64, 16, range(64), bias=False, tp=SingleRank())
     torch.nn.init.normal_(down.weight)
@@ -189,6 +204,7 @@ def _plan_everything(model: torch.nn.Module, swiglu: bool, gated_k_step: int | N
             w.gemv_norm_silu_plan = GemvPlan(((1, GemvBlocks(2, gated_k_step or k, 4)),))
 
 
+@interpreted
 @pytest.mark.parametrize("swiglu", [False, True], ids=["silu+down", "norm+gate_up+silu"])
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias-tied"])
 def test_model_decode_steps_with_every_fusion_match_without(name, swiglu, monkeypatch):

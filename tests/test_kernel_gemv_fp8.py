@@ -11,7 +11,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_kernel_gemv import _count_calls, _plan_everything, assert_close, randn  # noqa: E402
+from test_kernel_gemv import (  # noqa: E402
+    _count_calls,
+    _plan_everything,
+    assert_close,
+    interpreted,
+    randn,
+)
 
 from engine.quant.fp8 import quantize_weight  # noqa: E402
 from kernels.fp8 import FP8, w8a16_ref  # noqa: E402
@@ -34,6 +40,7 @@ def fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q.qweight, q.scale
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [1, 3])
 def test_gemv_with_fp8_weight_matches_the_dequantized_reference(dtype, m):
@@ -46,6 +53,7 @@ def test_gemv_with_fp8_weight_matches_the_dequantized_reference(dtype, m):
         assert_close(out, (w8a16_ref(x, q, s).float() + b.float()).to(dtype))
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gemv_silu_with_fp8_weight(dtype):
     n, inter = 21, 128
@@ -55,6 +63,7 @@ def test_gemv_silu_with_fp8_weight(dtype):
                  gemv_silu_ref(gate_up, q, s))
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_gemv_rmsnorm_and_swiglu_with_fp8_weight(dtype, with_residual):
@@ -84,6 +93,7 @@ def test_fp8_weight_needs_its_row_scales():
         gemv(x, q, None, blocks)
 
 
+@interpreted
 @pytest.mark.parametrize(("swiglu", "k_step"), [(False, None), (True, None), (True, 16)],
                          ids=["silu+down", "norm+gate_up+silu", "norm+gate_up+silu-k-loop"])
 def test_fp8_model_decode_steps_through_the_planned_gemvs(swiglu, k_step, monkeypatch):
@@ -134,11 +144,15 @@ def test_fp8_gemvs_gpu_full_size(m):
         return q.cuda(), s.cuda()
 
     x, res = (randn(m, 2048, dtype=torch.bfloat16, seed=s, device="cuda") for s in (m, 7 + m))
-    for (n, k), seed in (((3072, 2048), 1), ((128256, 2048), 2)):
+    for (n, k), seed in (((3072, 2048), 1), ((128256, 2048), 2), ((2048, 8192), 6)):
         q, s = weight(n, k, seed)
-        for blocks in (GemvBlocks(4, 512, 4), *FP8_CANDIDATES["linear"].get(m, ())):
-            out = gemv(x, q, None, blocks, scale=s)
-            assert _rel_err(out, w8a16_ref(x, q, s)) < 4e-3, blocks
+        xk = x if k == 2048 else randn(m, k, dtype=torch.bfloat16, seed=m, device="cuda")
+        tiles = [b for b in (GemvBlocks(4, 512, 4), *FP8_CANDIDATES["linear"].get(m, ()))
+                 if gemv_supports(xk, q, b, s)]  # a BLOCK_K dividing K
+        assert len(tiles) > 1
+        for blocks in tiles:
+            out = gemv(xk, q, None, blocks, scale=s)
+            assert _rel_err(out, w8a16_ref(xk, q, s)) < 4e-3, blocks
     q, s = weight(2048, 8192, 3)
     gate_up = randn(m, 2 * 8192, dtype=torch.bfloat16, seed=m, device="cuda")
     for blocks in (GemvBlocks(4, 512, 4), *FP8_CANDIDATES["silu+down"].get(m, ())):

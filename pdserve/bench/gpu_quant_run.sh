@@ -17,7 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench_results/gpu_quant}
 SYSTEMS=${SYSTEMS:-bf16,fp8,w4a16}
-GPU_TESTS=${GPU_TESTS:-tests/test_kernel_widen.py tests/test_kernel_gemv_fp8.py \
+GPU_TESTS=${GPU_TESTS:-tests/test_kernel_widen.py tests/test_kernel_gemv.py tests/test_kernel_gemv_fp8.py \
 tests/test_quant_fp8.py tests/test_quant_w4a16.py}
 mkdir -p "$OUT"
 source pdserve/bench/gpu_kit_env.sh || exit 1
