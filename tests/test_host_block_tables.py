@@ -6,7 +6,7 @@ import random
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.input_batch import HostBlockTables, pack_step
+from engine.input_batch import HostBlockTables, chunk_slots, pack_step
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -59,3 +59,32 @@ def test_pack_step_packs_the_same_with_kept_tables():
         runs.append((packed, sched.num_preemptions))
     assert runs[0] == runs[1]
     assert runs[0][1] > 0  # the pool was small enough to preempt
+
+
+def test_chunk_slots_match_the_block_table_position_by_position():
+    """A prompt chunk's slots (numpy) equal table[p // B] * B + p % B for each position, for
+    chunks starting and ending inside blocks, on block edges, and of one token."""
+    table, size = [7, 3, 11, 0, 5], 4
+    for start, end in [(0, 20), (0, 1), (3, 4), (3, 5), (4, 8), (5, 18), (19, 20), (6, 13)]:
+        want = [table[p // size] * size + p % size for p in range(start, end)]
+        assert chunk_slots(table, start, end, size).tolist() == want, (start, end)
+
+
+def test_mixed_step_packs_prompt_slots_then_decode_slots():
+    """A step of a prompt chunk and a decode: slots hold the chunk's positions, then the
+    decode's, each in its own request's blocks."""
+    manager = BlockManager(16, 4, False)
+    sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=4,
+                                      max_num_batched_tokens=64), manager)
+    sched.add_request(_request("a", 6))
+    out = sched.schedule()
+    sched.update_from_output(out, {"a": (7, None)})
+    sched.add_request(_request("b", 9))
+    out = sched.schedule()
+    host, order = pack_step(out, 4)
+    assert [s.request.request_id for s in order] == ["b", "a"]
+    a, b = order[1].request, order[0].request
+    t = host.num_tokens
+    slots = list(host.longs[2 * (t + -t % 2):][:t])  # the third part: after ids and positions
+    want_b = [b.block_ids[p // 4] * 4 + p % 4 for p in range(9)]
+    assert slots == want_b + [a.block_ids[6 // 4] * 4 + 6 % 4]
