@@ -134,6 +134,20 @@ def test_dequantize_kernel_and_its_matmul(group: int, dtype: torch.dtype) -> Non
 @pytest.mark.parametrize("max_rows", [8, 2])  # steps of several groups, or within one
 def test_gemv_kernel_matches_the_reference(mkn, group: int, dtype: torch.dtype, split_k: int,
                                            max_rows: int) -> None:
+    _check_gemv(mkn, group, dtype, split_k, max_rows, prefetch=True)
+
+
+@pytest.mark.parametrize("mkn,group", [((1, 64, 48), 32), ((3, 128, 40), 64), ((4, 96, 72), 8),
+                                       ((1, 256, 24), 256)])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("max_rows", [8, 2])
+def test_gemv_kernel_without_prefetch_matches_the_reference(mkn, group: int, split_k: int,
+                                                             max_rows: int) -> None:
+    _check_gemv(mkn, group, torch.float32, split_k, max_rows, prefetch=False)
+
+
+def _check_gemv(mkn, group: int, dtype: torch.dtype, split_k: int, max_rows: int,
+                prefetch: bool) -> None:
     m, k, n = mkn
     gen = torch.Generator().manual_seed(m * k + n + 1)
     codes = torch.randint(0, 16, (k, n), generator=gen)
@@ -141,7 +155,8 @@ def test_gemv_kernel_matches_the_reference(mkn, group: int, dtype: torch.dtype, 
     zeros = torch.randint(0, 17, (k // group, n), generator=gen).to(torch.uint8)
     x = torch.randn(m, k, generator=gen).to(dtype)
     args = [t.to(DEVICE) for t in (pack_rows(codes), scales, zeros)]
-    out = w4a16_gemv(x.to(DEVICE), *args, group, blocks=(16, max_rows, 1), split_k=split_k)
+    out = w4a16_gemv(x.to(DEVICE), *args, group, blocks=(16, max_rows, 1), split_k=split_k,
+                     prefetch=prefetch)
     assert out.dtype == dtype and out.shape == (m, n)
     ref = w4a16_ref(x, pack_rows(codes), scales, zeros, group)
     assert rel_err(out.cpu(), ref) < TOLERANCE[dtype]

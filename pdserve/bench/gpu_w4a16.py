@@ -73,34 +73,38 @@ def _layer(n: int, k: int, device: torch.device, group: int) -> tuple[Any, torch
     return layer, dequantize(w).to(device)
 
 
-def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool
+def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool, gemv_only: bool
               ) -> dict[str, Callable[[], torch.Tensor]]:
-    """Name -> call: the layer (its default path), every GEMM tile and split, and for
-    M <= GEMV_MAX_TOKENS every GEMV tile and split."""
+    """Name -> call: the layer (its default path), every GEMM tile and split (unless
+    `gemv_only`), and for M <= GEMV_MAX_TOKENS every GEMV tile and split, with and without
+    prefetching."""
     from kernels.w4a16 import w4a16_linear
     from kernels.w4a16_gemv import GEMV_MAX_TOKENS, w4a16_gemv
     from kernels.w4a16_planes import planes_fit, w4a16_planes_linear
 
     args = (layer.qweight, layer.scales, layer.zeros, group)
     calls: dict[str, Callable[[], torch.Tensor]] = {"w4a16_auto": lambda: layer(x)}
-    for tile in TILES if cuda else TILES[:1]:
+    for tile in () if gemv_only else TILES if cuda else TILES[:1]:
         for split in SPLITS if cuda else SPLITS[:2]:
             calls[f"w4a16_{tile[0]}x{tile[1]}_s{split}"] = \
                 lambda t=tile, s=split: w4a16_linear(x, *args, t, s)
     block_m = max(16, min(64, 1 << (m - 1).bit_length()))
-    for block_n, warps in (PLANE_TILES if cuda else PLANE_TILES[:1]) if planes_fit(group) else ():
+    planes = planes_fit(group) and not gemv_only
+    for block_n, warps in (PLANE_TILES if cuda else PLANE_TILES[:1]) if planes else ():
         for split in (None, *SPLITS) if cuda else (None,):
             calls[f"w4a16_planes_{block_m}x{block_n}w{warps}_s{split or 'auto'}"] = \
                 lambda t=(block_m, block_n, warps), s=split: w4a16_planes_linear(x, *args, t, s)
     for tile in (GEMV_TILES if cuda else GEMV_TILES[:1]) if m <= GEMV_MAX_TOKENS else ():
         for split in SPLITS[:4] if cuda else SPLITS[:2]:
-            calls[f"w4a16_gemv_{tile[0]}r{tile[1]}w{tile[2]}_s{split}"] = \
-                lambda t=tile, s=split: w4a16_gemv(x, *args, t, s)
+            for prefetch in (False, True):
+                calls[f"w4a16_gemv_{tile[0]}r{tile[1]}w{tile[2]}_s{split}{'_pf' * prefetch}"] = \
+                    lambda t=tile, s=split, p=prefetch: w4a16_gemv(x, *args, t, s, p)
     return calls
 
 
 def shape_rows(name: str, n: int, k: int, device: torch.device, group: int,
-               bandwidth: float | None, tokens: tuple[int, ...]) -> list[dict[str, Any]]:
+               bandwidth: float | None, tokens: tuple[int, ...], gemv_only: bool = False
+               ) -> list[dict[str, Any]]:
     layer, exact = _layer(n, k, device, group)
     dense = exact.to(torch.bfloat16)
     rows = []
@@ -110,7 +114,8 @@ def shape_rows(name: str, n: int, k: int, device: torch.device, group: int,
         row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m,
                                "bf16_linear_ms": device_ms(lambda x=x: F.linear(x, dense), device)}
         errors = {}
-        for label, call in _variants(m, x, layer, group, device.type == "cuda").items():
+        for label, call in _variants(m, x, layer, group, device.type == "cuda",
+                                       gemv_only).items():
             errors[label] = ((call().float() - expected).norm() / expected.norm()).item()
             row[f"{label}_ms"] = device_ms(call, device)
         row["rel_err"] = errors["w4a16_auto"]
@@ -135,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--small", action="store_true", help="tiny shapes (the CPU)")
     parser.add_argument("--tokens", default=None, help="comma-separated M (default 1 to 64)")
+    parser.add_argument("--gemv-only", action="store_true",
+                        help="time the layer and the GEMV's variants only (no GEMM tiles)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     shapes, tokens = (SMALL_SHAPES, SMALL_TOKENS) if args.small else (SHAPES, TOKENS)
@@ -146,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "group_size": group, "copy_bandwidth_bytes_per_s": bandwidth, "rows": []}
     for name, (n, k) in shapes.items():
-        report["rows"] += shape_rows(name, n, k, device, group, bandwidth, tokens)
+        report["rows"] += shape_rows(name, n, k, device, group, bandwidth, tokens,
+                                     args.gemv_only)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_w4a16.json").write_text(json.dumps(report, indent=2))
     return 0
