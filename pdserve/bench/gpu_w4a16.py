@@ -73,7 +73,8 @@ def _layer(n: int, k: int, device: torch.device, group: int) -> tuple[Any, torch
     return layer, dequantize(w).to(device)
 
 
-def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool, gemv_only: bool
+def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool, gemv_only: bool,
+              gemv_tiles: tuple[tuple[int, int, int], ...] = GEMV_TILES
               ) -> dict[str, Callable[[], torch.Tensor]]:
     """Name -> call: the layer (its default path), every GEMM tile and split (unless
     `gemv_only`), and for M <= GEMV_MAX_TOKENS every GEMV tile and split, with and without
@@ -94,7 +95,7 @@ def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool, gemv_
         for split in (None, *SPLITS) if cuda else (None,):
             calls[f"w4a16_planes_{block_m}x{block_n}w{warps}_s{split or 'auto'}"] = \
                 lambda t=(block_m, block_n, warps), s=split: w4a16_planes_linear(x, *args, t, s)
-    for tile in (GEMV_TILES if cuda else GEMV_TILES[:1]) if m <= GEMV_MAX_TOKENS else ():
+    for tile in (gemv_tiles if cuda else gemv_tiles[:1]) if m <= GEMV_MAX_TOKENS else ():
         for split in SPLITS[:4] if cuda else SPLITS[:2]:
             for prefetch in (False, True):
                 calls[f"w4a16_gemv_{tile[0]}r{tile[1]}w{tile[2]}_s{split}{'_pf' * prefetch}"] = \
@@ -103,7 +104,8 @@ def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool, gemv_
 
 
 def shape_rows(name: str, n: int, k: int, device: torch.device, group: int,
-               bandwidth: float | None, tokens: tuple[int, ...], gemv_only: bool = False
+               bandwidth: float | None, tokens: tuple[int, ...], gemv_only: bool = False,
+               gemv_tiles: tuple[tuple[int, int, int], ...] = GEMV_TILES
                ) -> list[dict[str, Any]]:
     layer, exact = _layer(n, k, device, group)
     dense = exact.to(torch.bfloat16)
@@ -115,7 +117,7 @@ def shape_rows(name: str, n: int, k: int, device: torch.device, group: int,
                                "bf16_linear_ms": device_ms(lambda x=x: F.linear(x, dense), device)}
         errors = {}
         for label, call in _variants(m, x, layer, group, device.type == "cuda",
-                                       gemv_only).items():
+                                       gemv_only, gemv_tiles).items():
             errors[label] = ((call().float() - expected).norm() / expected.norm()).item()
             row[f"{label}_ms"] = device_ms(call, device)
         row["rel_err"] = errors["w4a16_auto"]
@@ -142,11 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default=None, help="comma-separated M (default 1 to 64)")
     parser.add_argument("--gemv-only", action="store_true",
                         help="time the layer and the GEMV's variants only (no GEMM tiles)")
+    parser.add_argument("--gemv-tiles", default=None,
+                        help="GEMV tiles BLOCK_NxROWSxWARPS, comma-separated (default: all)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     shapes, tokens = (SMALL_SHAPES, SMALL_TOKENS) if args.small else (SHAPES, TOKENS)
     if args.tokens:
         tokens = tuple(int(m) for m in args.tokens.split(","))
+    gemv_tiles = GEMV_TILES if not args.gemv_tiles else tuple(
+        tuple(int(v) for v in tile.split("x")) for tile in args.gemv_tiles.split(","))
     group = GROUP
     bandwidth = copy_bandwidth(device)
     report: dict[str, Any] = {
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         "group_size": group, "copy_bandwidth_bytes_per_s": bandwidth, "rows": []}
     for name, (n, k) in shapes.items():
         report["rows"] += shape_rows(name, n, k, device, group, bandwidth, tokens,
-                                     args.gemv_only)
+                                     args.gemv_only, gemv_tiles)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_w4a16.json").write_text(json.dumps(report, indent=2))
     return 0
