@@ -175,12 +175,14 @@ def _sm_count(index: int) -> int:
 
 
 def split_k_for(x: torch.Tensor, programs: int, steps: int, per_sm: int = 4,
-                most: int = 16) -> int:
-    """Enough K shares for ~`per_sm` programs per SM (at most the K steps and `most`). H100,
-    1B shapes: the best tiles at M <= 16 wanted 256-512 programs (docs/benchmarks.md)."""
+                most: int = 16, at_most: bool = False) -> int:
+    """Enough K shares for ~`per_sm` programs per SM (at most the K steps and `most`); with
+    `at_most`, as many as keep it at or under `per_sm`. H100, 1B shapes: the best tiles at
+    M <= 16 wanted 256-512 programs (docs/benchmarks.md)."""
     if x.device.type != "cuda" or programs == 0:  # M = 0: nothing is launched
         return 1
-    want = triton.cdiv(per_sm * _sm_count(x.device.index or 0), programs)
+    slots = per_sm * _sm_count(x.device.index or 0)
+    want = slots // programs if at_most else triton.cdiv(slots, programs)
     return max(1, min(want, steps, most))
 
 
@@ -225,11 +227,12 @@ class SplitKPlan:
 
 
 def split_k_plan(x: torch.Tensor, k: int, block_k: int, tiles: tuple[int, int],
-                 split_k: int | None = None, per_sm: int = 4, most: int = 16) -> SplitKPlan:
+                 split_k: int | None = None, per_sm: int = 4, most: int = 16,
+                 at_most: bool = False) -> SplitKPlan:
     """K (a multiple of `block_k`) cut into `split_k` shares, by default `split_k_for`'s, then
     rounded to whole steps: the share count is recomputed, as rounding up may leave fewer."""
     steps = k // block_k
-    split = split_k or split_k_for(x, tiles[0] * tiles[1], steps, per_sm, most)
+    split = split_k or split_k_for(x, tiles[0] * tiles[1], steps, per_sm, most, at_most)
     k_per_split = triton.cdiv(steps, split) * block_k
     return SplitKPlan(tiles, triton.cdiv(k, k_per_split), k_per_split)
 

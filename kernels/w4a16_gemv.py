@@ -36,12 +36,22 @@ MAX_ROWS = 64  # int32 rows of qweight a step: 512 rows of W
 # steps (the 2048 x 16384 gate_up: 10.8 us with 64 x 64 x 4 against 11.0 and 20.6 with the
 # former default 32 x 64 x 2, whose layout leaves barriers in the loop).
 SMALL_BLOCKS, LARGE_BLOCKS = (16, 16, 1), (64, MAX_ROWS, 4)
-PREFETCH = True  # not yet timed against False on a GPU (pdserve/bench/gpu_w4a16.py: "_pf")
 LARGE_WEIGHT = 1 << 24  # K x N codes from which LARGE_BLOCKS
+# K shares by default: SMALL_BLOCKS' light programs (one warp, 16 x 16 codes a step) ~8 an SM,
+# LARGE_BLOCKS' (four warps, 16 KiB of codes a step) at most 2 an SM. H200, M = 1, 2026-12-03
+# (pdserve/bench/gpu_w4a16.py, two calls): the 2048 x 16384 gate_up 10.8 us unsplit against
+# 12.5 in the 4 shares that ~8 an SM gave; the 8192 x 2048 down 7.4 us in 8 shares, 8.4 in 4.
+SMALL_PER_SM, LARGE_PER_SM = 8, 2
 
 
 def default_blocks(k: int, n: int) -> tuple[int, int, int]:
     return LARGE_BLOCKS if k * n >= LARGE_WEIGHT else SMALL_BLOCKS
+
+
+def share_rule(blocks: tuple[int, int, int]) -> dict:
+    """`split_k_plan`'s keywords for the default K shares of a GEMV of these blocks."""
+    large = blocks == LARGE_BLOCKS
+    return {"per_sm": LARGE_PER_SM if large else SMALL_PER_SM, "most": 8, "at_most": large}
 
 
 @triton.jit
@@ -66,7 +76,6 @@ def _w4a16_gemv_kernel(
     ROWS: tl.constexpr,  # int32 rows of qweight a step
     GROUP_ROWS: tl.constexpr,  # of them in one group: G / 8, or ROWS when a group spans steps
     SPLIT_K: tl.constexpr,
-    PREFETCH: tl.constexpr,  # request the next step's codes before this step's arithmetic
 ):
     m = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -75,20 +84,9 @@ def _w4a16_gemv_kernel(
     ri = tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
     n_mask = rn[None, :] < N  # [1, BN]
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    q_cols = q_ptr + rn[None, :]  # [1, BN]
-    if PREFETCH:
-        ahead = tl.load(q_cols + (k_start // 8 + ri).to(tl.int64) * stride_qk, mask=n_mask,
-                        other=0)
     for k in range(k_start, k_stop, 8 * ROWS):  # K is a multiple of 8 ROWS: no K masks
-        if PREFETCH:  # this step's codes were requested a step ago: the loads of one step
-            # overlap the arithmetic of the one before (a few programs an SM cannot hide
-            # DRAM's latency otherwise)
-            packed = ahead
-            ahead = tl.load(q_cols + (k // 8 + ROWS + ri).to(tl.int64) * stride_qk,
-                            mask=n_mask & (8 * ri < k_stop - k - 8 * ROWS), other=0)
-        else:
-            packed = tl.load(q_cols + (k // 8 + ri).to(tl.int64) * stride_qk, mask=n_mask,
-                             other=0)  # [ROWS, BN]
+        packed = tl.load(q_ptr + (k // 8 + ri).to(tl.int64) * stride_qk + rn[None, :],
+                         mask=n_mask, other=0)  # [ROWS, BN]
         high = (packed >> 20) & 0xFFF  # nibbles 5..7 moved down to bits 0..11
         x_row = x_ptr + m * stride_xm + k + ri * 8  # [ROWS, 1]: x[k + 8 i]
         dots = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
@@ -127,12 +125,10 @@ def gemv_rows(group_size: int, k: int, max_rows: int = MAX_ROWS) -> tuple[int, i
 def w4a16_gemv(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     group_size: int, blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
-    prefetch: bool = PREFETCH,
 ) -> torch.Tensor:
     """[M, K] x the 4-bit W [K, N] -> [M, N] in x's dtype (kernels/w4a16.py `w4a16_ref`).
     `blocks`: (BLOCK_N, max ROWS, num_warps); `split_k`: K shares, by default enough to fill
-    the GPU; `prefetch`: each step's codes requested a step ahead. ValueError for shapes,
-    strides or dtypes it cannot take."""
+    the GPU. ValueError for shapes, strides or dtypes it cannot take."""
     k = x.shape[-1]
     block_n, max_rows, warps = blocks or default_blocks(k, qweight.shape[-1])
     rows = gemv_rows(group_size, k, max_rows) if group_size > 0 and k % group_size == 0 \
@@ -140,8 +136,8 @@ def w4a16_gemv(
     check_inputs("w4a16_gemv", x, qweight, scales, zeros, group_size,
                  None if rows is None else 8 * rows[0])
     m, n = x.shape[0], qweight.shape[1]
-    plan = split_k_plan(x, k, 8 * rows[0], (m, triton.cdiv(n, block_n)), split_k, per_sm=8,
-                        most=8)
+    plan = split_k_plan(x, k, 8 * rows[0], (m, triton.cdiv(n, block_n)), split_k,
+                        **share_rule((block_n, max_rows, warps)))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -149,7 +145,6 @@ def w4a16_gemv(
     _w4a16_gemv_kernel[plan.grid](
         x, qweight, scales, zeros, out, parts, counters, m, n, k, group_size, plan.k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=plan.split, PREFETCH=prefetch,
-        num_warps=warps,
+        BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=plan.split, num_warps=warps,
     )
     return out

@@ -77,8 +77,7 @@ def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool, gemv_
               gemv_tiles: tuple[tuple[int, int, int], ...] = GEMV_TILES
               ) -> dict[str, Callable[[], torch.Tensor]]:
     """Name -> call: the layer (its default path), every GEMM tile and split (unless
-    `gemv_only`), and for M <= GEMV_MAX_TOKENS every GEMV tile and split, with and without
-    prefetching."""
+    `gemv_only`), and for M <= GEMV_MAX_TOKENS every GEMV tile (of `gemv_tiles`) and split."""
     from kernels.w4a16 import w4a16_linear
     from kernels.w4a16_gemv import GEMV_MAX_TOKENS, w4a16_gemv
     from kernels.w4a16_planes import planes_fit, w4a16_planes_linear
@@ -97,9 +96,8 @@ def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool, gemv_
                 lambda t=(block_m, block_n, warps), s=split: w4a16_planes_linear(x, *args, t, s)
     for tile in (gemv_tiles if cuda else gemv_tiles[:1]) if m <= GEMV_MAX_TOKENS else ():
         for split in SPLITS[:4] if cuda else SPLITS[:2]:
-            for prefetch in (False, True):
-                calls[f"w4a16_gemv_{tile[0]}r{tile[1]}w{tile[2]}_s{split}{'_pf' * prefetch}"] = \
-                    lambda t=tile, s=split, p=prefetch: w4a16_gemv(x, *args, t, s, p)
+            calls[f"w4a16_gemv_{tile[0]}r{tile[1]}w{tile[2]}_s{split}"] = \
+                lambda t=tile, s=split: w4a16_gemv(x, *args, t, s)
     return calls
 
 
