@@ -37,7 +37,7 @@ MAX_ROWS = 64  # int32 rows of qweight a step: 512 rows of W
 # former default 32 x 64 x 2, whose layout leaves barriers in the loop).
 SMALL_BLOCKS, LARGE_BLOCKS = (16, 16, 1), (64, MAX_ROWS, 4)
 LARGE_WEIGHT = 1 << 24  # K x N codes from which LARGE_BLOCKS
-# K shares by default: SMALL_BLOCKS' light programs (one warp, 16 x 16 codes a step) ~8 an SM,
+# K shares by default: SMALL_BLOCKS' light programs (one warp, 1 KiB of codes a step) ~8 an SM,
 # LARGE_BLOCKS' (four warps, 16 KiB of codes a step) at most 2 an SM. H200, M = 1, 2026-12-03
 # (pdserve/bench/gpu_w4a16.py, two calls): the 2048 x 16384 gate_up 10.8 us unsplit against
 # 12.5 in the 4 shares that ~8 an SM gave; the 8192 x 2048 down 7.4 us in 8 shares, 8.4 in 4.
