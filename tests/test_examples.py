@@ -19,9 +19,11 @@ def test_data_parallel_example_splits_the_prompts_over_the_ranks() -> None:
             "--num-prompts", "3", "--max-tokens", "4", "--device", "cpu"]
     run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
+    # not anchored at a line's start: the ranks share one stdout, and a line of one can land
+    # after another process's unfinished line (once on a loaded 2-core box rank 1's went unmatched)
     ranks = {int(m["prompt"]): int(m["rank"]) for m in re.finditer(
-        r"^DP rank (?P<rank>\d+), prompt (?P<prompt>\d+): ", run.stdout, re.M)}
-    assert ranks == {0: 0, 1: 0, 2: 1}  # 3 prompts over 2 ranks: [0 1] [2]
+        r"DP rank (?P<rank>\d+), prompt (?P<prompt>\d+): ", run.stdout)}
+    assert ranks == {0: 0, 1: 0, 2: 1}, run.stdout  # 3 prompts over 2 ranks: [0 1] [2]
     assert "3 outputs from 2 DP ranks x TP 1" in run.stdout
 
 
