@@ -21,6 +21,18 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def random_w4a16_layout(k: int, n: int, group: int, seed: int):
+    """kernels/w4a16.py's layout of random codes, scales and zeros (0..16: GPTQ v1's reach):
+    (qweight [K / 8, N], scales [K / G, N] fp32, zeros [K / G, N] uint8)."""
+    from kernels.w4a16 import pack_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (k, n), generator=gen)
+    scales = torch.rand(k // group, n, generator=gen) * 0.1 + 0.01
+    zeros = torch.randint(0, 17, (k // group, n), generator=gen).to(torch.uint8)
+    return pack_rows(codes), scales, zeros
+
+
 def greedy(llm: LLM, prompts: list[list[int]] = PROMPTS, n: int = 12) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from quant_helpers import SMALL, copy_model, greedy, rel_err
+from quant_helpers import SMALL, copy_model, greedy, random_w4a16_layout, rel_err
 from safetensors.torch import load_file, save_file
 
 from engine.llm import build_engine_config
@@ -71,20 +71,12 @@ def test_kernel_matches_the_reference(mkn, group: int, dtype: torch.dtype, split
     assert rel_err(out.cpu(), ref) < TOLERANCE[dtype]
 
 
-def _random_layout(k: int, n: int, group: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (k, n), generator=gen)
-    scales = torch.rand(k // group, n, generator=gen) * 0.1 + 0.01
-    zeros = torch.randint(0, 17, (k // group, n), generator=gen).to(torch.uint8)
-    return pack_rows(codes), scales, zeros
-
-
 @pytest.mark.parametrize("group_m", [1, 2, 8])
 def test_grouped_tile_order_covers_every_tile_once(group_m: int) -> None:
     """5 x 3 output tiles of 16 x 16 (the last row and column tiles partial), taken in groups
     of GROUP_M row tiles: every output element written once, with its own tile's sum."""
     m, k, n, group = 70, 64, 40, 32
-    layout = _random_layout(k, n, group, seed=group_m)
+    layout = random_w4a16_layout(k, n, group, seed=group_m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
     tile = GemmTile(16, 16, warps=1, stages=1, group_m=group_m)
     out = w4a16_linear(x.to(DEVICE), *[t.to(DEVICE) for t in layout], group, tile, split_k=1)
@@ -98,14 +90,14 @@ def test_nibble_plane_kernel_matches_the_reference(mkn, dtype: torch.dtype, spli
     """The sum over K taken plane by plane (nibble j of every int32 in one dot), zeros folded
     per group: the same product; partial row and column tiles, K shares of whole groups."""
     m, k, n = mkn
-    layout = _random_layout(k, n, 128, seed=m + n + split_k)
+    layout = random_w4a16_layout(k, n, 128, seed=m + n + split_k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     out = w4a16_planes_linear(x.to(DEVICE), *[t.to(DEVICE) for t in layout], 128,
                               split_k=split_k)
     assert out.dtype == dtype and out.shape == (m, n)
     assert rel_err(out.cpu(), w4a16_ref(x, *layout, 128)) < TOLERANCE[dtype]
     with pytest.raises(ValueError, match="w4a16_planes_linear"):  # one group a 128-row step
-        w4a16_planes_linear(x.to(DEVICE), *[t.to(DEVICE) for t in _random_layout(k, n, 64, 0)],
+        w4a16_planes_linear(x.to(DEVICE), *[t.to(DEVICE) for t in random_w4a16_layout(k, n, 64, 0)],
                             64)
 
 
@@ -114,7 +106,7 @@ def test_nibble_plane_kernel_matches_the_reference(mkn, dtype: torch.dtype, spli
 def test_dequantize_kernel_and_its_matmul(group: int, dtype: torch.dtype) -> None:
     """The prefill path: W written in x's dtype (the reference rounded once), then torch.mm."""
     k, n = 128, 200  # N not a multiple of the kernel's 128 columns
-    layout = _random_layout(k, n, group, seed=group)
+    layout = random_w4a16_layout(k, n, group, seed=group)
     w = dequantize_kernel(*[t.to(DEVICE) for t in layout], group, dtype)
     assert w.dtype == dtype and w.shape == (k, n)
     exact = dequantize_ref(*layout, group)  # fp32; one rounding to bf16 (the interpreter
