@@ -15,6 +15,12 @@ one term per group:
 Rows of x beyond the first re-read W (from L2): for M <= GEMV_MAX_TOKENS only (the layer's
 choice; the kernel takes any M). SPLIT_K > 1:
 the K shares meet as in kernels/w4a16.py (`store_split_k`: a workspace and tickets).
+
+x's entries may be computed in the prologue instead of read (kernels/gemv_inputs.py): the
+layer's RMSNorm (and residual add) before q/k/v and gate_up, SwiGLU before down
+(`w4a16_gemv_rmsnorm`, `w4a16_gemv_swiglu`), so those cost no launch. With PDL the first
+step's codes are requested before `gdc_wait`, overlapping the tail of the kernel ahead, which
+is what x comes from.
 """
 
 from __future__ import annotations
@@ -23,6 +29,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemv_inputs import (
+    NORM,
+    NORM_RESIDUAL,
+    PLAIN,
+    RSTD_BLOCK,
+    SWIGLU,
+    row_rstd,
+    x_entries,
+)
 from kernels.w4a16 import check_inputs, split_k_plan, store_split_k
 from kernels.widen import nibble_times
 
@@ -55,8 +70,33 @@ def share_rule(blocks: tuple[int, int, int]) -> dict:
 
 
 @triton.jit
+def _gemv_step(acc, packed, k, x_row, res_row, nw_ptr, rstd, s_ptr, z_ptr, rn, n_mask, ri, K,
+               group_size, stride_sg, ROWS: tl.constexpr, GROUP_ROWS: tl.constexpr,
+               FORM: tl.constexpr):
+    """acc plus one step's terms: `packed` [ROWS, BN], the codes of W's rows k .. k + 8 ROWS."""
+    high = (packed >> 20) & 0xFFF  # nibbles 5..7 moved down to bits 0..11
+    dots = tl.zeros(packed.shape, dtype=tl.float32)
+    x_sums = tl.zeros((ROWS, 1), dtype=tl.float32)
+    for j in tl.static_range(8):
+        xj = x_entries(x_row, res_row, nw_ptr, k + ri * 8 + j, rstd, K, FORM)  # x[k + 8 i + j]
+        codes = nibble_times(packed if j < 5 else high, j % 5)  # q * 2^(4 (j % 5))
+        dots += codes * (xj * 2.0 ** (-4 * (j % 5)))
+        x_sums += xj
+    if ROWS <= GROUP_ROWS:  # the step lies in one group: a row of scales and zeros
+        rows = (k // group_size) * stride_sg  # < 2^31: K / G groups x N
+    else:  # several groups a step: each int32 row reads its own group's
+        rows = ((k + 8 * ri) // group_size).to(tl.int64) * stride_sg  # [ROWS, 1]
+    scale = tl.load(s_ptr + rows + rn[None, :], mask=n_mask, other=0.0)
+    zero = tl.load(z_ptr + rows + rn[None, :], mask=n_mask, other=0).to(tl.float32)
+    return acc + scale * (dots - zero * x_sums)
+
+
+@triton.jit
 def _w4a16_gemv_kernel(
-    x_ptr,  # [M, K] activations
+    x_ptr,  # [M, K] activations ([M, 2K] gate | up for SWIGLU)
+    res_ptr,  # [M, K] the residual stream (NORM_RESIDUAL)
+    nw_ptr,  # [K] RMSNorm weight (NORM, NORM_RESIDUAL)
+    s_out_ptr,  # [M, K] x + residual, written (NORM_RESIDUAL)
     q_ptr,  # [K / 8, N] int32 packed codes
     s_ptr,  # [K / G, N] fp32 scales
     z_ptr,  # [K / G, N] uint8 zeros
@@ -68,7 +108,9 @@ def _w4a16_gemv_kernel(
     K,
     group_size,
     k_per_split,  # a multiple of 8 ROWS
+    eps,
     stride_xm,
+    stride_rm,
     stride_qk,
     stride_sg,
     stride_om,
@@ -76,6 +118,8 @@ def _w4a16_gemv_kernel(
     ROWS: tl.constexpr,  # int32 rows of qweight a step
     GROUP_ROWS: tl.constexpr,  # of them in one group: G / 8, or ROWS when a group spans steps
     SPLIT_K: tl.constexpr,
+    FORM: tl.constexpr,  # how x's entries are computed (kernels/gemv_inputs.py)
+    USE_PDL: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,26 +127,25 @@ def _w4a16_gemv_kernel(
     k_stop = tl.minimum(k_start + k_per_split, K)
     ri = tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
     n_mask = rn[None, :] < N  # [1, BN]
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for k in range(k_start, k_stop, 8 * ROWS):  # K is a multiple of 8 ROWS: no K masks
-        packed = tl.load(q_ptr + (k // 8 + ri).to(tl.int64) * stride_qk + rn[None, :],
-                         mask=n_mask, other=0)  # [ROWS, BN]
-        high = (packed >> 20) & 0xFFF  # nibbles 5..7 moved down to bits 0..11
-        x_row = x_ptr + m * stride_xm + k + ri * 8  # [ROWS, 1]: x[k + 8 i]
-        dots = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        x_sums = tl.zeros((ROWS, 1), dtype=tl.float32)
-        for j in tl.static_range(8):
-            xj = tl.load(x_row + j).to(tl.float32)  # x[k + 8 i + j]
-            codes = nibble_times(packed if j < 5 else high, j % 5)  # q * 2^(4 (j % 5))
-            dots += codes * (xj * 2.0 ** (-4 * (j % 5)))
-            x_sums += xj
-        if ROWS <= GROUP_ROWS:  # the step lies in one group: a row of scales and zeros
-            rows = (k // group_size) * stride_sg  # < 2^31: K / G groups x N
-        else:  # several groups a step: each int32 row reads its own group's
-            rows = ((k + 8 * ri) // group_size).to(tl.int64) * stride_sg  # [ROWS, 1]
-        scale = tl.load(s_ptr + rows + rn[None, :], mask=n_mask, other=0.0)
-        zero = tl.load(z_ptr + rows + rn[None, :], mask=n_mask, other=0).to(tl.float32)
-        acc += scale * (dots - zero * x_sums)
+    q_cols = q_ptr + rn[None, :]
+    packed = tl.load(q_cols + (k_start // 8 + ri).to(tl.int64) * stride_qk, mask=n_mask,
+                     other=0)  # the first step's codes, peeled: [ROWS, BN]
+    if USE_PDL:  # they are on their way; x comes from the kernel ahead (kernels/gemv.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    x_row, res_row = x_ptr + m * stride_xm, res_ptr + m * stride_rm
+    rstd = 0.0
+    if FORM == NORM or FORM == NORM_RESIDUAL:  # noqa: SIM109 (no `in` in a Triton kernel)
+        first = (tl.program_id(1) == 0) & (tl.program_id(2) == 0)  # stores x + residual
+        rstd = row_rstd(x_row, res_row, s_out_ptr + m * stride_rm, K, eps,
+                        tl.where(first, K, 0), FORM, RSTD_BLOCK)
+    acc = _gemv_step(tl.zeros((ROWS, BLOCK_N), dtype=tl.float32), packed, k_start, x_row,
+                     res_row, nw_ptr, rstd, s_ptr, z_ptr, rn, n_mask, ri, K, group_size,
+                     stride_sg, ROWS, GROUP_ROWS, FORM)
+    for k in range(k_start + 8 * ROWS, k_stop, 8 * ROWS):  # K: a multiple of 8 ROWS
+        packed = tl.load(q_cols + (k // 8 + ri).to(tl.int64) * stride_qk, mask=n_mask, other=0)
+        acc = _gemv_step(acc, packed, k, x_row, res_row, nw_ptr, rstd, s_ptr, z_ptr, rn,
+                         n_mask, ri, K, group_size, stride_sg, ROWS, GROUP_ROWS, FORM)
     tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     store_split_k(tl.sum(acc, axis=0), out_ptr + m * stride_om + rn, rn < N,
                   part_ptr + m * N + rn, M * N, ticket_ptr + tile, SPLIT_K)
@@ -125,26 +168,84 @@ def gemv_rows(group_size: int, k: int, max_rows: int = MAX_ROWS) -> tuple[int, i
 def w4a16_gemv(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     group_size: int, blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """[M, K] x the 4-bit W [K, N] -> [M, N] in x's dtype (kernels/w4a16.py `w4a16_ref`).
     `blocks`: (BLOCK_N, max ROWS, num_warps); `split_k`: K shares, by default enough to fill
-    the GPU. ValueError for shapes, strides or dtypes it cannot take."""
+    the GPU; `pdl`: a programmatic dependent launch (by default on CUDA from Hopper on).
+    ValueError for shapes, strides or dtypes it cannot take."""
+    return _launch(PLAIN, x, None, None, 0.0, x.shape[-1], qweight, scales, zeros, group_size,
+                   blocks, split_k, pdl)[0]
+
+
+def w4a16_gemv_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
+    pdl: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual) @ W, x + residual): kernels/rmsnorm.py's `rms_norm` and then
+    `w4a16_gemv`, one launch (`residual` None: the norm of x, and x)."""
     k = x.shape[-1]
+    if (norm_weight.shape != (k,) or not norm_weight.is_contiguous()
+            or norm_weight.dtype != x.dtype or (residual is not None and (
+                residual.shape != x.shape or residual.dtype != x.dtype
+                or residual.stride(-1) != 1))):
+        raise ValueError(
+            f"w4a16_gemv_rmsnorm: x {tuple(x.shape)} {x.dtype}, residual "
+            f"{None if residual is None else (tuple(residual.shape), residual.dtype)}, norm "
+            f"weight {tuple(norm_weight.shape)} {norm_weight.dtype}: need x's shape and dtype, "
+            "rows contiguous, and a contiguous [K] weight of x's dtype")
+    form = NORM if residual is None else NORM_RESIDUAL
+    return _launch(form, x, residual, norm_weight, eps, k, qweight, scales, zeros, group_size,
+                   blocks, split_k, pdl)
+
+
+def w4a16_gemv_swiglu(
+    gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    group_size: int, blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """(silu(gate) * up) @ W for gate_up = [gate | up] [M, 2K]: kernels/silu_mul.py's
+    `silu_and_mul` and then `w4a16_gemv`, one launch."""
+    if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
+        raise ValueError(f"w4a16_gemv_swiglu: gate_up {tuple(gate_up.shape)}: need [M, 2K]")
+    return _launch(SWIGLU, gate_up, None, None, 0.0, gate_up.shape[-1] // 2, qweight, scales,
+                   zeros, group_size, blocks, split_k, pdl)[0]
+
+
+def pdl_default(x: torch.Tensor) -> bool:
+    """Programmatic dependent launches where the GPU has them (Hopper on)."""
+    return x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _launch(
+    form: int, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
+    eps: float, k: int, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    group_size: int, blocks: tuple[int, int, int] | None, split_k: int | None,
+    pdl: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, the new residual stream: x + residual for NORM_RESIDUAL, else x)."""
     block_n, max_rows, warps = blocks or default_blocks(k, qweight.shape[-1])
     rows = gemv_rows(group_size, k, max_rows) if group_size > 0 and k % group_size == 0 \
         else None
-    check_inputs("w4a16_gemv", x, qweight, scales, zeros, group_size,
-                 None if rows is None else 8 * rows[0])
+    check_inputs("w4a16_gemv", x[:, :k] if x.dim() == 2 else x, qweight, scales, zeros,
+                 group_size, None if rows is None else 8 * rows[0])
     m, n = x.shape[0], qweight.shape[1]
     plan = split_k_plan(x, k, 8 * rows[0], (m, triton.cdiv(n, block_n)), split_k,
                         **share_rule((block_n, max_rows, warps)))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    s_out = torch.empty_like(x) if form == NORM_RESIDUAL else x
     if m == 0:
-        return out
+        return out, s_out
     parts, counters = plan.workspace(x, n)
+    res = x if residual is None else residual
+    use_pdl = pdl_default(x) if pdl is None else pdl
     _w4a16_gemv_kernel[plan.grid](
-        x, qweight, scales, zeros, out, parts, counters, m, n, k, group_size, plan.k_per_split,
-        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=plan.split, num_warps=warps,
+        x, res, x if norm_weight is None else norm_weight, s_out, qweight, scales, zeros, out,
+        parts, counters, m, n, k, group_size, plan.k_per_split, eps,
+        x.stride(0), res.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=plan.split, FORM=form,
+        USE_PDL=use_pdl, num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
     )
-    return out
+    return out, s_out

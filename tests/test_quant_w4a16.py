@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from quant_helpers import SMALL, copy_model, greedy, random_w4a16_layout, rel_err
+from quant_helpers import PROMPTS, SMALL, copy_model, greedy, random_w4a16_layout, rel_err
 from safetensors.torch import load_file, save_file
 
 from engine.llm import build_engine_config
@@ -394,6 +394,31 @@ def test_checkpoint_on_the_gpu_agrees_with_it_dequantized(tiny_llama_dir: str,
     w = dequantized["model.layers.0.mlp.gate_proj.weight"].cuda()
     gate = layer.mlp.gate_up_proj(x)[:, :128]
     assert rel_err(gate, x.float() @ w.t()) < 1e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="the W4A16 layer's CUDA paths")
+def test_one_token_decode_on_the_gpu_fuses_norms_and_swiglu(tiny_llama_dir: str, tmp_path: Path,
+                                                             monkeypatch) -> None:
+    """fp32 on CUDA, one sequence: the decode steps take the GEMV with the norm or SwiGLU in
+    its prologue (counted), and the greedy tokens are those of the de-quantized model."""
+    fused = []
+    for hook in ("rmsnorm_linear", "silu_mul_linear"):
+        plain_hook = getattr(W4A16Linear, hook)
+
+        def counted(self, *args, _hook=plain_hook, _name=hook):
+            out = _hook(self, *args)
+            fused.append(_name) if out is not None else None
+            return out
+
+        monkeypatch.setattr(W4A16Linear, hook, counted)
+    gpu = dict(num_kv_blocks=64, max_model_len=128, device="cuda", dtype="float32")
+    dequantized = write_checkpoint(tiny_llama_dir, tmp_path / "awq", "awq", 32, False)
+    llm = LLM(str(tmp_path / "awq"), **gpu)
+    tokens = greedy(llm, PROMPTS[:1], 16)
+    assert {"rmsnorm_linear", "silu_mul_linear"} <= set(fused)
+    del llm
+    plain = LLM(copy_model(tiny_llama_dir, tmp_path / "dq", dequantized), **gpu)
+    assert greedy(plain, PROMPTS[:1], 16) == tokens
 
 
 @pytest.mark.skipif(not CUDA, reason="the W4A16 layer's CUDA paths")

@@ -5,7 +5,10 @@ Once every row has arrived the layer holds kernels/w4a16.py's layout: `qweight` 
 int32, `scales` [K / G, N] fp32, `zeros` [K / G, N] uint8, and `perm` [K] when act-order
 groups were not consecutive (x's columns are gathered by it first). Where it computes:
 
-    CUDA, steps of 1 token                the W4A16 GEMV (kernels/w4a16_gemv.py, split-K)
+    CUDA, steps of 1 token                the W4A16 GEMV (kernels/w4a16_gemv.py, split-K);
+                                          the norm before q/k/v and gate_up and the SwiGLU
+                                          before down in its prologue (`rmsnorm_linear`,
+                                          `silu_mul_linear`: the model's fused-call hooks)
     CUDA, up to GEMM_MAX_TOKENS           the W4A16 Triton GEMM (kernels/w4a16.py); a group
                                           size it cannot take (G % 16) de-quantizes
     CUDA, more tokens (large batches,     W de-quantized to x's dtype by a Triton kernel, then
@@ -28,6 +31,8 @@ from engine.quant.w4a16 import W4A16Weight, concat_rows, group_order
 block_k_for, dequantize_ref = kernel("w4a16", "block_k_for"), kernel("w4a16", "dequantize_ref")
 pack_rows, w4a16_linear = kernel("w4a16", "pack_rows"), kernel("w4a16", "w4a16_linear")
 gemv_rows, w4a16_gemv = kernel("w4a16_gemv", "gemv_rows"), kernel("w4a16_gemv", "w4a16_gemv")
+w4a16_gemv_rmsnorm = kernel("w4a16_gemv", "w4a16_gemv_rmsnorm")
+w4a16_gemv_swiglu = kernel("w4a16_gemv", "w4a16_gemv_swiglu")
 w4a16_dequant_linear = kernel("w4a16_dequant", "w4a16_dequant_linear")
 
 # Steps of more tokens de-quantize W and call cuBLAS: on an H200 that beat the in-register
@@ -118,6 +123,36 @@ class W4A16Linear(nn.Module):
             if block_k_for(self.group_size) is not None:
                 return w4a16_linear(*args)
         return F.linear(x, self.dequantized(x.dtype))
+
+    def rmsnorm_linear(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(self(norm(x + residual)), x + residual) as one W4A16 GEMV launch where the layer
+        takes its GEMV (engine/models/tp_layers.py `rmsnorm_linear` calls it); None elsewhere."""
+        if not self._gemv_fits(x, x.shape[-1]) or (residual is not None
+                                                   and residual.stride(-1) != 1):
+            return None
+        y, s = w4a16_gemv_rmsnorm(x, residual, norm.weight, norm.eps, self.qweight,
+                                  self.scales, self.zeros, self.group_size)
+        return (y if self.bias is None else y + self.bias), s
+
+    def silu_mul_linear(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """self(silu(gate) * up) of gate_up = [gate | up] as one W4A16 GEMV launch where the
+        layer takes its GEMV (tp_layers `silu_mul_linear` calls it); None elsewhere."""
+        if not self._gemv_fits(gate_up, gate_up.shape[-1] // 2):
+            return None
+        y = w4a16_gemv_swiglu(gate_up, self.qweight, self.scales, self.zeros, self.group_size)
+        return y if self.bias is None else y + self.bias
+
+    def _gemv_fits(self, x: torch.Tensor, k: int) -> bool:
+        """Whether a step of x takes the GEMV with its prologue: CUDA, a token, no act-order
+        gather (the norm's columns would need it too), x's rows contiguous."""
+        from kernels.w4a16_gemv import GEMV_MAX_TOKENS
+
+        return (self.qweight is not None and x.device.type == "cuda" and x.dim() == 2
+                and 0 < x.shape[0] <= GEMV_MAX_TOKENS and k == self.in_features
+                and self.perm is None and x.stride(-1) == 1
+                and gemv_rows(self.group_size, k) is not None)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.perm is None else x.index_select(-1, self.perm)

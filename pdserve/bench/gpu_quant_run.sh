@@ -18,7 +18,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench_results/gpu_quant}
 SYSTEMS=${SYSTEMS:-bf16,fp8,w4a16}
 GPU_TESTS=${GPU_TESTS:-tests/test_kernel_widen.py tests/test_kernel_gemv.py tests/test_kernel_gemv_fp8.py \
-tests/test_quant_fp8.py tests/test_quant_w4a16.py}
+tests/test_quant_fp8.py tests/test_quant_w4a16.py tests/test_kernel_w4a16_gemv_inputs.py}
 mkdir -p "$OUT"
 source pdserve/bench/gpu_kit_env.sh || exit 1
 export PDSERVE_CACHE_DIR
