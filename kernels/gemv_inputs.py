@@ -23,7 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-PLAIN, NORM, NORM_RESIDUAL, SWIGLU = 0, 1, 2, 3
+# x's forms: constexprs, as a Triton kernel may read no other globals
+PLAIN, NORM, NORM_RESIDUAL, SWIGLU = (tl.constexpr(form) for form in range(4))
 RSTD_BLOCK = 1024  # entries of the row a step of `row_rstd`
 
 

@@ -119,6 +119,7 @@ def _w4a16_gemv_kernel(
     GROUP_ROWS: tl.constexpr,  # of them in one group: G / 8, or ROWS when a group spans steps
     SPLIT_K: tl.constexpr,
     FORM: tl.constexpr,  # how x's entries are computed (kernels/gemv_inputs.py)
+    NORM_BLOCK: tl.constexpr,  # entries a step of the norm's sum
     USE_PDL: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
@@ -135,10 +136,10 @@ def _w4a16_gemv_kernel(
         tl.extra.cuda.gdc_wait()
     x_row, res_row = x_ptr + m * stride_xm, res_ptr + m * stride_rm
     rstd = 0.0
-    if FORM == NORM or FORM == NORM_RESIDUAL:  # noqa: SIM109 (no `in` in a Triton kernel)
+    if FORM == NORM or FORM == NORM_RESIDUAL:  # noqa: SIM109 (a Triton kernel has no `in`)
         first = (tl.program_id(1) == 0) & (tl.program_id(2) == 0)  # stores x + residual
         rstd = row_rstd(x_row, res_row, s_out_ptr + m * stride_rm, K, eps,
-                        tl.where(first, K, 0), FORM, RSTD_BLOCK)
+                        tl.where(first, K, 0), FORM, NORM_BLOCK)
     acc = _gemv_step(tl.zeros((ROWS, BLOCK_N), dtype=tl.float32), packed, k_start, x_row,
                      res_row, nw_ptr, rstd, s_ptr, z_ptr, rn, n_mask, ri, K, group_size,
                      stride_sg, ROWS, GROUP_ROWS, FORM)
@@ -220,10 +221,10 @@ def pdl_default(x: torch.Tensor) -> bool:
 
 
 def _launch(
-    form: int, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
-    eps: float, k: int, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-    group_size: int, blocks: tuple[int, int, int] | None, split_k: int | None,
-    pdl: bool | None,
+    form: tl.constexpr, x: torch.Tensor, residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None, eps: float, k: int, qweight: torch.Tensor,
+    scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    blocks: tuple[int, int, int] | None, split_k: int | None, pdl: bool | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, the new residual stream: x + residual for NORM_RESIDUAL, else x)."""
     block_n, max_rows, warps = blocks or default_blocks(k, qweight.shape[-1])
@@ -245,7 +246,8 @@ def _launch(
         x, res, x if norm_weight is None else norm_weight, s_out, qweight, scales, zeros, out,
         parts, counters, m, n, k, group_size, plan.k_per_split, eps,
         x.stride(0), res.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=plan.split, FORM=form,
-        USE_PDL=use_pdl, num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
+        BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=plan.split, FORM=form.value,
+        NORM_BLOCK=RSTD_BLOCK, USE_PDL=use_pdl, num_warps=warps,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     return out, s_out
