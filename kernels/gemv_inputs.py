@@ -1,21 +1,23 @@
-"""A decode GEMV's activations computed in its prologue instead of read from a kernel before it:
-the entries of x as the GEMV multiplies them, for x as stored, RMSNorm'd (after the residual
-add) or SwiGLU'd. The W4A16 GEMV (kernels/w4a16_gemv.py) uses them so that a layer's norms and
-SwiGLU cost no launch of their own.
+"""A decode GEMV's activations computed in its prologue instead of by a kernel before it: x's
+entries as the GEMV multiplies them, RMSNorm'd (after the residual add) or SwiGLU'd. The W4A16
+GEMV (kernels/w4a16_gemv.py) uses them so that a layer's norms and SwiGLU cost no launch.
 
 NOTE: the values and roundings are those of the unfused kernels (kernels/rmsnorm.py,
 kernels/silu_mul.py), computed in fp32 and rounded to x's dtype where those round:
 
-    PLAIN          x[k]
+    PLAIN          x[k]                    (read as stored: no prologue)
     NORM           s = x,                  round(w[k] * round(s[k] * rstd))
     NORM_RESIDUAL  s = round(x + residual), the same; s is also the new residual stream
     SWIGLU         x = [gate | up] of width 2K: round(silu(gate[k]) * up[k])
 
-    rstd = rsqrt(sum_k s[k]^2 / K + eps)     over the whole row: `row_rstd`, a loop over K
-                                             (a few KiB from L2) before the GEMV's own loop
+    rstd = rsqrt(sum_k s[k]^2 / K + eps)     over the whole row (a few KiB from L2)
 
-A GEMV program reads only its K share of x but needs the whole row's rstd, so every program
-computes it; only one stores s (`store_until`).
+A GEMV program needs only its K share of the entries, but each is used by every nibble of
+every step: `store_x_entries` computes the share once and stores it (x's dtype, so exactly
+the unfused kernel's output) in a [M, K] buffer that the GEMV's loop then reads as it reads a
+plain x. Every program of a share computes and stores the same bits; each reads back only
+what its own threads wrote, after a barrier. Computing the entries inside the loop instead
+(per nibble, per step) spilled registers: the SwiGLU's exp on every [ROWS, 1] slice.
 """
 
 from __future__ import annotations
@@ -25,39 +27,49 @@ import triton.language as tl
 
 # x's forms: constexprs, as a Triton kernel may read no other globals
 PLAIN, NORM, NORM_RESIDUAL, SWIGLU = (tl.constexpr(form) for form in range(4))
-RSTD_BLOCK = 1024  # entries of the row a step of `row_rstd`
+PROLOGUE_BLOCK = 1024  # entries of the row a step of the prologue's loops
 
 
 @triton.jit
-def row_rstd(x_row, res_row, s_row, K, eps, store_until, FORM: tl.constexpr,
-             BLOCK: tl.constexpr):
-    """rsqrt(mean(s^2) + eps) of the row s (x, or round(x + residual) for NORM_RESIDUAL, which
-    is stored at s_row below `store_until`: K in one program, 0 in the others)."""
-    dtype = x_row.dtype.element_ty
-    squares = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in range(0, K, BLOCK):
+def store_x_entries(x_row, res_row, nw_ptr, s_row, xc_row, k_start, k_stop, K, eps, s_until,
+                    FORM: tl.constexpr, BLOCK: tl.constexpr):
+    """x's entries k_start .. k_stop of the row, as FORM computes them, stored at xc_row (x's
+    dtype); for NORM_RESIDUAL s = round(x + residual) is stored at s_row below `s_until` (K in
+    one program, 0 in the others). Ends with a barrier: the program's own stores visible to it."""
+    dtype = xc_row.dtype.element_ty
+    rstd = 0.0
+    if FORM != SWIGLU:
+        squares = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in range(0, K, BLOCK):
+            offs = k + tl.arange(0, BLOCK)
+            mask = offs < K
+            s = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            if FORM == NORM_RESIDUAL:
+                s += tl.load(res_row + offs, mask=mask, other=0.0).to(tl.float32)
+                s = s.to(dtype).to(tl.float32)
+                tl.store(s_row + offs, s.to(dtype), mask=offs < s_until)
+            squares += s * s
+        rstd = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    for k in range(k_start, k_stop, BLOCK):
         offs = k + tl.arange(0, BLOCK)
-        mask = offs < K
-        s = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        if FORM == NORM_RESIDUAL:
-            s += tl.load(res_row + offs, mask=mask, other=0.0).to(tl.float32)
-            s = s.to(dtype).to(tl.float32)
-            tl.store(s_row + offs, s.to(dtype), mask=offs < store_until)
-        squares += s * s
-    return tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        mask = offs < k_stop
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        if FORM == SWIGLU:
+            up = tl.load(x_row + K + offs, mask=mask, other=0.0).to(tl.float32)
+            x = x / (1.0 + tl.exp(-x)) * up
+        else:
+            if FORM == NORM_RESIDUAL:
+                x = (x + tl.load(res_row + offs, mask=mask, other=0.0).to(tl.float32)
+                     ).to(dtype).to(tl.float32)
+            normed = (x * rstd).to(dtype).to(tl.float32)
+            x = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32) * normed
+        tl.store(xc_row + offs, x.to(dtype), mask=mask)
+    tl.debug_barrier()
 
 
 @triton.jit
-def x_entries(x_row, res_row, nw_ptr, offs, rstd, K, FORM: tl.constexpr):
-    """x's entries at `offs` (any shape) in fp32, as FORM computes them (see NOTE)."""
-    dtype = x_row.dtype.element_ty
-    x = tl.load(x_row + offs).to(tl.float32)
-    if FORM == SWIGLU:
-        up = tl.load(x_row + K + offs).to(tl.float32)
-        x = (x / (1.0 + tl.exp(-x)) * up).to(dtype).to(tl.float32)
-    elif FORM != PLAIN:
-        if FORM == NORM_RESIDUAL:
-            x = (x + tl.load(res_row + offs).to(tl.float32)).to(dtype).to(tl.float32)
-        normed = (x * rstd).to(dtype).to(tl.float32)
-        x = (tl.load(nw_ptr + offs).to(tl.float32) * normed).to(dtype).to(tl.float32)
-    return x
+def prefetch_l2(ptrs):
+    """Ask for the lines at `ptrs` (any shape) to be brought into L2, nothing returned: the
+    first step's weights requested before a PDL wait without holding registers for them."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)

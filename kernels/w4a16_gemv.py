@@ -33,10 +33,10 @@ from kernels.gemv_inputs import (
     NORM,
     NORM_RESIDUAL,
     PLAIN,
-    RSTD_BLOCK,
+    PROLOGUE_BLOCK,
     SWIGLU,
-    row_rstd,
-    x_entries,
+    prefetch_l2,
+    store_x_entries,
 )
 from kernels.w4a16 import check_inputs, split_k_plan, store_split_k
 from kernels.widen import nibble_times
@@ -70,33 +70,12 @@ def share_rule(blocks: tuple[int, int, int]) -> dict:
 
 
 @triton.jit
-def _gemv_step(acc, packed, k, x_row, res_row, nw_ptr, rstd, s_ptr, z_ptr, rn, n_mask, ri, K,
-               group_size, stride_sg, ROWS: tl.constexpr, GROUP_ROWS: tl.constexpr,
-               FORM: tl.constexpr):
-    """acc plus one step's terms: `packed` [ROWS, BN], the codes of W's rows k .. k + 8 ROWS."""
-    high = (packed >> 20) & 0xFFF  # nibbles 5..7 moved down to bits 0..11
-    dots = tl.zeros(packed.shape, dtype=tl.float32)
-    x_sums = tl.zeros((ROWS, 1), dtype=tl.float32)
-    for j in tl.static_range(8):
-        xj = x_entries(x_row, res_row, nw_ptr, k + ri * 8 + j, rstd, K, FORM)  # x[k + 8 i + j]
-        codes = nibble_times(packed if j < 5 else high, j % 5)  # q * 2^(4 (j % 5))
-        dots += codes * (xj * 2.0 ** (-4 * (j % 5)))
-        x_sums += xj
-    if ROWS <= GROUP_ROWS:  # the step lies in one group: a row of scales and zeros
-        rows = (k // group_size) * stride_sg  # < 2^31: K / G groups x N
-    else:  # several groups a step: each int32 row reads its own group's
-        rows = ((k + 8 * ri) // group_size).to(tl.int64) * stride_sg  # [ROWS, 1]
-    scale = tl.load(s_ptr + rows + rn[None, :], mask=n_mask, other=0.0)
-    zero = tl.load(z_ptr + rows + rn[None, :], mask=n_mask, other=0).to(tl.float32)
-    return acc + scale * (dots - zero * x_sums)
-
-
-@triton.jit
 def _w4a16_gemv_kernel(
     x_ptr,  # [M, K] activations ([M, 2K] gate | up for SWIGLU)
-    res_ptr,  # [M, K] the residual stream (NORM_RESIDUAL)
+    res_ptr,  # [M, K] the residual stream (NORM_RESIDUAL), contiguous
     nw_ptr,  # [K] RMSNorm weight (NORM, NORM_RESIDUAL)
-    s_out_ptr,  # [M, K] x + residual, written (NORM_RESIDUAL)
+    s_out_ptr,  # [M, K] x + residual, written (NORM_RESIDUAL), contiguous
+    xc_ptr,  # [M, K] x's entries as computed (FORM != PLAIN), x's dtype, contiguous
     q_ptr,  # [K / 8, N] int32 packed codes
     s_ptr,  # [K / G, N] fp32 scales
     z_ptr,  # [K / G, N] uint8 zeros
@@ -110,7 +89,6 @@ def _w4a16_gemv_kernel(
     k_per_split,  # a multiple of 8 ROWS
     eps,
     stride_xm,
-    stride_rm,
     stride_qk,
     stride_sg,
     stride_om,
@@ -119,7 +97,7 @@ def _w4a16_gemv_kernel(
     GROUP_ROWS: tl.constexpr,  # of them in one group: G / 8, or ROWS when a group spans steps
     SPLIT_K: tl.constexpr,
     FORM: tl.constexpr,  # how x's entries are computed (kernels/gemv_inputs.py)
-    NORM_BLOCK: tl.constexpr,  # entries a step of the norm's sum
+    PRO_BLOCK: tl.constexpr,  # entries a step of the prologue's loops
     USE_PDL: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
@@ -128,25 +106,39 @@ def _w4a16_gemv_kernel(
     k_stop = tl.minimum(k_start + k_per_split, K)
     ri = tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
     n_mask = rn[None, :] < N  # [1, BN]
-    q_cols = q_ptr + rn[None, :]
-    packed = tl.load(q_cols + (k_start // 8 + ri).to(tl.int64) * stride_qk, mask=n_mask,
-                     other=0)  # the first step's codes, peeled: [ROWS, BN]
-    if USE_PDL:  # they are on their way; x comes from the kernel ahead (kernels/gemv.py)
+    if USE_PDL:  # the first step's codes on their way to L2; x comes from the kernel ahead
+        prefetch_l2(q_ptr + (k_start // 8 + ri).to(tl.int64) * stride_qk
+                    + tl.minimum(rn, N - 1)[None, :])
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    x_row, res_row = x_ptr + m * stride_xm, res_ptr + m * stride_rm
-    rstd = 0.0
-    if FORM == NORM or FORM == NORM_RESIDUAL:  # noqa: SIM109 (a Triton kernel has no `in`)
-        first = (tl.program_id(1) == 0) & (tl.program_id(2) == 0)  # stores x + residual
-        rstd = row_rstd(x_row, res_row, s_out_ptr + m * stride_rm, K, eps,
-                        tl.where(first, K, 0), FORM, NORM_BLOCK)
-    acc = _gemv_step(tl.zeros((ROWS, BLOCK_N), dtype=tl.float32), packed, k_start, x_row,
-                     res_row, nw_ptr, rstd, s_ptr, z_ptr, rn, n_mask, ri, K, group_size,
-                     stride_sg, ROWS, GROUP_ROWS, FORM)
-    for k in range(k_start + 8 * ROWS, k_stop, 8 * ROWS):  # K: a multiple of 8 ROWS
-        packed = tl.load(q_cols + (k // 8 + ri).to(tl.int64) * stride_qk, mask=n_mask, other=0)
-        acc = _gemv_step(acc, packed, k, x_row, res_row, nw_ptr, rstd, s_ptr, z_ptr, rn,
-                         n_mask, ri, K, group_size, stride_sg, ROWS, GROUP_ROWS, FORM)
+    x_row = x_ptr + m * stride_xm
+    if FORM != PLAIN:  # this share's entries of x computed once, then read as stored ones
+        xc_row = xc_ptr + m * K
+        store_x_entries(x_row, res_ptr + m * K, nw_ptr, s_out_ptr + m * K,
+                        xc_row, k_start, k_stop, K, eps,
+                        tl.where((tl.program_id(1) == 0) & (tl.program_id(2) == 0), K, 0),
+                        FORM, PRO_BLOCK)
+        x_row = xc_row
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for k in range(k_start, k_stop, 8 * ROWS):  # K is a multiple of 8 ROWS: no K masks
+        packed = tl.load(q_ptr + (k // 8 + ri).to(tl.int64) * stride_qk + rn[None, :],
+                         mask=n_mask, other=0)  # [ROWS, BN]
+        high = (packed >> 20) & 0xFFF  # nibbles 5..7 moved down to bits 0..11
+        xk = x_row + k + ri * 8  # [ROWS, 1]: x[k + 8 i]
+        dots = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        x_sums = tl.zeros((ROWS, 1), dtype=tl.float32)
+        for j in tl.static_range(8):
+            xj = tl.load(xk + j).to(tl.float32)  # x[k + 8 i + j]
+            codes = nibble_times(packed if j < 5 else high, j % 5)  # q * 2^(4 (j % 5))
+            dots += codes * (xj * 2.0 ** (-4 * (j % 5)))
+            x_sums += xj
+        if ROWS <= GROUP_ROWS:  # the step lies in one group: a row of scales and zeros
+            rows = (k // group_size) * stride_sg  # < 2^31: K / G groups x N
+        else:  # several groups a step: each int32 row reads its own group's
+            rows = ((k + 8 * ri) // group_size).to(tl.int64) * stride_sg  # [ROWS, 1]
+        scale = tl.load(s_ptr + rows + rn[None, :], mask=n_mask, other=0.0)
+        zero = tl.load(z_ptr + rows + rn[None, :], mask=n_mask, other=0).to(tl.float32)
+        acc += scale * (dots - zero * x_sums)
     tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     store_split_k(tl.sum(acc, axis=0), out_ptr + m * stride_om + rn, rn < N,
                   part_ptr + m * N + rn, M * N, ticket_ptr + tile, SPLIT_K)
@@ -191,12 +183,12 @@ def w4a16_gemv_rmsnorm(
     if (norm_weight.shape != (k,) or not norm_weight.is_contiguous()
             or norm_weight.dtype != x.dtype or (residual is not None and (
                 residual.shape != x.shape or residual.dtype != x.dtype
-                or residual.stride(-1) != 1))):
+                or not residual.is_contiguous()))):
         raise ValueError(
             f"w4a16_gemv_rmsnorm: x {tuple(x.shape)} {x.dtype}, residual "
             f"{None if residual is None else (tuple(residual.shape), residual.dtype)}, norm "
-            f"weight {tuple(norm_weight.shape)} {norm_weight.dtype}: need x's shape and dtype, "
-            "rows contiguous, and a contiguous [K] weight of x's dtype")
+            f"weight {tuple(norm_weight.shape)} {norm_weight.dtype}: need a contiguous residual of "
+            "x's shape and dtype, and a contiguous [K] weight of x's dtype")
     form = NORM if residual is None else NORM_RESIDUAL
     return _launch(form, x, residual, norm_weight, eps, k, qweight, scales, zeros, group_size,
                    blocks, split_k, pdl)
@@ -236,18 +228,19 @@ def _launch(
     plan = split_k_plan(x, k, 8 * rows[0], (m, triton.cdiv(n, block_n)), split_k,
                         **share_rule((block_n, max_rows, warps)))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    s_out = torch.empty_like(x) if form == NORM_RESIDUAL else x
+    s_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if form == NORM_RESIDUAL else x
+    computed = x if form == PLAIN else torch.empty(m, k, dtype=x.dtype, device=x.device)
     if m == 0:
         return out, s_out
     parts, counters = plan.workspace(x, n)
     res = x if residual is None else residual
     use_pdl = pdl_default(x) if pdl is None else pdl
     _w4a16_gemv_kernel[plan.grid](
-        x, res, x if norm_weight is None else norm_weight, s_out, qweight, scales, zeros, out,
-        parts, counters, m, n, k, group_size, plan.k_per_split, eps,
-        x.stride(0), res.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        x, res, x if norm_weight is None else norm_weight, s_out, computed, qweight, scales,
+        zeros, out, parts, counters, m, n, k, group_size, plan.k_per_split, eps,
+        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
         BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=plan.split, FORM=form.value,
-        NORM_BLOCK=RSTD_BLOCK, USE_PDL=use_pdl, num_warps=warps,
+        PRO_BLOCK=PROLOGUE_BLOCK, USE_PDL=use_pdl, num_warps=warps,
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return out, s_out

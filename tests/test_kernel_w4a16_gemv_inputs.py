@@ -34,9 +34,9 @@ def _operands(m: int, k: int, n: int, group: int, dtype: torch.dtype, seed: int)
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_rmsnorm_prologue_is_the_norm_then_the_gemv_in_fp32(monkeypatch, with_residual: bool,
                                                             split_k: int) -> None:
-    """K = 96 read in 32-wide steps for the norm's sum (a ragged last step would show), two
-    groups a step (max ROWS 8) and K shares."""
-    monkeypatch.setattr(gemv_module, "RSTD_BLOCK", 64)
+    """K = 96 read in 64-wide prologue steps (a ragged last step would show), two groups a
+    step (max ROWS 8) and K shares."""
+    monkeypatch.setattr(gemv_module, "PROLOGUE_BLOCK", 64)
     (x, residual, norm_w), layout = _operands(2, 96, 40, 32, torch.float32, seed=1)
     res = residual if with_residual else None
     y, s = w4a16_gemv_rmsnorm(x, res, norm_w, EPS, *layout, 32, (16, 8, 1), split_k)
@@ -122,11 +122,11 @@ import kernels.gemv_inputs as inputs
 from kernels.w4a16_gemv import _w4a16_gemv_kernel as fn
 
 pointers = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "s_out_ptr": "*bf16",
-            "q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "out_ptr": "*bf16",
-            "part_ptr": "*fp32", "ticket_ptr": "*i32", "eps": "fp32"}
+            "xc_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8",
+            "out_ptr": "*bf16", "part_ptr": "*fp32", "ticket_ptr": "*i32", "eps": "fp32"}
 for form in ("PLAIN", "NORM", "NORM_RESIDUAL", "SWIGLU"):
     consts = dict(BLOCK_N=64, ROWS=16, GROUP_ROWS=16, SPLIT_K=2,
-                  FORM=getattr(inputs, form).value, NORM_BLOCK=1024, USE_PDL=True)
+                  FORM=getattr(inputs, form).value, PRO_BLOCK=1024, USE_PDL=True)
     signature = {name: "constexpr" if name in consts else pointers.get(name, "i32")
                  for name in fn.arg_names}
     source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()})

@@ -130,7 +130,7 @@ class W4A16Linear(nn.Module):
         """(self(norm(x + residual)), x + residual) as one W4A16 GEMV launch where the layer
         takes its GEMV (engine/models/tp_layers.py `rmsnorm_linear` calls it); None elsewhere."""
         if not self._gemv_fits(x, x.shape[-1]) or (residual is not None
-                                                   and residual.stride(-1) != 1):
+                                                   and not residual.is_contiguous()):
             return None
         y, s = w4a16_gemv_rmsnorm(x, residual, norm.weight, norm.eps, self.qweight,
                                   self.scales, self.zeros, self.group_size)
