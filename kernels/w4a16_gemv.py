@@ -18,9 +18,9 @@ the K shares meet as in kernels/w4a16.py (`store_split_k`: a workspace and ticke
 
 x's entries may be computed in the prologue instead of read (kernels/gemv_inputs.py): the
 layer's RMSNorm (and residual add) before q/k/v and gate_up, SwiGLU before down
-(`w4a16_gemv_rmsnorm`, `w4a16_gemv_swiglu`), so those cost no launch. With PDL the first
-step's codes are requested before `gdc_wait`, overlapping the tail of the kernel ahead, which
-is what x comes from.
+(`w4a16_gemv_rmsnorm`, `w4a16_gemv_swiglu`), so those cost no launch. No PDL: on an H200 it
+made these GEMVs slower alone (1.5-4 us a call) and gained nothing in the decode step
+(docs/benchmarks.md, 2026-12-03).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from kernels.gemv_inputs import (
     PLAIN,
     PROLOGUE_BLOCK,
     SWIGLU,
-    prefetch_l2,
     store_x_entries,
 )
 from kernels.w4a16 import check_inputs, split_k_plan, store_split_k
@@ -98,7 +97,6 @@ def _w4a16_gemv_kernel(
     SPLIT_K: tl.constexpr,
     FORM: tl.constexpr,  # how x's entries are computed (kernels/gemv_inputs.py)
     PRO_BLOCK: tl.constexpr,  # entries a step of the prologue's loops
-    USE_PDL: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -106,11 +104,6 @@ def _w4a16_gemv_kernel(
     k_stop = tl.minimum(k_start + k_per_split, K)
     ri = tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
     n_mask = rn[None, :] < N  # [1, BN]
-    if USE_PDL:  # the first step's codes on their way to L2; x comes from the kernel ahead
-        prefetch_l2(q_ptr + (k_start // 8 + ri).to(tl.int64) * stride_qk
-                    + tl.minimum(rn, N - 1)[None, :])
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     x_row = x_ptr + m * stride_xm
     if FORM != PLAIN:  # this share's entries of x computed once, then read as stored ones
         xc_row = xc_ptr + m * K
@@ -161,21 +154,18 @@ def gemv_rows(group_size: int, k: int, max_rows: int = MAX_ROWS) -> tuple[int, i
 def w4a16_gemv(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     group_size: int, blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
-    pdl: bool | None = None,
 ) -> torch.Tensor:
     """[M, K] x the 4-bit W [K, N] -> [M, N] in x's dtype (kernels/w4a16.py `w4a16_ref`).
     `blocks`: (BLOCK_N, max ROWS, num_warps); `split_k`: K shares, by default enough to fill
-    the GPU; `pdl`: a programmatic dependent launch (by default on CUDA from Hopper on).
-    ValueError for shapes, strides or dtypes it cannot take."""
+    the GPU. ValueError for shapes, strides or dtypes it cannot take."""
     return _launch(PLAIN, x, None, None, 0.0, x.shape[-1], qweight, scales, zeros, group_size,
-                   blocks, split_k, pdl)[0]
+                   blocks, split_k)[0]
 
 
 def w4a16_gemv_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
     blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
-    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) @ W, x + residual): kernels/rmsnorm.py's `rms_norm` and then
     `w4a16_gemv`, one launch (`residual` None: the norm of x, and x)."""
@@ -191,32 +181,26 @@ def w4a16_gemv_rmsnorm(
             "x's shape and dtype, and a contiguous [K] weight of x's dtype")
     form = NORM if residual is None else NORM_RESIDUAL
     return _launch(form, x, residual, norm_weight, eps, k, qweight, scales, zeros, group_size,
-                   blocks, split_k, pdl)
+                   blocks, split_k)
 
 
 def w4a16_gemv_swiglu(
     gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     group_size: int, blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
-    pdl: bool | None = None,
 ) -> torch.Tensor:
     """(silu(gate) * up) @ W for gate_up = [gate | up] [M, 2K]: kernels/silu_mul.py's
     `silu_and_mul` and then `w4a16_gemv`, one launch."""
     if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
         raise ValueError(f"w4a16_gemv_swiglu: gate_up {tuple(gate_up.shape)}: need [M, 2K]")
     return _launch(SWIGLU, gate_up, None, None, 0.0, gate_up.shape[-1] // 2, qweight, scales,
-                   zeros, group_size, blocks, split_k, pdl)[0]
-
-
-def pdl_default(x: torch.Tensor) -> bool:
-    """Programmatic dependent launches where the GPU has them (Hopper on)."""
-    return x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
+                   zeros, group_size, blocks, split_k)[0]
 
 
 def _launch(
     form: tl.constexpr, x: torch.Tensor, residual: torch.Tensor | None,
     norm_weight: torch.Tensor | None, eps: float, k: int, qweight: torch.Tensor,
     scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-    blocks: tuple[int, int, int] | None, split_k: int | None, pdl: bool | None,
+    blocks: tuple[int, int, int] | None, split_k: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, the new residual stream: x + residual for NORM_RESIDUAL, else x)."""
     block_n, max_rows, warps = blocks or default_blocks(k, qweight.shape[-1])
@@ -234,13 +218,11 @@ def _launch(
         return out, s_out
     parts, counters = plan.workspace(x, n)
     res = x if residual is None else residual
-    use_pdl = pdl_default(x) if pdl is None else pdl
     _w4a16_gemv_kernel[plan.grid](
         x, res, x if norm_weight is None else norm_weight, s_out, computed, qweight, scales,
         zeros, out, parts, counters, m, n, k, group_size, plan.k_per_split, eps,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
         BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=plan.split, FORM=form.value,
-        PRO_BLOCK=PROLOGUE_BLOCK, USE_PDL=use_pdl, num_warps=warps,
-        **({"launch_pdl": True} if use_pdl else {}),
+        PRO_BLOCK=PROLOGUE_BLOCK, num_warps=warps,
     )
     return out, s_out

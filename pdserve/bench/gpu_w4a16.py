@@ -1,6 +1,6 @@
-"""The W4A16 Triton kernels (kernels/w4a16.py's GEMM, w4a16_gemv.py, w4a16_gemv_kmajor.py,
-w4a16_planes.py) against bf16 F.linear on Llama-3.2-1B's projection shapes, 1 to 64 tokens at
-a time (decode batches): device ms per call replayed in a CUDA graph, the kernels' tile and
+"""The W4A16 Triton kernels (kernels/w4a16.py's GEMM, w4a16_gemv.py, w4a16_planes.py) against
+bf16 F.linear on Llama-3.2-1B's projection shapes, 1 to 64 tokens at a time (decode batches):
+device ms per call replayed in a CUDA graph, the kernels' tile and
 split-K variants, and the weight-bytes floor at the measured copy bandwidth.
 
     python -m pdserve.bench.gpu_w4a16 --out DIR          # on a GPU (device call: gpu_kit_env.sh)
@@ -35,9 +35,6 @@ TILES = ((16, 32), (16, 64), (16, 128))  # GEMM (BLOCK_M, BLOCK_N)
 GEMV_TILES = ((16, 16, 1), (32, 16, 2), (64, 16, 4), (16, 32, 1), (32, 32, 2), (32, 32, 4),
               (64, 32, 4), (32, 64, 2), (32, 64, 4), (64, 64, 4))
 SPLITS = (1, 2, 4, 8, 16)
-# K-major GEMV (BLOCK_N, BLOCK_K, num_warps)
-KMAJOR_TILES = ((8, 256, 4), (4, 256, 2), (4, 512, 2), (8, 512, 4), (16, 256, 4),
-                (16, 512, 8), (2, 1024, 2), (8, 1024, 8))
 GROUP = 128
 
 
@@ -101,22 +98,7 @@ def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool, gemv_
         for split in SPLITS[:4] if cuda else SPLITS[:2]:
             calls[f"w4a16_gemv_{tile[0]}r{tile[1]}w{tile[2]}_s{split}"] = \
                 lambda t=tile, s=split: w4a16_gemv(x, *args, t, s)
-    if m <= GEMV_MAX_TOKENS:
-        calls.update(_kmajor_variants(x, layer, group, cuda))
     return calls
-
-
-def _kmajor_variants(x: torch.Tensor, layer: Any, group: int, cuda: bool
-                     ) -> dict[str, Callable[[], torch.Tensor]]:
-    """kernels/w4a16_gemv_kmajor.py on a K-major copy of the layer's codes, by tile."""
-    from kernels.w4a16_gemv_kmajor import kmajor_layout, w4a16_gemv_kmajor
-
-    layout = kmajor_layout(layer.qweight, layer.scales, layer.zeros)
-    if not cuda:  # the tiny shapes: the default K step
-        return {"w4a16_kmajor_default": lambda: w4a16_gemv_kmajor(x, *layout, group)}
-    return {f"w4a16_kmajor_{bn}x{bk}w{warps}":
-            lambda bn=bn, bk=bk, w=warps: w4a16_gemv_kmajor(x, *layout, group, bn, bk, w)
-            for bn, bk, warps in KMAJOR_TILES if x.shape[1] % bk == 0}
 
 
 def shape_rows(name: str, n: int, k: int, device: torch.device, group: int,
