@@ -66,3 +66,11 @@ def store_x_entries(x_row, res_row, nw_ptr, s_row, xc_row, k_start, k_stop, K, e
         tl.store(xc_row + offs, x.to(dtype), mask=mask)
     tl.debug_barrier()
 
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask for the lines at `ptrs` (any shape) to be brought into L2; nothing is returned and
+    no register holds them."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)

@@ -35,6 +35,7 @@ from kernels.gemv_inputs import (
     PLAIN,
     PROLOGUE_BLOCK,
     SWIGLU,
+    prefetch_l2,
     store_x_entries,
 )
 from kernels.w4a16 import check_inputs, split_k_plan, store_split_k
@@ -97,6 +98,8 @@ def _w4a16_gemv_kernel(
     SPLIT_K: tl.constexpr,
     FORM: tl.constexpr,  # how x's entries are computed (kernels/gemv_inputs.py)
     PRO_BLOCK: tl.constexpr,  # entries a step of the prologue's loops
+    PREFETCH: tl.constexpr,  # the share's codes requested into L2 before the prologue
+    LINES: tl.constexpr,  # 128-byte lines a row of a tile spans: cdiv(BLOCK_N, 32)
 ):
     m = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -105,6 +108,10 @@ def _w4a16_gemv_kernel(
     ri = tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
     n_mask = rn[None, :] < N  # [1, BN]
     x_row = x_ptr + m * stride_xm
+    if PREFETCH:  # the share's codes on their way to L2 while the prologue computes x
+        lines = tl.minimum(tl.program_id(1) * BLOCK_N + tl.arange(0, LINES) * 32, N - 1)
+        for k in range(k_start, k_stop, 8 * ROWS):
+            prefetch_l2(q_ptr + (k // 8 + ri).to(tl.int64) * stride_qk + lines[None, :])
     if FORM != PLAIN:  # this share's entries of x computed once, then read as stored ones
         xc_row = xc_ptr + m * K
         store_x_entries(x_row, res_ptr + m * K, nw_ptr, s_out_ptr + m * K,
@@ -223,6 +230,7 @@ def _launch(
         zeros, out, parts, counters, m, n, k, group_size, plan.k_per_split, eps,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
         BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=plan.split, FORM=form.value,
-        PRO_BLOCK=PROLOGUE_BLOCK, num_warps=warps,
+        PRO_BLOCK=PROLOGUE_BLOCK, PREFETCH=form != PLAIN and x.is_cuda,
+        LINES=triton.cdiv(block_n, 32), num_warps=warps,
     )
     return out, s_out

@@ -126,7 +126,8 @@ pointers = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "s_out_ptr"
             "out_ptr": "*bf16", "part_ptr": "*fp32", "ticket_ptr": "*i32", "eps": "fp32"}
 for form in ("PLAIN", "NORM", "NORM_RESIDUAL", "SWIGLU"):
     consts = dict(BLOCK_N=64, ROWS=16, GROUP_ROWS=16, SPLIT_K=2,
-                  FORM=getattr(inputs, form).value, PRO_BLOCK=1024)
+                  FORM=getattr(inputs, form).value, PRO_BLOCK=1024,
+                  PREFETCH=form != "PLAIN", LINES=2)
     signature = {name: "constexpr" if name in consts else pointers.get(name, "i32")
                  for name in fn.arg_names}
     source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()})
