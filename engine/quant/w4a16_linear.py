@@ -48,6 +48,10 @@ class W4A16Linear(nn.Module):
     `weight_loader` takes a `W4A16Weight` for rows `rows` of the whole matrix; fused q/k/v and
     gate/up arrive as row ranges and are packed together once all are in."""
 
+    # The norm and SwiGLU in the GEMV's prologue (`rmsnorm_linear`, `silu_mul_linear`); off,
+    # the model calls them as kernels of their own (pdserve/bench/gpu_quant.py times both).
+    prologues = True
+
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -149,7 +153,8 @@ class W4A16Linear(nn.Module):
         gather (the norm's columns would need it too), x's rows contiguous."""
         from kernels.w4a16_gemv import GEMV_MAX_TOKENS
 
-        return (self.qweight is not None and x.device.type == "cuda" and x.dim() == 2
+        return (self.prologues and self.qweight is not None and x.device.type == "cuda"
+                and x.dim() == 2
                 and 0 < x.shape[0] <= GEMV_MAX_TOKENS and k == self.in_features
                 and self.perm is None and x.stride(-1) == 1
                 and gemv_rows(self.group_size, k) is not None)

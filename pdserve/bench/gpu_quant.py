@@ -6,8 +6,9 @@ The model of `pdserve bench gpu` (gpu_model.py: bf16 weights on disk) is served 
 one engine after the other in this process: as it is (bf16), `quantization="fp8"` (quantized on
 load), the same with `kv_cache_dtype="fp8"` (fp8_kv8: what `--quantization fp8 --kv-cache-dtype
 fp8` serves) and a W4A16 checkpoint written from it by engine/quant/w4a16_quantize.py (AutoAWQ's
-`gemm` layout, group 128 with zeros, round to nearest; the format detected from config.json).
-For each:
+`gemm` layout, group 128 with zeros, round to nearest; the format detected from config.json);
+w4a16_unfused serves that checkpoint with the norms and SwiGLU as kernels of their own instead of
+in the GEMV's prologue (`W4A16Linear.prologues` off). For each:
 
   batch1   decode ms/token, (time of 1 + N tokens - time of 1 token) / N, median over fresh
            prompts (gpu_generation.measure_latency), against its own weights-read floor: the
@@ -53,9 +54,9 @@ from pdserve.bench.gpu_model import (
 )
 from pdserve.bench.report import bench_main, config_of, write_report
 
-SYSTEMS = ("bf16", "fp8", "fp8_kv8", "w4a16")
+SYSTEMS = ("bf16", "fp8", "fp8_kv8", "w4a16", "w4a16_unfused")
 W4A16_GROUP = 128
-TARGET_MS = {"bf16": 1.2, "fp8": 0.8, "fp8_kv8": 0.8, "w4a16": 0.6}
+TARGET_MS = {"bf16": 1.2, "fp8": 0.8, "fp8_kv8": 0.8, "w4a16": 0.6, "w4a16_unfused": 0.6}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,8 +88,11 @@ def run_system(models: RandomModel, system: str, ceilings: dict, args: argparse.
                ) -> dict[str, Any]:
     """W1 throughput (unless --no-w1), greedy tokens, then batch-1 latency of one engine
     (closed afterwards)."""
+    from engine.quant.w4a16_linear import W4A16Linear
+
     log(f"{system}: loading")
     result: dict[str, Any] = {}
+    W4A16Linear.prologues = system != "w4a16_unfused"
     try:
         if not args.no_w1:
             runs = _run_pdserve(models, args.seed, use_tqdm=False, runs=args.w1_runs)
@@ -101,7 +105,8 @@ def run_system(models: RandomModel, system: str, ceilings: dict, args: argparse.
         batch1 = measure_latency(models, None, args.seed)
         model = models.llm().llm_engine.runner.model
         batch1["decode_gemv_plan"] = getattr(model, "decode_gemv_report", None)  # CUDA only
-        need = weight_bytes(models.sizes.shape, system.removesuffix("_kv8"))
+        weights = system.removesuffix("_kv8").removesuffix("_unfused")
+        need = weight_bytes(models.sizes.shape, weights)
         floor = need / ceilings["copy_bytes_per_s"] * 1e3
         batch1.update(weights_bytes=need, weights_floor_ms=floor,
                       over_floor=batch1["ms_per_token"] / floor)
@@ -112,6 +117,7 @@ def run_system(models: RandomModel, system: str, ceilings: dict, args: argparse.
         return {**result, "error": f"{type(exc).__name__}: {str(exc)[:500]}"}
     finally:
         models.close_llm()
+        W4A16Linear.prologues = True
 
 
 def engine_for(system: str, base: RandomModel, kwargs: dict[str, Any]) -> RandomModel:
