@@ -84,14 +84,16 @@ def test_bad_operands_are_named() -> None:
 
 @pytest.mark.skipif(not CUDA, reason="the layer's fused hooks run on CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_hooks_equal_the_unfused_layer_on_the_gpu(dtype: torch.dtype) -> None:
-    """W4A16Linear.rmsnorm_linear and silu_mul_linear (what the model's decode step calls)
-    against the norm or SwiGLU kernel and then the layer, at the 1B shapes' K."""
+def test_layer_hooks_equal_the_unfused_layer_on_the_gpu(monkeypatch, dtype: torch.dtype) -> None:
+    """W4A16Linear.rmsnorm_linear and silu_mul_linear (what the model's decode step calls, with
+    `prologues` on) against the norm or SwiGLU kernel and then the layer, at the 1B shapes' K;
+    off, they decline."""
     from engine.models.layers import RMSNorm
     from engine.quant.w4a16 import dequantize
     from engine.quant.w4a16_linear import W4A16Linear
     from engine.quant.w4a16_quantize import quantize
 
+    monkeypatch.setattr(W4A16Linear, "prologues", True)
     gen = torch.Generator().manual_seed(6)
     for k, n in ((2048, 3072), (8192, 2048)):
         w = quantize(torch.randn(n, k, generator=gen) * 0.05, 128)
@@ -111,6 +113,10 @@ def test_layer_hooks_equal_the_unfused_layer_on_the_gpu(dtype: torch.dtype) -> N
         gate_up = torch.randn(1, 2 * k, generator=gen).to("cuda", dtype)
         assert rel_err(layer.silu_mul_linear(gate_up), layer(silu_and_mul(gate_up))) < tol
         assert layer.rmsnorm_linear(torch.cat([x, x]), None, norm) is None  # two tokens
+        monkeypatch.setattr(W4A16Linear, "prologues", False)
+        assert layer.rmsnorm_linear(x, residual, norm) is None
+        assert layer.silu_mul_linear(gate_up) is None
+        monkeypatch.setattr(W4A16Linear, "prologues", True)
 
 
 

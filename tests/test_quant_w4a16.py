@@ -399,9 +399,11 @@ def test_checkpoint_on_the_gpu_agrees_with_it_dequantized(tiny_llama_dir: str,
 @pytest.mark.skipif(not CUDA, reason="the W4A16 layer's CUDA paths")
 def test_one_token_decode_on_the_gpu_fuses_norms_and_swiglu(tiny_llama_dir: str, tmp_path: Path,
                                                              monkeypatch) -> None:
-    """fp32 on CUDA, one sequence: the decode steps take the GEMV with the norm or SwiGLU in
-    its prologue (counted), and the greedy tokens are those of the de-quantized model."""
+    """fp32 on CUDA, one sequence, `prologues` on: the decode steps take the GEMV with the norm
+    or SwiGLU in its prologue (counted), and the greedy tokens are those of the de-quantized
+    model."""
     fused = []
+    monkeypatch.setattr(W4A16Linear, "prologues", True)
     for hook in ("rmsnorm_linear", "silu_mul_linear"):
         plain_hook = getattr(W4A16Linear, hook)
 

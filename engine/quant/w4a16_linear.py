@@ -6,9 +6,10 @@ int32, `scales` [K / G, N] fp32, `zeros` [K / G, N] uint8, and `perm` [K] when a
 groups were not consecutive (x's columns are gathered by it first). Where it computes:
 
     CUDA, steps of 1 token                the W4A16 GEMV (kernels/w4a16_gemv.py, split-K);
-                                          the norm before q/k/v and gate_up and the SwiGLU
-                                          before down in its prologue (`rmsnorm_linear`,
-                                          `silu_mul_linear`: the model's fused-call hooks)
+                                          with `prologues`, the norm before q/k/v and gate_up
+                                          and the SwiGLU before down in its prologue
+                                          (`rmsnorm_linear`, `silu_mul_linear`: the model's
+                                          fused-call hooks)
     CUDA, up to GEMM_MAX_TOKENS           the W4A16 Triton GEMM (kernels/w4a16.py); a group
                                           size it cannot take (G % 16) de-quantizes
     CUDA, more tokens (large batches,     W de-quantized to x's dtype by a Triton kernel, then
@@ -48,9 +49,12 @@ class W4A16Linear(nn.Module):
     `weight_loader` takes a `W4A16Weight` for rows `rows` of the whole matrix; fused q/k/v and
     gate/up arrive as row ranges and are packed together once all are in."""
 
-    # The norm and SwiGLU in the GEMV's prologue (`rmsnorm_linear`, `silu_mul_linear`); off,
-    # the model calls them as kernels of their own (pdserve/bench/gpu_quant.py times both).
-    prologues = True
+    # The norm and SwiGLU in the GEMV's prologue (`rmsnorm_linear`, `silu_mul_linear`) instead
+    # of kernels of their own. Off: on an H200 the fused step was no faster (0.933 / 0.934 ms
+    # against 0.938 / 0.929; the GEMVs took the 71 us the 48 launches saved); the prologue
+    # has since gained an L2 prefetch of the weights, not yet timed (pdserve/bench/gpu_quant.py
+    # system w4a16_fused turns it on).
+    prologues = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()

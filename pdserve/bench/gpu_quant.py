@@ -7,8 +7,8 @@ one engine after the other in this process: as it is (bf16), `quantization="fp8"
 load), the same with `kv_cache_dtype="fp8"` (fp8_kv8: what `--quantization fp8 --kv-cache-dtype
 fp8` serves) and a W4A16 checkpoint written from it by engine/quant/w4a16_quantize.py (AutoAWQ's
 `gemm` layout, group 128 with zeros, round to nearest; the format detected from config.json);
-w4a16_unfused serves that checkpoint with the norms and SwiGLU as kernels of their own instead of
-in the GEMV's prologue (`W4A16Linear.prologues` off). For each:
+w4a16_fused serves that checkpoint with the norms and SwiGLU in the GEMV's prologue instead of
+as kernels of their own (`W4A16Linear.prologues` on). For each:
 
   batch1   decode ms/token, (time of 1 + N tokens - time of 1 token) / N, median over fresh
            prompts (gpu_generation.measure_latency), against its own weights-read floor: the
@@ -54,9 +54,9 @@ from pdserve.bench.gpu_model import (
 )
 from pdserve.bench.report import bench_main, config_of, write_report
 
-SYSTEMS = ("bf16", "fp8", "fp8_kv8", "w4a16", "w4a16_unfused")
+SYSTEMS = ("bf16", "fp8", "fp8_kv8", "w4a16", "w4a16_fused")
 W4A16_GROUP = 128
-TARGET_MS = {"bf16": 1.2, "fp8": 0.8, "fp8_kv8": 0.8, "w4a16": 0.6, "w4a16_unfused": 0.6}
+TARGET_MS = {"bf16": 1.2, "fp8": 0.8, "fp8_kv8": 0.8, "w4a16": 0.6, "w4a16_fused": 0.6}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +92,7 @@ def run_system(models: RandomModel, system: str, ceilings: dict, args: argparse.
 
     log(f"{system}: loading")
     result: dict[str, Any] = {}
-    W4A16Linear.prologues = system != "w4a16_unfused"
+    W4A16Linear.prologues = system == "w4a16_fused"
     try:
         if not args.no_w1:
             runs = _run_pdserve(models, args.seed, use_tqdm=False, runs=args.w1_runs)
@@ -105,7 +105,7 @@ def run_system(models: RandomModel, system: str, ceilings: dict, args: argparse.
         batch1 = measure_latency(models, None, args.seed)
         model = models.llm().llm_engine.runner.model
         batch1["decode_gemv_plan"] = getattr(model, "decode_gemv_report", None)  # CUDA only
-        weights = system.removesuffix("_kv8").removesuffix("_unfused")
+        weights = system.removesuffix("_kv8").removesuffix("_fused")
         need = weight_bytes(models.sizes.shape, weights)
         floor = need / ceilings["copy_bytes_per_s"] * 1e3
         batch1.update(weights_bytes=need, weights_floor_ms=floor,
@@ -117,7 +117,7 @@ def run_system(models: RandomModel, system: str, ceilings: dict, args: argparse.
         return {**result, "error": f"{type(exc).__name__}: {str(exc)[:500]}"}
     finally:
         models.close_llm()
-        W4A16Linear.prologues = True
+        W4A16Linear.prologues = False
 
 
 def engine_for(system: str, base: RandomModel, kwargs: dict[str, Any]) -> RandomModel:
