@@ -210,6 +210,7 @@ def _launch(
     blocks: tuple[int, int, int] | None, split_k: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, the new residual stream: x + residual for NORM_RESIDUAL, else x)."""
+    kind = form.value  # a plain int for the launch's arguments
     block_n, max_rows, warps = blocks or default_blocks(k, qweight.shape[-1])
     rows = gemv_rows(group_size, k, max_rows) if group_size > 0 and k % group_size == 0 \
         else None
@@ -219,8 +220,9 @@ def _launch(
     plan = split_k_plan(x, k, 8 * rows[0], (m, triton.cdiv(n, block_n)), split_k,
                         **share_rule((block_n, max_rows, warps)))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    s_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if form == NORM_RESIDUAL else x
-    computed = x if form == PLAIN else torch.empty(m, k, dtype=x.dtype, device=x.device)
+    s_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if kind == NORM_RESIDUAL.value \
+        else x
+    computed = x if kind == PLAIN.value else torch.empty(m, k, dtype=x.dtype, device=x.device)
     if m == 0:
         return out, s_out
     parts, counters = plan.workspace(x, n)
@@ -229,8 +231,8 @@ def _launch(
         x, res, x if norm_weight is None else norm_weight, s_out, computed, qweight, scales,
         zeros, out, parts, counters, m, n, k, group_size, plan.k_per_split, eps,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=plan.split, FORM=form.value,
-        PRO_BLOCK=PROLOGUE_BLOCK, PREFETCH=form != PLAIN and x.is_cuda,
+        BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=plan.split, FORM=kind,
+        PRO_BLOCK=PROLOGUE_BLOCK, PREFETCH=kind != PLAIN.value and x.is_cuda,
         LINES=triton.cdiv(block_n, 32), num_warps=warps,
     )
     return out, s_out
