@@ -12,6 +12,8 @@
 #   profile   pdserve.bench.gpu_decode_profile for SYSTEMS: the kernels inside the decode graph
 #             and the GEMV plan's timings
 #   w1        pdserve.bench.gpu_quant's W1 offline throughput, W1_RUNS (default 3) per system
+#   prologue  the W4A16 GEMV's prologue tests on the GPU, then batch-1 w4a16 against
+#             w4a16_fused (the norms and SwiGLU in the GEMV), twice, the order swapped
 # Reports in $OUT; a fresh PDSERVE_CACHE_DIR, so every GEMV plan is timed, none recorded.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -38,6 +40,14 @@ for part in "${@:-tests kernels latency}"; do
                || status=1 ;;
       w1) python3 -m pdserve.bench.gpu_quant --out "$OUT" --systems "$SYSTEMS" \
           --w1-runs "${W1_RUNS:-3}" || status=1 ;;
+      prologue)
+        python3 -m pytest -q -p no:cacheprovider tests/test_kernel_w4a16_gemv_inputs.py \
+            tests/test_quant_w4a16.py -k "gpu or hooks or hopper or prologue" 2>&1 | tail -3
+        status=$((status | PIPESTATUS[0]))
+        for order in w4a16,w4a16_fused w4a16_fused,w4a16; do
+          python3 -m pdserve.bench.gpu_quant --out "$OUT/$order" --systems $order --no-w1 \
+              2>&1 | grep "batch-1" || status=1
+        done ;;
       *) echo "unknown part $p"; status=1 ;;
     esac
   done
