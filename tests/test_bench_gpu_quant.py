@@ -1,4 +1,4 @@
-"""pdserve.bench.gpu_quant's weights-read floors (no engine run)."""
+"""pdserve.bench.gpu_quant's weights-read floors and serving settings (no engine run)."""
 
 from __future__ import annotations
 
@@ -30,3 +30,17 @@ def test_unknown_system_is_refused() -> None:
     gpu_quant.add_arguments(parser)
     with pytest.raises(ValueError, match="unknown \\['int3'\\]"):
         gpu_quant.run(parser.parse_args(["--systems", "bf16,int3"]))
+
+
+def test_w4a16_fused_is_served_with_the_prologues_on_and_nothing_else() -> None:
+    from engine.quant.w4a16_linear import W4A16Linear
+    from pdserve.bench.gpu_quant import serving
+
+    assert W4A16Linear.prologues is False  # the default the layer serves with
+    with serving("w4a16_fused"):
+        assert W4A16Linear.prologues is True
+    with serving("w4a16"):
+        assert W4A16Linear.prologues is False
+    with pytest.raises(RuntimeError), serving("w4a16_fused"):
+        raise RuntimeError("an engine that failed")
+    assert W4A16Linear.prologues is False

@@ -19,7 +19,8 @@ Steps 2 and 3: pdserve/bench/gpu_decode_gemms.py, gpu_decode_step.py. Tables pri
 everything goes to DIR/decode_profile.json.
 
 With `--systems`: per system of pdserve.bench.gpu_quant (bf16, fp8 quantized on load, w4a16 an
-AWQ checkpoint written from the bf16 one) only the step: the batch-1 graph's replay and eager
+AWQ checkpoint written from the bf16 one, w4a16_fused the same with the norms and SwiGLU in the
+GEMV's prologue) only the step: the batch-1 graph's replay and eager
 tail timed, and the kernels inside the replay (kineto) against the replay's wall time, so what
 the kernels' own time leaves is the launches' gaps. DIR/decode_profile_systems.json.
 """
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 def run_systems(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """`--systems`: each system's batch-1 step (see the NOTE)."""
     from pdserve.bench.gpu_model import ModelSizes, RandomModel
-    from pdserve.bench.gpu_quant import engine_for
+    from pdserve.bench.gpu_quant import engine_for, serving
 
     device = torch.device("cuda")
     kwargs: dict[str, Any] = {"dtype": "bfloat16", "max_num_seqs": 4,
@@ -180,20 +181,21 @@ def run_systems(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     for system in args.systems.split(","):
         source = engine_for(system, base, kwargs)
         try:
-            runner = source.llm().llm_engine.runner
-            fill_cache(runner)
-            graphs = batch1_graph(runner)
-            steps = [time_step(graphs, runner) for _ in range(5)]
-            kernels = profile_replay(graphs)
-            replay = statistics.median(r for r, _ in steps)
-            in_kernels = sum(v["us_per_step"] for v in kernels.values())
-            report["systems"][system] = {
-                "replay_us": replay, "tail_us": statistics.median(t for _, t in steps),
-                "kernels_us": in_kernels, "gaps_us": replay - in_kernels,
-                "launches": sum(v["calls_per_step"] for v in kernels.values()),
-                "kernels": kernels,
-                "plan": getattr(runner.model, "decode_gemv_report", None)}
-            log(f"{system}: replay {replay:.1f} us, kernels {in_kernels:.1f} us")
+            with serving(system):
+                runner = source.llm().llm_engine.runner
+                fill_cache(runner)
+                graphs = batch1_graph(runner)
+                steps = [time_step(graphs, runner) for _ in range(5)]
+                kernels = profile_replay(graphs)
+                replay = statistics.median(r for r, _ in steps)
+                in_kernels = sum(v["us_per_step"] for v in kernels.values())
+                report["systems"][system] = {
+                    "replay_us": replay, "tail_us": statistics.median(t for _, t in steps),
+                    "kernels_us": in_kernels, "gaps_us": replay - in_kernels,
+                    "launches": sum(v["calls_per_step"] for v in kernels.values()),
+                    "kernels": kernels,
+                    "plan": getattr(runner.model, "decode_gemv_report", None)}
+                log(f"{system}: replay {replay:.1f} us, kernels {in_kernels:.1f} us")
         finally:
             source.close_llm()
         (out / "decode_profile_systems.json").write_text(json.dumps(report, indent=1))

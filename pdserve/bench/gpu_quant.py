@@ -35,6 +35,8 @@ import shutil
 import statistics
 import sys
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +90,8 @@ def run_system(models: RandomModel, system: str, ceilings: dict, args: argparse.
                ) -> dict[str, Any]:
     """W1 throughput (unless --no-w1), greedy tokens, then batch-1 latency of one engine
     (closed afterwards)."""
-    from engine.quant.w4a16_linear import W4A16Linear
-
     log(f"{system}: loading")
     result: dict[str, Any] = {}
-    W4A16Linear.prologues = system == "w4a16_fused"
     try:
         if not args.no_w1:
             runs = _run_pdserve(models, args.seed, use_tqdm=False, runs=args.w1_runs)
@@ -117,7 +116,20 @@ def run_system(models: RandomModel, system: str, ceilings: dict, args: argparse.
         return {**result, "error": f"{type(exc).__name__}: {str(exc)[:500]}"}
     finally:
         models.close_llm()
-        W4A16Linear.prologues = False
+
+
+@contextmanager
+def serving(system: str) -> Iterator[None]:
+    """The settings `system` is served with, while the block runs: w4a16_fused turns
+    `W4A16Linear.prologues` on (the norms and SwiGLU in the GEMV)."""
+    from engine.quant.w4a16_linear import W4A16Linear
+
+    before = W4A16Linear.prologues
+    W4A16Linear.prologues = system == "w4a16_fused"
+    try:
+        yield
+    finally:
+        W4A16Linear.prologues = before
 
 
 def engine_for(system: str, base: RandomModel, kwargs: dict[str, Any]) -> RandomModel:
@@ -179,7 +191,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for system in systems:
             models = engine_for(system, base, kwargs)
-            report["systems"][system] = run_system(models, system, ceilings, args)
+            with serving(system):
+                report["systems"][system] = run_system(models, system, ceilings, args)
             write_report(report, path)
     finally:
         if args.model_dir is None:

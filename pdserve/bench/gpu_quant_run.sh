@@ -13,7 +13,8 @@
 #             and the GEMV plan's timings
 #   w1        pdserve.bench.gpu_quant's W1 offline throughput, W1_RUNS (default 3) per system
 #   prologue  the W4A16 GEMV's prologue tests on the GPU, then batch-1 w4a16 against
-#             w4a16_fused (the norms and SwiGLU in the GEMV), twice, the order swapped
+#             w4a16_fused (the norms and SwiGLU in the GEMV), twice, the order swapped, and
+#             the two decode graphs' kernels
 # Reports in $OUT; a fresh PDSERVE_CACHE_DIR, so every GEMV plan is timed, none recorded.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -47,7 +48,9 @@ for part in "${@:-tests kernels latency}"; do
         for order in w4a16,w4a16_fused w4a16_fused,w4a16; do
           python3 -m pdserve.bench.gpu_quant --out "$OUT/$order" --systems $order --no-w1 \
               2>&1 | grep "batch-1" || status=1
-        done ;;
+        done
+        python3 -m pdserve.bench.gpu_decode_profile --systems w4a16,w4a16_fused --out "$OUT" \
+            2>&1 | grep -A9 "batch-1 step" || status=1 ;;
       *) echo "unknown part $p"; status=1 ;;
     esac
   done
