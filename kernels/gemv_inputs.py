@@ -17,7 +17,8 @@ every step: `store_x_entries` computes the share once and stores it (x's dtype, 
 the unfused kernel's output) in a [M, K] buffer that the GEMV's loop then reads as it reads a
 plain x. Every program of a share computes and stores the same bits; each reads back only
 what its own threads wrote, after a barrier. Computing the entries inside the loop instead
-(per nibble, per step) spilled registers: the SwiGLU's exp on every [ROWS, 1] slice.
+(per nibble, per step) doubled the loop's code (the SwiGLU form: 3784 SASS instructions against
+1768, sm_90), every [ROWS, 1] slice's exp recomputed by each thread holding it.
 """
 
 from __future__ import annotations
