@@ -68,7 +68,6 @@ def store_x_entries(x_row, res_row, nw_ptr, s_row, xc_row, k_start, k_stop, K, e
     tl.debug_barrier()
 
 
-
 @triton.jit
 def prefetch_l2(ptrs):
     """Ask for the lines at `ptrs` (any shape) to be brought into L2; nothing is returned and

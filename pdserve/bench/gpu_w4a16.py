@@ -1,7 +1,7 @@
 """The W4A16 Triton kernels (kernels/w4a16.py's GEMM, w4a16_gemv.py, w4a16_planes.py) against
 bf16 F.linear on Llama-3.2-1B's projection shapes, 1 to 64 tokens at a time (decode batches):
-device ms per call replayed in a CUDA graph, the kernels' tile and
-split-K variants, and the weight-bytes floor at the measured copy bandwidth.
+device ms per call replayed in a CUDA graph, the kernels' tile and split-K variants, and the
+weight-bytes floor at the measured copy bandwidth.
 
     python -m pdserve.bench.gpu_w4a16 --out DIR          # on a GPU (device call: gpu_kit_env.sh)
     python -m pdserve.bench.gpu_w4a16 --small --out DIR  # the same code on the CPU, tiny shapes
