@@ -38,6 +38,7 @@ from kernels.gemv_inputs import (
     prefetch_l2,
     store_x_entries,
 )
+from kernels.nibble_pairs import PAIR_SCALE, pair_dots, x_pair, zero_pairs
 from kernels.w4a16 import check_inputs, split_k_plan, store_split_k
 from kernels.widen import nibble_times
 
@@ -100,6 +101,9 @@ def _w4a16_gemv_kernel(
     PRO_BLOCK: tl.constexpr,  # entries a step of the prologue's loops
     PREFETCH: tl.constexpr,  # the share's codes requested into L2 before the prologue
     LINES: tl.constexpr,  # 128-byte lines a row of a tile spans: cdiv(BLOCK_N, 32)
+    PAIRS: tl.constexpr,  # 16-bit x: codes multiplied in pairs (kernels/nibble_pairs.py)
+    PAIRS_ASM: tl.constexpr,  # by inline PTX (CUDA), else emulated (the interpreter)
+    EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no column masks (each costs a register's zeroing)
 ):
     m = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,27 +125,49 @@ def _w4a16_gemv_kernel(
         x_row = xc_row
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k in range(k_start, k_stop, 8 * ROWS):  # K is a multiple of 8 ROWS: no K masks
-        packed = tl.load(q_ptr + (k // 8 + ri).to(tl.int64) * stride_qk + rn[None, :],
-                         mask=n_mask, other=0)  # [ROWS, BN]
-        high = (packed >> 20) & 0xFFF  # nibbles 5..7 moved down to bits 0..11
-        xk = x_row + k + ri * 8  # [ROWS, 1]: x[k + 8 i]
-        dots = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        x_sums = tl.zeros((ROWS, 1), dtype=tl.float32)
-        for j in tl.static_range(8):
-            xj = tl.load(xk + j).to(tl.float32)  # x[k + 8 i + j]
-            codes = nibble_times(packed if j < 5 else high, j % 5)  # q * 2^(4 (j % 5))
-            dots += codes * (xj * 2.0 ** (-4 * (j % 5)))
-            x_sums += xj
+        packed = _load_columns(q_ptr + (k // 8 + ri).to(tl.int64) * stride_qk + rn[None, :],
+                               n_mask, EVEN_N)  # [ROWS, BN]
         if ROWS <= GROUP_ROWS:  # the step lies in one group: a row of scales and zeros
             rows = (k // group_size) * stride_sg  # < 2^31: K / G groups x N
         else:  # several groups a step: each int32 row reads its own group's
-            rows = ((k + 8 * ri) // group_size).to(tl.int64) * stride_sg  # [ROWS, 1]
-        scale = tl.load(s_ptr + rows + rn[None, :], mask=n_mask, other=0.0)
-        zero = tl.load(z_ptr + rows + rn[None, :], mask=n_mask, other=0).to(tl.float32)
-        acc += scale * (dots - zero * x_sums)
+            rows = ((k // 8 + ri) // GROUP_ROWS).to(tl.int64) * stride_sg  # [ROWS, 1]
+        scale = _load_columns(s_ptr + rows + rn[None, :], n_mask, EVEN_N)
+        zero = _load_columns(z_ptr + rows + rn[None, :], n_mask, EVEN_N)
+        xk = x_row + k + ri * 8  # [ROWS, 1]: x[k + 8 i]
+        if PAIRS:  # two codes an instruction in fp16, the zeros subtracted exactly
+            is_bf16: tl.constexpr = x_row.dtype.element_ty == tl.bfloat16
+            words = xk.to(tl.pointer_type(tl.int32))  # x[k + 8 i ..] as four int32
+            w0, w1, w2, w3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), \
+                tl.load(words + 3)
+            zp, zq = zero_pairs(zero.to(tl.int32))
+            dots = pair_dots(packed, zp, zq, x_pair(w0, w2, False, is_bf16, PAIRS_ASM),
+                             x_pair(w0, w2, True, is_bf16, PAIRS_ASM),
+                             x_pair(w1, w3, False, is_bf16, PAIRS_ASM),
+                             x_pair(w1, w3, True, is_bf16, PAIRS_ASM), is_bf16, PAIRS_ASM)
+            acc += scale * dots
+        else:
+            high = (packed >> 20) & 0xFFF  # nibbles 5..7 moved down to bits 0..11
+            dots = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+            x_sums = tl.zeros((ROWS, 1), dtype=tl.float32)
+            for j in tl.static_range(8):
+                xj = tl.load(xk + j).to(tl.float32)  # x[k + 8 i + j]
+                codes = nibble_times(packed if j < 5 else high, j % 5)  # q * 2^(4 (j % 5))
+                dots += codes * (xj * 2.0 ** (-4 * (j % 5)))
+                x_sums += xj
+            acc += scale * (dots - zero.to(tl.float32) * x_sums)
+    if PAIRS:
+        acc *= PAIR_SCALE
     tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     store_split_k(tl.sum(acc, axis=0), out_ptr + m * stride_om + rn, rn < N,
                   part_ptr + m * N + rn, M * N, ticket_ptr + tile, SPLIT_K)
+
+
+@triton.jit
+def _load_columns(ptrs, n_mask, EVEN_N: tl.constexpr):
+    if EVEN_N:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=n_mask, other=0)
 
 
 def gemv_rows(group_size: int, k: int, max_rows: int = MAX_ROWS) -> tuple[int, int] | None:
@@ -161,18 +187,22 @@ def gemv_rows(group_size: int, k: int, max_rows: int = MAX_ROWS) -> tuple[int, i
 def w4a16_gemv(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     group_size: int, blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
+    pairs: bool | None = None,
 ) -> torch.Tensor:
     """[M, K] x the 4-bit W [K, N] -> [M, N] in x's dtype (kernels/w4a16.py `w4a16_ref`).
     `blocks`: (BLOCK_N, max ROWS, num_warps); `split_k`: K shares, by default enough to fill
-    the GPU. ValueError for shapes, strides or dtypes it cannot take."""
+    the GPU; `pairs`: codes multiplied two at a time in x's dtype (kernels/nibble_pairs.py),
+    by default wherever it can (CUDA, bf16 or fp16 x). ValueError for shapes, strides or
+    dtypes it cannot take."""
     return _launch(PLAIN, x, None, None, 0.0, x.shape[-1], qweight, scales, zeros, group_size,
-                   blocks, split_k)[0]
+                   blocks, split_k, pairs)[0]
 
 
 def w4a16_gemv_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
     blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
+    pairs: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) @ W, x + residual): kernels/rmsnorm.py's `rms_norm` and then
     `w4a16_gemv`, one launch (`residual` None: the norm of x, and x)."""
@@ -188,26 +218,27 @@ def w4a16_gemv_rmsnorm(
             "x's shape and dtype, and a contiguous [K] weight of x's dtype")
     form = NORM if residual is None else NORM_RESIDUAL
     return _launch(form, x, residual, norm_weight, eps, k, qweight, scales, zeros, group_size,
-                   blocks, split_k)
+                   blocks, split_k, pairs)
 
 
 def w4a16_gemv_swiglu(
     gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     group_size: int, blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
+    pairs: bool | None = None,
 ) -> torch.Tensor:
     """(silu(gate) * up) @ W for gate_up = [gate | up] [M, 2K]: kernels/silu_mul.py's
     `silu_and_mul` and then `w4a16_gemv`, one launch."""
     if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
         raise ValueError(f"w4a16_gemv_swiglu: gate_up {tuple(gate_up.shape)}: need [M, 2K]")
     return _launch(SWIGLU, gate_up, None, None, 0.0, gate_up.shape[-1] // 2, qweight, scales,
-                   zeros, group_size, blocks, split_k)[0]
+                   zeros, group_size, blocks, split_k, pairs)[0]
 
 
 def _launch(
     form: tl.constexpr, x: torch.Tensor, residual: torch.Tensor | None,
     norm_weight: torch.Tensor | None, eps: float, k: int, qweight: torch.Tensor,
     scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-    blocks: tuple[int, int, int] | None, split_k: int | None,
+    blocks: tuple[int, int, int] | None, split_k: int | None, pairs: bool | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, the new residual stream: x + residual for NORM_RESIDUAL, else x)."""
     kind = form.value  # a plain int for the launch's arguments
@@ -217,6 +248,7 @@ def _launch(
     check_inputs("w4a16_gemv", x[:, :k] if x.dim() == 2 else x, qweight, scales, zeros,
                  group_size, None if rows is None else 8 * rows[0])
     m, n = x.shape[0], qweight.shape[1]
+    pairs = _pairs_fit(x, kind, pairs)
     plan = split_k_plan(x, k, 8 * rows[0], (m, triton.cdiv(n, block_n)), split_k,
                         **share_rule((block_n, max_rows, warps)))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -233,6 +265,20 @@ def _launch(
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
         BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=plan.split, FORM=kind,
         PRO_BLOCK=PROLOGUE_BLOCK, PREFETCH=kind != PLAIN.value and x.is_cuda,
-        LINES=triton.cdiv(block_n, 32), num_warps=warps,
+        LINES=triton.cdiv(block_n, 32), PAIRS=pairs, PAIRS_ASM=x.is_cuda, EVEN_N=n % block_n == 0,
+        num_warps=warps,
     )
     return out, s_out
+
+
+def _pairs_fit(x: torch.Tensor, kind: int, pairs: bool | None) -> bool:
+    """Whether the loop multiplies codes in pairs: asked, or by default on CUDA (elsewhere the
+    interpreter emulates the packed instructions: tests), where x as the loop reads it is
+    16-bit with rows of whole int32 words."""
+    words = kind != PLAIN.value or ((x.shape[0] == 1 or x.stride(0) % 2 == 0)
+                                    and x.data_ptr() % 4 == 0)
+    fits = x.dtype in (torch.bfloat16, torch.float16) and words
+    if pairs and not fits:
+        raise ValueError(f"w4a16_gemv: pairs needs bf16 or fp16 x with rows of whole int32 "
+                         f"words, got {x.dtype}, row stride {x.stride(0)}")
+    return fits and x.is_cuda if pairs is None else pairs

@@ -44,3 +44,17 @@ def test_w4a16_fused_is_served_with_the_prologues_on_and_nothing_else() -> None:
     with pytest.raises(RuntimeError), serving("w4a16_fused"):
         raise RuntimeError("an engine that failed")
     assert W4A16Linear.prologues is False
+
+
+def test_w4a16_fp32_is_served_with_the_fp32_loop_and_nothing_else() -> None:
+    from engine.quant.w4a16_linear import W4A16Linear
+    from pdserve.bench.gpu_quant import serving
+
+    assert W4A16Linear.pairs is True  # the default the layer serves with
+    with serving("w4a16_fp32"):
+        assert W4A16Linear.pairs is False and W4A16Linear.prologues is False
+    with serving("w4a16_fused"):
+        assert W4A16Linear.pairs is True
+    with pytest.raises(RuntimeError), serving("w4a16_fp32"):
+        raise RuntimeError("an engine that failed")
+    assert W4A16Linear.pairs is True

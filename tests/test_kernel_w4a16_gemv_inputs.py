@@ -133,7 +133,8 @@ pointers = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "s_out_ptr"
 for form in ("PLAIN", "NORM", "NORM_RESIDUAL", "SWIGLU"):
     consts = dict(BLOCK_N=64, ROWS=16, GROUP_ROWS=16, SPLIT_K=2,
                   FORM=getattr(inputs, form).value, PRO_BLOCK=1024,
-                  PREFETCH=form != "PLAIN", LINES=2)
+                  PREFETCH=form != "PLAIN", LINES=2, PAIRS=form != "NORM",
+                  PAIRS_ASM=True, EVEN_N=form == "SWIGLU")
     signature = {name: "constexpr" if name in consts else pointers.get(name, "i32")
                  for name in fn.arg_names}
     source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()})

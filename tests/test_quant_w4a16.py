@@ -139,6 +139,39 @@ def test_gemv_kernel_matches_the_reference(mkn, group: int, dtype: torch.dtype, 
     assert rel_err(out.cpu(), ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("mkn,group", [((1, 64, 48), 32), ((2, 128, 40), 64),
+                                       ((1, 256, 24), 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("max_rows", [8, 2])
+def test_gemv_codes_in_pairs_match_the_reference(mkn, group: int, dtype: torch.dtype,
+                                                 split_k: int, max_rows: int) -> None:
+    """kernels/nibble_pairs.py: codes multiplied two at a time in fp16 (inline PTX on CUDA,
+    its emulation in the interpreter), zeros up to 16, against the reference: the fp32
+    loop's error (the output's rounding) plus about fp16's unit (the lanes' roundings)."""
+    m, k, n = mkn
+    gen = torch.Generator().manual_seed(m * k + n + 7)
+    codes = torch.randint(0, 16, (k, n), generator=gen)
+    scales = torch.rand(k // group, n, generator=gen) * 0.1 + 0.01
+    zeros = torch.randint(0, 17, (k // group, n), generator=gen).to(torch.uint8)
+    x = (torch.randn(m, k, generator=gen) * 4).to(dtype)
+    args = [t.to(DEVICE) for t in (pack_rows(codes), scales, zeros)]
+    ref = w4a16_ref(x.float(), pack_rows(codes), scales, zeros, group)
+    paired = w4a16_gemv(x.to(DEVICE), *args, group, (16, max_rows, 1), split_k, pairs=True)
+    fp32_loop = w4a16_gemv(x.to(DEVICE), *args, group, (16, max_rows, 1), split_k, pairs=False)
+    assert paired.dtype == dtype and paired.shape == (m, n)
+    assert rel_err(paired.cpu(), ref) < TOLERANCE[dtype]
+    assert rel_err(paired.cpu(), ref) <= 1.5 * rel_err(fp32_loop.cpu(), ref) + 2.0**-10
+
+
+def test_gemv_pairs_need_16_bit_x() -> None:
+    q, s, z = pack_rows(torch.zeros(64, 16, dtype=torch.int64)), torch.ones(2, 16), \
+        torch.zeros(2, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="pairs needs bf16 or fp16"):
+        w4a16_gemv(torch.randn(1, 64).to(DEVICE), q.to(DEVICE), s.to(DEVICE), z.to(DEVICE), 32,
+                   pairs=True)
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_kernel_on_act_order_weights_equals_the_dequantized_matmul(symmetric: bool) -> None:
     """Permuted groups: the layer packs W's rows in group order and gathers x's columns so."""

@@ -5,8 +5,8 @@ Once every row has arrived the layer holds kernels/w4a16.py's layout: `qweight` 
 int32, `scales` [K / G, N] fp32, `zeros` [K / G, N] uint8, and `perm` [K] when act-order
 groups were not consecutive (x's columns are gathered by it first). Where it computes:
 
-    CUDA, steps of 1 token                the W4A16 GEMV (kernels/w4a16_gemv.py, split-K);
-                                          with `prologues`, the norm before q/k/v and gate_up
+    CUDA, steps of 1 token                the W4A16 GEMV (kernels/w4a16_gemv.py, split-K),
+                                          codes in fp16 pairs (`pairs`); with `prologues`, the norm before q/k/v and gate_up
                                           and the SwiGLU before down in its prologue
                                           (`rmsnorm_linear`, `silu_mul_linear`: the model's
                                           fused-call hooks)
@@ -55,6 +55,9 @@ class W4A16Linear(nn.Module):
     # has since gained an L2 prefetch of the weights, not yet timed (pdserve/bench/gpu_quant.py
     # system w4a16_fused turns it on).
     prologues = False
+    # The GEMV's codes multiplied two at a time in fp16 (kernels/nibble_pairs.py) where x is
+    # bf16 or fp16; off: its fp32 loop (pdserve/bench/gpu_quant.py system w4a16_fp32).
+    pairs = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -125,7 +128,7 @@ class W4A16Linear(nn.Module):
             args = (self._gather(x).contiguous(), self.qweight, self.scales, self.zeros,
                     self.group_size)
             if x.shape[0] <= GEMV_MAX_TOKENS and gemv_rows(self.group_size, x.shape[1]):
-                return w4a16_gemv(*args)
+                return w4a16_gemv(*args, pairs=self._pairs())
             if x.shape[0] > GEMM_MAX_TOKENS and block_k_for(self.group_size, 8):
                 return w4a16_dequant_linear(*args)
             if block_k_for(self.group_size) is not None:
@@ -141,7 +144,8 @@ class W4A16Linear(nn.Module):
                                                    and not residual.is_contiguous()):
             return None
         y, s = w4a16_gemv_rmsnorm(x, residual, norm.weight, norm.eps, self.qweight,
-                                  self.scales, self.zeros, self.group_size)
+                                  self.scales, self.zeros, self.group_size,
+                                  pairs=self._pairs())
         return (y if self.bias is None else y + self.bias), s
 
     def silu_mul_linear(self, gate_up: torch.Tensor) -> torch.Tensor | None:
@@ -149,8 +153,13 @@ class W4A16Linear(nn.Module):
         layer takes its GEMV (tp_layers `silu_mul_linear` calls it); None elsewhere."""
         if not self._gemv_fits(gate_up, gate_up.shape[-1] // 2):
             return None
-        y = w4a16_gemv_swiglu(gate_up, self.qweight, self.scales, self.zeros, self.group_size)
+        y = w4a16_gemv_swiglu(gate_up, self.qweight, self.scales, self.zeros, self.group_size,
+                              pairs=self._pairs())
         return y if self.bias is None else y + self.bias
+
+    def _pairs(self) -> bool | None:
+        """The GEMV's `pairs`: None (wherever they fit) or False."""
+        return None if self.pairs else False
 
     def _gemv_fits(self, x: torch.Tensor, k: int) -> bool:
         """Whether a step of x takes the GEMV with its prologue: CUDA, a token, no act-order

@@ -15,6 +15,9 @@
 #   prologue  the W4A16 GEMV's prologue tests on the GPU, then batch-1 w4a16 against
 #             w4a16_fused (the norms and SwiGLU in the GEMV), twice, the order swapped, and
 #             the two decode graphs' kernels
+#   pairs     the W4A16 GEMV's tests on the GPU, its tiles with the fp32 loop and with codes
+#             in fp16 pairs, batch-1 w4a16 (pairs) against w4a16_fp32 twice, the order
+#             swapped, w4a16_fused once, and the decode graphs' kernels of w4a16, w4a16_fp32
 # Reports in $OUT; a fresh PDSERVE_CACHE_DIR, so every GEMV plan is timed, none recorded.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -51,6 +54,21 @@ for part in "${@:-tests kernels latency}"; do
         done
         python3 -m pdserve.bench.gpu_decode_profile --systems w4a16,w4a16_fused --out "$OUT" \
             2>&1 | grep -A9 "batch-1 step" || status=1 ;;
+      pairs)
+        python3 -m pytest -q -p no:cacheprovider tests/test_quant_w4a16.py \
+            tests/test_kernel_w4a16_gemv_inputs.py -k "gemv or pairs or gpu or hooks or hopper" \
+            2>&1 | tail -3
+        status=$((status | PIPESTATUS[0]))
+        python3 -m pdserve.bench.gpu_w4a16 --out "$OUT" --tokens 1 --gemv-only \
+            --gemv-tiles "${PAIR_TILES:-16x16x1,32x32x2,64x64x4,64x64x8,128x32x4}" 2>&1 \
+            | grep "M=1" || status=1
+        model=$(mktemp -d)/model
+        for order in w4a16,w4a16_fp32 w4a16_fp32,w4a16 w4a16_fused; do
+          python3 -m pdserve.bench.gpu_quant --out "$OUT/$order" --systems $order --no-w1 \
+              --model-dir "$model" 2>&1 | grep "batch-1" || status=1
+        done
+        python3 -m pdserve.bench.gpu_decode_profile --systems w4a16,w4a16_fp32 --out "$OUT" \
+            --model-dir "$model" 2>&1 | grep -A9 "batch-1 step" || status=1 ;;
       *) echo "unknown part $p"; status=1 ;;
     esac
   done

@@ -77,7 +77,8 @@ def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool, gemv_
               gemv_tiles: tuple[tuple[int, int, int], ...] = GEMV_TILES
               ) -> dict[str, Callable[[], torch.Tensor]]:
     """Name -> call: the layer (its default path), every GEMM tile and split (unless
-    `gemv_only`), and for M <= GEMV_MAX_TOKENS every GEMV tile (of `gemv_tiles`) and split."""
+    `gemv_only`), and for M <= GEMV_MAX_TOKENS every GEMV tile (of `gemv_tiles`) and split,
+    its fp32 loop and (16-bit x) its codes in pairs (`_pairs`)."""
     from kernels.w4a16 import w4a16_linear
     from kernels.w4a16_gemv import GEMV_MAX_TOKENS, w4a16_gemv
     from kernels.w4a16_planes import planes_fit, w4a16_planes_linear
@@ -96,8 +97,11 @@ def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool, gemv_
                 lambda t=(block_m, block_n, warps), s=split: w4a16_planes_linear(x, *args, t, s)
     for tile in (gemv_tiles if cuda else gemv_tiles[:1]) if m <= GEMV_MAX_TOKENS else ():
         for split in SPLITS[:4] if cuda else SPLITS[:2]:
-            calls[f"w4a16_gemv_{tile[0]}r{tile[1]}w{tile[2]}_s{split}"] = \
-                lambda t=tile, s=split: w4a16_gemv(x, *args, t, s)
+            name = f"w4a16_gemv_{tile[0]}r{tile[1]}w{tile[2]}_s{split}"
+            calls[name] = lambda t=tile, s=split: w4a16_gemv(x, *args, t, s, pairs=False)
+            if x.dtype != torch.float32:  # codes in pairs (kernels/nibble_pairs.py)
+                calls[f"{name}_pairs"] = \
+                    lambda t=tile, s=split: w4a16_gemv(x, *args, t, s, pairs=True)
     return calls
 
 
