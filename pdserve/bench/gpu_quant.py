@@ -9,7 +9,8 @@ fp8` serves) and a W4A16 checkpoint written from it by engine/quant/w4a16_quanti
 `gemm` layout, group 128 with zeros, round to nearest; the format detected from config.json);
 w4a16_fused serves that checkpoint with the norms and SwiGLU in the GEMV's prologue instead of
 as kernels of their own (`W4A16Linear.prologues` on), w4a16_fp32 with the GEMV's fp32 loop
-instead of its fp16 code pairs (`W4A16Linear.pairs` off). For each:
+instead of its fp16 code pairs (`W4A16Linear.pairs` off), w4a16_st3 with three steps of the
+GEMV's loads in flight (`W4A16Linear.stages`). For each:
 
   batch1   decode ms/token, (time of 1 + N tokens - time of 1 token) / N, median over fresh
            prompts (gpu_generation.measure_latency), against its own weights-read floor: the
@@ -57,10 +58,10 @@ from pdserve.bench.gpu_model import (
 )
 from pdserve.bench.report import bench_main, config_of, write_report
 
-SYSTEMS = ("bf16", "fp8", "fp8_kv8", "w4a16", "w4a16_fused", "w4a16_fp32")
+SYSTEMS = ("bf16", "fp8", "fp8_kv8", "w4a16", "w4a16_fused", "w4a16_fp32", "w4a16_st3")
 W4A16_GROUP = 128
 TARGET_MS = {"bf16": 1.2, "fp8": 0.8, "fp8_kv8": 0.8, "w4a16": 0.6, "w4a16_fused": 0.6,
-             "w4a16_fp32": 0.6}
+             "w4a16_fp32": 0.6, "w4a16_st3": 0.6}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,7 +107,7 @@ def run_system(models: RandomModel, system: str, ceilings: dict, args: argparse.
         batch1 = measure_latency(models, None, args.seed)
         model = models.llm().llm_engine.runner.model
         batch1["decode_gemv_plan"] = getattr(model, "decode_gemv_report", None)  # CUDA only
-        weights = system.removesuffix("_kv8").removesuffix("_fused").removesuffix("_fp32")
+        weights = system.removesuffix("_kv8").removesuffix("_fused").removesuffix("_fp32").removesuffix("_st3")
         need = weight_bytes(models.sizes.shape, weights)
         floor = need / ceilings["copy_bytes_per_s"] * 1e3
         batch1.update(weights_bytes=need, weights_floor_ms=floor,
@@ -124,16 +125,17 @@ def run_system(models: RandomModel, system: str, ceilings: dict, args: argparse.
 def serving(system: str) -> Iterator[None]:
     """The settings `system` is served with, while the block runs: w4a16_fused turns
     `W4A16Linear.prologues` on (the norms and SwiGLU in the GEMV), w4a16_fp32 turns
-    `W4A16Linear.pairs` off (the GEMV's fp32 loop)."""
+    `W4A16Linear.pairs` off (the GEMV's fp32 loop), w4a16_st3 sets `W4A16Linear.stages` to 3."""
     from engine.quant.w4a16_linear import W4A16Linear
 
-    before = W4A16Linear.prologues, W4A16Linear.pairs
+    before = W4A16Linear.prologues, W4A16Linear.pairs, W4A16Linear.stages
     W4A16Linear.prologues = system == "w4a16_fused"
     W4A16Linear.pairs = system != "w4a16_fp32"
+    W4A16Linear.stages = 3 if system == "w4a16_st3" else 1
     try:
         yield
     finally:
-        W4A16Linear.prologues, W4A16Linear.pairs = before
+        W4A16Linear.prologues, W4A16Linear.pairs, W4A16Linear.stages = before
 
 
 def engine_for(system: str, base: RandomModel, kwargs: dict[str, Any]) -> RandomModel:

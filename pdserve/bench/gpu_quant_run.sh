@@ -15,9 +15,10 @@
 #   prologue  the W4A16 GEMV's prologue tests on the GPU, then batch-1 w4a16 against
 #             w4a16_fused (the norms and SwiGLU in the GEMV), twice, the order swapped, and
 #             the two decode graphs' kernels
-#   pairs     the W4A16 GEMV's tests on the GPU, its tiles with the fp32 loop and with codes
-#             in fp16 pairs, batch-1 w4a16 (pairs) against w4a16_fp32 twice, the order
-#             swapped, w4a16_fused once, and the decode graphs' kernels of w4a16, w4a16_fp32
+#   pairs     the W4A16 GEMV's tests on the GPU (PAIR_TESTS: a -k expression), its tiles with
+#             the fp32 loop and with codes in fp16 pairs (weights from DRAM), batch-1 of
+#             PAIR_SYSTEMS (default w4a16,w4a16_fp32) twice, the order reversed, then
+#             w4a16_fused, and the decode graphs' kernels of PAIR_SYSTEMS
 # Reports in $OUT; a fresh PDSERVE_CACHE_DIR, so every GEMV plan is timed, none recorded.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -56,19 +57,21 @@ for part in "${@:-tests kernels latency}"; do
             2>&1 | grep -A9 "batch-1 step" || status=1 ;;
       pairs)
         python3 -m pytest -q -p no:cacheprovider tests/test_quant_w4a16.py \
-            tests/test_kernel_w4a16_gemv_inputs.py -k "gemv or pairs or gpu or hooks or hopper" \
-            2>&1 | tail -3
+            tests/test_kernel_w4a16_gemv_inputs.py \
+            -k "${PAIR_TESTS:-gemv or pairs or gpu or hooks or hopper}" 2>&1 | tail -3
         status=$((status | PIPESTATUS[0]))
         python3 -m pdserve.bench.gpu_w4a16 --out "$OUT" --tokens 1 --gemv-only \
             --gemv-tiles "${PAIR_TILES:-16x16x1,32x32x2,64x64x4,64x64x8,128x32x4}" 2>&1 \
             | grep "M=1" || status=1
         model=$(mktemp -d)/model
-        for order in w4a16,w4a16_fp32 w4a16_fp32,w4a16 w4a16_fused; do
-          python3 -m pdserve.bench.gpu_quant --out "$OUT/$order" --systems $order --no-w1 \
-              --model-dir "$model" 2>&1 | grep "batch-1" || status=1
+        systems=${PAIR_SYSTEMS:-w4a16,w4a16_fp32}
+        reversed=$(echo "$systems" | tr , '\n' | tac | paste -sd,)
+        for order in "$systems" "$reversed" w4a16_fused; do
+          python3 -m pdserve.bench.gpu_quant --out "$OUT/${order//,/-}" --systems "$order" \
+              --no-w1 --model-dir "$model" 2>&1 | grep "batch-1" || status=1
         done
-        python3 -m pdserve.bench.gpu_decode_profile --systems w4a16,w4a16_fp32 --out "$OUT" \
-            --model-dir "$model" 2>&1 | grep -A9 "batch-1 step" || status=1 ;;
+        python3 -m pdserve.bench.gpu_decode_profile --systems "$systems" --out "$OUT" \
+            --model-dir "$model" 2>&1 | grep -A9 "batch-1 step\|^w4a16" || status=1 ;;
       *) echo "unknown part $p"; status=1 ;;
     esac
   done

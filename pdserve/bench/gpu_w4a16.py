@@ -1,7 +1,9 @@
 """The W4A16 Triton kernels (kernels/w4a16.py's GEMM, w4a16_gemv.py, w4a16_planes.py) against
 bf16 F.linear on Llama-3.2-1B's projection shapes, 1 to 64 tokens at a time (decode batches):
 device ms per call replayed in a CUDA graph, the kernels' tile and split-K variants, and the
-weight-bytes floor at the measured copy bandwidth.
+weight-bytes floor at the measured copy bandwidth. Each timed call cycles through copies of its
+weights, 4x the L2 in all, so that it reads them from DRAM as a decode step does (before
+2026-12-03 one copy was timed: up to 17 MB, from the 50 MB L2 of an H100 or H200).
 
     python -m pdserve.bench.gpu_w4a16 --out DIR          # on a GPU (device call: gpu_kit_env.sh)
     python -m pdserve.bench.gpu_w4a16 --small --out DIR  # the same code on the CPU, tiny shapes
@@ -12,6 +14,7 @@ Writes DIR/gpu_w4a16.json and prints one line per (shape, M).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from collections.abc import Callable
@@ -35,6 +38,7 @@ TILES = ((16, 32), (16, 64), (16, 128))  # GEMM (BLOCK_M, BLOCK_N)
 GEMV_TILES = ((16, 16, 1), (32, 16, 2), (64, 16, 4), (16, 32, 1), (32, 32, 2), (32, 32, 4),
               (64, 32, 4), (32, 64, 2), (32, 64, 4), (64, 64, 4))
 SPLITS = (1, 2, 4, 8, 16)
+PAIR_STAGES = (1, 3)  # the pairs loop without and with Triton's software pipeline
 GROUP = 128
 
 
@@ -78,7 +82,7 @@ def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool, gemv_
               ) -> dict[str, Callable[[], torch.Tensor]]:
     """Name -> call: the layer (its default path), every GEMM tile and split (unless
     `gemv_only`), and for M <= GEMV_MAX_TOKENS every GEMV tile (of `gemv_tiles`) and split,
-    its fp32 loop and (16-bit x) its codes in pairs (`_pairs`)."""
+    its fp32 loop and (16-bit x) its codes in pairs (`_pairs`, pipelined `_pairs_st3`)."""
     from kernels.w4a16 import w4a16_linear
     from kernels.w4a16_gemv import GEMV_MAX_TOKENS, w4a16_gemv
     from kernels.w4a16_planes import planes_fit, w4a16_planes_linear
@@ -100,9 +104,26 @@ def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool, gemv_
             name = f"w4a16_gemv_{tile[0]}r{tile[1]}w{tile[2]}_s{split}"
             calls[name] = lambda t=tile, s=split: w4a16_gemv(x, *args, t, s, pairs=False)
             if x.dtype != torch.float32:  # codes in pairs (kernels/nibble_pairs.py)
-                calls[f"{name}_pairs"] = \
-                    lambda t=tile, s=split: w4a16_gemv(x, *args, t, s, pairs=True)
+                for stages in PAIR_STAGES if cuda else (1,):
+                    calls[f"{name}_pairs" + (f"_st{stages}" if stages > 1 else "")] = \
+                        lambda t=tile, s=split, st=stages: w4a16_gemv(x, *args, t, s,
+                                                                      pairs=True, stages=st)
     return calls
+
+
+def copies_beyond_l2(nbytes: int, device: torch.device) -> int:
+    """How many copies of `nbytes` of weights a timed call cycles through so that each call
+    reads its weights from DRAM, as a decode step does (the model is larger than the L2):
+    4x the L2 in all, at most 64 (1 on the CPU)."""
+    if device.type != "cuda":
+        return 1
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, min(64, -(-4 * l2 // nbytes)))
+
+
+def cycled_ms(calls: list[Callable[[], object]], device: torch.device) -> float:
+    """Device ms of one call of `calls` (one per weight copy), the whole cycle replayed."""
+    return device_ms(lambda: [call() for call in calls], device) / len(calls)
 
 
 def shape_rows(name: str, n: int, k: int, device: torch.device, group: int,
@@ -110,18 +131,25 @@ def shape_rows(name: str, n: int, k: int, device: torch.device, group: int,
                gemv_tiles: tuple[tuple[int, int, int], ...] = GEMV_TILES
                ) -> list[dict[str, Any]]:
     layer, exact = _layer(n, k, device, group)
+    layers = [layer] + [copy.deepcopy(layer) for _ in
+                        range(copies_beyond_l2(layer.weight_bytes(), device) - 1)]
     dense = exact.to(torch.bfloat16)
+    denses = [dense] + [dense.clone() for _ in
+                        range(copies_beyond_l2(dense.nbytes, device) - 1)]
     rows = []
     for m in tokens:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         expected = x.float() @ exact.t()
-        row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m,
-                               "bf16_linear_ms": device_ms(lambda x=x: F.linear(x, dense), device)}
+        row: dict[str, Any] = {
+            "shape": name, "n": n, "k": k, "m": m, "weight_copies": len(layers),
+            "bf16_linear_ms": cycled_ms([lambda x=x, w=w: F.linear(x, w) for w in denses],
+                                        device)}
         errors = {}
-        for label, call in _variants(m, x, layer, group, device.type == "cuda",
-                                       gemv_only, gemv_tiles).items():
+        variants = [_variants(m, x, each, group, device.type == "cuda", gemv_only, gemv_tiles)
+                    for each in layers]
+        for label, call in variants[0].items():
             errors[label] = ((call().float() - expected).norm() / expected.norm()).item()
-            row[f"{label}_ms"] = device_ms(call, device)
+            row[f"{label}_ms"] = cycled_ms([calls[label] for calls in variants], device)
         row["rel_err"] = errors["w4a16_auto"]
         row["max_variant_rel_err"] = max(errors.values())
         variants = {key: v for key, v in row.items() if key.startswith("w4a16_")}
