@@ -46,16 +46,17 @@ from kernels.widen import nibble_times
 # F.linear; at M = 4 the GEMM (split-K) beat it. M = 2, 3 not measured: they take the GEMM.
 GEMV_MAX_TOKENS = 1
 MAX_ROWS = 64  # int32 rows of qweight a step: 512 rows of W
-# (BLOCK_N, max ROWS, num_warps) by weight size, the best of a sweep on an H200 at M = 1
-# (2026-12-02, pdserve/bench/gpu_w4a16.py): a small weight wants many small programs (the
-# 2048 x 3072 q/k/v: 4.6 us with 16 x 16 x 1 against 5.0 with 32 x 64 x 4), a large one long
-# steps (the 2048 x 16384 gate_up: 10.8 us with 64 x 64 x 4 against 11.0 and 20.6 with the
-# former default 32 x 64 x 2, whose layout leaves barriers in the loop).
-SMALL_BLOCKS, LARGE_BLOCKS = (16, 16, 1), (64, MAX_ROWS, 4)
+# (BLOCK_N, max ROWS, num_warps) by weight size, the best of sweeps on an H200 at M = 1
+# (pdserve/bench/gpu_w4a16.py): a small weight wants many small programs (the 2048 x 3072
+# q/k/v: 5.3 us with 16 x 16 x 1 in 8 shares), a large one long steps, eight warps since the
+# code pairs (2026-12-03, weights from DRAM: the 2048 x 16384 gate_up 10.9 us unsplit against
+# 12.9 with four warps, the 8192 x 2048 down 8.4 in 8 shares against 9.0). Before that day
+# the sweeps timed weights resident in the L2 (four warps then: gate_up 10.8 us).
+SMALL_BLOCKS, LARGE_BLOCKS = (16, 16, 1), (64, MAX_ROWS, 8)
 LARGE_WEIGHT = 1 << 24  # K x N codes from which LARGE_BLOCKS
 # K shares by default: SMALL_BLOCKS' light programs (one warp, 1 KiB of codes a step) ~8 an SM,
-# LARGE_BLOCKS' (four warps, 16 KiB of codes a step) at most 2 an SM. H200, M = 1, 2026-12-03
-# (pdserve/bench/gpu_w4a16.py, two calls): the 2048 x 16384 gate_up 10.8 us unsplit against
+# LARGE_BLOCKS' (eight warps, 16 KiB of codes a step) at most 2 an SM. H200, M = 1, 2026-12-03
+# (pdserve/bench/gpu_w4a16.py, two calls, weights in the L2): gate_up 10.8 us unsplit against
 # 12.5 in the 4 shares that ~8 an SM gave; the 8192 x 2048 down 7.4 us in 8 shares, 8.4 in 4.
 SMALL_PER_SM, LARGE_PER_SM = 8, 2
 
