@@ -51,9 +51,9 @@ class W4A16Linear(nn.Module):
 
     # The norm and SwiGLU in the GEMV's prologue (`rmsnorm_linear`, `silu_mul_linear`) instead
     # of kernels of their own. Off: on an H200 the fused step was no faster (0.933 / 0.934 ms
-    # against 0.938 / 0.929; the GEMVs took the 71 us the 48 launches saved); the prologue
-    # has since gained an L2 prefetch of the weights, not yet timed (pdserve/bench/gpu_quant.py
-    # system w4a16_fused turns it on).
+    # against 0.938 / 0.929; the GEMVs took the 71 us the 48 launches saved), nor with the
+    # prologue's L2 prefetch (0.941-0.995 against 0.976-1.058 at the same position;
+    # pdserve/bench/gpu_quant.py system w4a16_fused turns it on).
     prologues = False
     # The GEMV's codes multiplied two at a time in fp16 (kernels/nibble_pairs.py) where x is
     # bf16 or fp16; off: its fp32 loop (pdserve/bench/gpu_quant.py system w4a16_fp32).
