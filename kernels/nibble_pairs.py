@@ -66,23 +66,34 @@ add.f32 flo, flo, fhi;
 mov.b32 $0, flo;
 }""")
 
-# bf16x2 -> fp16x2: each half widened to fp32 (exact), then both rounded to fp16, saturating
-_BF16_TO_FP16 = tl.constexpr("""{
+# x's pair (x[p], x[p + 4]) from the int32 words holding them (`$1` x[p - p % 2 ..], `$2` four
+# entries on), p even: their low halves, odd: their high halves. bf16: each half widened to
+# fp32 (exact), the two rounded to fp16 by one saturating conversion; fp16: one byte permute.
+_BF16_EVEN = tl.constexpr("""{
 .reg .b32 lo, hi;
 shl.b32 lo, $1, 16;
-and.b32 hi, $1, 0xFFFF0000;
+shl.b32 hi, $2, 16;
 cvt.rn.satfinite.f16x2.f32 $0, hi, lo;
 }""")
+_BF16_ODD = tl.constexpr("""{
+.reg .b32 lo, hi;
+and.b32 lo, $1, 0xFFFF0000;
+and.b32 hi, $2, 0xFFFF0000;
+cvt.rn.satfinite.f16x2.f32 $0, hi, lo;
+}""")
+_FP16_EVEN = tl.constexpr("prmt.b32 $0, $1, $2, 0x5410;")
+_FP16_ODD = tl.constexpr("prmt.b32 $0, $1, $2, 0x7632;")
 
 
 @triton.jit
 def zero_pairs(z):
-    """What `pair_dots` subtracts for zeros `z` (int32 0..15), each twice as an fp16 pair in an
+    """What `pair_dots` subtracts for zeros `z` (int32 0..16), each twice as an fp16 pair in an
     int32, by their bits: -(16 + z / 64) is 0xCC00 | z (16's exponent, the mantissa's unit
-    1/64), -(1 + z / 64) is 0xBC00 | z << 4 (1's exponent, the unit 1/1024)."""
-    even = z | 0xCC00
-    odd = (z << 4) | 0xBC00
-    return even | (even << 16), odd | (odd << 16)
+    1/64), -(1 + z / 64) is 0xBC00 | z << 4 (1's exponent, the unit 1/1024), the second made
+    from the first (one shift, one LOP3)."""
+    even = z * 0x10001 | -872363008  # 0xCC00CC00
+    odd = ((even << 4) & 0x0FF00FF0) | -1140802560  # 0xBC00BC00
+    return even, odd
 
 
 @triton.jit
@@ -91,14 +102,17 @@ def x_pair(low, high, ODD: tl.constexpr, IS_BF16: tl.constexpr, ASM: tl.constexp
     holding x[8 r + p - p % 2 ..] (`low`) and 4 entries on (`high`): p even takes their low
     halves, odd their high halves. bf16 x is rounded to fp16 (by PTX with ASM; else left
     bf16: `pair_dots`' emulation rounds it)."""
-    if ODD:
-        pair = ((low >> 16) & 0xFFFF) | (high & -65536)
-    else:
-        pair = (low & 0xFFFF) | (high << 16)
-    if IS_BF16 and ASM:
-        pair = tl.inline_asm_elementwise(_BF16_TO_FP16, "=r,r", [pair], dtype=tl.int32,
+    if ASM:
+        if IS_BF16:
+            code: tl.constexpr = _BF16_ODD if ODD else _BF16_EVEN
+        else:
+            code: tl.constexpr = _FP16_ODD if ODD else _FP16_EVEN
+        return tl.inline_asm_elementwise(code, "=r,r,r", [low, high], dtype=tl.int32,
                                          is_pure=True, pack=1)
-    return pair
+    if ODD:
+        return ((low >> 16) & 0xFFFF) | (high & -65536)
+    else:
+        return (low & 0xFFFF) | (high << 16)
 
 
 @triton.jit

@@ -38,7 +38,9 @@ TILES = ((16, 32), (16, 64), (16, 128))  # GEMM (BLOCK_M, BLOCK_N)
 GEMV_TILES = ((16, 16, 1), (32, 16, 2), (64, 16, 4), (16, 32, 1), (32, 32, 2), (32, 32, 4),
               (64, 32, 4), (32, 64, 2), (32, 64, 4), (64, 64, 4))
 SPLITS = (1, 2, 4, 8, 16)
-PAIR_STAGES = (1, 3)  # the pairs loop without and with Triton's software pipeline
+# the pairs loop as it is, with each step's codes loaded a step ahead, and (once measured
+# slower, 2026-12-03) with Triton's software pipeline
+PAIR_VARIANTS = {"": {}, "_ahead": {"ahead": True}}
 GROUP = 128
 
 
@@ -82,7 +84,7 @@ def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool, gemv_
               ) -> dict[str, Callable[[], torch.Tensor]]:
     """Name -> call: the layer (its default path), every GEMM tile and split (unless
     `gemv_only`), and for M <= GEMV_MAX_TOKENS every GEMV tile (of `gemv_tiles`) and split,
-    its fp32 loop and (16-bit x) its codes in pairs (`_pairs`, pipelined `_pairs_st3`)."""
+    its fp32 loop and (16-bit x) its codes in pairs (`_pairs`, `_pairs_ahead`)."""
     from kernels.w4a16 import w4a16_linear
     from kernels.w4a16_gemv import GEMV_MAX_TOKENS, w4a16_gemv
     from kernels.w4a16_planes import planes_fit, w4a16_planes_linear
@@ -104,10 +106,10 @@ def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool, gemv_
             name = f"w4a16_gemv_{tile[0]}r{tile[1]}w{tile[2]}_s{split}"
             calls[name] = lambda t=tile, s=split: w4a16_gemv(x, *args, t, s, pairs=False)
             if x.dtype != torch.float32:  # codes in pairs (kernels/nibble_pairs.py)
-                for stages in PAIR_STAGES if cuda else (1,):
-                    calls[f"{name}_pairs" + (f"_st{stages}" if stages > 1 else "")] = \
-                        lambda t=tile, s=split, st=stages: w4a16_gemv(x, *args, t, s,
-                                                                      pairs=True, stages=st)
+                for suffix, more in PAIR_VARIANTS.items() if cuda else (("", {}),):
+                    calls[f"{name}_pairs{suffix}"] = \
+                        lambda t=tile, s=split, kw=more: w4a16_gemv(x, *args, t, s, pairs=True,
+                                                                    **kw)
     return calls
 
 
