@@ -18,7 +18,7 @@
 #   pairs     the W4A16 GEMV's tests on the GPU (PAIR_TESTS: a -k expression), its tiles with
 #             the fp32 loop and with codes in fp16 pairs (weights from DRAM), batch-1 of
 #             PAIR_SYSTEMS (default w4a16,w4a16_fp32) twice, the order reversed, then
-#             w4a16_fused, and the decode graphs' kernels of PAIR_SYSTEMS
+#             PAIR_EXTRA (default w4a16_fused), and the decode graphs' kernels of PAIR_SYSTEMS
 # Reports in $OUT; a fresh PDSERVE_CACHE_DIR, so every GEMV plan is timed, none recorded.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -66,7 +66,7 @@ for part in "${@:-tests kernels latency}"; do
         model=$(mktemp -d)/model
         systems=${PAIR_SYSTEMS:-w4a16,w4a16_fp32}
         reversed=$(echo "$systems" | tr , '\n' | tac | paste -sd,)
-        for order in "$systems" "$reversed" w4a16_fused; do
+        for order in "$systems" "$reversed" ${PAIR_EXTRA-w4a16_fused}; do
           python3 -m pdserve.bench.gpu_quant --out "$OUT/${order//,/-}" --systems "$order" \
               --no-w1 --model-dir "$model" 2>&1 | grep "batch-1" || status=1
         done
