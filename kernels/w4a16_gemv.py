@@ -106,7 +106,6 @@ def _w4a16_gemv_kernel(
     PAIRS_ASM: tl.constexpr,  # by inline PTX (CUDA), else emulated (the interpreter)
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no column masks (each costs a register's zeroing)
     STAGES: tl.constexpr,  # the loop's software pipeline: steps of loads in flight
-    AHEAD: tl.constexpr,  # each step's codes loaded (into registers) during the step before
 ):
     m = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,16 +127,8 @@ def _w4a16_gemv_kernel(
         x_row = xc_row
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     q_tile = q_ptr + ri.to(tl.int64) * stride_qk + rn[None, :]  # [ROWS, BN]: the step's words
-    if AHEAD:  # (a share past K, if any, re-reads the last step: never out of bounds)
-        k_first = tl.minimum(k_start, K - 8 * ROWS)
-        ahead = _load_columns(q_tile + (k_first // 8) * stride_qk, n_mask, EVEN_N)
     for k in tl.range(k_start, k_stop, 8 * ROWS, num_stages=STAGES):  # K: a multiple of 8 ROWS
-        if AHEAD:  # this step's codes arrived during the last; the next step's asked for now
-            packed = ahead
-            k_next = tl.minimum(k + 8 * ROWS, k_stop - 8 * ROWS)  # the last re-reads itself
-            ahead = _load_columns(q_tile + (k_next // 8) * stride_qk, n_mask, EVEN_N)
-        else:
-            packed = _load_columns(q_tile + (k // 8) * stride_qk, n_mask, EVEN_N)  # [ROWS, BN]
+        packed = _load_columns(q_tile + (k // 8) * stride_qk, n_mask, EVEN_N)  # [ROWS, BN]
         if ROWS <= GROUP_ROWS:  # the step lies in one group: a row of scales and zeros
             rows = (k // group_size) * stride_sg  # < 2^31: K / G groups x N
         else:  # several groups a step: each int32 row reads its own group's
@@ -198,24 +189,23 @@ def gemv_rows(group_size: int, k: int, max_rows: int = MAX_ROWS) -> tuple[int, i
 def w4a16_gemv(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     group_size: int, blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
-    pairs: bool | None = None, stages: int = 1, ahead: bool = False,
+    pairs: bool | None = None, stages: int = 1,
 ) -> torch.Tensor:
     """[M, K] x the 4-bit W [K, N] -> [M, N] in x's dtype (kernels/w4a16.py `w4a16_ref`).
     `blocks`: (BLOCK_N, max ROWS, num_warps); `split_k`: K shares, by default enough to fill
     the GPU; `pairs`: codes multiplied two at a time in fp16 (kernels/nibble_pairs.py), by
     default wherever it can (CUDA, bf16 or fp16 x); `stages`: steps of loads in flight
-    (Triton's software pipeline through shared memory); `ahead`: each step's codes loaded
-    into registers during the step before. ValueError for shapes, strides or dtypes it cannot
-    take."""
+    (Triton's software pipeline through shared memory). ValueError for shapes, strides or
+    dtypes it cannot take."""
     return _launch(PLAIN, x, None, None, 0.0, x.shape[-1], qweight, scales, zeros, group_size,
-                   blocks, split_k, pairs, stages, ahead)[0]
+                   blocks, split_k, pairs, stages)[0]
 
 
 def w4a16_gemv_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
     blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
-    pairs: bool | None = None, stages: int = 1, ahead: bool = False,
+    pairs: bool | None = None, stages: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) @ W, x + residual): kernels/rmsnorm.py's `rms_norm` and then
     `w4a16_gemv`, one launch (`residual` None: the norm of x, and x)."""
@@ -231,20 +221,20 @@ def w4a16_gemv_rmsnorm(
             "x's shape and dtype, and a contiguous [K] weight of x's dtype")
     form = NORM if residual is None else NORM_RESIDUAL
     return _launch(form, x, residual, norm_weight, eps, k, qweight, scales, zeros, group_size,
-                   blocks, split_k, pairs, stages, ahead)
+                   blocks, split_k, pairs, stages)
 
 
 def w4a16_gemv_swiglu(
     gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     group_size: int, blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
-    pairs: bool | None = None, stages: int = 1, ahead: bool = False,
+    pairs: bool | None = None, stages: int = 1,
 ) -> torch.Tensor:
     """(silu(gate) * up) @ W for gate_up = [gate | up] [M, 2K]: kernels/silu_mul.py's
     `silu_and_mul` and then `w4a16_gemv`, one launch."""
     if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
         raise ValueError(f"w4a16_gemv_swiglu: gate_up {tuple(gate_up.shape)}: need [M, 2K]")
     return _launch(SWIGLU, gate_up, None, None, 0.0, gate_up.shape[-1] // 2, qweight, scales,
-                   zeros, group_size, blocks, split_k, pairs, stages, ahead)[0]
+                   zeros, group_size, blocks, split_k, pairs, stages)[0]
 
 
 def _launch(
@@ -252,7 +242,6 @@ def _launch(
     norm_weight: torch.Tensor | None, eps: float, k: int, qweight: torch.Tensor,
     scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
     blocks: tuple[int, int, int] | None, split_k: int | None, pairs: bool | None, stages: int,
-    ahead: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, the new residual stream: x + residual for NORM_RESIDUAL, else x)."""
     kind = form.value  # a plain int for the launch's arguments
@@ -280,7 +269,7 @@ def _launch(
         BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=plan.split, FORM=kind,
         PRO_BLOCK=PROLOGUE_BLOCK, PREFETCH=kind != PLAIN.value and x.is_cuda,
         LINES=triton.cdiv(block_n, 32), PAIRS=pairs, PAIRS_ASM=x.is_cuda,
-        EVEN_N=n % block_n == 0, STAGES=stages, AHEAD=ahead,
+        EVEN_N=n % block_n == 0, STAGES=stages,
         num_warps=warps,
     )
     return out, s_out

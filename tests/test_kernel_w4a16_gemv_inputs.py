@@ -134,7 +134,7 @@ for form in ("PLAIN", "NORM", "NORM_RESIDUAL", "SWIGLU"):
     consts = dict(BLOCK_N=64, ROWS=16, GROUP_ROWS=16, SPLIT_K=2,
                   FORM=getattr(inputs, form).value, PRO_BLOCK=1024,
                   PREFETCH=form != "PLAIN", LINES=2, PAIRS=form != "NORM",
-                  PAIRS_ASM=True, EVEN_N=form == "SWIGLU", STAGES=1, AHEAD=form == "PLAIN")
+                  PAIRS_ASM=True, EVEN_N=form == "SWIGLU", STAGES=1)
     signature = {name: "constexpr" if name in consts else pointers.get(name, "i32")
                  for name in fn.arg_names}
     source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()})

@@ -143,15 +143,13 @@ def test_gemv_kernel_matches_the_reference(mkn, group: int, dtype: torch.dtype, 
                                        ((1, 256, 24), 256)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("split_k", [1, 2])
-@pytest.mark.parametrize("max_rows,stages,ahead", [(8, 1, False), (2, 3, False),
-                                                   (2, 1, True)])
+@pytest.mark.parametrize("max_rows,stages", [(8, 1), (2, 3)])
 def test_gemv_codes_in_pairs_match_the_reference(mkn, group: int, dtype: torch.dtype,
-                                                 split_k: int, max_rows: int, stages: int,
-                                                 ahead: bool) -> None:
+                                                 split_k: int, max_rows: int, stages: int) -> None:
     """kernels/nibble_pairs.py: codes multiplied two at a time in fp16 (inline PTX on CUDA,
-    its emulation in the interpreter), zeros up to 16, also pipelined or with each step's
-    codes loaded a step ahead, against the reference: the fp32 loop's error (the output's
-    rounding) plus about fp16's unit (the lanes' roundings)."""
+    its emulation in the interpreter), zeros up to 16, also pipelined, against the reference:
+    the fp32 loop's error (the output's rounding) plus about fp16's unit (the lanes'
+    roundings)."""
     m, k, n = mkn
     gen = torch.Generator().manual_seed(m * k + n + 7)
     codes = torch.randint(0, 16, (k, n), generator=gen)
@@ -161,7 +159,7 @@ def test_gemv_codes_in_pairs_match_the_reference(mkn, group: int, dtype: torch.d
     args = [t.to(DEVICE) for t in (pack_rows(codes), scales, zeros)]
     ref = w4a16_ref(x.float(), pack_rows(codes), scales, zeros, group)
     paired = w4a16_gemv(x.to(DEVICE), *args, group, (16, max_rows, 1), split_k, pairs=True,
-                        stages=stages, ahead=ahead)
+                        stages=stages)
     fp32_loop = w4a16_gemv(x.to(DEVICE), *args, group, (16, max_rows, 1), split_k, pairs=False)
     assert paired.dtype == dtype and paired.shape == (m, n)
     assert rel_err(paired.cpu(), ref) < TOLERANCE[dtype]

@@ -10,8 +10,7 @@ fp8` serves) and a W4A16 checkpoint written from it by engine/quant/w4a16_quanti
 w4a16_fused serves that checkpoint with the norms and SwiGLU in the GEMV's prologue instead of
 as kernels of their own (`W4A16Linear.prologues` on), w4a16_fp32 with the GEMV's fp32 loop
 instead of its fp16 code pairs (`W4A16Linear.pairs` off), w4a16_st3 with three steps of the
-GEMV's loads in flight (`W4A16Linear.stages`), w4a16_ahead with each step's codes loaded a
-step ahead (`W4A16Linear.ahead`). For each:
+GEMV's loads in flight (`W4A16Linear.stages`). For each:
 
   batch1   decode ms/token, (time of 1 + N tokens - time of 1 token) / N, median over fresh
            prompts (gpu_generation.measure_latency), against its own weights-read floor: the
@@ -59,11 +58,10 @@ from pdserve.bench.gpu_model import (
 )
 from pdserve.bench.report import bench_main, config_of, write_report
 
-SYSTEMS = ("bf16", "fp8", "fp8_kv8", "w4a16", "w4a16_fused", "w4a16_fp32", "w4a16_st3",
-           "w4a16_ahead")
+SYSTEMS = ("bf16", "fp8", "fp8_kv8", "w4a16", "w4a16_fused", "w4a16_fp32", "w4a16_st3")
 W4A16_GROUP = 128
 TARGET_MS = {"bf16": 1.2, "fp8": 0.8, "fp8_kv8": 0.8, "w4a16": 0.6, "w4a16_fused": 0.6,
-             "w4a16_fp32": 0.6, "w4a16_st3": 0.6, "w4a16_ahead": 0.6}
+             "w4a16_fp32": 0.6, "w4a16_st3": 0.6}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,16 +125,14 @@ def run_system(models: RandomModel, system: str, ceilings: dict, args: argparse.
 def serving(system: str) -> Iterator[None]:
     """The settings `system` is served with, while the block runs: w4a16_fused turns
     `W4A16Linear.prologues` on (the norms and SwiGLU in the GEMV), w4a16_fp32 turns
-    `W4A16Linear.pairs` off (the GEMV's fp32 loop), w4a16_st3 sets `W4A16Linear.stages` to 3,
-    w4a16_ahead turns `W4A16Linear.ahead` on."""
+    `W4A16Linear.pairs` off (the GEMV's fp32 loop), w4a16_st3 sets `W4A16Linear.stages` to 3."""
     from engine.quant.w4a16_linear import W4A16Linear
 
-    settings = ("prologues", "pairs", "stages", "ahead")
+    settings = ("prologues", "pairs", "stages")
     before = [getattr(W4A16Linear, name) for name in settings]
     W4A16Linear.prologues = system == "w4a16_fused"
     W4A16Linear.pairs = system != "w4a16_fp32"
     W4A16Linear.stages = 3 if system == "w4a16_st3" else 1
-    W4A16Linear.ahead = system == "w4a16_ahead"
     try:
         yield
     finally:

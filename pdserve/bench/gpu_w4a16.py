@@ -38,9 +38,8 @@ TILES = ((16, 32), (16, 64), (16, 128))  # GEMM (BLOCK_M, BLOCK_N)
 GEMV_TILES = ((16, 16, 1), (32, 16, 2), (64, 16, 4), (16, 32, 1), (32, 32, 2), (32, 32, 4),
               (64, 32, 4), (32, 64, 2), (32, 64, 4), (64, 64, 4))
 SPLITS = (1, 2, 4, 8, 16)
-# the pairs loop as it is, with each step's codes loaded a step ahead, and (once measured
-# slower, 2026-12-03) with Triton's software pipeline
-PAIR_VARIANTS = {"": {}, "_ahead": {"ahead": True}}
+# the pairs loop's variants: as it is, and with Triton's software pipeline (three steps)
+PAIR_VARIANTS = {"": {}, "_st3": {"stages": 3}}
 GROUP = 128
 
 
@@ -84,7 +83,7 @@ def _variants(m: int, x: torch.Tensor, layer: Any, group: int, cuda: bool, gemv_
               ) -> dict[str, Callable[[], torch.Tensor]]:
     """Name -> call: the layer (its default path), every GEMM tile and split (unless
     `gemv_only`), and for M <= GEMV_MAX_TOKENS every GEMV tile (of `gemv_tiles`) and split,
-    its fp32 loop and (16-bit x) its codes in pairs (`_pairs`, `_pairs_ahead`)."""
+    its fp32 loop and (16-bit x) its codes in pairs (`_pairs`, pipelined `_pairs_st3`)."""
     from kernels.w4a16 import w4a16_linear
     from kernels.w4a16_gemv import GEMV_MAX_TOKENS, w4a16_gemv
     from kernels.w4a16_planes import planes_fit, w4a16_planes_linear

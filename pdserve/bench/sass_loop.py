@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 DEFAULTS = dict(BLOCK_N=64, ROWS=64, GROUP_ROWS=16, SPLIT_K=1, FORM=0, PRO_BLOCK=1024,
-                PREFETCH=0, LINES=2, M=1, PAIRS=1, PAIRS_ASM=1, EVEN_N=1, STAGES=1, AHEAD=0)
+                PREFETCH=0, LINES=2, M=1, PAIRS=1, PAIRS_ASM=1, EVEN_N=1, STAGES=1)
 POINTERS = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "s_out_ptr": "*bf16",
             "xc_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8",
             "out_ptr": "*bf16", "part_ptr": "*fp32", "ticket_ptr": "*i32", "eps": "fp32"}
