@@ -35,7 +35,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP16_BIAS = tl.constexpr(0x6400)  # fp16 1024.0: its mantissa counts ones
 PAIR_SCALE = tl.constexpr(64.0)  # the dots come out divided by it
 
 # $1 the codes, $2 -(16 + z / 64) twice, $3 -(1 + z / 64) twice, $4..$7 x's pairs (fp16x2);
@@ -66,21 +65,19 @@ add.f32 flo, flo, fhi;
 mov.b32 $0, flo;
 }""")
 
+
+
+def _bf16_pair(widen: str) -> tl.constexpr:
+    """PTX for x's fp16 pair from bf16 words `$1`, `$2`: the half each `widen`s to fp32
+    (exact), the two rounded to fp16 by one saturating conversion."""
+    return tl.constexpr("{\n.reg .b32 lo, hi;\n" + widen.format("lo", "$1")
+                        + widen.format("hi", "$2") + "cvt.rn.satfinite.f16x2.f32 $0, hi, lo;\n}")
+
+
 # x's pair (x[p], x[p + 4]) from the int32 words holding them (`$1` x[p - p % 2 ..], `$2` four
-# entries on), p even: their low halves, odd: their high halves. bf16: each half widened to
-# fp32 (exact), the two rounded to fp16 by one saturating conversion; fp16: one byte permute.
-_BF16_EVEN = tl.constexpr("""{
-.reg .b32 lo, hi;
-shl.b32 lo, $1, 16;
-shl.b32 hi, $2, 16;
-cvt.rn.satfinite.f16x2.f32 $0, hi, lo;
-}""")
-_BF16_ODD = tl.constexpr("""{
-.reg .b32 lo, hi;
-and.b32 lo, $1, 0xFFFF0000;
-and.b32 hi, $2, 0xFFFF0000;
-cvt.rn.satfinite.f16x2.f32 $0, hi, lo;
-}""")
+# entries on), p even: their low halves, odd: their high halves. fp16: one byte permute.
+_BF16_EVEN = _bf16_pair("shl.b32 {}, {}, 16;\n")
+_BF16_ODD = _bf16_pair("and.b32 {}, {}, 0xFFFF0000;\n")
 _FP16_EVEN = tl.constexpr("prmt.b32 $0, $1, $2, 0x5410;")
 _FP16_ODD = tl.constexpr("prmt.b32 $0, $1, $2, 0x7632;")
 

@@ -12,6 +12,9 @@ one term per group:
 
     sum_{k in g} x[k] (q[k, n] - z[g, n]) s[g, n] = s[g, n] (sum x[k] q[k, n] - z[g, n] sum x[k])
 
+With PAIRS (16-bit x) the loop instead multiplies two codes an instruction in fp16, the zeros
+subtracted exactly inside (kernels/nibble_pairs.py), and scales each int32's partial dot.
+
 Rows of x beyond the first re-read W (from L2): for M <= GEMV_MAX_TOKENS only (the layer's
 choice; the kernel takes any M). SPLIT_K > 1:
 the K shares meet as in kernels/w4a16.py (`store_split_k`: a workspace and tickets).

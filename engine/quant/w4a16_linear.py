@@ -6,10 +6,10 @@ int32, `scales` [K / G, N] fp32, `zeros` [K / G, N] uint8, and `perm` [K] when a
 groups were not consecutive (x's columns are gathered by it first). Where it computes:
 
     CUDA, steps of 1 token                the W4A16 GEMV (kernels/w4a16_gemv.py, split-K),
-                                          codes in fp16 pairs (`pairs`); with `prologues`, the norm before q/k/v and gate_up
-                                          and the SwiGLU before down in its prologue
-                                          (`rmsnorm_linear`, `silu_mul_linear`: the model's
-                                          fused-call hooks)
+                                          codes in fp16 pairs (`pairs`); with `prologues`,
+                                          the norm before q/k/v and gate_up and the SwiGLU
+                                          before down in its prologue (`rmsnorm_linear`,
+                                          `silu_mul_linear`: the model's fused-call hooks)
     CUDA, up to GEMM_MAX_TOKENS           the W4A16 Triton GEMM (kernels/w4a16.py); a group
                                           size it cannot take (G % 16) de-quantizes
     CUDA, more tokens (large batches,     W de-quantized to x's dtype by a Triton kernel, then

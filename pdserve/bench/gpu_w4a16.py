@@ -146,11 +146,11 @@ def shape_rows(name: str, n: int, k: int, device: torch.device, group: int,
             "bf16_linear_ms": cycled_ms([lambda x=x, w=w: F.linear(x, w) for w in denses],
                                         device)}
         errors = {}
-        variants = [_variants(m, x, each, group, device.type == "cuda", gemv_only, gemv_tiles)
+        per_copy = [_variants(m, x, each, group, device.type == "cuda", gemv_only, gemv_tiles)
                     for each in layers]
-        for label, call in variants[0].items():
+        for label, call in per_copy[0].items():
             errors[label] = ((call().float() - expected).norm() / expected.norm()).item()
-            row[f"{label}_ms"] = cycled_ms([calls[label] for calls in variants], device)
+            row[f"{label}_ms"] = cycled_ms([calls[label] for calls in per_copy], device)
         row["rel_err"] = errors["w4a16_auto"]
         row["max_variant_rel_err"] = max(errors.values())
         variants = {key: v for key, v in row.items() if key.startswith("w4a16_")}
