@@ -12,21 +12,31 @@ graph of the smallest size >= n. Padding rows have slot -1 (the KV store skips t
              (B = largest size, W = blocks of a max_model_len sequence)
 
 The attention kernels read only these tensors on replay; the decode split count is fixed per
-graph at capture (sized for max_model_len). Steps with prefills, or more decodes than the largest
-graph, run eagerly; with speculative decoding, verification steps replay these graphs too, one
-row per token, from extra sizes (engine/spec_graphs.py).
+graph at capture (sized for max_model_len).
+
+Greedy steps of a few rows (at most `argmax_max_batch`) replay a second graph of their size that
+also computes the logits and their argmax (`run_argmax`; given the model's `head`). Launched
+from Python these were ~0.2 ms of a batch-1 step's host time on an H200's host (a GEMV plan's
+call and the argmax's two passes: `python -m pdserve.bench.gpu_first_step`, 2026-11-29), a
+quarter of the GPU's step of a 4-bit 1B model. The step's tokens are the graph's static output,
+read by the next step's inputs and by the host copy, both queued before the next replay.
+
+Steps with prefills, or more decodes than the largest graph, run eagerly; with speculative
+decoding, verification steps replay these graphs too, one row per token, from extra sizes
+(engine/spec_graphs.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.lora.layers import LoRAContext
+from engine.token_choice import argmax
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +48,8 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
+    argmax_max_batch = 16  # the largest size with an argmax graph (0: none)
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -48,9 +60,11 @@ class DecodeGraphs:
         device: torch.device,
         lora: LoRAContext | None = None,
         extra_sizes: Iterable[int] = (),
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """`extra_sizes`: more padded sizes beside the ladder of `max_batch` (the largest of all
-        sizes the buffers' rows)."""
+        sizes the buffers' rows). `head`: hidden rows -> their logits (the model's dtype will
+        do: an argmax needs no upcast); with it, argmax graphs for the small sizes."""
         self.model = model
         self.lora = lora
         self.kv_caches = kv_caches
@@ -73,7 +87,12 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.lora_outputs: dict[int, torch.Tensor] = {}
+        # per small size, the graph that also picks each row's argmax token, and its tokens
+        self.head = head
+        self.argmax_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.argmax_outputs: dict[int, torch.Tensor] = {}
         self.replays = 0  # steps served by a graph (stats, tests)
+        self.argmax_replays = 0  # of them, steps whose tokens the graph picked
         self.row_replays = 0  # of them, steps of short chunks run as decode rows (spec_graphs)
         self.eager = False  # replay = the padded step run eagerly (CPU tests; see `run_eagerly`)
 
@@ -108,6 +127,11 @@ class DecodeGraphs:
             if with_lora:
                 self.lora.slots = before  # type: ignore[union-attr]
 
+    def _argmax_step(self, size: int) -> torch.Tensor:
+        """[size] each row's greedy token (padding rows' too: never read)."""
+        assert self.head is not None
+        return argmax(self.head(self._forward(size, False)))
+
     @property
     def ready(self) -> bool:
         return bool(self.graphs) or self.eager
@@ -117,12 +141,11 @@ class DecodeGraphs:
         come before the NCCL communicator is closed: a graph that holds NCCL kernels keeps a
         reference on its communicator, and NCCL's abort waits for those to be dropped (seen on
         two H200s: a TP=2 engine's shutdown hung in the abort while its graphs were alive)."""
-        for graph in (*self.graphs.values(), *self.lora_graphs.values()):
+        kinds = (self.graphs, self.lora_graphs, self.argmax_graphs)
+        for graph in (g for graphs in kinds for g in graphs.values()):
             graph.reset()
-        self.graphs.clear()
-        self.lora_graphs.clear()
-        self.outputs.clear()
-        self.lora_outputs.clear()
+        for table in (*kinds, self.outputs, self.lora_outputs, self.argmax_outputs):
+            table.clear()
 
     def run_eagerly(self) -> None:
         """Serve `run` without graphs: the same padded static-buffer step, run eagerly. What a
@@ -146,37 +169,81 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     outputs[size] = self._forward(size, with_lora)
                 graphs[size] = graph
+            if self._has_argmax(size):
+                self._argmax_step(size)  # warm-up: the head's GEMV plan times its choices
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.argmax_outputs[size] = self._argmax_step(size)
+                self.argmax_graphs[size] = graph
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (%d sizes, batch 1..%d) in %.1f s, %.0f MiB",
-                    len(self.sizes) * len(kinds), len(self.sizes), self.max_batch,
+                    len(self.sizes) * len(kinds) + len(self.argmax_graphs), len(self.sizes),
+                    self.max_batch,
                     time.perf_counter() - start, (torch.cuda.memory_reserved() - reserved) / 2**20)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         return self.ready and meta.num_prefills == 0 and 0 < meta.num_decodes <= self.max_batch
 
+    def _has_argmax(self, size: int) -> bool:
+        return self.head is not None and size <= self.argmax_max_batch
+
+    def can_run_argmax(self, meta: AttentionMetadata) -> bool:
+        """Whether `run_argmax` serves this step: decode-only, no adapters, a small size. (The
+        caller knows whether every row's token is its argmax.)"""
+        if not self.can_run(meta) or (self.lora is not None and self.lora.slots is not None):
+            return False
+        size = self._size(meta.num_decodes)
+        return self._has_argmax(size) and (self.eager or size in self.argmax_graphs)
+
+    def _size(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:  # [n, hidden]
         """Replay for a decode-only step of n sequences (`can_run` must hold)."""
-        n = meta.num_decodes
-        size = next(s for s in self.sizes if s >= n)
-        width = min(meta.block_tables.shape[1], self.block_tables.shape[1])
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:size].fill_(-1)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.seq_lens[n:size].fill_(0)
-        # columns past `width` keep older ids: never read, each row's length bounds its reads
-        self.block_tables[:n, :width].copy_(meta.block_tables[:, :width])
-        graphs, outputs = self.graphs, self.outputs
-        with_lora = self.lora is not None and self.lora.slots is not None  # a step with adapters
-        if with_lora:
-            self.lora_slots[:n].copy_(self.lora.slots)
-            self.lora_slots[n:size].fill_(-1)
-            graphs, outputs = self.lora_graphs, self.lora_outputs
-        self.replays += 1
+        n, size, with_lora = self._stage(input_ids, positions, meta)
+        graphs, outputs = (self.lora_graphs, self.lora_outputs) if with_lora \
+            else (self.graphs, self.outputs)
         if self.eager:
             return self._forward(size, with_lora)[:n]
         graphs[size].replay()
         return outputs[size][:n]
+
+    def run_argmax(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [n] int64
+        """Replay for a decode-only greedy step (`can_run_argmax` must hold): each row's argmax
+        token, a view of the graph's static output (valid until the next replay of its size)."""
+        n, size, _ = self._stage(input_ids, positions, meta)
+        self.argmax_replays += 1
+        if self.eager:
+            return self._argmax_step(size)[:n]
+        self.argmax_graphs[size].replay()
+        return self.argmax_outputs[size][:n]
+
+    def _stage(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[int, int, bool]:
+        """The step's inputs into the static buffers' first n rows, the padding rows' slots and
+        lengths reset: (n, the padded size, whether the step has adapters)."""
+        n = meta.num_decodes
+        size = self._size(n)
+        width = min(meta.block_tables.shape[1], self.block_tables.shape[1])
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        if n < size:  # (an empty slice's fill is still a launch's worth of host time)
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].fill_(0)
+        # columns past `width` keep older ids: never read, each row's length bounds its reads
+        self.block_tables[:n, :width].copy_(meta.block_tables[:, :width])
+        with_lora = self.lora is not None and self.lora.slots is not None  # a step with adapters
+        if with_lora:
+            self.lora_slots[:n].copy_(self.lora.slots)  # type: ignore[union-attr]
+            if n < size:
+                self.lora_slots[n:size].fill_(-1)
+        self.replays += 1
+        return n, size, with_lora

@@ -166,7 +166,15 @@ class ModelRunner(KVCacheSizingMixin):
             self.drafter.graphs = capture_graphs(self.config, self.drafter.model,
                                                  self.drafter.kv_caches, self.device)
         return capture_graphs(self.config, self.model, self.kv_caches, self.device,
-                              None if self.lora is None else self.lora.ctx)
+                              None if self.lora is None else self.lora.ctx, self._argmax_head())
+
+    def _argmax_head(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The logits for the decode graphs' argmax graphs, where a greedy step's tokens may
+        come from one: one rank (with tensor parallelism rank 0 broadcasts the tokens it
+        sampled to the others), no speculation (verification steps sample otherwise)."""
+        if self.tp.world_size > 1 or self.config.speculative is not None:
+            return None
+        return functools.partial(self.model.compute_logits, upcast=False)
 
     @property
     def _shares_pool(self) -> bool:
@@ -222,16 +230,37 @@ class ModelRunner(KVCacheSizingMixin):
         inp = step_tensors(host, self.block_size, self.device, pending)
         if self.lora is not None:
             self.lora.ctx.slots = inp.lora_slots
+        sampling = [s for s in order if s.samples]
+        graphs = self._argmax_graphs(inp.meta, order, sampling) if on_layer is None else None
+        if graphs is not None:
+            ids = [s.request.request_id for s in sampling]
+            tokens = graphs.run_argmax(inp.input_ids, inp.positions, inp.meta)
+            self._pending = PendingTokens(tokens, {rid: i for i, rid in enumerate(ids)})
+            return LaunchedStep(ids, SampledTokens(tokens, None))
         hidden = self._forward(inp.input_ids, inp.positions, inp.meta, on_layer)
         for i, s in enumerate(order):
             if s.request.sampling_params.prompt_logprobs is not None:
                 q0 = inp.meta.query_start_loc_cpu[i]
                 add_chunk_prompt_logprobs(self.model, s.request,
                                           hidden[q0:q0 + s.num_new_tokens], s.start)
-        sampling = [s for s in order if s.samples]
         if self.config.speculative is not None and any(s.spec_token_ids for s in sampling):
             return self._launch_verify(hidden[inp.sample_rows], sampling)
         return self._launch_sampling(hidden[inp.sample_rows], sampling)
+
+    def _argmax_graphs(
+        self, meta: AttentionMetadata, order: list[ScheduledRequest],
+        sampling: list[ScheduledRequest],
+    ) -> DecodeGraphs | None:
+        """The graphs whose argmax graph gives this step's tokens, if any: a decode step they
+        serve where every row samples its argmax (no logprobs, penalties, grammar or drafts)."""
+        graphs = self.graphs
+        if graphs is None or len(sampling) != len(order) or not graphs.can_run_argmax(meta):
+            return None
+        if any(s.spec_token_ids or s.request.grammar is not None
+               or s.request.sampling_params.prompt_logprobs is not None for s in order):
+            return None
+        rows = [self._rows.row(s.request) for s in sampling]
+        return graphs if argmax_suffices(rows) else None
 
     def _launch_sampling(
         self, hidden: torch.Tensor, sampling: list[ScheduledRequest]

@@ -61,14 +61,17 @@ def graph_query_len(config: EngineConfig) -> int:
 def capture_graphs(
     config: EngineConfig, model: torch.nn.Module, kv_caches: list[torch.Tensor],
     device: torch.device, lora: LoRAContext | None = None,
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> DecodeGraphs:
     """`model`'s decode graphs, captured: the ladder of min(max_num_seqs, MAX_GRAPH_ROWS), and
-    with speculation the verification sizes beside it."""
+    with speculation the verification sizes beside it; with `head`, argmax graphs
+    (engine/cuda_graphs.py)."""
     sched = config.scheduler
     max_batch = min(sched.max_num_seqs, MAX_GRAPH_ROWS)
     extra = verify_sizes(max_batch, graph_query_len(config) - 1, MAX_GRAPH_ROWS)
     graphs = DecodeGraphs(model, kv_caches, max_batch, sched.max_model_len,
-                          config.cache.block_size, device, lora=lora, extra_sizes=extra)
+                          config.cache.block_size, device, lora=lora, extra_sizes=extra,
+                          head=head)
     graphs.capture()
     return graphs
 

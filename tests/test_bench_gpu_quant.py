@@ -61,3 +61,22 @@ def test_w4a16_fp32_is_served_with_the_fp32_loop_and_nothing_else() -> None:
     with pytest.raises(RuntimeError), serving("w4a16_fp32"):
         raise RuntimeError("an engine that failed")
     assert W4A16Linear.pairs is True
+
+
+def test_hostargmax_systems_serve_without_argmax_graphs_and_their_base_otherwise() -> None:
+    from engine.cuda_graphs import DecodeGraphs
+    from engine.quant.w4a16_linear import W4A16Linear
+    from pdserve.bench.gpu_quant import TARGET_MS, engine_for, serving
+
+    default = DecodeGraphs.argmax_max_batch
+    assert default > 0
+    with serving("w4a16_fp32_hostargmax"):
+        assert DecodeGraphs.argmax_max_batch == 0 and W4A16Linear.pairs is False
+    with serving("w4a16"):
+        assert DecodeGraphs.argmax_max_batch == default
+    with pytest.raises(RuntimeError), serving("bf16_hostargmax"):
+        raise RuntimeError("an engine that failed")
+    assert DecodeGraphs.argmax_max_batch == default and W4A16Linear.pairs is True
+    base = object()
+    assert engine_for("bf16_hostargmax", base, {}) is base  # the bf16 folder as it is
+    assert TARGET_MS["w4a16_hostargmax"] == TARGET_MS["w4a16"]

@@ -1,14 +1,15 @@
 """A decode engine's host time per step for a request just committed, after the engine sat idle
 and without idling, split by phase: what a KV handover pays on an idle decode worker.
 
-    python -m pdserve.bench.gpu_first_step [--requests 10] [--idle-ms 50] [--out DIR]
+    python -m pdserve.bench.gpu_first_step [--requests 10] [--idle-ms 50] [--out DIR] [--host-argmax]
 
 In one process, the 1B-shaped random model in bf16, decode role: each request's 1024-token
 prompt is reserved and committed (its KV is whatever the blocks hold: only time is measured),
 then stepped to 8 tokens. The first half of the requests are committed after `--idle-ms` with
 the engine idle, the others at once. Each step's wall time, and inside it the host time of the
 scheduler, the input packing, the step's tensors to the device, the forward (a CUDA graph
-replay), the logits, the sampling and the landing of the previous step's tokens.
+replay), the logits, the sampling and the landing of the previous step's tokens; greedy steps
+replay an argmax graph instead of the last three (`argmax_replay`) unless `--host-argmax`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 import engine.model_runner as model_runner
+from engine.cuda_graphs import DecodeGraphs
 from engine.llm import build_engine_config
 from engine.llm_engine import LLMEngine
 from pdserve import SamplingParams
@@ -54,12 +56,16 @@ def _instrument(engine: LLMEngine, acc: dict[str, float]) -> None:
     runner = engine.runner
     runner._sample = _timed(acc, "sample", runner._sample)  # type: ignore[method-assign]
     runner.model.compute_logits = _timed(acc, "logits", runner.model.compute_logits)
+    if runner.graphs is not None:  # a greedy step's forward, logits and argmax: one replay
+        runner.graphs.run_argmax = _timed(acc, "argmax_replay", runner.graphs.run_argmax)
     engine.scheduler.schedule = _timed(acc, "schedule", engine.scheduler.schedule)
     engine._land = _timed(acc, "land", engine._land)  # type: ignore[method-assign]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = Path(args.model_dir)
+    if args.host_argmax:  # the greedy steps' logits and argmax launched from the host
+        DecodeGraphs.argmax_max_batch = 0
     shape = ModelShape(max_positions=PROMPT_TOKENS + 64)
     build_model(shape, str(model), 0)
     save_stand_in_tokenizer(shape.vocab, model)
@@ -104,6 +110,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--idle-ms", type=float, default=50.0)
     parser.add_argument("--model-dir", default="/tmp/model-1b-first-step")
+    parser.add_argument("--host-argmax", action="store_true",
+                        help="no argmax graphs (engine/cuda_graphs.py): logits and argmax "
+                             "launched from the host")
     parser.add_argument("--out", default="bench_results")
     args = parser.parse_args()
     report = run(args)

@@ -16,10 +16,12 @@ import statistics
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from engine.sampler import SampledTokens
 from pdserve.bench.gpu_model import (
     BF16_BYTES,
     ModelSizes,
@@ -190,33 +192,63 @@ def bench_hf_generate_batch(
 
 
 # ---- part 4: latency -----------------------------------------------------------------------------
+@contextmanager
+def _token_waits() -> Iterator[list[float]]:
+    """Seconds of each wait for a step's sampled tokens while the block runs (a diagnostic:
+    `SampledTokens.to_host` timed)."""
+    waits: list[float] = []
+    real = SampledTokens.to_host
+
+    def timed(self: SampledTokens) -> Any:
+        start = time.perf_counter()
+        try:
+            return real(self)
+        finally:
+            waits.append(time.perf_counter() - start)
+
+    SampledTokens.to_host = timed  # type: ignore[method-assign]
+    try:
+        yield waits
+    finally:
+        SampledTokens.to_host = real  # type: ignore[method-assign]
+
+
 def measure_latency(models: RandomModel, ceilings: dict | None, seed: int) -> dict[str, Any]:
     """Batch-1 decode: (time of 1 + N tokens - time of 1 token) / N, median over fresh prompts
-    (no prefix-cache hits), and the same from the engine's first-token and finish stamps."""
+    (no prefix-cache hits), and the same from the engine's first-token and finish stamps. Of
+    the first figure, `wait_ms_per_token`: as much time spent by the same rule waiting for the
+    GPU's tokens (`SampledTokens.to_host`); ~0 when the host's own work is the step's bound."""
     sizes, llm = models.sizes, models.llm()
     n, length = sizes.latency_decode_tokens, sizes.latency_prompt_len
     prompts = make_workload(llm.get_tokenizer(), 2 * sizes.latency_repeats + 1, (length, length),
                             (1, 1), seed + 2).prompts
 
-    def run(prompt: list[int], max_tokens: int) -> tuple[Any, float]:
+    def run(prompt: list[int], max_tokens: int) -> tuple[Any, float, float]:
+        waits.clear()
         start = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": prompt}], _greedy(max_tokens), use_tqdm=False)[0]
         got = len(out.outputs[0].token_ids)
         if got != max_tokens:
             raise RuntimeError(f"asked for {max_tokens} tokens, got {got}")
-        return out, time.perf_counter() - start
+        return out, time.perf_counter() - start, sum(waits)
 
-    run(prompts[-1], n + 1)  # warm-up
-    short = [run(prompts[2 * i], 1)[1] for i in range(sizes.latency_repeats)]
-    longs = [run(prompts[2 * i + 1], n + 1) for i in range(sizes.latency_repeats)]
-    stamps = [(o.metrics.finished_time - o.metrics.first_token_time) / n for o, _ in longs
+    with _token_waits() as waits:
+        run(prompts[-1], n + 1)  # warm-up
+        short = [run(prompts[2 * i], 1) for i in range(sizes.latency_repeats)]
+        longs = [run(prompts[2 * i + 1], n + 1) for i in range(sizes.latency_repeats)]
+    stamps = [(o.metrics.finished_time - o.metrics.first_token_time) / n for o, _, _ in longs
               if o.metrics is not None and o.metrics.first_token_time is not None]
+
+    def per_token(i: int) -> float:  # ms: median of the long runs' less the short runs'
+        return (statistics.median(r[i] for r in longs)
+                - statistics.median(r[i] for r in short)) / n * 1e3
+
     report: dict[str, Any] = {
         "prompt_tokens": length, "decode_tokens": n,
-        "ms_per_token": (statistics.median(t for _, t in longs) - statistics.median(short))
-        / n * 1e3,
+        "ms_per_token": per_token(1),
         "ms_per_token_engine_stamps": statistics.median(stamps) * 1e3 if stamps else None,
-        "ttft_ms": statistics.median(short) * 1e3,
+        "wait_ms_per_token": per_token(2),
+        "ttft_ms": statistics.median(r[1] for r in short) * 1e3,
     }
     if ceilings is not None:
         floor = sizes.shape.params * BF16_BYTES / ceilings["copy_bytes_per_s"] * 1e3

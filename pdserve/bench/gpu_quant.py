@@ -10,7 +10,9 @@ fp8` serves) and a W4A16 checkpoint written from it by engine/quant/w4a16_quanti
 w4a16_fused serves that checkpoint with the norms and SwiGLU in the GEMV's prologue instead of
 as kernels of their own (`W4A16Linear.prologues` on), w4a16_fp32 with the GEMV's fp32 loop
 instead of its fp16 code pairs (`W4A16Linear.pairs` off), w4a16_st3 with three steps of the
-GEMV's loads in flight (`W4A16Linear.stages`). For each:
+GEMV's loads in flight (`W4A16Linear.stages`). Any system with `_hostargmax` appended serves
+without the decode graphs' argmax graphs (engine/cuda_graphs.py: a greedy step's logits and
+argmax launched from the host, as before 2026-12-04). For each:
 
   batch1   decode ms/token, (time of 1 + N tokens - time of 1 token) / N, median over fresh
            prompts (gpu_generation.measure_latency), against its own weights-read floor: the
@@ -59,9 +61,11 @@ from pdserve.bench.gpu_model import (
 from pdserve.bench.report import bench_main, config_of, write_report
 
 SYSTEMS = ("bf16", "fp8", "fp8_kv8", "w4a16", "w4a16_fused", "w4a16_fp32", "w4a16_st3")
+HOST_ARGMAX = "_hostargmax"  # a system's suffix: its greedy steps without argmax graphs
 W4A16_GROUP = 128
 TARGET_MS = {"bf16": 1.2, "fp8": 0.8, "fp8_kv8": 0.8, "w4a16": 0.6, "w4a16_fused": 0.6,
              "w4a16_fp32": 0.6, "w4a16_st3": 0.6}
+TARGET_MS.update({name + HOST_ARGMAX: ms for name, ms in TARGET_MS.items()})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,7 +116,9 @@ def run_system(models: RandomModel, system: str, ceilings: dict, args: argparse.
         floor = need / ceilings["copy_bytes_per_s"] * 1e3
         batch1.update(weights_bytes=need, weights_floor_ms=floor,
                       over_floor=batch1["ms_per_token"] / floor)
-        log(f"{system}: batch-1 {batch1['ms_per_token']:.3f} ms/token (floor {floor:.3f})")
+        log(f"{system}: batch-1 {batch1['ms_per_token']:.3f} ms/token (floor {floor:.3f}; "
+            f"waiting for the GPU {batch1['wait_ms_per_token']:.3f}, TTFT "
+            f"{batch1['ttft_ms']:.1f} ms)")
         return {**result, "batch1": batch1}
     except Exception as exc:
         traceback.print_exc()
@@ -125,24 +131,31 @@ def run_system(models: RandomModel, system: str, ceilings: dict, args: argparse.
 def serving(system: str) -> Iterator[None]:
     """The settings `system` is served with, while the block runs: w4a16_fused turns
     `W4A16Linear.prologues` on (the norms and SwiGLU in the GEMV), w4a16_fp32 turns
-    `W4A16Linear.pairs` off (the GEMV's fp32 loop), w4a16_st3 sets `W4A16Linear.stages` to 3."""
+    `W4A16Linear.pairs` off (the GEMV's fp32 loop), w4a16_st3 sets `W4A16Linear.stages` to 3;
+    the `_hostargmax` suffix sets `DecodeGraphs.argmax_max_batch` to 0."""
+    from engine.cuda_graphs import DecodeGraphs
     from engine.quant.w4a16_linear import W4A16Linear
 
-    settings = ("prologues", "pairs", "stages")
-    before = [getattr(W4A16Linear, name) for name in settings]
-    W4A16Linear.prologues = system == "w4a16_fused"
-    W4A16Linear.pairs = system != "w4a16_fp32"
-    W4A16Linear.stages = 3 if system == "w4a16_st3" else 1
+    base = system.removesuffix(HOST_ARGMAX)
+    settings = [(W4A16Linear, "prologues", base == "w4a16_fused"),
+                (W4A16Linear, "pairs", base != "w4a16_fp32"),
+                (W4A16Linear, "stages", 3 if base == "w4a16_st3" else 1),
+                (DecodeGraphs, "argmax_max_batch",
+                 0 if system.endswith(HOST_ARGMAX) else DecodeGraphs.argmax_max_batch)]
+    before = [(owner, name, getattr(owner, name)) for owner, name, _ in settings]
+    for owner, name, value in settings:
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        for name, value in zip(settings, before):
-            setattr(W4A16Linear, name, value)
+        for owner, name, value in before:
+            setattr(owner, name, value)
 
 
 def engine_for(system: str, base: RandomModel, kwargs: dict[str, Any]) -> RandomModel:
     """The engine source of `system`: the bf16 folder (fp8 quantizes it on load; fp8_kv8 also
     keeps its KV cache in fp8), or a W4A16 checkpoint written next to it."""
+    system = system.removesuffix(HOST_ARGMAX)
     if system == "bf16":
         return base
     if system in ("fp8", "fp8_kv8"):
@@ -179,8 +192,9 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     systems = [s for s in args.systems.split(",") if s]
-    if unknown := sorted(set(systems) - set(SYSTEMS)):
-        raise ValueError(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
+    if unknown := sorted({s.removesuffix(HOST_ARGMAX) for s in systems} - set(SYSTEMS)):
+        raise ValueError(f"--systems: unknown {unknown}; choose from {SYSTEMS}, each "
+                         f"optionally with {HOST_ARGMAX} appended")
     sizes = SMALL_MODEL if args.small else ModelSizes()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kwargs: dict[str, Any] = {"max_num_seqs": sizes.max_num_seqs,

@@ -19,6 +19,10 @@
 #             the fp32 loop and with codes in fp16 pairs (weights from DRAM), batch-1 of
 #             PAIR_SYSTEMS (default w4a16,w4a16_fp32) twice, the order reversed, then
 #             PAIR_EXTRA (default w4a16_fused), and the decode graphs' kernels of PAIR_SYSTEMS
+#   argmax    the decode graphs' tests on the GPU, then batch-1 of each of ARGMAX_ORDERS (system
+#             lists, each in a process of its own; default w4a16 against w4a16_hostargmax three
+#             times, the order alternated, then bf16 against bf16_hostargmax), then
+#             pdserve.bench.gpu_first_step's phases with the argmax graphs and without
 # Reports in $OUT; a fresh PDSERVE_CACHE_DIR, so every GEMV plan is timed, none recorded.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -72,6 +76,22 @@ for part in "${@:-tests kernels latency}"; do
         done
         python3 -m pdserve.bench.gpu_decode_profile --systems "$systems" --out "$OUT" \
             --model-dir "$model" 2>&1 | grep -A9 "batch-1 step\|^w4a16" || status=1 ;;
+      argmax)
+        python3 -m pytest -q -p no:cacheprovider tests/test_argmax_graphs.py \
+            tests/test_cuda_path.py tests/test_spec_graphs.py 2>&1 | tail -3
+        status=$((status | PIPESTATUS[0]))
+        model=$(mktemp -d)/model
+        i=0
+        for order in ${ARGMAX_ORDERS:-w4a16,w4a16_hostargmax w4a16_hostargmax,w4a16 \
+            w4a16,w4a16_hostargmax bf16,bf16_hostargmax}; do
+          i=$((i + 1))
+          python3 -m pdserve.bench.gpu_quant --out "$OUT/argmax_$i" --systems "$order" \
+              --no-w1 --model-dir "$model" 2>&1 | grep "batch-1" || status=1
+        done
+        for flag in "" --host-argmax; do
+          python3 -m pdserve.bench.gpu_first_step --requests 6 --out "$OUT/first_step$flag" \
+              $flag 2>&1 | grep "step" || status=1
+        done ;;
       *) echo "unknown part $p"; status=1 ;;
     esac
   done
