@@ -22,9 +22,10 @@ PROMPTS = [[1, 5, 6, 7, 8] * 4, [1, 30, 17, 40, 23, 58, 9], [1, 3]]  # 3 rows: p
 
 
 def _llm(path: str, **kwargs) -> LLM:
+    kwargs.setdefault("max_num_seqs", 4)
     return LLM(path, dtype="float32", device="cuda" if CUDA else "cpu",
-               attention_backend="triton", max_model_len=256, max_num_seqs=4,
-               kv_cache_memory=16 << 20, seed=0, **kwargs)
+               attention_backend="triton", max_model_len=256, kv_cache_memory=16 << 20,
+               seed=0, **kwargs)
 
 
 def _graphs(llm: LLM, monkeypatch) -> DecodeGraphs:
