@@ -29,6 +29,7 @@ decoding, verification steps replay these graphs too, one row per token, from ex
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 
@@ -48,7 +49,9 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    argmax_max_batch = 16  # the largest size with an argmax graph (0: none)
+    # the largest size with an argmax graph (0: none); PDSERVE_ARGMAX_GRAPH_MAX_BATCH sets it
+    # for every engine a process starts (benchmarks' A/B runs of whole workers)
+    argmax_max_batch = int(os.environ.get("PDSERVE_ARGMAX_GRAPH_MAX_BATCH", "16"))
 
     def __init__(
         self,

@@ -10,7 +10,8 @@
 # (default 2): with BUSY (default 4) other requests decoding, the doorbell on, then off
 # (PDSERVE_KV_DOORBELL); then once idle with it on. Each run's report and decode worker log in
 # <busy|idle>_<on|off>_<round>/ of $OUT/runs.tgz. GPU_TESTS, when set, runs those test files
-# first.
+# first. AB=argmax instead alternates the decode graphs' argmax graphs on and off
+# (PDSERVE_ARGMAX_GRAPH_MAX_BATCH=0), the doorbell on in both.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench_results/gpu_handover}
@@ -24,9 +25,10 @@ if [ -n "${GPU_TESTS:-}" ]; then
         | tail -20
     status=${PIPESTATUS[0]}
 fi
-run() {  # run NAME DOORBELL BUSY_REQUESTS
+AB=${AB:-doorbell}
+run() {  # run NAME DOORBELL BUSY_REQUESTS [ARGMAX_GRAPH_MAX_BATCH]
     mkdir -p "$OUT/$1"
-    PDSERVE_KV_DOORBELL=$2 PDSERVE_HANDOVER_TRACE=1 COPY=0 TESTS=0 TRANSPORTS=cuda_ipc \
+    PDSERVE_ARGMAX_GRAPH_MAX_BATCH=${4:-16} PDSERVE_KV_DOORBELL=$2 PDSERVE_HANDOVER_TRACE=1 COPY=0 TESTS=0 TRANSPORTS=cuda_ipc \
         OUT="$OUT/$1" bash pdserve/bench/gpu_kv_run.sh --slab-mib 8 --plane-slab-mib 1024 \
         --repeats 5 --kv-tokens 1024,4096,16384 --busy "$3" \
         --output-json "$OUT/$1/transfer.json" > "$OUT/$1/run.log" 2>&1
@@ -41,8 +43,13 @@ for case in report["pdserve"]:
 PY
 }
 for round in $(seq 1 "$ROUNDS"); do
-    run "busy_on_$round" on "$BUSY"
-    run "busy_off_$round" off "$BUSY"
+    if [ "$AB" = argmax ]; then
+        run "busy_on_$round" on "$BUSY" 16
+        run "busy_off_$round" on "$BUSY" 0
+    else
+        run "busy_on_$round" on "$BUSY"
+        run "busy_off_$round" off "$BUSY"
+    fi
 done
 run idle_on_1 on 0
 # one archive: the device tool brings back a few files per call
