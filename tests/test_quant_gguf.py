@@ -171,6 +171,8 @@ def test_quantized_embedding_gathers_exact_rows_and_its_logits_read_the_table(
     assert err <= TOLERANCE[activations or dtype] * ref.abs().max().item()
     held_once = (activations or dtype) == torch.bfloat16
     assert (emb.table.codes.numel() == 0) == held_once
+    # the packed fp16 scales give back Q8_0's exactly: the table keeps no fp32 copy either
+    assert (emb.table.scale.numel() == 0) == (held_once and isinstance(emb.head, NibbleKernel))
     if activations is not None:  # bf16 kernels, fp32 hidden: the top logits refined exactly
         top = ref.topk(GGUFEmbedding.REFINE - 2, dim=-1).indices
         torch.testing.assert_close(logits.gather(-1, top), ref.gather(-1, top))

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from engine.quant.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 Q = GGMLQuantizationType
 SUPPORTED = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K)

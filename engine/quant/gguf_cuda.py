@@ -17,10 +17,10 @@ device's tensors: on the CPU they run under TRITON_INTERPRET=1 (the tests).
 from __future__ import annotations
 
 import torch
-from gguf import GGMLQuantizationType
 
 from engine.lazy_kernels import kernel
 from engine.quant.blocks import FOUR_BIT, QuantWeight
+from engine.quant.ggml_types import GGMLQuantizationType
 from engine.quant.kernels import DenseKernel
 
 gguf_q4_linear = kernel("gguf_q4", "gguf_q4_linear")

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from engine.quant.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",

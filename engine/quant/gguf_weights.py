@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.quant.blocks import DENSE, SUPPORTED, QuantWeight, unpack
+from engine.quant.ggml_types import GGMLQuantizationType as Q
 from engine.quant.gguf_file import GGUFTensor, read_tensors
 
 if TYPE_CHECKING:
@@ -103,11 +104,13 @@ def _return_freed_memory() -> None:
 
 
 def _load(tensor: GGUFTensor, name: str) -> QuantWeight | torch.Tensor:
-    if tensor.qtype in DENSE:
-        from gguf.quants import dequantize
-
-        values = dequantize(np.asarray(tensor.data), tensor.qtype).astype(np.float32)
-        return torch.from_numpy(values.reshape(tensor.shape))
+    if tensor.qtype in DENSE:  # widened exactly: bf16 is fp32's upper half
+        raw = np.asarray(tensor.data)
+        if tensor.qtype == Q.BF16:
+            values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            values = raw.view(np.float16 if tensor.qtype == Q.F16 else np.float32)
+        return torch.from_numpy(values.astype(np.float32).reshape(tensor.shape))
     return unpack(tensor.qtype, tensor.data, tensor.shape, f"{tensor.name} ({name})")
 
 

@@ -27,9 +27,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
 
 from engine.quant.blocks import FOUR_BIT, QuantWeight, dequantize
+from engine.quant.ggml_types import GGMLQuantizationType
 from engine.quant.int4_dense import (
     DENSE_MIN_TOKENS,
     dense_supported,
@@ -189,6 +189,11 @@ class NibbleKernel:
         """A Q8_0 table's codes of some rows, read back from the packed bytes (an embedding
         table then needs no other copy of them)."""
         return cpu_nibble.unpack_rows(self.fmt, self.codes_packed, rows).to(torch.int8)
+
+    def scales(self, rows: torch.Tensor) -> torch.Tensor:  # [R] row ids -> [R, K / 32] fp32
+        """Some rows' group scales read back from the packed fp16 ones (a GGUF file stores
+        Q8_0's scales in fp16: then exact, and the table needs no fp32 copy of them)."""
+        return cpu_nibble.unpack_groups(self.scale, rows)
 
     def nbytes(self) -> int:
         extra = 0 if self.zero is None else self.zero.nbytes

@@ -171,6 +171,8 @@ class GGUFEmbedding(nn.Module):
         self.head = make_kernel(self.table, self.activation_dtype or dtype)
         if isinstance(self.head, (SplitInt8Kernel, NibbleKernel)) and _codes_read_back(
                 self.head, self.table):
+            if isinstance(self.head, NibbleKernel) and _scales_read_back(self.head, self.table):
+                self.table.scale = self.table.scale.new_empty((0, *self.table.scale.shape[1:]))
             # a fresh empty tensor: a [:0] view would keep the whole codes' storage alive
             self.table.codes = self.table.codes.new_empty((0, *self.table.codes.shape[1:]))
 
@@ -178,7 +180,8 @@ class GGUFEmbedding(nn.Module):
         table = self.table
         if table.codes.shape[0] == self.vocab_size:
             return table.rows(ids)
-        return QuantWeight(table.qtype, self.head.codes(ids), table.scale[ids], None, table.group)
+        scale = table.scale[ids] if table.scale.shape[0] else self.head.scales(ids)
+        return QuantWeight(table.qtype, self.head.codes(ids), scale, None, table.group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if isinstance(self.table, torch.Tensor):
@@ -227,8 +230,17 @@ def _kernel(part: Part, weight: nn.Parameter, activation: torch.dtype | None
 def _codes_read_back(head: SplitInt8Kernel | NibbleKernel, table: QuantWeight) -> bool:
     """Whether the head's packed codes give back the table's (checked on the first and last
     blocks and a spread of rows)."""
-    rows = table.shape[0]
-    if not head.codes_readable() or rows < 64:
+    if not head.codes_readable() or table.shape[0] < 64:
         return False
-    ids = torch.cat([torch.arange(64), torch.arange(rows - 64, rows), torch.arange(0, rows, 997)])
+    ids = _spread(table.shape[0])
     return torch.equal(head.codes(ids), table.codes[ids])
+
+
+def _scales_read_back(head: NibbleKernel, table: QuantWeight) -> bool:
+    """Whether the head's packed scales give back the table's exactly (the same rows)."""
+    ids = _spread(table.shape[0])
+    return table.bias is None and torch.equal(head.scales(ids), table.scale[ids].float())
+
+
+def _spread(rows: int) -> torch.Tensor:
+    return torch.cat([torch.arange(64), torch.arange(rows - 64, rows), torch.arange(0, rows, 997)])
