@@ -44,8 +44,10 @@ class KVLayout:
 
     def cell_bytes(self) -> int:
         """Bytes of one layer x one block (K and V)."""
-        elem = torch.empty((), dtype=self.torch_dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        # (dtype.itemsize, not a tensor's element_size: making a tensor releases the GIL and
+        # then waits for it again, behind the engine thread, on every push)
+        itemsize = self.torch_dtype.itemsize
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
     def check_compatible(self, sender: KVLayout) -> None:
         """ValueError naming every field where `sender`'s layout differs from this one."""
