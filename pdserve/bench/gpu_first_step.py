@@ -1,7 +1,8 @@
 """A decode engine's host time per step for a request just committed, after the engine sat idle
 and without idling, split by phase: what a KV handover pays on an idle decode worker.
 
-    python -m pdserve.bench.gpu_first_step [--requests 10] [--idle-ms 50] [--out DIR] [--host-argmax]
+    python -m pdserve.bench.gpu_first_step [--requests 10] [--idle-ms 50] [--out DIR]
+        [--host-argmax]
 
 In one process, the 1B-shaped random model in bf16, decode role: each request's 1024-token
 prompt is reserved and committed (its KV is whatever the blocks hold: only time is measured),
