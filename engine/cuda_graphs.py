@@ -28,6 +28,7 @@ decoding, verification steps replay these graphs too, one row per token, from ex
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -166,24 +167,16 @@ class DecodeGraphs:
             kinds.append((True, self.lora_graphs, self.lora_outputs))
         for size in reversed(self.sizes):
             for with_lora, graphs, outputs in kinds:
-                self._forward(size, with_lora)  # warm-up: compiles the kernels outside capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    outputs[size] = self._forward(size, with_lora)
-                graphs[size] = graph
+                graphs[size], outputs[size] = _captured(
+                    functools.partial(self._forward, size, with_lora), pool)
             if self._has_argmax(size):
-                self._argmax_step(size)  # warm-up: the head's GEMV plan times its choices
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.argmax_outputs[size] = self._argmax_step(size)
-                self.argmax_graphs[size] = graph
+                self.argmax_graphs[size], self.argmax_outputs[size] = _captured(
+                    functools.partial(self._argmax_step, size), pool)
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (%d sizes, batch 1..%d) in %.1f s, %.0f MiB",
                     len(self.sizes) * len(kinds) + len(self.argmax_graphs), len(self.sizes),
-                    self.max_batch,
-                    time.perf_counter() - start, (torch.cuda.memory_reserved() - reserved) / 2**20)
+                    self.max_batch, time.perf_counter() - start,
+                    (torch.cuda.memory_reserved() - reserved) / 2**20)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         return self.ready and meta.num_prefills == 0 and 0 < meta.num_decodes <= self.max_batch
@@ -250,3 +243,15 @@ class DecodeGraphs:
                 self.lora_slots[n:size].fill_(-1)
         self.replays += 1
         return n, size, with_lora
+
+
+def _captured(step: Callable[[], torch.Tensor], pool: object
+              ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`step` captured into a graph on the shared `pool`, and its static output. Run once
+    first, outside the capture: that compiles its kernels (and times the head's GEMV plan)."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph, out

@@ -104,7 +104,8 @@ def _return_freed_memory() -> None:
 
 
 def _load(tensor: GGUFTensor, name: str) -> QuantWeight | torch.Tensor:
-    if tensor.qtype in DENSE:  # widened exactly: bf16 is fp32's upper half
+    if tensor.qtype in DENSE:  # widened exactly (bf16 is fp32's upper half) by numpy: gguf's
+        # dequantize would import the whole gguf package (engine/quant/ggml_types.py)
         raw = np.asarray(tensor.data)
         if tensor.qtype == Q.BF16:
             values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
