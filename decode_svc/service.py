@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from decode_svc.convert import chunk_from_wire, delta_to_pb, pool_info_to_pb
+from decode_svc.push_streams import PushStreams
 from decode_svc.receiver import KVReceiver
 from engine import handover_trace
 from engine.async_engine import AsyncLLMEngine
@@ -85,6 +86,13 @@ class DecodeServicer(LoRARpcs, decode_pb2_grpc.DecodeServicer):
         received = await self.receiver.receive(
             chunk_from_wire(message) async for message in request_iterator)
         return decode_pb2.PushKVResponse(bytes_received=received)
+
+    async def PushKVStreams(
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.KVStreamsReply]:
+        async with aclosing(PushStreams(self.receiver).serve(request_iterator)) as replies:
+            async for reply in replies:
+                yield reply
 
     async def DescribeKV(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         info = await asyncio.to_thread(self.receiver.describe, list(request.transports))

@@ -14,7 +14,9 @@ The slabs' bytes travel in the stream (grpc) or over the data plane chosen for t
 worker (`prefill_svc/planes.py`: cuda_ipc, nixl): then the decode worker's grant (passed on by
 the gateway from its Generate) or else a KVTarget rpc gives the reserved blocks' physical ids,
 each slab is written straight into them (off the event loop, inside `SlabTicket.reading()`),
-and only its range goes in the stream (KVWritten; the last one inside the commit). A pool refused as
+and only its range goes in the stream (KVWritten; the last one inside the commit). Those pushes
+share one PushKVStreams call per decode worker (prefill_svc/push_streams.py) unless the worker
+runs with `--kv-push-streams per-request`. A pool refused as
 stale (the decode worker restarted) sends that push over grpc and the peer is described again
 next time.
 
@@ -30,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
 import grpc
@@ -46,6 +48,7 @@ from pdserve.transport.base import GRPC, DataPlane, Peer, host_id
 from pdserve.transport.doorbell import DoorbellSender, Ring
 from prefill_svc.planes import PeerPlanes
 from prefill_svc.push import KVPush, SlabTicket
+from prefill_svc.push_streams import PushFailed, PushStreamsCall, StreamsFailed
 from prefill_svc.slab_stager import SlabStager, cells
 from protos import decode_pb2, decode_pb2_grpc
 
@@ -76,8 +79,10 @@ class PushKVSender:
     def __init__(
         self, kv_caches: list[torch.Tensor], slab_bytes: int = 2 << 20, timeout_s: float = 60.0,
         tls: TLSConfig = PLAINTEXT, planes: PeerPlanes | None = None,
-        plane_slab_bytes: int = PLANE_SLAB_BYTES,
+        plane_slab_bytes: int = PLANE_SLAB_BYTES, shared_streams: bool = True,
     ):
+        """`shared_streams`: data-plane pushes to a decode worker share one PushKVStreams
+        call (prefill_svc/push_streams.py); False: a PushKV stream each, as grpc pushes."""
         self.kv_caches = kv_caches
         self.tls = tls
         self.layout = layout_of(kv_caches)
@@ -85,8 +90,10 @@ class PushKVSender:
         self.timeout_s = timeout_s
         self.planes = planes  # None: grpc only
         self.plane_slab_bytes = plane_slab_bytes
+        self.shared_streams = shared_streams
         self.stats = TransferStats()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._streams: dict[str, PushStreamsCall] = {}
         self._doorbell: DoorbellSender | None = None
 
     def new_push(self, request_id: str, num_tokens: int, skip_blocks: int = 0) -> KVPush:
@@ -96,29 +103,60 @@ class PushKVSender:
 
     async def send(self, decode_address: str, push: KVPush) -> int:
         channel = self._channel(decode_address)
+        started = time.perf_counter()
+        peer, target = await self._data_plane(decode_address, channel, push)
+        if peer is None:
+            transport = GRPC
+            received = await self._push_kv(decode_address, channel, self.messages(push))
+        else:
+            transport = peer.transport
+            push.resize_slabs(self.plane_slab_bytes)
+            chunks = self.written(push, peer, target, decode_address)
+            if self.shared_streams:
+                received = await self._push_shared(decode_address, channel, push,
+                                                   target.push_id, chunks)
+            else:
+                received = await self._push_kv(decode_address, channel, _wire(chunks))
+        self.stats.record(received, time.perf_counter() - started, transport)
+        self.stats.skipped_blocks += push.skip_blocks
+        self.stats.record_overlap(push.bytes_before_first_token,
+                                  (push.commit_sent_at or 0.0) - (push.first_token_at or 0.0))
+        return received
+
+    async def _push_kv(self, address: str, channel: grpc.aio.Channel,
+                       messages: AsyncIterator[bytes]) -> int:
+        """One push on a PushKV stream of its own: the bytes accepted."""
         call = channel.stream_unary(
             PUSH_KV, response_deserializer=decode_pb2.PushKVResponse.FromString
         )  # no request serializer: `messages` yields wire bytes
-        started = time.perf_counter()
-        peer, target = await self._data_plane(decode_address, channel, push)
-        transport = GRPC if peer is None else peer.transport
-        if peer is not None:
-            push.resize_slabs(self.plane_slab_bytes)
-        messages = (self.messages(push) if peer is None
-                    else self.written(push, peer, target, decode_address))
         try:
             reply = await call(messages, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             self.stats.failed += 1
             if exc.code() == grpc.StatusCode.UNAVAILABLE:  # the peer may be gone: forget it
-                await self._drop_channel(decode_address)
-                self._forget(decode_address)
-            raise ConnectionError(f"KV push to {decode_address} failed: {exc.details()}") from exc
-        self.stats.record(reply.bytes_received, time.perf_counter() - started, transport)
-        self.stats.skipped_blocks += push.skip_blocks
-        self.stats.record_overlap(push.bytes_before_first_token,
-                                  (push.commit_sent_at or 0.0) - (push.first_token_at or 0.0))
+                await self._drop_channel(address)
+                self._forget(address)
+            raise ConnectionError(f"KV push to {address} failed: {exc.details()}") from exc
         return reply.bytes_received
+
+    async def _push_shared(self, address: str, channel: grpc.aio.Channel, push: KVPush,
+                           push_id: int, chunks: AsyncGenerator[decode_pb2.KVChunk, None]
+                           ) -> int:
+        """One data-plane push on the decode worker's shared PushKVStreams call (opened by
+        the first push, again after it failed): the bytes accepted."""
+        call = self._streams.get(address)
+        if call is None or call.failed is not None:
+            call = self._streams[address] = PushStreamsCall(channel, address)
+        try:
+            received = await call.push(push.request_id, push_id, chunks, self.timeout_s)
+        except PushFailed as exc:
+            self.stats.failed += 1
+            if isinstance(exc, StreamsFailed) and exc.code == grpc.StatusCode.UNAVAILABLE:
+                await self._drop_channel(address)  # the peer may be gone: forget it
+                self._forget(address)
+            raise ConnectionError(f"KV push to {address} failed: {exc}") from exc
+        self.stats.shared_stream += 1
+        return received
 
     async def _data_plane(
         self, address: str, channel: grpc.aio.Channel, push: KVPush
@@ -176,7 +214,7 @@ class PushKVSender:
 
     async def written(
         self, push: KVPush, peer: Peer, target: Any, address: str
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[decode_pb2.KVChunk, None]:
         """The push over a data plane: the header naming it, each slab written into the
         target blocks (off the event loop) and then announced, the commit. Reads the cache. A
         failed write forgets the peer (described again next time) and ends the push: grpc
@@ -192,21 +230,21 @@ class PushKVSender:
         dst_ids = list(target.block_ids)
         writing = asyncio.ensure_future(self._write_next(push, plane, peer, dst_ids, address))
         try:
-            yield self._header(push, peer.transport, target.push_id)
+            yield self._header_chunk(push, peer.transport, target.push_id)
             last = None  # once the first token is known, each slab's range waits for the next
             # write, so the last one goes inside the commit: one message less before it
             while (written := await writing) is not False:
                 writing = asyncio.ensure_future(
                     self._write_next(push, plane, peer, dst_ids, address))
                 if last is not None:
-                    yield _written_chunk(last)
+                    yield decode_pb2.KVChunk(written=last)
                     last = None
                 if written is not None:  # None: stale, a preemption; those cells come again
                     last = written
                     if push.first is None:  # more may take a while: announce it now
-                        yield _written_chunk(last)
+                        yield decode_pb2.KVChunk(written=last)
                         last = None
-            commit = self._commit(push, last)
+            commit = self._commit_chunk(push, last)
             self._ring(push, peer, target.push_id)
             yield commit
         finally:
@@ -248,20 +286,27 @@ class PushKVSender:
         self._doorbell.ring(doorbell, Ring(push.request_id, push_id, push.first[0],
                                            peer.info.pool_id))
 
-    def _header(self, push: KVPush, transport: str = GRPC, push_id: int = 0) -> bytes:
+    def _header(self, push: KVPush) -> bytes:
+        return self._header_chunk(push, GRPC, 0).SerializeToString()
+
+    def _header_chunk(self, push: KVPush, transport: str, push_id: int) -> decode_pb2.KVChunk:
         return decode_pb2.KVChunk(header=decode_pb2.KVHeader(
             request_id=push.request_id, layout=layout_to_pb(self.layout),
             num_tokens=push.num_tokens, num_blocks=push.num_blocks, transport=transport,
             push_id=push_id, skip_blocks=push.skip_blocks,
-        )).SerializeToString()
+        ))
 
-    def _commit(self, push: KVPush, written: decode_pb2.KVWritten | None = None) -> bytes:
+    def _commit(self, push: KVPush) -> bytes:
+        return self._commit_chunk(push).SerializeToString()
+
+    def _commit_chunk(self, push: KVPush, written: decode_pb2.KVWritten | None = None
+                      ) -> decode_pb2.KVChunk:
         assert push.first is not None
         commit = decode_pb2.KVCommit(first_token_id=push.first[0], written=written)
         if push.first[1] is not None:
             commit.first_logprobs.CopyFrom(logprobs_to_pb(push.first[1]))
         push.commit_sent_at = time.perf_counter()
-        return decode_pb2.KVChunk(commit=commit).SerializeToString()
+        return decode_pb2.KVChunk(commit=commit)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -269,6 +314,9 @@ class PushKVSender:
         return self._channels[address]
 
     async def _drop_channel(self, address: str) -> None:
+        streams = self._streams.pop(address, None)
+        if streams is not None:
+            await streams.close()
         channel = self._channels.pop(address, None)
         if channel is not None:
             await channel.close()
@@ -282,8 +330,13 @@ class PushKVSender:
             self._doorbell.close()
 
 
-def _written_chunk(written: decode_pb2.KVWritten) -> bytes:
-    return decode_pb2.KVChunk(written=written).SerializeToString()
+async def _wire(chunks: AsyncGenerator[decode_pb2.KVChunk, None]) -> AsyncIterator[bytes]:
+    """`chunks` as wire bytes; closing this closes them (a data-plane push's pending write)."""
+    try:
+        async for chunk in chunks:
+            yield chunk.SerializeToString()
+    finally:
+        await chunks.aclose()
 
 
 def _write(plane: DataPlane, peer: Peer, ticket: SlabTicket, dst_ids: list[int]

@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_flags(parser, DEFAULT_PORT)
     add_flag(parser, "--kv-slab-bytes", 2 << 20, type=int, help="bytes per KV transfer message")
     add_kv_transport_flag(parser)
+    add_flag(parser, "--kv-push-streams", "shared", choices=["shared", "per-request"],
+             help="shared: the data-plane pushes (cuda_ipc, nixl) to a decode worker share one "
+                  "PushKVStreams call; per-request: a PushKV stream each (grpc pushes always)")
     add_flag(parser, "--kv-lease-seconds", 30.0, type=float,
              help="seconds a prefilled request's KV waits for its decode worker to take it "
                   "before it is freed")
@@ -37,8 +40,8 @@ async def serve(args: argparse.Namespace) -> None:
     args.kv_transport = kv_transport_for(args)
     planes = PeerPlanes(engine.engine.runner.kv_pool, args.kv_transport)
     kv_view = await asyncio.to_thread(engine.engine.runner.kv_view)
-    sender = PushKVSender(kv_view, args.kv_slab_bytes,
-                          tls=tls_from_args(args), planes=planes)
+    sender = PushKVSender(kv_view, args.kv_slab_bytes, tls=tls_from_args(args), planes=planes,
+                          shared_streams=args.kv_push_streams == "shared")
     cancels = watch_cancellations(args, lambda request_id: servicer.abort(request_id))
     servicer = PrefillServicer(engine, sender, cancels)
     leases = KVLeases(engine, args.kv_lease_seconds, servicer.expire, sender.stats)

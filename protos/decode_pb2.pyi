@@ -178,3 +178,41 @@ class PushKVResponse(_message.Message):
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     bytes_received: int
     def __init__(self, bytes_received: _Optional[int] = ...) -> None: ...
+
+class KVStreamChunk(_message.Message):
+    __slots__ = ("request_id", "push_id", "chunk", "cut")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    push_id: int
+    chunk: KVChunk
+    cut: bool
+    def __init__(self, request_id: _Optional[str] = ..., push_id: _Optional[int] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., cut: _Optional[bool] = ...) -> None: ...
+
+class KVStreamsRequest(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[KVStreamChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[KVStreamChunk, _Mapping]]] = ...) -> None: ...
+
+class KVPushOutcome(_message.Message):
+    __slots__ = ("request_id", "push_id", "code", "message", "bytes_received")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    push_id: int
+    code: int
+    message: str
+    bytes_received: int
+    def __init__(self, request_id: _Optional[str] = ..., push_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class KVStreamsReply(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[KVPushOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[KVPushOutcome, _Mapping]]] = ...) -> None: ...

@@ -45,6 +45,11 @@ class DecodeStub:
                 request_serializer=protos_dot_decode__pb2.KVChunk.SerializeToString,
                 response_deserializer=protos_dot_decode__pb2.PushKVResponse.FromString,
                 _registered_method=True)
+        self.PushKVStreams = channel.stream_stream(
+                '/pdserve.v1.Decode/PushKVStreams',
+                request_serializer=protos_dot_decode__pb2.KVStreamsRequest.SerializeToString,
+                response_deserializer=protos_dot_decode__pb2.KVStreamsReply.FromString,
+                _registered_method=True)
         self.DescribeKV = channel.unary_unary(
                 '/pdserve.v1.Decode/DescribeKV',
                 request_serializer=protos_dot_decode__pb2.DescribeKVRequest.SerializeToString,
@@ -115,6 +120,20 @@ class DecodeServicer:
         still open (its sender died unnoticed), which then writes nothing more and ends cut off at
         its next chunk; a push arriving while the KV is committed is refused (NOT_FOUND). The
         request joins the decode batch on the commit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushKVStreams(self, request_iterator, context):
+        """The data-plane pushes (cuda_ipc, nixl) of many requests over one long-lived stream from a
+        prefill worker, where each over PushKV would pay a stream of its own: a message carries
+        chunks of any of them, a reply the outcomes of those that ended. Each push keeps its
+        order (header, KVWritten chunks, commit), its checks, its fencing and its commit as over
+        PushKV; a `cut` entry ends one before its commit as a cancelled PushKV would (the blocks
+        stay reserved for another push), and the stream ending, failing or being cancelled cuts
+        every push still open on it. A grpc push (its slabs' bytes) is refused in its outcome
+        (INVALID_ARGUMENT): those take PushKV, which reads the slabs in place.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -193,6 +212,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.PushKV,
                     request_deserializer=protos_dot_decode__pb2.KVChunk.FromString,
                     response_serializer=protos_dot_decode__pb2.PushKVResponse.SerializeToString,
+            ),
+            'PushKVStreams': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushKVStreams,
+                    request_deserializer=protos_dot_decode__pb2.KVStreamsRequest.FromString,
+                    response_serializer=protos_dot_decode__pb2.KVStreamsReply.SerializeToString,
             ),
             'DescribeKV': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribeKV,
@@ -284,6 +308,33 @@ class Decode:
             '/pdserve.v1.Decode/PushKV',
             protos_dot_decode__pb2.KVChunk.SerializeToString,
             protos_dot_decode__pb2.PushKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKVStreams(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Decode/PushKVStreams',
+            protos_dot_decode__pb2.KVStreamsRequest.SerializeToString,
+            protos_dot_decode__pb2.KVStreamsReply.FromString,
             options,
             channel_credentials,
             insecure,

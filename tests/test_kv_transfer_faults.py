@@ -707,10 +707,11 @@ def test_a_grpc_commit_carrying_a_written_range_fails_the_request(workers: Worke
 def test_the_gateway_path_writes_into_the_grant(workers: Workers) -> None:
     """A Prefill naming the decode worker's grant (as the gateway passes it on) pushes over the
     data plane without KVTarget: the tokens equal colocated and the prefill worker counts a
-    granted push."""
+    granted push, both workers a push over the shared PushKVStreams call."""
     w, ref, rid = workers, workers.long, "gateway-grant"
     _data_plane_only(w)
     granted = _counter(w.prefill_metrics, "pdserve:kv_transfer_granted_pushes_total")
+    shared = [_counter(m, SHARED) for m in (w.prefill_metrics, w.decode_metrics)]
     call = _open(w, rid, ref)
     reply = w.prefill.Prefill(prefill_pb2.PrefillRequest(
         request_id=rid, prompt_token_ids=ref.prompt, params=_params(),
@@ -720,3 +721,103 @@ def test_the_gateway_path_writes_into_the_grant(workers: Workers) -> None:
     _wait_idle(w.prefill)
     _wait_idle(w.decode)
     assert _counter(w.prefill_metrics, "pdserve:kv_transfer_granted_pushes_total") == granted + 1
+    assert [_counter(m, SHARED) for m in (w.prefill_metrics, w.decode_metrics)] == [
+        n + 1 for n in shared]
+
+
+# ---- 8. many requests' data-plane pushes on one PushKVStreams call ---------------------------
+SHARED = "pdserve:kv_transfer_shared_stream_pushes_total"
+OK = grpc.StatusCode.OK.value[0]
+
+
+def _entry(rid: str, push_id: int, chunk: decode_pb2.KVChunk | None = None
+           ) -> decode_pb2.KVStreamChunk:
+    """One push's chunk on the shared call; without a chunk, its cut."""
+    if chunk is None:
+        return decode_pb2.KVStreamChunk(request_id=rid, push_id=push_id, cut=True)
+    return decode_pb2.KVStreamChunk(request_id=rid, push_id=push_id, chunk=chunk)
+
+
+def _streams(w: Workers, *messages: list[decode_pb2.KVStreamChunk]
+             ) -> dict[str, decode_pb2.KVPushOutcome]:
+    """One PushKVStreams call sending `messages` (each one KVStreamsRequest), then ending: the
+    outcomes by request id."""
+    requests = iter([decode_pb2.KVStreamsRequest(chunks=m) for m in messages])
+    replies = w.decode.PushKVStreams(requests, timeout=20)
+    return {o.request_id: o for reply in replies for o in reply.outcomes}
+
+
+def _open_many(w: Workers, refs: dict[str, Reference]) -> dict[str, grpc.Call]:
+    """Generate for each request id, up to its grant (its blocks reserved)."""
+    calls = {}
+    for rid, ref in refs.items():
+        calls[rid] = w.decode.Generate(decode_pb2.GenerateRequest(
+            request_id=rid, prompt_token_ids=ref.prompt, params=_params()), timeout=30)
+        w.grants[rid] = next(calls[rid]).kv_target
+        assert w.grants[rid].push_id == 1
+    return calls
+
+
+def _plane_push(w: Workers, rid: str, ref: Reference, push_id: int
+                ) -> list[decode_pb2.KVStreamChunk]:
+    """A whole data-plane push of `ref` as entries: header, KVWritten ranges, commit."""
+    header = _header(rid, w.layout, ref)
+    header.header.transport, header.header.push_id = w.transport, push_id
+    return [_entry(rid, push_id, c)
+            for c in (header, *_slabs(w.layout, ref.num_blocks, w), _commit(ref))]
+
+
+def test_pushes_of_many_requests_share_one_stream_and_end_apart(workers: Workers) -> None:
+    """Three requests' pushes interleaved on one call: one commits; one is cut by its entry and
+    one is open when the call ends, and both keep their reservations (as a cancelled or broken
+    PushKV leaves them); pushed again on a second call (KVTarget's newer push ids), they
+    commit, every Generate decodes to its end and the blocks end free."""
+    w = workers
+    _data_plane_only(w)
+    refs = {"many-a": w.long, "many-b": w.short, "many-c": w.long}
+    calls = _open_many(w, refs)
+    a, b, c = (_plane_push(w, rid, ref, 1) for rid, ref in refs.items())
+    outcomes = _streams(w, [a[0], b[0], c[0]], [*a[1:3], *b[1:], c[1]],
+                        [_entry("many-a", 1)])  # then the call ends with c open
+    assert outcomes["many-b"].code == OK
+    assert outcomes["many-b"].bytes_received == w.layout.num_layers * w.layout.cell_bytes()
+    cut = {rid: (outcomes[rid].code, outcomes[rid].message) for rid in ("many-a", "many-c")}
+    assert cut == {"many-a": (grpc.StatusCode.UNAVAILABLE.value[0],
+                              "the push was cancelled by its sender"),
+                   "many-c": (grpc.StatusCode.UNAVAILABLE.value[0],
+                              "KV stream ended before every layer and block arrived")}
+    waiting, free = _load(w.decode)[1:3]
+    assert waiting == 2 and free in (NUM_BLOCKS - 7, NUM_BLOCKS - 6)  # b decodes or is done
+    again = [_plane_push(w, rid, refs[rid], _target(w, rid).push_id) for rid in ("many-a",
+                                                                                 "many-c")]
+    outcomes = _streams(w, [e for push in again for e in push])
+    assert {rid: o.code for rid, o in outcomes.items()} == {"many-a": OK, "many-c": OK}
+    for rid, call in calls.items():
+        assert len([t for msg in call for t in msg.token_ids]) == len(refs[rid].tokens) - 1
+    _wait_idle(w.decode)
+
+
+def test_a_bad_push_on_a_shared_stream_fails_only_its_request(workers: Workers) -> None:
+    """On one call: a push whose header names another layout fails its request (its Generate
+    ends with the error, its blocks are freed after the write grace), a grpc push and a chunk
+    of a push never opened are refused in their outcomes, and the request beside them commits."""
+    w = workers
+    _data_plane_only(w)
+    refs = {"bad-layout": w.short, "beside-it": w.short}
+    calls = _open_many(w, refs)
+    bad = _plane_push(w, "bad-layout", w.short, 1)
+    bad[0].chunk.header.layout.num_layers += 1
+    grpc_header = _entry("grpc-push", 0, _header("grpc-push", w.layout, w.short))
+    stray = _entry("never-opened", 1, _commit(w.short))
+    outcomes = _streams(w, [grpc_header, stray, *bad, *_plane_push(w, "beside-it", w.short, 1)])
+    assert {rid: (grpc.StatusCode.INVALID_ARGUMENT.value[0] == o.code or o.code)
+            for rid, o in outcomes.items()} == {
+        "grpc-push": True, "never-opened": True, "bad-layout": True, "beside-it": OK}
+    assert outcomes["grpc-push"].message == (
+        "a grpc push's slabs travel on PushKV, not PushKVStreams")
+    assert outcomes["never-opened"].message.startswith("no open push 1 of request 'never-opened'")
+    assert "num_layers" in outcomes["bad-layout"].message
+    assert _rpc_error(lambda: list(calls["bad-layout"])).code() != grpc.StatusCode.OK
+    assert len([t for msg in calls["beside-it"] for t in msg.token_ids]) == len(w.short.tokens) - 1
+    _freed(w)
+

@@ -169,6 +169,9 @@ class TransferStats:
     # decode: requests committed by their push's doorbell (pdserve/transport/doorbell.py)
     # before the commit chunk came
     doorbell_commits: int = 0
+    # data-plane pushes completed over a shared PushKVStreams call rather than a PushKV stream
+    # of their own (prefill: sent, decode: received)
+    shared_stream: int = 0
 
     def record(self, num_bytes: int, seconds: float, transport: str = "grpc") -> None:
         self.bytes += num_bytes
@@ -198,6 +201,7 @@ class TransferStats:
             "kv_transfer_write_seconds": self.write_seconds,
             "kv_transfer_skipped_blocks": self.skipped_blocks,
             "kv_transfer_doorbell_commits": self.doorbell_commits,
+            "kv_transfer_shared_stream_pushes": self.shared_stream,
         }
 
     def by_transport(self) -> dict[str, dict[str, float]]:

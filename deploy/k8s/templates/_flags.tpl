@@ -16,7 +16,7 @@ prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tl
   dtype, kv-cache-dtype, quantization, device, block-size, kv-cache-memory, num-kv-blocks,
   gpu-memory-utilization,
   max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, distributed-timeout-seconds,
-  speculative-config, kv-slab-bytes, kv-lease-seconds, kv-transport,
+  speculative-config, kv-slab-bytes, kv-lease-seconds, kv-transport, kv-push-streams,
   enable-lora, lora-modules, max-loras, max-lora-rank, max-cpu-loras, enable-expert-parallel,
   enforce-eager, disable-log-stats, log-stats-interval]
 decode: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
