@@ -139,6 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="N other requests decoding in the worker while the pushes are "
                              "timed (a loaded decode worker: a commit waits for the step in "
                              "flight, and the engine thread is never idle)")
+    parser.add_argument("--push-streams", default="shared", choices=["shared", "per-request"],
+                        help="data-plane pushes on one shared PushKVStreams call, or a PushKV "
+                             "stream each (the prefill worker's --kv-push-streams)")
     parser.add_argument("--raw-chunk-mib", type=int, default=4, help="raw stream message size")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds")
     parser.add_argument("--num-layers", type=int, default=30)
@@ -268,8 +271,9 @@ class PushDriver:
     """Drives one decode worker the way the gateway and a prefill worker do, one push at a time."""
 
     def __init__(self, channel: grpc.aio.Channel, address: str, plan: Plan, device: str,
-                 shuffled: bool = True) -> None:
+                 shuffled: bool = True, shared_streams: bool = True) -> None:
         self.stub = decode_pb2_grpc.DecodeStub(channel)
+        self.shared_streams = shared_streams  # the senders' (data-plane pushes)
         self.address, self.plan = address, plan
         self.pool, self.blocks = sender_pool(plan, device, shuffled=shuffled)
         self.caches = list(self.pool.unbind(0))
@@ -380,7 +384,8 @@ class PushDriver:
         """`n` pushes at once over `transport` (a sender of their own), as one case."""
         planes = None if transport == "grpc" else PeerPlanes(self.pool, transport)
         sender = PushKVSender(self.caches, slab_bytes=slab_mib * MIB, planes=planes,
-                              plane_slab_bytes=slab_mib * MIB)
+                              plane_slab_bytes=slab_mib * MIB,
+                              shared_streams=self.shared_streams)
         self.senders.append(sender)
         return Case(f"push x{n} {transport} {slab_mib} MiB {plan.num_tokens} tok",
                     n * plan.kv_bytes, lambda: self.push_many(sender, plan, transport, n))
@@ -389,7 +394,8 @@ class PushDriver:
         """The push of one plan, transport and slab size (and for grpc the serialization)."""
         planes = None if transport == "grpc" else PeerPlanes(self.pool, transport)
         sender = PushKVSender(self.caches, slab_bytes=slab_mib * MIB, planes=planes,
-                              plane_slab_bytes=slab_mib * MIB)
+                              plane_slab_bytes=slab_mib * MIB,
+                              shared_streams=self.shared_streams)
         self.senders.append(sender)
         name = f"{transport} {slab_mib} MiB {plan.num_tokens} tok"
 
@@ -543,7 +549,8 @@ async def measure(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]
             await wait_serving(dec_ch, dec_addr, dec_proc, logs / "decode-worker.log",
                                args.startup_timeout)
             driver = PushDriver(dec_ch, dec_addr, largest, args.device,
-                                shuffled=args.block_order == "shuffled")
+                                shuffled=args.block_order == "shuffled",
+                                shared_streams=args.push_streams == "shared")
             raw_sizes = sorted({args.raw_chunk_mib, *args.slab_mib})
             # at least one message of each size, however small the request's KV
             source = os.urandom(max(min(largest.kv_bytes, 256 * MIB), raw_sizes[-1] * MIB))
