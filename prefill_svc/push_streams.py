@@ -52,7 +52,7 @@ class PushStreamsCall:
 
     def __init__(self, channel: grpc.aio.Channel, address: str) -> None:
         self.address = address
-        self._call = channel.stream_stream(
+        self._call: grpc.aio.StreamStreamCall | None = channel.stream_stream(
             PUSH_KV_STREAMS, request_serializer=decode_pb2.KVStreamsRequest.SerializeToString,
             response_deserializer=decode_pb2.KVStreamsReply.FromString)()
         self._queued: list[decode_pb2.KVStreamChunk] = []
@@ -114,6 +114,7 @@ class PushStreamsCall:
                 await self._wake.wait()
                 self._wake.clear()
                 entries, self._queued = self._queued, []
+                assert self._call is not None  # this task is cancelled once it is gone
                 await self._call.write(decode_pb2.KVStreamsRequest(chunks=entries))
         except asyncio.CancelledError:
             raise
@@ -123,6 +124,7 @@ class PushStreamsCall:
     async def _read(self) -> None:
         failed = StreamsFailed(grpc.StatusCode.UNKNOWN,
                                f"the KV push stream to {self.address} failed")
+        assert self._call is not None
         try:
             async for reply in self._call:
                 for o in reply.outcomes:
@@ -144,7 +146,11 @@ class PushStreamsCall:
             self._fail_all(failed)
 
     def _fail_all(self, failed: StreamsFailed) -> None:
+        """The call is over: fail its pushes and let go of it (a call object kept alive keeps
+        its connection's state too, the reconnect backoff after a peer died included, and a new
+        channel to the same address would share it and fail at once)."""
         self.failed = failed
+        self._call = None
         self._writer.cancel()
         for waiter in self._waiting.values():
             if not waiter.done():
@@ -154,9 +160,10 @@ class PushStreamsCall:
         """Cut the pushes still open (the decode worker keeps their blocks reserved) and end
         the call."""
         self._writer.cancel()
-        self._call.cancel()
+        if self._call is not None:
+            self._call.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+            await asyncio.gather(self._writer, self._reader)
 
 
 def _code(number: int) -> grpc.StatusCode:
