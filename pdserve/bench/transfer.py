@@ -278,6 +278,7 @@ class PushDriver:
         self.pool, self.blocks = sender_pool(plan, device, shuffled=shuffled)
         self.caches = list(self.pool.unbind(0))
         self.senders: list[PushKVSender] = []
+        self.decode_pid: int | None = None  # the decode worker's, for its CPU time
         self.count = 0
         self.use_grants = True  # data-plane pushes use the Generate's grant, as in serving
 
@@ -342,14 +343,19 @@ class PushDriver:
         return PushTimes(replied - start, replied - committed, handover(times, committed),
                          (t.request_id, committed))
 
-    async def push_many(self, sender: PushKVSender, plan: Plan, transport: str, n: int
-                        ) -> float:
+    async def push_many(self, sender: PushKVSender, plan: Plan, transport: str, n: int,
+                        case: Case | None = None) -> float:
         """`n` requests reserved, then their pushes at once: seconds from the first send to
-        the last reply."""
+        the last reply. With `case`, the CPU seconds per push meanwhile go into it: this
+        process's (the sender's side and the driver's) and the decode worker's."""
         opened = [await self._open(sender, plan) for _ in range(n)]
+        cpu = (time.process_time(), _cpu_seconds(self.decode_pid))
         start = time.perf_counter()
         sent = await asyncio.gather(*(sender.send(self.address, t) for t, _ in opened))
         seconds = time.perf_counter() - start
+        if case is not None and self.decode_pid is not None:
+            case.cpu_sender.append((time.process_time() - cpu[0]) / n)
+            case.cpu_decode.append((_cpu_seconds(self.decode_pid) - cpu[1]) / n)
         for (_, call), nbytes in zip(opened, sent, strict=True):
             await self._token_times(call)
             self._check(nbytes, sender, plan, transport)
@@ -387,8 +393,9 @@ class PushDriver:
                               plane_slab_bytes=slab_mib * MIB,
                               shared_streams=self.shared_streams)
         self.senders.append(sender)
-        return Case(f"push x{n} {transport} {slab_mib} MiB {plan.num_tokens} tok",
-                    n * plan.kv_bytes, lambda: self.push_many(sender, plan, transport, n))
+        case = Case(f"push x{n} {transport} {slab_mib} MiB {plan.num_tokens} tok",
+                    n * plan.kv_bytes, lambda: self.push_many(sender, plan, transport, n, case))
+        return case
 
     def cases(self, plan: Plan, transport: str, slab_mib: int) -> list[Case]:
         """The push of one plan, transport and slab size (and for grpc the serialization)."""
@@ -493,6 +500,15 @@ def copy_cases(plan: Plan, pool: torch.Tensor, blocks: list[int],
 
 
 # ---- processes ----------------------------------------------------------------------------------
+def _cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc); 0 without one."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
 def child(argv: list[str], log: Path, env: dict[str, str] | None = None
           ) -> Iterator[subprocess.Popen]:
@@ -551,6 +567,7 @@ async def measure(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]
             driver = PushDriver(dec_ch, dec_addr, largest, args.device,
                                 shuffled=args.block_order == "shuffled",
                                 shared_streams=args.push_streams == "shared")
+            driver.decode_pid = dec_proc.pid
             raw_sizes = sorted({args.raw_chunk_mib, *args.slab_mib})
             # at least one message of each size, however small the request's KV
             source = os.urandom(max(min(largest.kv_bytes, 256 * MIB), raw_sizes[-1] * MIB))

@@ -33,6 +33,10 @@ class Case:
     # worker's stamps the seconds from the commit sent to the request's first step
     commits: list[tuple[str, float]] = field(default_factory=list)
     to_batch: list[float] = field(default_factory=list)
+    # pushes at once: CPU seconds per push while they ran, this process's (the sending side)
+    # and the decode worker's, each call of `once`
+    cpu_sender: list[float] = field(default_factory=list)
+    cpu_decode: list[float] = field(default_factory=list)
 
 
 async def run_rounds(cases: list[Case], repeats: int) -> None:
@@ -106,6 +110,9 @@ def concurrent_report(key: tuple[int, str, int], case: Case, n: int,
                            "slab_bytes": slab_mib * MIB, "concurrency": n, "push": summarize(case)}
     if copies is not None:
         out["ratio_to_copy"] = paired_ratio(case, copies[0])
+    if len(case.cpu_sender) > 1:  # the warm-up's first: left out
+        out["cpu_ms_per_push"] = {"sender": 1e3 * statistics.median(case.cpu_sender[1:]),
+                                  "decode": 1e3 * statistics.median(case.cpu_decode[1:])}
     return out
 
 
@@ -160,5 +167,7 @@ def format_table(report: dict[str, Any]) -> str:
         copy = f", {s['ratio_to_copy']:.3f} of the copy" if "ratio_to_copy" in s else ""
         lines.append(f"{s['concurrency']} pushes at once, {s['num_tokens']} tokens each, "
                      f"{s['transport']} {s['slab_bytes'] // MIB} MiB: {p['gib_per_s']:.2f} GiB/s "
-                     f"(best {p['best_gib_per_s']:.2f}), {1e3 * p['median_s']:.2f} ms{copy}")
+                     f"(best {p['best_gib_per_s']:.2f}), {1e3 * p['median_s']:.2f} ms{copy}"
+                     + ("; CPU ms a push: sender {sender:.2f}, decode worker {decode:.2f}".format(
+                         **s["cpu_ms_per_push"]) if "cpu_ms_per_push" in s else ""))
     return "\n".join(lines)
