@@ -64,6 +64,11 @@ class PeerPlanes:
                 self._peers[address] = await self._open(address, channel)
         return self._peers[address]
 
+    def known(self, address: str) -> Peer | None:
+        """The data plane opened towards `address` already, if any (no rpc; None for a peer
+        not described yet or pushed to over grpc)."""
+        return self._peers.get(address)
+
     def plane(self, transport: str) -> DataPlane:
         if transport not in self._planes:
             self._planes[transport] = make_plane(transport, self.pool,

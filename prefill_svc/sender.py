@@ -71,6 +71,11 @@ class KVSender(Protocol):
         Raises on failure (the caller frees the blocks either way)."""
         ...
 
+    def whole_steps(self, decode_address: str, num_tokens: int) -> bool:
+        """True when a push of `num_tokens` to the decode worker sends only at a step's end,
+        so the engine need not note its KV layer group by layer group."""
+        ...
+
     async def close(self) -> None:
         ...
 
@@ -100,6 +105,17 @@ class PushKVSender:
         """An empty push of this worker's layout and slab size, for the engine to fill; its
         first `skip_blocks` blocks are held by the receiver already and never sent."""
         return KVPush(request_id, num_tokens, self.layout, self.slab_bytes, skip_blocks)
+
+    def whole_steps(self, decode_address: str, num_tokens: int) -> bool:
+        """A data plane towards the decode worker is open already and the push's KV fits one
+        of its slabs: its slabs then leave only when a step ends (`KVPush.next_slab` hands a
+        slab out when it is full or the step's layers are all final), and the layer groups'
+        notes in between would only wake the push for nothing (on a busy prefill worker, a
+        cross-thread callback per request per group)."""
+        if self.planes is None or self.planes.known(decode_address) is None:
+            return False
+        blocks = -(-num_tokens // self.layout.block_size)
+        return blocks * self.layout.num_layers * self.layout.cell_bytes() <= self.plane_slab_bytes
 
     async def send(self, decode_address: str, push: KVPush) -> int:
         channel = self._channel(decode_address)

@@ -41,8 +41,8 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
         self.sender = sender
         self.cancels = cancels
         self.pushes: dict[str, asyncio.Task] = {}
-        num_layers = len(engine.engine.runner.kv_caches)
-        self.layers_per_group = max(1, -(-num_layers // NOTES_PER_STEP))
+        self.num_layers = len(engine.engine.runner.kv_caches)
+        self.layers_per_group = max(1, -(-self.num_layers // NOTES_PER_STEP))
 
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         params = sampling_params_from_pb(request.params)
@@ -88,7 +88,9 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
         except ValueError as exc:
             raise ValueError(f"decode_cached_blocks: {exc}") from None
         push.grant = grant
-        push.watch = self.engine.watch_kv(push.on_progress, self.layers_per_group)
+        group = (self.num_layers if self.sender.whole_steps(decode_address, num_tokens)
+                 else self.layers_per_group)  # a data plane writes a step's KV at its end
+        push.watch = self.engine.watch_kv(push.on_progress, group)
         self.pushes[request_id] = asyncio.create_task(self._push(decode_address, push))
         return push
 

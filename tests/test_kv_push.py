@@ -162,3 +162,31 @@ def test_cuda_slab_waits_for_the_layers_that_wrote_it() -> None:
     data = torch.stack([c[:, [17, 4]] for c in caches]).cpu().numpy().tobytes()
     assert message == decode_pb2.KVChunk(data=decode_pb2.KVData(
         layer_start=0, layer_end=4, block_start=0, block_end=2, data=data)).SerializeToString()
+
+
+def test_a_data_plane_push_within_one_slab_needs_only_the_steps_last_notes() -> None:
+    """`whole_steps`: once a data plane towards the decode worker is open, a push whose KV fits
+    one plane slab sends at step ends only (no full slab forms before), so the servicer watches
+    it a whole step at a time; not for a worker not described yet, one pushed to over grpc, or a
+    push larger than the slab. The frontier agrees: with all the layers but one final, such a
+    push has nothing to send."""
+    from pdserve.transport.base import Peer, PoolInfo
+    from prefill_svc.planes import PeerPlanes
+    from prefill_svc.sender import PushKVSender
+
+    pool = torch.zeros(4, 2, 8, 16, 2, 8)
+    planes = PeerPlanes(pool, "nixl")
+    sender = PushKVSender(list(pool.unbind(0)), planes=planes, plane_slab_bytes=4 * 4 * CELL)
+    assert not sender.whole_steps("decode:1", 16)  # not described yet
+    planes._peers["decode:1"] = Peer(PoolInfo(pool_id="p", host_id="h", layout=LAYOUT,
+                                              num_blocks=8, device_type="cpu",
+                                              transports=["nixl", "grpc"]), "nixl")
+    planes._peers["decode:2"] = None  # grpc
+    assert sender.whole_steps("decode:1", 4 * 16)  # 4 blocks x 4 layers: one slab
+    assert not sender.whole_steps("decode:1", 4 * 16 + 1)  # a fifth block: two slabs
+    assert not sender.whole_steps("decode:2", 16)
+    push = sender.new_push("r", 4 * 16)
+    push.resize_slabs(sender.plane_slab_bytes)
+    push.on_progress(KVProgress(3, 64, 64, (0, 1, 2, 3), 0))
+    assert push.frontier.next(flush=False) is None
+    assert PushKVSender(list(pool.unbind(0))).whole_steps("decode:1", 16) is False  # grpc only
