@@ -114,6 +114,8 @@ class PushStreamsCall:
                 await self._wake.wait()
                 self._wake.clear()
                 entries, self._queued = self._queued, []
+                if not entries:  # taken by the previous message already
+                    continue
                 assert self._call is not None  # this task is cancelled once it is gone
                 await self._call.write(decode_pb2.KVStreamsRequest(chunks=entries))
         except asyncio.CancelledError:
