@@ -1,6 +1,7 @@
 """`pdserve bench transfer` end to end on the CPU, small: a real decode worker, pushes over grpc
 and nixl (host memory), the raw grpcio ceiling; a data-plane push reports its writes apart from
-the rest of the push (the control plane); pushes at once (`--concurrency`) report together."""
+the rest of the push (the control plane); pushes at once (`--concurrency`) report together, with
+the CPU time per push on both sides."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def test_pushes_over_grpc_and_nixl_with_the_writes_timed_apart(tmp_path: Path) -
     for c in report["concurrent"]:
         assert c["concurrency"] == 2 and c["push"]["bytes"] == 2 * kv_bytes
         assert len(c["push"]["seconds"]) == 2 and c["push"]["gib_per_s"] > 0
+        cpu = c["cpu_ms_per_push"]  # both sides' CPU while they ran (the sender's never 0)
+        assert cpu["sender"] > 0 and cpu["decode"] >= 0
 
 
 def test_handover_reads_the_first_decode_token_less_a_step():

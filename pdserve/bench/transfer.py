@@ -349,13 +349,13 @@ class PushDriver:
         the last reply. With `case`, the CPU seconds per push meanwhile go into it: this
         process's (the sender's side and the driver's) and the decode worker's."""
         opened = [await self._open(sender, plan) for _ in range(n)]
-        cpu = (time.process_time(), _cpu_seconds(self.decode_pid))
+        cpu = (time.process_time(), cpu_seconds(self.decode_pid))
         start = time.perf_counter()
         sent = await asyncio.gather(*(sender.send(self.address, t) for t, _ in opened))
         seconds = time.perf_counter() - start
         if case is not None and self.decode_pid is not None:
             case.cpu_sender.append((time.process_time() - cpu[0]) / n)
-            case.cpu_decode.append((_cpu_seconds(self.decode_pid) - cpu[1]) / n)
+            case.cpu_decode.append((cpu_seconds(self.decode_pid) - cpu[1]) / n)
         for (_, call), nbytes in zip(opened, sent, strict=True):
             await self._token_times(call)
             self._check(nbytes, sender, plan, transport)
@@ -500,7 +500,7 @@ def copy_cases(plan: Plan, pool: torch.Tensor, blocks: list[int],
 
 
 # ---- processes ----------------------------------------------------------------------------------
-def _cpu_seconds(pid: int | None) -> float:
+def cpu_seconds(pid: int | None) -> float:
     """User + system CPU seconds of process `pid` so far (Linux /proc); 0 without one."""
     if pid is None:
         return 0.0
