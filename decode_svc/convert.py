@@ -109,7 +109,7 @@ def pool_info_to_pb(info: PoolInfo) -> decode_pb2.KVPoolInfo:
         device_uuid=info.device_uuid, transports=info.transports,
         cuda_ipc_handle=info.cuda_ipc_handle, nixl_metadata=info.nixl_metadata,
         nixl_pool_address=info.nixl_pool_address, nixl_device_id=info.nixl_device_id,
-        doorbell=info.doorbell,
+        doorbell=info.doorbell, push_streams=info.push_streams,
     )
 
 
@@ -120,7 +120,7 @@ def pool_info_from_pb(msg: decode_pb2.KVPoolInfo) -> PoolInfo:
         transports=tuple(msg.transports), device_uuid=msg.device_uuid,
         cuda_ipc_handle=msg.cuda_ipc_handle, nixl_metadata=msg.nixl_metadata,
         nixl_pool_address=msg.nixl_pool_address, nixl_device_id=msg.nixl_device_id,
-        doorbell=msg.doorbell,
+        doorbell=msg.doorbell, push_streams=msg.push_streams,
     )
 
 

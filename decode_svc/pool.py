@@ -55,7 +55,7 @@ class PoolExporter:
         return PoolInfo(
             pool_id=self.pool_id, host_id=host_id(), layout=self.layout,
             num_blocks=self.pool.shape[2], device_type=self.pool.device.type,
-            transports=self.offered, **fields,
+            transports=self.offered, push_streams=True, **fields,
         )
 
     def accepts(self, transport: str) -> bool:

@@ -128,7 +128,7 @@ class PushKVSender:
             transport = peer.transport
             push.resize_slabs(self.plane_slab_bytes)
             chunks = self.written(push, peer, target, decode_address)
-            if self.shared_streams:
+            if self.shares_stream(peer):
                 received = await self._push_shared(decode_address, channel, push,
                                                    target.push_id, chunks)
             else:
@@ -138,6 +138,12 @@ class PushKVSender:
         self.stats.record_overlap(push.bytes_before_first_token,
                                   (push.commit_sent_at or 0.0) - (push.first_token_at or 0.0))
         return received
+
+    def shares_stream(self, peer: Peer) -> bool:
+        """Whether a data-plane push to `peer` goes on the shared PushKVStreams call: when this
+        worker shares them and the decode worker serves it (one of an earlier version does not:
+        its pushes keep a PushKV stream each, through a rolling upgrade)."""
+        return self.shared_streams and peer.info.push_streams
 
     async def _push_kv(self, address: str, channel: grpc.aio.Channel,
                        messages: AsyncIterator[bytes]) -> int:

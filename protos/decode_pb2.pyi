@@ -128,7 +128,7 @@ class DescribeKVRequest(_message.Message):
     def __init__(self, transports: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KVPoolInfo(_message.Message):
-    __slots__ = ("pool_id", "host_id", "layout", "num_blocks", "device_type", "device_uuid", "transports", "cuda_ipc_handle", "nixl_metadata", "nixl_pool_address", "nixl_device_id", "doorbell")
+    __slots__ = ("pool_id", "host_id", "layout", "num_blocks", "device_type", "device_uuid", "transports", "cuda_ipc_handle", "nixl_metadata", "nixl_pool_address", "nixl_device_id", "doorbell", "push_streams")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class KVPoolInfo(_message.Message):
     NIXL_POOL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NIXL_DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_FIELD_NUMBER: _ClassVar[int]
+    PUSH_STREAMS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     host_id: str
     layout: KVLayout
@@ -153,7 +154,8 @@ class KVPoolInfo(_message.Message):
     nixl_pool_address: int
     nixl_device_id: int
     doorbell: str
-    def __init__(self, pool_id: _Optional[str] = ..., host_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., device_type: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., cuda_ipc_handle: _Optional[bytes] = ..., nixl_metadata: _Optional[bytes] = ..., nixl_pool_address: _Optional[int] = ..., nixl_device_id: _Optional[int] = ..., doorbell: _Optional[str] = ...) -> None: ...
+    push_streams: bool
+    def __init__(self, pool_id: _Optional[str] = ..., host_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., device_type: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., cuda_ipc_handle: _Optional[bytes] = ..., nixl_metadata: _Optional[bytes] = ..., nixl_pool_address: _Optional[int] = ..., nixl_device_id: _Optional[int] = ..., doorbell: _Optional[str] = ..., push_streams: _Optional[bool] = ...) -> None: ...
 
 class KVTargetRequest(_message.Message):
     __slots__ = ("request_id", "pool_id", "transport")

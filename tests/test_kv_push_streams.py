@@ -9,6 +9,7 @@ tests/test_kv_transfer_faults.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 
 import grpc
@@ -68,3 +69,25 @@ def test_a_push_to_a_dead_peer_fails_and_a_restarted_one_is_reached_at_once() ->
         asyncio.run(run())
     finally:
         gc.enable()
+
+
+def test_a_decode_worker_of_an_earlier_version_gets_a_pushkv_stream_each() -> None:
+    """DescribeKV says whether the decode worker serves PushKVStreams (a field an earlier
+    version never sets): only then do data-plane pushes share the call, and only when the
+    prefill worker shares them (--kv-push-streams shared)."""
+    from decode_svc.convert import pool_info_from_pb, pool_info_to_pb
+    from engine.kv_transfer import KVLayout
+    from pdserve.transport.base import Peer, PoolInfo
+
+    info = PoolInfo(pool_id="p", host_id="h", layout=KVLayout(2, 2, 8, "float32", 16),
+                    num_blocks=8, device_type="cpu", transports=("nixl", "grpc"),
+                    push_streams=True)
+    assert pool_info_from_pb(pool_info_to_pb(info)) == info
+    older = dataclasses.replace(info, push_streams=False)
+    caches = [torch.zeros(2, 4, 16, 2, 8) for _ in range(2)]
+    shared, apart = PushKVSender(caches), PushKVSender(caches, shared_streams=False)
+    assert shared.shares_stream(Peer(info, "nixl"))
+    assert not shared.shares_stream(Peer(older, "nixl"))
+    assert not apart.shares_stream(Peer(info, "nixl"))
+    message = decode_pb2.KVPoolInfo(pool_id="p")  # as an earlier version's DescribeKV
+    assert not pool_info_from_pb(message).push_streams

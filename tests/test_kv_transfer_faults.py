@@ -131,6 +131,7 @@ def workers(request: pytest.FixtureRequest, model_dir: str) -> Iterator[Workers]
             dstub = decode_pb2_grpc.DecodeStub(dch)
             pool = dstub.DescribeKV(decode_pb2.DescribeKVRequest(transports=[transport]))
             assert transport in pool.transports  # its NIXL agent started
+            assert pool.push_streams  # it serves PushKVStreams
             yield Workers(prefill_pb2_grpc.PrefillStub(pch), dstub, daddr, layout, short, long,
                           transport, f"http://127.0.0.1:{mport}/metrics", pool.pool_id,
                           f"http://127.0.0.1:{pmport}/metrics")

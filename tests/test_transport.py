@@ -589,7 +589,7 @@ def test_exporter_configured_grpc_offers_grpc_and_starts_no_plane() -> None:
     pool_info = exporter.describe(["nixl", "cuda_ipc"])
     assert pool_info == PoolInfo(pool_id=exporter.pool_id, host_id=host_id(), layout=LAYOUT,
                                  num_blocks=DST_BLOCKS, device_type="cpu",
-                                 transports=("grpc",))
+                                 transports=("grpc",), push_streams=True)
     assert not exporter.accepts("nixl") and not exporter.accepts("cuda_ipc")
     exporter.close()
 

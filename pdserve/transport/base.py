@@ -53,6 +53,7 @@ class PoolInfo:
     nixl_pool_address: int = 0
     nixl_device_id: int = 0
     doorbell: str = ""  # the commit doorbell's name on this host (pdserve/transport/doorbell.py)
+    push_streams: bool = False  # serves PushKVStreams (a worker of an earlier version does not)
 
 
 @dataclass
