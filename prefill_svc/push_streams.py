@@ -29,9 +29,15 @@ import grpc
 from protos import decode_pb2
 
 logger = logging.getLogger(__name__)
-_PUSH_KV_STREAMS = (decode_pb2.DESCRIPTOR.services_by_name["Decode"]
-                    .methods_by_name["PushKVStreams"])
-PUSH_KV_STREAMS = f"/{_PUSH_KV_STREAMS.containing_service.full_name}/{_PUSH_KV_STREAMS.name}"
+
+
+def decode_rpc_path(method: str) -> str:
+    """The path of one of the Decode service's rpcs, as a channel's multicallables take it."""
+    rpc = decode_pb2.DESCRIPTOR.services_by_name["Decode"].methods_by_name[method]
+    return f"/{rpc.containing_service.full_name}/{rpc.name}"
+
+
+PUSH_KV_STREAMS = decode_rpc_path("PushKVStreams")
 Key = tuple[str, int]  # (request id, push id)
 
 

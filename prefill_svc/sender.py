@@ -48,7 +48,7 @@ from pdserve.transport.base import GRPC, DataPlane, Peer, host_id
 from pdserve.transport.doorbell import DoorbellSender, Ring
 from prefill_svc.planes import PeerPlanes
 from prefill_svc.push import KVPush, SlabTicket
-from prefill_svc.push_streams import PushFailed, PushStreamsCall, StreamsFailed
+from prefill_svc.push_streams import PushFailed, PushStreamsCall, StreamsFailed, decode_rpc_path
 from prefill_svc.slab_stager import SlabStager, cells
 from protos import decode_pb2, decode_pb2_grpc
 
@@ -59,8 +59,7 @@ logger = logging.getLogger(__name__)
 # KV (1 GiB: 32k tokens of a 1B-shaped model, 8k of an 8B one, in one write).
 PLANE_SLAB_BYTES = 1 << 30
 
-_PUSH_KV = decode_pb2.DESCRIPTOR.services_by_name["Decode"].methods_by_name["PushKV"]
-PUSH_KV = f"/{_PUSH_KV.containing_service.full_name}/{_PUSH_KV.name}"  # the rpc's path
+PUSH_KV = decode_rpc_path("PushKV")
 
 
 class KVSender(Protocol):
