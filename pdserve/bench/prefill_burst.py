@@ -32,6 +32,7 @@ import torch
 
 from pdserve.bench.gpu_model import ModelShape, save_random_model
 from pdserve.bench.report import bench_main, config_of, write_report
+from pdserve.bench.throughput import parse_range
 from pdserve.bench.transfer import child, cpu_seconds, wait_serving
 from pdserve.cluster.convert import sampling_params_to_pb
 from pdserve.cluster.grpc_server import open_channel
@@ -45,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=16, help="decoder layers of the model")
     parser.add_argument("--prompts", type=int, default=48, help="prompts per burst")
     parser.add_argument("--rounds", type=int, default=4, help="bursts (the first warms up)")
-    parser.add_argument("--input-len", default="128-512", help="prompt tokens, MIN-MAX")
+    parser.add_argument("--input-len", type=parse_range, default=(128, 512), metavar="LO-HI",
+                        help="prompt tokens, both ends included")
     parser.add_argument("--transport", default="nixl", choices=["grpc", "nixl", "cuda_ipc"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--seed", type=int, default=0)
@@ -93,7 +95,7 @@ def _greedy() -> Any:
 
 
 async def measure(args: argparse.Namespace, model: Path, logs: Path) -> list[dict[str, float]]:
-    low, high = (int(x) for x in args.input_len.split("-"))
+    low, high = args.input_len
     blocks = max(args.prompts * (-(-high // 16) + 1), 1024 // 16) + 16
     pport, dport = free_port(), free_port()
     paddr, daddr = f"127.0.0.1:{pport}", f"127.0.0.1:{dport}"
