@@ -13,12 +13,13 @@
 The slabs' bytes travel in the stream (grpc) or over the data plane chosen for the decode
 worker (`prefill_svc/planes.py`: cuda_ipc, nixl): then the decode worker's grant (passed on by
 the gateway from its Generate) or else a KVTarget rpc gives the reserved blocks' physical ids,
-each slab is written straight into them (off the event loop, inside `SlabTicket.reading()`),
-and only its range goes in the stream (KVWritten; the last one inside the commit). Those pushes
-share one PushKVStreams call per decode worker (prefill_svc/push_streams.py) unless the worker
-runs with `--kv-push-streams per-request`. A pool refused as
-stale (the decode worker restarted) sends that push over grpc and the peer is described again
-next time.
+each slab is written straight into them (off the event loop, inside `SlabTicket.reading()`;
+the writes that pushes to one decode worker ask for together go as one:
+`prefill_svc/write_batches.py`), and only its range goes in the stream (KVWritten; the last
+one inside the commit). Those pushes share one PushKVStreams call per decode worker
+(prefill_svc/push_streams.py) unless the worker runs with `--kv-push-streams per-request`. A
+pool refused as stale (the decode worker restarted) sends that push over grpc and the peer is
+described again next time.
 
 Each slab is gathered off the event loop (a sender thread: torch releases the GIL inside its
 ops, so the gather runs while the engine computes later layers) while the previous one is on
@@ -47,9 +48,10 @@ from pdserve.cluster.worker import TransferStats
 from pdserve.transport.base import GRPC, DataPlane, Peer, host_id
 from pdserve.transport.doorbell import DoorbellSender, Ring
 from prefill_svc.planes import PeerPlanes
-from prefill_svc.push import KVPush, SlabTicket
+from prefill_svc.push import KVPush
 from prefill_svc.push_streams import PushFailed, PushStreamsCall, StreamsFailed, decode_rpc_path
 from prefill_svc.slab_stager import SlabStager, cells
+from prefill_svc.write_batches import WriteBatches
 from protos import decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -99,6 +101,7 @@ class PushKVSender:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._streams: dict[str, PushStreamsCall] = {}
         self._doorbell: DoorbellSender | None = None
+        self._writes = WriteBatches(self.layout.cell_bytes(), self.stats)
 
     def new_push(self, request_id: str, num_tokens: int, skip_blocks: int = 0) -> KVPush:
         """An empty push of this worker's layout and slab size, for the engine to fill; its
@@ -280,8 +283,7 @@ class PushKVSender:
             return False
         l0, l1, b0, b1 = ticket.slab
         try:
-            nbytes, seconds = await asyncio.to_thread(_write, plane, peer, ticket,
-                                                      dst_ids[b0:b1])
+            nbytes, seconds = await self._writes.write(plane, peer, ticket, dst_ids[b0:b1])
             self.stats.write_seconds += seconds
         except ConnectionError as exc:
             self.stats.failed += 1
@@ -359,16 +361,3 @@ async def _wire(chunks: AsyncGenerator[decode_pb2.KVChunk, None]) -> AsyncIterat
     finally:
         await chunks.aclose()
 
-
-def _write(plane: DataPlane, peer: Peer, ticket: SlabTicket, dst_ids: list[int]
-           ) -> tuple[int | None, float]:
-    """Write the ticket's slab into the peer's blocks `dst_ids`: (bytes, seconds the write
-    took), bytes None if the ticket is stale (a preemption may have handed its blocks to
-    another request). Blocks preemption meanwhile."""
-    l0, l1, _, _ = ticket.slab
-    with ticket.reading() as current:
-        if not current:
-            return None, 0.0
-        start = time.perf_counter()
-        nbytes = plane.write(peer, (l0, l1), list(ticket.block_ids), dst_ids, ticket.ready)
-        return nbytes, time.perf_counter() - start

@@ -172,6 +172,9 @@ class TransferStats:
     # data-plane pushes completed over a shared PushKVStreams call rather than a PushKV stream
     # of their own (prefill: sent, decode: received)
     shared_stream: int = 0
+    # prefill: data-plane writes made; one carries the slabs of every push towards a decode
+    # worker that asked for a write in the same event-loop turn (prefill_svc/write_batches.py)
+    plane_writes: int = 0
 
     def record(self, num_bytes: int, seconds: float, transport: str = "grpc") -> None:
         self.bytes += num_bytes
@@ -202,6 +205,7 @@ class TransferStats:
             "kv_transfer_skipped_blocks": self.skipped_blocks,
             "kv_transfer_doorbell_commits": self.doorbell_commits,
             "kv_transfer_shared_stream_pushes": self.shared_stream,
+            "kv_transfer_plane_writes": self.plane_writes,
         }
 
     def by_transport(self) -> dict[str, dict[str, float]]:

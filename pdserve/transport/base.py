@@ -83,8 +83,9 @@ class DataPlane(Protocol):
     def write(self, peer: Peer, layers: tuple[int, int], src_ids: list[int],
               dst_ids: list[int], ready: Any = None) -> int:
         """Copy layers [l0, l1) of this pool's blocks `src_ids` into the peer's blocks
-        `dst_ids` (after the CUDA event `ready`, when given); returns once the bytes are in the
-        peer's memory, with the bytes written. Raises ConnectionError on failure."""
+        `dst_ids` (after the CUDA event `ready`, or each event of a list, when given); returns
+        once the bytes are in the peer's memory, with the bytes written. Raises ConnectionError
+        on failure."""
         ...
 
     def close_peer(self, peer: Peer) -> None:
@@ -93,6 +94,13 @@ class DataPlane(Protocol):
 
     def close(self) -> None:
         ...
+
+
+def ready_events(ready: Any) -> list[Any]:
+    """`DataPlane.write`'s `ready` as a list of events: None, one event, or a list of them."""
+    if ready is None:
+        return []
+    return list(ready) if isinstance(ready, (list, tuple)) else [ready]
 
 
 def choose_transport(requested: str, local: PoolInfo, peer: PoolInfo,

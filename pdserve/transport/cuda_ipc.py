@@ -47,7 +47,14 @@ import torch
 from engine.kv_transfer import pool_layout
 from kernels.kv_block_copy import copy_kv_blocks
 from kernels.kv_cache_fp8 import as_bytes, index_copy_kv
-from pdserve.transport.base import CUDA_IPC, Peer, PeerUnreachable, PoolInfo, device_uuid
+from pdserve.transport.base import (
+    CUDA_IPC,
+    Peer,
+    PeerUnreachable,
+    PoolInfo,
+    device_uuid,
+    ready_events,
+)
 from pdserve.transport.block_runs import copy_block_runs, runs
 
 logger = logging.getLogger(__name__)
@@ -154,8 +161,8 @@ class CudaIpcPlane:
             stream = self._local.stream = torch.cuda.Stream(self.pool.device)
         marks = [time.perf_counter()] if TRACE else []
         with torch.cuda.stream(stream):
-            if ready is not None:
-                stream.wait_event(ready)  # the layers that wrote these blocks
+            for event in ready_events(ready):
+                stream.wait_event(event)  # the layers that wrote these blocks
             way, block_runs = self._way(peer, src_ids, dst_ids)
             ids = None if way == COPY_ENGINE else self._ids_to(
                 self.pool.device if way == KERNEL else dst_pool.device, src_ids, dst_ids)

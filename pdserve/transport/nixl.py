@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from engine.kv_transfer import pool_layout
-from pdserve.transport.base import NIXL, Peer, PeerUnreachable, PoolInfo
+from pdserve.transport.base import NIXL, Peer, PeerUnreachable, PoolInfo, ready_events
 from pdserve.transport.descriptors import block_runs, run_descriptors
 
 _POLL_SPIN = 64  # state checks before sleeping between them
@@ -101,8 +101,8 @@ class NixlPlane:
 
     def write(self, peer: Peer, layers: tuple[int, int], src_ids: list[int],
               dst_ids: list[int], ready: Any = None) -> int:
-        if ready is not None:
-            ready.synchronize()  # the layers that wrote these blocks
+        for event in ready_events(ready):
+            event.synchronize()  # the layers that wrote these blocks
         src0, dst0, lengths = block_runs(src_ids, dst_ids)
         nbytes = int(lengths.sum()) * 2 * (layers[1] - layers[0]) * self.half
         if self._stages(len(lengths), dst_ids):

@@ -1,0 +1,128 @@
+"""The data-plane writes of many pushes towards one decode worker, made as one write.
+
+NOTE: a write costs a few tenths of a millisecond however small (a thread hop, the block ids
+to the device, a launch, a synchronisation; on the 2-core box a NIXL transfer's preparation),
+and at a prefill step's end every push of the step asks for one at once: with 20-30 prompts a
+step that serial cost was most of the step's host time. So the writes asked for towards one
+peer while the event loop runs its callbacks wait for the loop's next turn and go together:
+
+    push a ─┐ write(ticket a)      ┌─▶ one thread: every ticket's `reading()` held (stale ones
+    push b ─┼─▶ [a, b, c] ─────────┘   dropped), one plane.write per layer range with the
+    push c ─┘   (this loop turn)       tickets' blocks joined, after each distinct event
+            ◀── each push gets its own bytes (or None: stale), or the write's failure
+
+A push cancelled before its turn comes is left out; one cancelled while the write runs is
+written anyway, as a cancelled single write finished in its thread (the decode worker fences
+such writes by time). A failed write fails every push in it (they share the peer).
+PDSERVE_KV_WRITE_BATCHES=0 writes each push's slab alone (for comparisons).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+
+from pdserve.cluster.worker import TransferStats
+from pdserve.transport.base import DataPlane, Peer
+from prefill_svc.push import SlabTicket
+
+BATCHES = os.environ.get("PDSERVE_KV_WRITE_BATCHES", "1") != "0"
+
+
+@dataclass
+class _Asked:
+    ticket: SlabTicket
+    dst_ids: list[int]  # the peer's blocks for the ticket's blocks
+    done: asyncio.Future  # (bytes or None if stale, seconds)
+
+
+class WriteBatches:
+    """Per decode worker, the writes asked for in one event-loop turn, made together."""
+
+    def __init__(self, cell_bytes: int, stats: TransferStats) -> None:
+        self.cell_bytes = cell_bytes  # one block of one layer, K and V
+        self.stats = stats  # counts the writes made (`plane_writes`)
+        self._asked: dict[str, list[_Asked]] = {}  # by peer pool id
+
+    async def write(self, plane: DataPlane, peer: Peer, ticket: SlabTicket,
+                    dst_ids: list[int]) -> tuple[int | None, float]:
+        """Write the ticket's slab into the peer's blocks `dst_ids`: (bytes, seconds the write
+        that carried it took), bytes None if the ticket is stale. ConnectionError if the write
+        failed."""
+        if not BATCHES:
+            result = await asyncio.to_thread(write_alone, plane, peer, ticket, dst_ids)
+            self.stats.plane_writes += result[0] is not None
+            return result
+        loop = asyncio.get_running_loop()
+        key = peer.info.pool_id
+        asked = self._asked.setdefault(key, [])
+        if not asked:
+            loop.call_soon(self._start, key, plane, peer)
+        entry = _Asked(ticket, dst_ids, loop.create_future())
+        asked.append(entry)
+        return await entry.done
+
+    def _start(self, key: str, plane: DataPlane, peer: Peer) -> None:
+        entries = [e for e in self._asked.pop(key, []) if not e.done.cancelled()]
+        if entries:
+            asyncio.ensure_future(self._run(plane, peer, entries))
+
+    async def _run(self, plane: DataPlane, peer: Peer, entries: list[_Asked]) -> None:
+        try:
+            results, writes = await asyncio.to_thread(self._write_all, plane, peer, entries)
+        except BaseException as exc:  # noqa: BLE001 - every push of the write learns it
+            for e in entries:
+                if not e.done.done():
+                    e.done.set_exception(exc if isinstance(exc, Exception)
+                                         else ConnectionError(f"KV write ended: {exc!r}"))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self.stats.plane_writes += writes
+        for e, result in zip(entries, results):
+            if not e.done.done():
+                e.done.set_result(result)
+
+    def _write_all(self, plane: DataPlane, peer: Peer, entries: list[_Asked]
+                   ) -> tuple[list[tuple[int | None, float]], int]:
+        """In a thread: every current ticket's slab, one plane.write per layer range (each
+        ticket's `reading()` held throughout, so no preemption hands its blocks on meanwhile);
+        (each entry's result, the writes made)."""
+        with contextlib.ExitStack() as held:
+            current = [held.enter_context(e.ticket.reading()) for e in entries]
+            ranges: dict[tuple[int, int], list[int]] = {}
+            for i, e in enumerate(entries):
+                if current[i]:
+                    l0, l1, _, _ = e.ticket.slab
+                    ranges.setdefault((l0, l1), []).append(i)
+            results: list[tuple[int | None, float]] = [(None, 0.0)] * len(entries)
+            for layers, members in ranges.items():
+                src = [b for i in members for b in entries[i].ticket.block_ids]
+                dst = [b for i in members for b in entries[i].dst_ids]
+                events = list({id(e.ticket.ready): e.ticket.ready for i in members
+                               if (e := entries[i]).ticket.ready is not None}.values())
+                start = time.perf_counter()
+                plane.write(peer, layers, src, dst, events or None)
+                seconds = time.perf_counter() - start
+                for i in members:  # the write's time shared by bytes
+                    blocks = len(entries[i].ticket.block_ids)
+                    results[i] = (blocks * (layers[1] - layers[0]) * self.cell_bytes,
+                                  seconds * blocks / len(src))
+            return results, len(ranges)
+
+
+def write_alone(plane: DataPlane, peer: Peer, ticket: SlabTicket, dst_ids: list[int]
+                ) -> tuple[int | None, float]:
+    """Write the ticket's slab into the peer's blocks `dst_ids` by itself: (bytes, seconds the
+    write took), bytes None if the ticket is stale (a preemption may have handed its blocks to
+    another request). Blocks preemption meanwhile."""
+    l0, l1, _, _ = ticket.slab
+    with ticket.reading() as current:
+        if not current:
+            return None, 0.0
+        start = time.perf_counter()
+        nbytes = plane.write(peer, (l0, l1), list(ticket.block_ids), dst_ids, ticket.ready)
+        return nbytes, time.perf_counter() - start
