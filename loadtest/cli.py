@@ -99,7 +99,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--arrival", default="poisson", choices=arrivals.KINDS)
     r.add_argument("--burstiness", type=float, default=1.0,
                    help="poisson: gamma shape of the gaps (1: Poisson; < 1 burstier)")
-    r.add_argument("--max-concurrency", type=int, default=None)
+    r.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight at most (per client process)")
+    r.add_argument("--client-processes", type=int, default=1,
+                   help="send from this many processes (one process's client can be the "
+                        "bound at high rates: loadtest/processes.py)")
     r.add_argument("--num-warmups", type=int, default=1)
     r.add_argument("--max-duration", type=float, default=600.0, help="seconds per rate")
     r.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
@@ -129,7 +133,7 @@ def configs(args: argparse.Namespace) -> tuple[workloads.WorkloadConfig, ClientC
         args.temperature, args.logprobs, args.extra_body, args.api_key, args.request_timeout)
     run = RunConfig(args.request_rate, args.num_prompts, args.arrival, args.burstiness,
                     args.max_concurrency, args.num_warmups, args.max_duration, args.seed, slo,
-                    args.progress, tuple(args.metrics_url))
+                    args.progress, tuple(args.metrics_url), args.client_processes)
     return work, client, run
 
 

@@ -3,12 +3,14 @@
 NOTE: a run sends its requests at the arrival process's offsets, each as its own task; with
 --max-concurrency a semaphore holds a due request back until a slot frees (the wait is queueing
 in the client: it shows in `sent_at - scheduled_at`, not in TTFT, as in vLLM's benchmark).
-Every run is bounded: `len(specs)` requests at most, and --max-duration seconds of wall time,
-after which the requests still in flight are cancelled (recorded as failed) and those never sent
-are counted apart (`not_sent`). With --metrics-url, the server's own counters are read before
-and after each run, and their increase reported (`server_counters`). Each rate of a sweep gets
-its own slice of the workload, so a later rate never re-sends a prompt an earlier one left in
-the server's prefix cache.
+With --client-processes N the requests of a run go out from N processes
+(loadtest/processes.py), where one would measure its own client. Every run is bounded:
+`len(specs)` requests at most, and --max-duration seconds of wall time, after which the
+requests still in flight are cancelled (recorded as failed) and those never sent are counted
+apart (`not_sent`). With --metrics-url, the server's own counters are read before and after
+each run, and their increase reported (`server_counters`). Each rate of a sweep gets its own
+slice of the workload, so a later rate never re-sends a prompt an earlier one left in the
+server's prefix cache.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from loadtest import scrape
 from loadtest.arrivals import arrival_offsets
 from loadtest.client import StreamClient
 from loadtest.metrics import SLO, run_metrics
+from loadtest.processes import ClientProcesses
 from loadtest.record import RequestRecord
 from loadtest.workloads import RequestSpec
 
@@ -43,6 +46,7 @@ class RunConfig:
     slo: SLO = SLO()
     progress: bool = True
     metrics_urls: tuple[str, ...] = ()  # Prometheus pages whose counters each run reports
+    client_processes: int = 1  # >1: each run's requests sent from that many processes
 
     def __post_init__(self) -> None:
         if not self.rates or any(not r > 0 for r in self.rates):
@@ -53,6 +57,8 @@ class RunConfig:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if not self.max_duration_s > 0:
             raise ValueError(f"max_duration_s must be > 0, got {self.max_duration_s}")
+        if self.client_processes < 1:
+            raise ValueError(f"client_processes must be >= 1, got {self.client_processes}")
 
     @property
     def total_requests(self) -> int:
@@ -66,10 +72,14 @@ async def sweep(client: StreamClient, specs: Sequence[RequestSpec],
     if len(specs) < cfg.total_requests:
         raise ValueError(f"{len(specs)} requests for {cfg.total_requests} needed")
     await warm_up(client, specs[:cfg.num_warmups], cfg.max_concurrency)
-    results = []
-    for i, rate in enumerate(cfg.rates):
-        start = cfg.num_warmups + i * cfg.num_prompts
-        results.append(await run_rate(client, specs[start:start + cfg.num_prompts], rate, cfg))
+    with contextlib.ExitStack() as stack:
+        processes = None if cfg.client_processes == 1 else stack.enter_context(
+            ClientProcesses(client.cfg, client.model, cfg.client_processes))
+        results = []
+        for i, rate in enumerate(cfg.rates):
+            start = cfg.num_warmups + i * cfg.num_prompts
+            results.append(await run_rate(client, specs[start:start + cfg.num_prompts], rate,
+                                          cfg, processes))
     return results
 
 
@@ -90,22 +100,30 @@ async def warm_up(client: StreamClient, specs: Sequence[RequestSpec],
 
 
 async def run_rate(client: StreamClient, specs: Sequence[RequestSpec], rate: float,
-                   cfg: RunConfig) -> dict[str, Any]:
-    """One timed run of `specs` at `rate` requests/s: its metrics, then its records."""
+                   cfg: RunConfig, processes: ClientProcesses | None = None) -> dict[str, Any]:
+    """One timed run of `specs` at `rate` requests/s: its metrics, then its records. With
+    `processes`, they send the requests (loadtest/processes.py), this one only reads the
+    counters."""
     offsets = arrival_offsets(len(specs), rate, cfg.arrival, cfg.burstiness, cfg.seed)
     records = [RequestRecord(i, s.prompt_len, s.output_len, scheduled_at=t)
                for i, (s, t) in enumerate(zip(specs, offsets))]
     counters = await scrape.read_counters(client.http, cfg.metrics_urls)
     load_start, t0 = _load_average(), time.perf_counter()
-    clock = lambda: time.perf_counter() - t0
-    async with _progress(len(specs), f"rate {rate:g}/s", cfg.progress) as bar:
-        send = _sender(client, cfg.max_concurrency or len(specs), clock, bar)
-        try:
-            await asyncio.wait_for(_send_all(specs, records, send, clock), cfg.max_duration_s)
-            timed_out = False
-        except asyncio.TimeoutError:
-            timed_out = True
-    duration = clock()
+    if processes is not None:
+        t0, timed_out = await processes.send_all(specs, records, cfg.max_concurrency,
+                                                 cfg.max_duration_s)
+    else:
+        async with _progress(len(specs), f"rate {rate:g}/s", cfg.progress) as bar:
+            send = _sender(client, cfg.max_concurrency or len(specs),
+                           lambda: time.perf_counter() - t0, bar)
+            try:
+                await asyncio.wait_for(_send_all(specs, records, send,
+                                                 lambda: time.perf_counter() - t0),
+                                       cfg.max_duration_s)
+                timed_out = False
+            except asyncio.TimeoutError:
+                timed_out = True
+    duration = time.perf_counter() - t0
     sent = [r for r in records if r.done_at > 0]  # set by the client once it sent a request
     counters = scrape.deltas(counters, await scrape.read_counters(client.http, cfg.metrics_urls))
     return {

@@ -15,6 +15,7 @@ import pytest
 from loadtest import plots
 from loadtest.client import ClientConfig, StreamClient
 from loadtest.metrics import SLO
+from loadtest.processes import ClientProcesses
 from loadtest.record import RequestRecord
 from loadtest.report import format_sweep, markdown_table
 from loadtest.runner import RunConfig, prefix_reuse, run_rate, sweep
@@ -149,6 +150,13 @@ async def test_failures_are_recorded_not_raised():
         r = RequestRecord(0, 2, 0)
         await c.send(spec(0), r, clock)
     assert r.error == "the stream ended with no output"
+
+
+def test_client_processes_are_at_least_one():
+    with pytest.raises(ValueError, match="client_processes must be >= 1"):
+        RunConfig(client_processes=0)
+    with pytest.raises(ValueError, match="client processes must be >= 2"):
+        ClientProcesses(ClientConfig("http://fake:1"), "m", 1)
 
 
 async def test_a_run_stops_at_its_max_duration():

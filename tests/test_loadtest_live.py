@@ -54,14 +54,14 @@ def _check_run(run: dict[str, Any], num_prompts: int, template_tokens: bool = Fa
     assert run["goodput"] is not None and 0 <= run["goodput"] <= run["request_throughput"]
 
 
-def test_a_sweep_of_completions(cluster, tiny_llama_dir, tmp_path):
+def test_a_sweep_of_completions_from_two_client_processes(cluster, tiny_llama_dir, tmp_path):
     out = tmp_path / "serve.json"
     decode = {w.role: f"http://{w.metrics_address}/metrics" for w in cluster.workers()}["decode"]
     rc = loadtest_main([
         *_common(cluster, tiny_llama_dir, out), "--request-rate", "8,inf", "--num-prompts", "6",
-        "--input-len", "16-80", "--output-len", "4-12", "--max-concurrency", "4",
-        "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--label", "tiny",
-        "--metrics-url", decode])
+        "--input-len", "16-80", "--output-len", "4-12", "--max-concurrency", "2",
+        "--client-processes", "2", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000",
+        "--label", "tiny", "--metrics-url", decode])
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["label"] == "tiny" and report["model"]

@@ -49,6 +49,7 @@ class LoadConfig:
     max_duration_s: float = 60.0
     seed: int = 0
     tokenizer: str | None = None  # None: pdserve's bundled SmolLM2 tokenizer
+    client_processes: int = 1  # the load generator's (loadtest/processes.py)
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.num_warmups < 0 or self.max_duration_s <= 0:
@@ -115,6 +116,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-tpot-ms", type=float, default=load.slo_tpot_ms)
     g.add_argument("--max-duration", type=float, default=load.max_duration_s, help="s per rate")
     g.add_argument("--seed", type=int, default=load.seed, help="prompts, arrivals and weights")
+    g.add_argument("--client-processes", type=int, default=load.client_processes,
+                   help="the load generator sends from this many processes")
 
 
 def config_of(args: argparse.Namespace) -> ServeConfig:
@@ -125,7 +128,7 @@ def config_of(args: argparse.Namespace) -> ServeConfig:
     shape = dataclasses.replace(SHAPES[args.shape], max_positions=args.max_model_len, **given)
     load = LoadConfig(args.request_rate, args.num_prompts, args.input_len, args.output_len,
                       args.num_warmups, args.slo_ttft_ms, args.slo_tpot_ms, args.max_duration,
-                      args.seed, args.tokenizer)
+                      args.seed, args.tokenizer, args.client_processes)
     model_dir = Path(args.model_dir or Path(tempfile.gettempdir()) / f"pdserve-{shape_tag(shape)}")
     return ServeConfig(tuple(s.strip() for s in args.systems.split(",") if s.strip()), shape,
                        model_dir, args.kv_cache_memory, args.max_model_len, args.redis_server,
@@ -174,6 +177,8 @@ def loadtest_argv(load: LoadConfig, system: str, base_url: str, metrics_urls: li
             "--output-json", str(output_json), "--no-plots", "--no-progress"]
     if load.tokenizer:
         argv += ["--tokenizer", load.tokenizer]
+    if load.client_processes != 1:
+        argv += ["--client-processes", str(load.client_processes)]
     for url in metrics_urls:
         argv += ["--metrics-url", url]
     return argv
