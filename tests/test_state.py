@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from pdserve.cluster.registry import Heartbeat, WorkerInfo, WorkerRegistry
+from pdserve.cluster.registry import PRUNE_AFTER_S, Heartbeat, WorkerInfo, WorkerRegistry
 from pdserve.cluster.routing import pick_decode, pick_prefill
 from pdserve.cluster.state import (
     InvalidTransition,
@@ -303,7 +303,41 @@ async def test_list_workers_by_role(client) -> None:
         _info("x", role="encoder")
 
 
-async def test_list_workers_spans_scan_pages(client) -> None:
+async def test_listing_reads_the_index_not_the_keyspace(client) -> None:
+    """Many other keys cost the listing nothing (it never scans them); an entry that expired
+    is not listed though its index member stays until a write prunes it, which drops members
+    expired longer than PRUNE_AFTER_S by the writer's clock; deregistering leaves the index."""
+    reg = WorkerRegistry(client, ttl_s=5)
+    async with client.pipeline(transaction=False) as pipe:
+        for i in range(3000):  # requests' state, streams and events
+            pipe.set(f"pdserve:request:r{i}", "{}", ex=60)
+        await pipe.execute()
+    await reg.register(_info("d0"))
+    await reg.register(_info("p0", role="prefill"))
+    await client.delete(Keys().worker("prefill", "p0"))  # as if its TTL ran out
+    listed = []
+    real = client.scan_iter
+    client.scan_iter = lambda *a, **k: listed.append(a) or real(*a, **k)
+    try:
+        assert [w.worker_id for w in await reg.list_workers()] == ["d0"]
+    finally:
+        client.scan_iter = real
+    assert listed == []
+    index = Keys().worker_index()
+    assert await client.zcard(index) == 2
+    old = Keys().worker("decode", "gone")
+    await client.zadd(index, {old: time.time() - PRUNE_AFTER_S - 1})
+    await reg.register(_info("d1"))
+    assert set(await client.zrange(index, 0, -1)) == {
+        Keys().worker("decode", "d0"), Keys().worker("decode", "d1"),
+        Keys().worker("prefill", "p0")}
+    await reg.deregister("decode", "d0")
+    assert Keys().worker("decode", "d0") not in await client.zrange(index, 0, -1)
+    assert [w.worker_id for w in await reg.list_workers("decode")] == ["d1"]
+
+
+async def test_workers_of_an_earlier_version_are_listed_by_scan_across_pages(client) -> None:
+    """No index in the namespace (its workers write none): SCAN finds them."""
     reg = WorkerRegistry(client, ttl_s=5)
     async with client.pipeline(transaction=False) as pipe:
         for i in range(500):

@@ -156,6 +156,10 @@ class Keys:
     def worker_pattern(self, role: str | None = None) -> str:
         return f"{self.prefix}:worker:{role}:*" if role else f"{self.prefix}:worker:*"
 
+    def worker_index(self) -> str:
+        """The registry's index: every worker entry's key, scored by when it expires."""
+        return f"{self.prefix}:workers"
+
     def prefix_blocks(self, worker_id: str) -> str:
         """A worker's cached prefix block hashes (pdserve/cluster/prefix_index.py)."""
         return f"{self.prefix}:prefix:{worker_id}"
