@@ -100,6 +100,10 @@ def test_the_load_generator_gets_the_docs_flags() -> None:
     assert (lt.tokenizer, lt.label, lt.output_json) == ("/kit/tok", "grpc",
                                                         "/o/loadtest_grpc.json")
     assert not lt.plots and not lt.progress
+    assert lt.client_processes == 4  # one process was the bound at saturation
+    one = loadtest_argv(_config("--client-processes", "1").load, "grpc", "http://h:1", [],
+                        Path("/o/x.json"))
+    assert parser.parse_args(one[3:]).client_processes == 1
 
 
 def _run(rate: float, req_s: float, goodput: float, out_tok_s: float, ttft: float) -> dict:

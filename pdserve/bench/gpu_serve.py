@@ -21,7 +21,8 @@ NOTE: what runs, in order, each system alone on the machine:
              up --redis-url ... --kv-transport SYSTEM` (tokenizer, 1 prefill and 1 decode
              worker sharing the GPU, --kv-cache-memory each, gateway). Both with --model,
              --kv-cache-memory, --max-model-len and a free --port; ready when /ready answers 200.
-  load       `python -m loadtest` in a child process: per --request-rate (inf: all at once)
+  load       `python -m loadtest` in a child process, sending from --client-processes
+             processes (default 4): per --request-rate (inf: all at once)
              --num-prompts seeded Poisson arrivals after --num-warmups untimed ones, prompts of
              exactly --input-len tokens sent to /v1/completions as token ids of --tokenizer's
              word tokens (the SmolLM2 tokenizer: its 49152 ids are valid in the model's larger

@@ -49,7 +49,9 @@ class LoadConfig:
     max_duration_s: float = 60.0
     seed: int = 0
     tokenizer: str | None = None  # None: pdserve's bundled SmolLM2 tokenizer
-    client_processes: int = 1  # the load generator's (loadtest/processes.py)
+    # the load generator's (loadtest/processes.py): one process was the bound at saturation on
+    # the GPU machines (docs/loadtest.md, 2026-12-04); figures before that day had one
+    client_processes: int = 4
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.num_warmups < 0 or self.max_duration_s <= 0:
