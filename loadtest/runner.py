@@ -113,12 +113,11 @@ async def run_rate(client: StreamClient, specs: Sequence[RequestSpec], rate: flo
         t0, timed_out = await processes.send_all(specs, records, cfg.max_concurrency,
                                                  cfg.max_duration_s)
     else:
+        clock = lambda: time.perf_counter() - t0
         async with _progress(len(specs), f"rate {rate:g}/s", cfg.progress) as bar:
-            send = _sender(client, cfg.max_concurrency or len(specs),
-                           lambda: time.perf_counter() - t0, bar)
+            send = _sender(client, cfg.max_concurrency or len(specs), clock, bar)
             try:
-                await asyncio.wait_for(_send_all(specs, records, send,
-                                                 lambda: time.perf_counter() - t0),
+                await asyncio.wait_for(_send_all(specs, records, send, clock),
                                        cfg.max_duration_s)
                 timed_out = False
             except asyncio.TimeoutError:
