@@ -19,6 +19,7 @@ The tokenizer service is `remote_tokenizer.py`'s; the worker list, routing and c
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Collection
 from contextlib import aclosing
@@ -232,13 +233,18 @@ class RemoteBackend:
         retry asks KVTarget, which supersedes the dead worker's push)."""
         while True:
             assert prefill is not None
-            await self._transition(request_id, "prefilling", prefill_worker=prefill.address,
-                                   decode_worker=decode.address)
+            # recorded while the prefill runs (one Redis round trip less before the first
+            # token), and before any later phase
+            noted = asyncio.ensure_future(self._transition(
+                request_id, "prefilling", prefill_worker=prefill.address,
+                decode_worker=decode.address))
             try:
                 return await self._prefill(prefill, request_id, prompt, pb_params, prior,
                                            decode.address, decode_cached, lora, grant)
             except WorkerLost as exc:
                 self._count_move(request_id, exc, lost)
+            finally:
+                await noted
             grant = None
             prefill = pick_prefill(await self.pool.list("prefill", lost),
                                    lora=lora.name if lora is not None else None,
