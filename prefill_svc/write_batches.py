@@ -11,9 +11,11 @@ peer while the event loop runs its callbacks wait for the loop's next turn and g
     push c ─┘   (this loop turn)       tickets' blocks joined, after each distinct event
             ◀── each push gets its own bytes (or None: stale), or the write's failure
 
-A push cancelled before its turn comes is left out; one cancelled while the write runs is
-written anyway, as a cancelled single write finished in its thread (the decode worker fences
-such writes by time). A failed write fails every push in it (they share the peer).
+Two tickets of one request never share a write (its `reading()` is one lock, not reentrant:
+the second waits for the next turn). A push cancelled before its turn comes is left out; one
+cancelled while the write runs is written anyway, as a cancelled single write finished in its
+thread (the decode worker fences such writes by time). A failed write fails every push in it
+(they share the peer).
 PDSERVE_KV_WRITE_BATCHES=0 writes each push's slab alone (for comparisons).
 """
 
@@ -66,7 +68,17 @@ class WriteBatches:
         return await entry.done
 
     def _start(self, key: str, plane: DataPlane, peer: Peer) -> None:
-        entries = [e for e in self._asked.pop(key, []) if not e.done.cancelled()]
+        entries, watches, later = [], set(), []
+        for e in self._asked.pop(key, []):
+            if e.done.cancelled():
+                continue
+            watch = id(e.ticket.watch) if e.ticket.watch is not None else id(e)
+            # a request's reading() is one lock, not reentrant: one ticket of it per write
+            (later if watch in watches else entries).append(e)
+            watches.add(watch)
+        if later:
+            self._asked[key] = later
+            asyncio.get_running_loop().call_soon(self._start, key, plane, peer)
         if entries:
             asyncio.ensure_future(self._run(plane, peer, entries))
 

@@ -132,3 +132,22 @@ def test_each_slab_alone_when_batches_are_off(monkeypatch) -> None:
         assert [(w[1], w[3]) for w in plane.writes] == [([1], ready)] and stats.plane_writes == 1
 
     asyncio.run(run())
+
+
+def test_two_tickets_of_one_request_go_in_writes_of_their_own() -> None:
+    """One request's reading() is one lock: a write holding two of its tickets would wait on
+    itself for ever."""
+
+    async def run() -> None:
+        plane, stats, peer = RecordingPlane(), TransferStats(), _peer()
+        batches = WriteBatches(CELL, stats)
+        first = _ticket(plane, (1,))
+        second = SlabTicket((0, 4, 1, 2), (2,), 0, None, first.watch)
+        plane.watch_of[2] = first.watch
+        results = await asyncio.wait_for(asyncio.gather(
+            batches.write(plane, peer, first, [10]), batches.write(plane, peer, second, [11]),
+            batches.write(plane, peer, _ticket(plane, (3,)), [12])), timeout=10)
+        assert [r[0] for r in results] == [4 * CELL] * 3
+        assert [w[1] for w in plane.writes] == [[1, 3], [2]] and stats.plane_writes == 2
+
+    asyncio.run(run())
