@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import subprocess
 import time
 from typing import Any
 
-from redis.asyncio import Redis
-
 from pdserve.bench.report import bench_main, config_of, write_report
 from pdserve.cluster.registry import WorkerInfo, WorkerRegistry
+from pdserve.cluster.state import connect
 from pdserve.launcher import redis_argv
 from pdserve.ports import free_port
 
@@ -41,8 +41,8 @@ async def _timed(repeats: int, listing: Any) -> float:
     return (time.perf_counter() - start) / repeats * 1e3
 
 
-async def measure(port: int, counts: list[int], repeats: int) -> list[dict[str, float]]:
-    client = Redis(port=port, decode_responses=True)
+async def measure(url: str, counts: list[int], repeats: int) -> list[dict[str, float]]:
+    client = connect(url)
     registry = WorkerRegistry(client)
     for role in ("prefill", "decode"):
         for i in range(2):
@@ -75,19 +75,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     port = free_port()
     server = subprocess.Popen(redis_argv(port), stdout=subprocess.DEVNULL)
     try:
-        for _ in range(100):  # up within a second or two
-            try:
-                asyncio.run(Redis(port=port).ping())
-                break
-            except OSError:
-                time.sleep(0.05)
-        report = {"config": config_of(args),
-                  "rows": asyncio.run(measure(port, counts, args.repeats))}
+        _wait_listening(port)
+        report = {"config": config_of(args), "rows": asyncio.run(
+            measure(f"redis://127.0.0.1:{port}/0", counts, args.repeats))}
         write_report(report, args.output_json)
         return report
     finally:
         server.terminate()
         server.wait()
+
+
+def _wait_listening(port: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def main(argv: list[str] | None = None) -> int:
