@@ -9,7 +9,7 @@ from decode_svc.pool import PoolExporter
 from decode_svc.receiver import KVReceiver
 from decode_svc.service import DecodeServicer, add_to_server
 from engine.config import KVWaitConfig
-from pdserve.cluster.flags import add_flag, add_kv_transport_flag
+from pdserve.cluster.flags import add_flag, add_kv_doorbell_flag, add_kv_transport_flag
 from pdserve.cluster.worker import (
     add_worker_flags,
     build_engine,
@@ -37,10 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="after a request whose KV a data plane (cuda_ipc, nixl) writes is dropped, "
                   "seconds its blocks stay reserved once the writing pushes ended (a cancelled "
                   "sender's last write may still land)")
-    add_flag(parser, "--kv-doorbell", "on", choices=["on", "off"],
-             help="on: a data-plane push from this host commits its request through a Unix "
-                  "datagram the engine thread reads between steps, ahead of its gRPC commit "
-                  "(pdserve/transport/doorbell.py); off: the gRPC commit alone")
+    add_kv_doorbell_flag(parser)
     add_flag(parser, "--kv-wait-max-requests", 64, type=int,
              help="Generates that may wait for free KV blocks at a time; more get "
                   "RESOURCE_EXHAUSTED at once")

@@ -40,6 +40,8 @@ from kernels.cache_root import cache_root
 from pdserve.cluster.flags import (
     add_chat_template_flag,
     add_flag,
+    add_kv_doorbell_flag,
+    add_kv_push_streams_flag,
     add_kv_transport_flag,
     add_redis_namespace_flag,
     add_tls_flags,
@@ -107,6 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              help="how the gateway picks workers: kv_aware (prefill workers holding the "
                   "prompt's prefix, against load), load, round_robin")
     add_kv_transport_flag(p)  # handed to every prefill and decode worker
+    add_kv_push_streams_flag(p)  # handed to every prefill worker
+    add_kv_doorbell_flag(p)  # handed to every decode worker
     add_chat_template_flag(p)  # handed to the tokenizer (with --colocated, to the engine's)
     add_flag(p, "--tool-call-parser", "hermes",
              help='how the model writes tool calls, for tool_choice "auto": hermes, smollm2, '
@@ -159,7 +163,10 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
             port = free_port()
             argv = [*py, role, *common, *engine, *workers, *tp, *cluster, *internal, "--port",
                     str(port), "--redis-url", redis_url, "--metrics-port", str(free_port())]
-            argv += spec if role == "decode" else []
+            if role == "decode":
+                argv += [*spec, "--kv-doorbell", args.kv_doorbell]
+            else:
+                argv += ["--kv-push-streams", args.kv_push_streams]
             services.append(Service(f"{role}-{i}", argv, f"grpc:127.0.0.1:{port}", env=env))
     argv = [*py, "gateway", *cluster, "--host", args.host, "--port", str(args.port),
             "--redis-url", redis_url, "--tokenizer-address", f"127.0.0.1:{tok_port}", "--log-level",

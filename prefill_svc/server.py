@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from pdserve.cluster.flags import add_flag, add_kv_transport_flag
+from pdserve.cluster.flags import add_flag, add_kv_push_streams_flag, add_kv_transport_flag
 from pdserve.cluster.tls import tls_from_args
 from pdserve.cluster.worker import (
     add_worker_flags,
@@ -27,9 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_flags(parser, DEFAULT_PORT)
     add_flag(parser, "--kv-slab-bytes", 2 << 20, type=int, help="bytes per KV transfer message")
     add_kv_transport_flag(parser)
-    add_flag(parser, "--kv-push-streams", "shared", choices=["shared", "per-request"],
-             help="shared: the data-plane pushes (cuda_ipc, nixl) to a decode worker share one "
-                  "PushKVStreams call; per-request: a PushKV stream each (grpc pushes always)")
+    add_kv_push_streams_flag(parser)
     add_flag(parser, "--kv-lease-seconds", 30.0, type=float,
              help="seconds a prefilled request's KV waits for its decode worker to take it "
                   "before it is freed")

@@ -1,6 +1,7 @@
 """What `pdserve up` starts (no process runs): internal services listen on loopback whatever
 the gateway's --host, every service gets the cluster's Redis namespace and TLS files, and the
-prefill and decode workers its --kv-transport, their --<role>-tp and GPUs dealt by it."""
+prefill and decode workers its --kv-transport, their --<role>-tp and GPUs dealt by it, the
+prefill workers its --kv-push-streams and the decode workers its --kv-doorbell."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def _up(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
                  "DECODE_GPUS", "KV_TRANSPORT", "PREFILL_TP", "DECODE_TP", "COLOCATED",
                  "CHAT_TEMPLATE", "TOOL_CALL_PARSER", "NO_AUTO_TOOL_CHOICE",
                  "ENABLE_AUTO_TOOL_CHOICE", "API_KEY", "ENABLE_EXPERT_PARALLEL", "API_SERVER_COUNT",
-                 "REUSE_PORT"):
+                 "REUSE_PORT", "KV_PUSH_STREAMS", "KV_DOORBELL"):
         monkeypatch.delenv(f"PDSERVE_{name}", raising=False)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -78,6 +79,23 @@ def test_gpus_are_dealt_to_the_workers_of_each_role(monkeypatch: pytest.MonkeyPa
     assert all("CUDA_VISIBLE_DEVICES" not in s.env for s in default)
     with pytest.raises(SystemExit, match="--decode-gpus takes GPU indices"):
         plan(_up(["--decode-gpus", "cuda:1"], monkeypatch), "redis://x:1/0", None)
+
+
+@pytest.mark.parametrize("argv, streams, doorbell", [
+    ([], "shared", "on"), (["--kv-push-streams", "per-request", "--kv-doorbell", "off"],
+                           "per-request", "off")])
+def test_push_streams_reach_the_prefill_workers_and_the_doorbell_the_decode_workers(
+        argv: list[str], streams: str, doorbell: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+    for s in plan(_up(["--prefill", "2", "--decode", "1", *argv], monkeypatch), "", None):
+        role = s.name.split("-")[0]
+        for flag in ("--kv-push-streams", "--kv-doorbell"):
+            wanted = {"prefill": "--kv-push-streams", "decode": "--kv-doorbell"}.get(role)
+            assert (flag in s.argv) == (flag == wanted), (s.name, flag)
+        if role in ("prefill", "decode"):
+            parsed = build_parser().parse_args(s.argv[3:])
+            seen[s.name] = parsed.kv_push_streams if role == "prefill" else parsed.kv_doorbell
+    assert seen == {"prefill-0": streams, "prefill-1": streams, "decode-0": doorbell}
 
 
 @pytest.mark.parametrize("argv, expected", [([], "auto"), (["--kv-transport", "nixl"], "nixl")])

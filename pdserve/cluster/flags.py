@@ -75,6 +75,21 @@ def add_chat_template_flag(parser: argparse.ArgumentParser) -> None:
                   "shipped chatml_tools.jinja)")
 
 
+def add_kv_push_streams_flag(parser: argparse.ArgumentParser) -> None:
+    """--kv-push-streams, a prefill worker's (prefill_svc/push_streams.py)."""
+    add_flag(parser, "--kv-push-streams", "shared", choices=["shared", "per-request"],
+             help="shared: the data-plane pushes (cuda_ipc, nixl) to a decode worker share one "
+                  "PushKVStreams call; per-request: a PushKV stream each (grpc pushes always)")
+
+
+def add_kv_doorbell_flag(parser: argparse.ArgumentParser) -> None:
+    """--kv-doorbell, a decode worker's (pdserve/transport/doorbell.py)."""
+    add_flag(parser, "--kv-doorbell", "on", choices=["on", "off"],
+             help="on: a data-plane push from this host commits its request through a Unix "
+                  "datagram the engine thread reads between steps, ahead of its gRPC commit "
+                  "(pdserve/transport/doorbell.py); off: the gRPC commit alone")
+
+
 def add_kv_transport_flag(parser: argparse.ArgumentParser) -> None:
     """--kv-transport: how KV bytes move between prefill and decode workers
     (pdserve/transport/)."""
