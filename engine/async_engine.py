@@ -315,9 +315,7 @@ class AsyncLLMEngine:
                 self._error = exc
                 self._fail_all(exc)
                 return
-            for out in outputs:
-                handover_trace.mark(out.request_id, "step_out")
-                self._deliver(out.request_id, out)
+            self._deliver_step(outputs)
 
     def _reserve(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -393,6 +391,20 @@ class AsyncLLMEngine:
             loop, q = stream
             loop.call_soon_threadsafe(q.put_nowait, item)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their readers with one wake-up per event loop: each
+        `call_soon_threadsafe` writes to the loop's self-pipe (a syscall) and queues a callback,
+        which per request per step cost the engine thread more than its batch of 256 did
+        otherwise on the CPU."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            handover_trace.mark(out.request_id, "step_out")
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self._streams):
             self._deliver(request_id, exc)
@@ -400,6 +412,11 @@ class AsyncLLMEngine:
         dead.__cause__ = exc
         for future in self._granted.values():
             future.get_loop().call_soon_threadsafe(_settle, future, None, dead)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _nothing() -> None:
