@@ -2,9 +2,10 @@
 
 NOTE: a write costs a few tenths of a millisecond however small (a thread hop, the block ids
 to the device, a launch, a synchronisation; on the 2-core box a NIXL transfer's preparation),
-and at a prefill step's end every push of the step asks for one at once: with 20-30 prompts a
-step that serial cost was most of the step's host time. So the writes asked for towards one
-peer while the event loop runs its callbacks wait for the loop's next turn and go together:
+and at a prefill step's end every push of the step asks for one at once (20-30 of them at
+saturation in the load test). So the writes asked for towards one peer while the event loop
+runs its callbacks wait for the loop's next turn and go together (on an H200, 16 pushes of
+1024 tokens at once took 8.5 ms instead of 19, docs/benchmarks.md):
 
     push a ─┐ write(ticket a)      ┌─▶ one thread: every ticket's `reading()` held (stale ones
     push b ─┼─▶ [a, b, c] ─────────┘   dropped), one plane.write per layer range with the
