@@ -130,9 +130,7 @@ class AsyncLLMEngine:
     ) -> KVWatch:
         """Prefill role: a watch for `generate(..., kv_watch=)` that hands each of the request's
         KV progress notes to `on_progress` on the calling event loop, in order."""
-        loop = asyncio.get_running_loop()
-        return KVWatch(lambda note: loop.call_soon_threadsafe(on_progress, note),
-                       layers_per_group)
+        return KVWatch(on_progress, layers_per_group, asyncio.get_running_loop())
 
     async def reserve_remote(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,

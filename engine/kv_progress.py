@@ -10,8 +10,9 @@ engine thread as `KVProgress` notes, in order:
 
 A block is final for a layer once all of its tokens are computed through that layer
 (`complete_blocks`); the partly filled last block is final when the prompt is. The notes are
-called mid-forward on the engine thread: `notify` must be quick and thread-safe
-(`AsyncLLMEngine.watch_kv` hops to the event loop).
+made mid-forward on the engine thread: a watch's `notify` runs there, quick and thread-safe,
+unless the watch names an event loop (`AsyncLLMEngine.watch_kv`): then the notes of one moment
+of a step reach each loop in one hop (`deliver`).
 
 Reading a final block races with nothing but a preemption, which frees the request's blocks
 (another request may write them in the next step) and starts it again, maybe on other blocks.
@@ -27,6 +28,7 @@ on another stream waits for it first, and finishes (synchronizes) inside `readin
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -56,10 +58,14 @@ class KVProgress:
 class KVWatch:
     """One watched request's link from the engine thread to its sender."""
 
-    def __init__(self, notify: Callable[[KVProgress], None], layers_per_group: int = 1):
+    def __init__(self, notify: Callable[[KVProgress], None], layers_per_group: int = 1,
+                 loop: asyncio.AbstractEventLoop | None = None):
+        """`notify` runs on `loop` when given (the notes of one moment of a step reach a loop
+        in one `call_soon_threadsafe`: `deliver`), else on the engine thread."""
         if layers_per_group < 1:
             raise ValueError(f"layers_per_group must be >= 1, got {layers_per_group}")
-        self.notify = notify  # called on the engine thread
+        self.notify = notify
+        self.loop = loop
         self.layers_per_group = layers_per_group
         self.epoch = 0  # bumped by `invalidate`; read by any thread
         self.reported = 0  # engine thread: tokens noted final through every layer, this epoch
@@ -95,33 +101,56 @@ class StepNotes:
 
     def begin(self) -> None:
         """Tokens already final before this step's chunk (prefix-cache hits)."""
-        ready = None
+        ready, notes = None, []
         for watch, s in self.chunks:
             if s.start > watch.reported:
                 ready = self.mark() if ready is None else ready
-                self._note(watch, s, self.num_layers, s.start, ready)
+                notes.append(self._note(watch, s, self.num_layers, s.start, ready))
+        deliver(notes)
 
     def on_layer(self, num_layers: int) -> None:
         """Layers [0, num_layers) have written this step's K/V: note every group's end."""
         if num_layers == self.num_layers:
             return  # `end` notes it, after the forward
-        ready = None
+        ready, notes = None, []
         for watch, s in self.chunks:
             if num_layers % watch.layers_per_group == 0:
                 ready = self.mark() if ready is None else ready
-                self._note(watch, s, num_layers, s.start + s.num_new_tokens, ready)
+                notes.append(self._note(watch, s, num_layers, s.start + s.num_new_tokens,
+                                        ready))
+        deliver(notes)
 
     def end(self) -> None:
         ready = self.mark()
-        for watch, s in self.chunks:
-            self._note(watch, s, self.num_layers, s.start + s.num_new_tokens, ready)
+        deliver([self._note(watch, s, self.num_layers, s.start + s.num_new_tokens, ready)
+                 for watch, s in self.chunks])
 
     def _note(
         self, watch: KVWatch, s: ScheduledRequest, num_layers: int, num_tokens: int,
         ready: Any = None,
-    ) -> None:
+    ) -> tuple[KVWatch, KVProgress]:
         req = s.request  # its sampled token is not appended yet: num_tokens is the KV's
         if num_layers == self.num_layers:
             watch.reported = max(watch.reported, num_tokens)
-        watch.notify(KVProgress(num_layers, num_tokens, req.num_tokens, tuple(req.block_ids),
-                                watch.epoch, ready))
+        return watch, KVProgress(num_layers, num_tokens, req.num_tokens, tuple(req.block_ids),
+                                 watch.epoch, ready)
+
+
+def deliver(notes: list[tuple[KVWatch, KVProgress]]) -> None:
+    """Hand each note to its watch's `notify`, in order: those of watches on an event loop in
+    one `call_soon_threadsafe` per loop (each writes to the loop's self-pipe and queues a
+    callback, mid-forward on the engine thread: as for a step's outputs,
+    `AsyncLLMEngine._deliver_step`), the others at once."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[KVWatch, KVProgress]]] = {}
+    for watch, note in notes:
+        if watch.loop is None:
+            watch.notify(note)
+        else:
+            by_loop.setdefault(watch.loop, []).append((watch, note))
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_notify_all, items)
+
+
+def _notify_all(items: list[tuple[KVWatch, KVProgress]]) -> None:
+    for watch, note in items:
+        watch.notify(note)

@@ -207,3 +207,30 @@ def test_an_aborted_request_makes_its_notes_stale(model) -> None:
     assert watch.epoch == 1 and not prefill._kv_watches  # a reader now skips its blocks
     with watch.reading(0) as current:
         assert not current
+
+
+def test_notes_of_one_moment_reach_an_event_loop_in_one_hop() -> None:
+    """Watches on an event loop get their notes there, in order, one call_soon_threadsafe per
+    loop; a watch without a loop gets its note at once on the engine thread."""
+    import asyncio
+    import threading
+
+    from engine.kv_progress import KVProgress, KVWatch, deliver
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        hops, seen, direct = [], [], []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: hops.append(a) or real(*a)
+        a = KVWatch(lambda note: seen.append(("a", note.num_layers)), loop=loop)
+        b = KVWatch(lambda note: seen.append(("b", note.num_layers)), loop=loop)
+        c = KVWatch(lambda note: direct.append(threading.current_thread().name))
+        notes = [(w, KVProgress(n, 16, 16, (0,), 0))
+                 for w, n in ((a, 1), (b, 1), (c, 1), (a, 2))]
+        await asyncio.to_thread(deliver, notes)
+        await asyncio.sleep(0)
+        mine = [h for h in hops if getattr(h[0], "__name__", "") == "_notify_all"]
+        assert seen == [("a", 1), ("b", 1), ("a", 2)] and len(mine) == 1  # (to_thread's own)
+        assert direct and direct[0] != threading.current_thread().name  # the engine's thread
+
+    asyncio.run(run())
