@@ -29,6 +29,7 @@ from engine.kv_handoff import KVCacheFullError, Reservation
 from engine.kv_progress import KVProgress, KVWatch
 from engine.llm import build_engine_config
 from engine.llm_engine import LLMEngine, PromptInput
+from engine.loop_hops import call_on_loops
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -390,18 +391,14 @@ class AsyncLLMEngine:
             loop.call_soon_threadsafe(q.put_nowait, item)
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs to their readers with one wake-up per event loop: each
-        `call_soon_threadsafe` writes to the loop's self-pipe (a syscall) and queues a callback;
-        one per request per step was 17-25% of the process's CPU per streamed token with 256
-        streams on the CPU box (pdserve.bench.async_streams)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        """A step's outputs to their readers, one hop per event loop (engine/loop_hops.py)."""
+        calls = []
         for out in outputs:
             handover_trace.mark(out.request_id, "step_out")
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                by_loop.setdefault(stream[0], []).append((stream[1], out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+                calls.append((stream[0], stream[1].put_nowait, out))
+        call_on_loops(calls)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self._streams):
@@ -410,11 +407,6 @@ class AsyncLLMEngine:
         dead.__cause__ = exc
         for future in self._granted.values():
             future.get_loop().call_soon_threadsafe(_settle, future, None, dead)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
 
 
 def _nothing() -> None:

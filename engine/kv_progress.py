@@ -35,6 +35,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.loop_hops import call_on_loops
+
 if TYPE_CHECKING:
     from engine.scheduler_output import ScheduledRequest
 
@@ -137,20 +139,10 @@ class StepNotes:
 
 
 def deliver(notes: list[tuple[KVWatch, KVProgress]]) -> None:
-    """Hand each note to its watch's `notify`, in order: those of watches on an event loop in
-    one `call_soon_threadsafe` per loop (each writes to the loop's self-pipe and queues a
-    callback, mid-forward on the engine thread: as for a step's outputs,
-    `AsyncLLMEngine._deliver_step`), the others at once."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[KVWatch, KVProgress]]] = {}
+    """Hand each note to its watch's `notify`, in order: those of watches on an event loop one
+    hop per loop (engine/loop_hops.py), the others at once."""
+    call_on_loops((watch.loop, watch.notify, note) for watch, note in notes
+                  if watch.loop is not None)
     for watch, note in notes:
         if watch.loop is None:
             watch.notify(note)
-        else:
-            by_loop.setdefault(watch.loop, []).append((watch, note))
-    for loop, items in by_loop.items():
-        loop.call_soon_threadsafe(_notify_all, items)
-
-
-def _notify_all(items: list[tuple[KVWatch, KVProgress]]) -> None:
-    for watch, note in items:
-        watch.notify(note)

@@ -229,7 +229,7 @@ def test_notes_of_one_moment_reach_an_event_loop_in_one_hop() -> None:
                  for w, n in ((a, 1), (b, 1), (c, 1), (a, 2))]
         await asyncio.to_thread(deliver, notes)
         await asyncio.sleep(0)
-        mine = [h for h in hops if getattr(h[0], "__name__", "") == "_notify_all"]
+        mine = [h for h in hops if getattr(h[0], "__name__", "") == "_run_all"]
         assert seen == [("a", 1), ("b", 1), ("a", 2)] and len(mine) == 1  # (to_thread's own)
         assert direct and direct[0] != threading.current_thread().name  # the engine's thread
 
