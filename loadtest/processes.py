@@ -23,9 +23,11 @@ import multiprocessing
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 
 from loadtest.client import ClientConfig, StreamClient
 from loadtest.record import RequestRecord
+from loadtest.sending import send_within, sender
 from loadtest.workloads import RequestSpec
 
 LEAD_S = 0.25  # from the jobs' submission to the run's origin
@@ -77,35 +79,13 @@ def _send_share(cfg: ClientConfig, model: str, share: list[tuple[RequestSpec, Re
     """In a client process: this share's requests at their offsets from `t0`; its records,
     and whether --max-duration cut it short (the requests still in flight then are recorded
     as cancelled, those never sent keep done_at 0)."""
-    from dataclasses import replace
 
     async def run() -> bool:
         clock = lambda: time.perf_counter() - t0
         async with StreamClient(replace(cfg, model=model), max_concurrency) as client:
-            slots = asyncio.Semaphore(max_concurrency or max(1, len(share)))
-
-            async def one(spec: RequestSpec, record: RequestRecord) -> None:
-                async with slots:
-                    await client.send(spec, record, clock)
-
-            tasks: list[asyncio.Task[None]] = []
-
-            async def start_all() -> None:
-                for spec, record in share:
-                    if (delay := record.scheduled_at - clock()) > 0:
-                        await asyncio.sleep(delay)
-                    tasks.append(asyncio.create_task(one(spec, record)))
-                await asyncio.gather(*tasks)
-
-            try:
-                await asyncio.wait_for(start_all(), max(0.0, max_duration_s - clock()))
-                return False
-            except asyncio.TimeoutError:
-                return True
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            send = sender(client, max_concurrency or max(1, len(share)), clock)
+            return await send_within([s for s, _ in share], [r for _, r in share], send,
+                                     clock, max(0.0, max_duration_s - clock()))
 
     cut = asyncio.run(run())
     return [record for _, record in share], cut

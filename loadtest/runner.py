@@ -20,7 +20,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from loadtest.client import StreamClient
 from loadtest.metrics import SLO, run_metrics
 from loadtest.processes import ClientProcesses
 from loadtest.record import RequestRecord
+from loadtest.sending import NoBar, send_within, sender
 from loadtest.workloads import RequestSpec
 
 
@@ -115,13 +116,8 @@ async def run_rate(client: StreamClient, specs: Sequence[RequestSpec], rate: flo
     else:
         clock = lambda: time.perf_counter() - t0
         async with _progress(len(specs), f"rate {rate:g}/s", cfg.progress) as bar:
-            send = _sender(client, cfg.max_concurrency or len(specs), clock, bar)
-            try:
-                await asyncio.wait_for(_send_all(specs, records, send, clock),
-                                       cfg.max_duration_s)
-                timed_out = False
-            except asyncio.TimeoutError:
-                timed_out = True
+            send = sender(client, cfg.max_concurrency or len(specs), clock, bar)
+            timed_out = await send_within(specs, records, send, clock, cfg.max_duration_s)
     duration = time.perf_counter() - t0
     sent = [r for r in records if r.done_at > 0]  # set by the client once it sent a request
     counters = scrape.deltas(counters, await scrape.read_counters(client.http, cfg.metrics_urls))
@@ -153,49 +149,12 @@ def prefix_reuse(specs: Sequence[RequestSpec], sent: list[RequestRecord],
             "prefix_hit_rate": rate}
 
 
-Send = Callable[[RequestSpec, RequestRecord], Awaitable[None]]
-
-
-def _sender(client: StreamClient, slots: int, clock: Callable[[], float], bar: Any) -> Send:
-    """Send one request once one of `slots` is free; tick the progress bar when it is done."""
-    semaphore = asyncio.Semaphore(slots)
-
-    async def send(spec: RequestSpec, record: RequestRecord) -> None:
-        async with semaphore:
-            await client.send(spec, record, clock)
-        bar.update(1)
-
-    return send
-
-
-async def _send_all(specs: Sequence[RequestSpec], records: list[RequestRecord], send: Send,
-                    clock: Callable[[], float]) -> None:
-    """Start each request at its `scheduled_at`, then wait for all. Cancelled (the time bound),
-    it cancels every request it started."""
-    tasks: list[asyncio.Task[None]] = []
-    try:
-        for spec, record in zip(specs, records):
-            if (delay := record.scheduled_at - clock()) > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(spec, record)))
-        await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 def _load_average() -> float | None:
     """The host's 1-minute load average (other processes skew the timings), where known."""
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
 
 
 @contextlib.asynccontextmanager
@@ -206,7 +165,7 @@ async def _progress(total: int, desc: str, enabled: bool) -> AsyncIterator[Any]:
     except ImportError:
         enabled = False
     if not enabled:
-        yield _NoBar()
+        yield NoBar()
         return
     bar = tqdm(total=total, desc=desc, unit="req", leave=True)
     try:
