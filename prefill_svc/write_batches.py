@@ -56,9 +56,10 @@ class WriteBatches:
         that carried it took), bytes None if the ticket is stale. ConnectionError if the write
         failed."""
         if not BATCHES:
-            result = await asyncio.to_thread(write_alone, plane, peer, ticket, dst_ids)
-            self.stats.plane_writes += result[0] is not None
-            return result
+            results, writes = await asyncio.to_thread(self._write_all, plane, peer,
+                                                      [(ticket, dst_ids)])
+            self.stats.plane_writes += writes
+            return results[0]
         loop = asyncio.get_running_loop()
         key = peer.info.pool_id
         asked = self._asked.setdefault(key, [])
@@ -85,7 +86,8 @@ class WriteBatches:
 
     async def _run(self, plane: DataPlane, peer: Peer, entries: list[_Asked]) -> None:
         try:
-            results, writes = await asyncio.to_thread(self._write_all, plane, peer, entries)
+            results, writes = await asyncio.to_thread(
+                self._write_all, plane, peer, [(e.ticket, e.dst_ids) for e in entries])
         except BaseException as exc:  # noqa: BLE001 - every push of the write learns it
             for e in entries:
                 if not e.done.done():
@@ -99,43 +101,32 @@ class WriteBatches:
             if not e.done.done():
                 e.done.set_result(result)
 
-    def _write_all(self, plane: DataPlane, peer: Peer, entries: list[_Asked]
+    def _write_all(self, plane: DataPlane, peer: Peer,
+                   asked: list[tuple[SlabTicket, list[int]]]
                    ) -> tuple[list[tuple[int | None, float]], int]:
-        """In a thread: every current ticket's slab, one plane.write per layer range (each
-        ticket's `reading()` held throughout, so no preemption hands its blocks on meanwhile);
-        (each entry's result, the writes made)."""
+        """In a thread: each current ticket's slab into its peer blocks, one plane.write per
+        layer range (each ticket's `reading()` held throughout, so no preemption hands its
+        blocks on meanwhile); (each ticket's bytes, None if stale, and the seconds of the
+        write that carried it; the writes made)."""
         with contextlib.ExitStack() as held:
-            current = [held.enter_context(e.ticket.reading()) for e in entries]
+            current = [held.enter_context(ticket.reading()) for ticket, _ in asked]
             ranges: dict[tuple[int, int], list[int]] = {}
-            for i, e in enumerate(entries):
+            for i, (ticket, _) in enumerate(asked):
                 if current[i]:
-                    l0, l1, _, _ = e.ticket.slab
+                    l0, l1, _, _ = ticket.slab
                     ranges.setdefault((l0, l1), []).append(i)
-            results: list[tuple[int | None, float]] = [(None, 0.0)] * len(entries)
+            results: list[tuple[int | None, float]] = [(None, 0.0)] * len(asked)
             for layers, members in ranges.items():
-                src = [b for i in members for b in entries[i].ticket.block_ids]
-                dst = [b for i in members for b in entries[i].dst_ids]
-                events = list({id(e.ticket.ready): e.ticket.ready for i in members
-                               if (e := entries[i]).ticket.ready is not None}.values())
+                src = [b for i in members for b in asked[i][0].block_ids]
+                dst = [b for i in members for b in asked[i][1]]
+                events = list({id(t.ready): t.ready for i in members
+                               if (t := asked[i][0]).ready is not None}.values())
                 start = time.perf_counter()
-                plane.write(peer, layers, src, dst, events or None)
+                plane.write(peer, layers, src, dst,
+                            events[0] if len(events) == 1 else events or None)
                 seconds = time.perf_counter() - start
                 for i in members:  # the write's time shared by bytes
-                    blocks = len(entries[i].ticket.block_ids)
+                    blocks = len(asked[i][0].block_ids)
                     results[i] = (blocks * (layers[1] - layers[0]) * self.cell_bytes,
                                   seconds * blocks / len(src))
             return results, len(ranges)
-
-
-def write_alone(plane: DataPlane, peer: Peer, ticket: SlabTicket, dst_ids: list[int]
-                ) -> tuple[int | None, float]:
-    """Write the ticket's slab into the peer's blocks `dst_ids` by itself: (bytes, seconds the
-    write took), bytes None if the ticket is stale (a preemption may have handed its blocks to
-    another request). Blocks preemption meanwhile."""
-    l0, l1, _, _ = ticket.slab
-    with ticket.reading() as current:
-        if not current:
-            return None, 0.0
-        start = time.perf_counter()
-        nbytes = plane.write(peer, (l0, l1), list(ticket.block_ids), dst_ids, ticket.ready)
-        return nbytes, time.perf_counter() - start
