@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import subprocess
 import time
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 from pdserve.bench.report import bench_main, config_of, write_report
 from pdserve.cluster.registry import WorkerInfo, WorkerRegistry
 from pdserve.cluster.state import connect
-from pdserve.launcher import redis_argv
+from pdserve.launcher import Service, redis_argv, stop_all, wait_healthy
 from pdserve.ports import free_port
 
 
@@ -73,28 +72,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not counts or counts[0] < 0 or args.repeats < 1:
         raise ValueError("--keys: counts >= 0; --repeats >= 1")
     port = free_port()
-    server = subprocess.Popen(redis_argv(port), stdout=subprocess.DEVNULL)
+    redis = Service("redis", redis_argv(port), f"redis:{port}")
+    redis.proc = subprocess.Popen(redis.argv, stdout=subprocess.DEVNULL)
     try:
-        _wait_listening(port)
+        wait_healthy(redis, time.monotonic() + 30)
         report = {"config": config_of(args), "rows": asyncio.run(
             measure(f"redis://127.0.0.1:{port}/0", counts, args.repeats))}
         write_report(report, args.output_json)
         return report
     finally:
-        server.terminate()
-        server.wait()
-
-
-def _wait_listening(port: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+        stop_all([redis])
 
 
 def main(argv: list[str] | None = None) -> int:
