@@ -67,16 +67,21 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits. `max_num_batched_tokens` is the per-step token budget shared by
     decodes (one token each) and prefill chunks. `max_loras`: at most that many distinct LoRA
-    adapters among the running requests (None: no adapters)."""
+    adapters among the running requests (None: no adapters). `stream_interval`: a streamed
+    request's output goes out with its first token, then once every that many tokens, and when
+    it finishes (vLLM's `--stream-interval`: fewer messages per token for every hop after the
+    engine; 1: every step)."""
 
     max_model_len: int = 2048
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_loras: int | None = None
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                     "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

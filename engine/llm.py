@@ -57,6 +57,7 @@ def build_engine_config(
     max_loras: int = 1,
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
+    stream_interval: int = 1,
 ) -> EngineConfig:
     """Resolve the model and turn user-facing arguments into an `EngineConfig` (ValueError on
     bad values). `max_model_len` defaults to the model's context length. `speculative_config`:
@@ -65,7 +66,8 @@ def build_engine_config(
     GGUF (`engine.quant.resolve_quantization`). `kv_cache_dtype`: "auto" (the model's dtype) or
     "fp8" / "fp8_e4m3" (kernels/kv_cache_fp8.py). `enable_lora`: serve PEFT LoRA adapters, up to
     `max_loras` in one batch, of rank <= `max_lora_rank`, `max_cpu_loras` loaded (`LoRAConfig`).
-    `decode_gemv`: see `EngineConfig`."""
+    `decode_gemv`: see `EngineConfig`. `stream_interval`: a streamed request's outputs go out
+    with its first token, then every that many tokens, and at its end (`SchedulerConfig`)."""
     speculative = None if speculative_config is None else SpeculativeConfig.from_dict(
         speculative_config)
     path = resolve_model(model)
@@ -103,6 +105,7 @@ def build_engine_config(
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
             max_loras=None if lora is None else lora.max_loras,
+            stream_interval=stream_interval,
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=tensor_parallel_size, timeout_s=distributed_timeout_s,

@@ -154,7 +154,8 @@ class LLMEngine(KVHandoffMixin):
             max_tokens = len(prior) + 1
         lora_name = self._load_lora(lora_request)
         group = RequestGroup(
-            request_id, text, token_ids, params.output_kind, tokenizer=self.codec
+            request_id, text, token_ids, params.output_kind, tokenizer=self.codec,
+            stream_interval=self.config.scheduler.stream_interval,
         )
         for index in range(params.n):
             child_params = params

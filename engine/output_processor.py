@@ -103,6 +103,8 @@ class RequestGroup:
     # Every sequence lazy (final-only output, no stop strings): nothing to do for the group
     # in a step that finishes none of them.
     lazy: bool = False
+    stream_interval: int = 1  # SchedulerConfig.stream_interval
+    streamed_at: int | None = None  # the longest sequence's length at the last output sent
 
     @property
     def finished(self) -> bool:
@@ -115,6 +117,8 @@ class RequestGroup:
         """The group's output for this step, shaped by its output kind (None: nothing to send)."""
         finished = self.finished
         if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if not finished and not self._due():
             return None
         delta = self.kind == RequestOutputKind.DELTA
         outputs = [self._completion(s, delta) for s in self.seqs]
@@ -129,6 +133,18 @@ class RequestGroup:
             num_cached_tokens=first.num_cached_tokens,
             prompt_logprobs=self._prompt_logprobs(first, delta),
         )
+
+    def _due(self) -> bool:
+        """`stream_interval`: the first output goes at once, then one every `stream_interval`
+        tokens (the longest sequence's; the last one always goes, finished). An output held back
+        is not lost: the next delta starts where the last one sent ended."""
+        if self.stream_interval == 1:
+            return True
+        made = max(len(s.req.output_token_ids) for s in self.seqs)
+        if self.streamed_at is not None and made - self.streamed_at < self.stream_interval:
+            return False
+        self.streamed_at = made
+        return True
 
     def _prompt_logprobs(self, req: Request, delta: bool) -> PromptLogprobs | None:
         """vLLM's shape: None for the first prompt token, then {token: Logprob} with the top

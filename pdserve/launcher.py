@@ -44,6 +44,7 @@ from pdserve.cluster.flags import (
     add_kv_push_streams_flag,
     add_kv_transport_flag,
     add_redis_namespace_flag,
+    add_stream_interval_flag,
     add_tls_flags,
 )
 from pdserve.cluster.lora import add_lora_flags, lora_argv
@@ -111,6 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_kv_transport_flag(p)  # handed to every prefill and decode worker
     add_kv_push_streams_flag(p)  # handed to every prefill worker
     add_kv_doorbell_flag(p)  # handed to every decode worker
+    add_stream_interval_flag(p)  # handed to every decode worker (with --colocated, the engine)
     add_chat_template_flag(p)  # handed to the tokenizer (with --colocated, to the engine's)
     add_flag(p, "--tool-call-parser", "hermes",
              help='how the model writes tool calls, for tool_choice "auto": hermes, smollm2, '
@@ -146,9 +148,10 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     gateway_url = f"http://{args.host}:{args.port}"
     template = ["--chat-template", args.chat_template] if args.chat_template else []
     spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
+    decoding = [*spec, "--stream-interval", str(args.stream_interval)]  # engines that decode
     engine += lora_argv(args)  # LoRA: the engines' flags and --lora-modules (they preload them)
     if args.colocated:
-        argv = [*py, "serve", *common, *engine, *spec, *template, *_tool_flags(args)]
+        argv = [*py, "serve", *common, *engine, *decoding, *template, *_tool_flags(args)]
         return [_colocated(args, argv, gateway_url)]
     services = []
     if redis_port is not None:
@@ -164,7 +167,7 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
             argv = [*py, role, *common, *engine, *workers, *tp, *cluster, *internal, "--port",
                     str(port), "--redis-url", redis_url, "--metrics-port", str(free_port())]
             if role == "decode":
-                argv += [*spec, "--kv-doorbell", args.kv_doorbell]
+                argv += [*decoding, "--kv-doorbell", args.kv_doorbell]
             else:
                 argv += ["--kv-push-streams", args.kv_push_streams]
             services.append(Service(f"{role}-{i}", argv, f"grpc:127.0.0.1:{port}", env=env))

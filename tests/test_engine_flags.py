@@ -51,9 +51,12 @@ def test_service_flags_reach_the_engine(command: str, monkeypatch: pytest.Monkey
     seen = _engine_args(monkeypatch, args)
     assert (seen["tensor_parallel_size"], seen["distributed_timeout_s"]) == (2, 7.5)
     assert seen["enable_expert_parallel"] is False and seen["enforce_eager"] is False
-    args = build_parser().parse_args([command, "--enable-expert-parallel", "--enforce-eager"])
+    assert seen["stream_interval"] == 1
+    args = build_parser().parse_args([command, "--enable-expert-parallel", "--enforce-eager",
+                                      "--stream-interval", "5"])
     seen = _engine_args(monkeypatch, args)
     assert seen["enable_expert_parallel"] is True and seen["enforce_eager"] is True
+    assert seen["stream_interval"] == 5
 
 
 def test_service_defaults_and_env_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:

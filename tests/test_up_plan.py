@@ -1,7 +1,8 @@
 """What `pdserve up` starts (no process runs): internal services listen on loopback whatever
 the gateway's --host, every service gets the cluster's Redis namespace and TLS files, and the
 prefill and decode workers its --kv-transport, their --<role>-tp and GPUs dealt by it, the
-prefill workers its --kv-push-streams and the decode workers its --kv-doorbell."""
+prefill workers its --kv-push-streams and the decode workers its --kv-doorbell and
+--stream-interval (with --colocated, the engine)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pdserve.launcher import add_arguments, plan
 def _up(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
     for name in ("HOST", "REDIS_NAMESPACE", "TLS_CERT", "TLS_KEY", "TLS_CA", "PREFILL_GPUS",
                  "DECODE_GPUS", "KV_TRANSPORT", "PREFILL_TP", "DECODE_TP", "COLOCATED",
-                 "CHAT_TEMPLATE", "TOOL_CALL_PARSER", "NO_AUTO_TOOL_CHOICE",
+                 "CHAT_TEMPLATE", "TOOL_CALL_PARSER", "NO_AUTO_TOOL_CHOICE", "STREAM_INTERVAL",
                  "ENABLE_AUTO_TOOL_CHOICE", "API_KEY", "ENABLE_EXPERT_PARALLEL", "API_SERVER_COUNT",
                  "REUSE_PORT", "KV_PUSH_STREAMS", "KV_DOORBELL"):
         monkeypatch.delenv(f"PDSERVE_{name}", raising=False)
@@ -96,6 +97,19 @@ def test_push_streams_reach_the_prefill_workers_and_the_doorbell_the_decode_work
             parsed = build_parser().parse_args(s.argv[3:])
             seen[s.name] = parsed.kv_push_streams if role == "prefill" else parsed.kv_doorbell
     assert seen == {"prefill-0": streams, "prefill-1": streams, "decode-0": doorbell}
+
+
+@pytest.mark.parametrize("argv, interval", [([], 1), (["--stream-interval", "4"], 4)])
+def test_the_stream_interval_reaches_the_engines_that_decode(
+        argv: list[str], interval: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+    for s in plan(_up(["--prefill", "1", "--decode", "2", *argv], monkeypatch), "", None):
+        assert ("--stream-interval" in s.argv) == s.name.startswith("decode"), s.name
+        if s.name.startswith("decode"):
+            seen[s.name] = build_parser().parse_args(s.argv[3:]).stream_interval
+    assert seen == {"decode-0": interval, "decode-1": interval}
+    (serve,) = plan(_up(["--colocated", *argv], monkeypatch), "", None)
+    assert build_parser().parse_args(serve.argv[3:]).stream_interval == interval
 
 
 @pytest.mark.parametrize("argv, expected", [([], "auto"), (["--kv-transport", "nixl"], "nixl")])

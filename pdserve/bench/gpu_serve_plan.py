@@ -71,12 +71,15 @@ class ServeConfig:
     load: LoadConfig
     work_dir: Path | None = None  # the load generator's reports and the logs (None: out_dir)
     api_server_count: int = 1  # gateway processes of a split system (`pdserve up`'s flag)
+    stream_interval: int = 1  # every system's engines stream a request's tokens this many a time
 
     def __post_init__(self) -> None:
         if not self.systems or set(self.systems) - set(SYSTEMS):
             raise ValueError(f"--systems is a comma list of {','.join(SYSTEMS)}")
         if self.api_server_count < 1:
             raise ValueError("--api-server-count must be >= 1")
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval must be >= 1")
         if self.kv_cache_memory < 1 or self.max_model_len < 1:
             raise ValueError("--kv-cache-memory and --max-model-len must be >= 1")
 
@@ -108,6 +111,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--max-model-len", type=int, default=2048)
     m.add_argument("--api-server-count", type=int, default=1,
                    help="gateway processes of the split systems (pdserve up's flag)")
+    m.add_argument("--stream-interval", type=int, default=1,
+                   help="every system's engines send a request's tokens this many at a time "
+                        "after its first (pdserve up's flag)")
     g = p.add_argument_group("load (python -m loadtest)")
     g.add_argument("--request-rate", type=parse_rates, default=load.request_rates)
     g.add_argument("--num-prompts", type=int, default=load.num_prompts, help="per rate")
@@ -135,7 +141,8 @@ def config_of(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(tuple(s.strip() for s in args.systems.split(",") if s.strip()), shape,
                        model_dir, args.kv_cache_memory, args.max_model_len, args.redis_server,
                        Path(args.out_dir), args.startup_timeout, load,
-                       Path(args.work_dir) if args.work_dir else None, args.api_server_count)
+                       Path(args.work_dir) if args.work_dir else None, args.api_server_count,
+                       args.stream_interval)
 
 
 def shape_tag(shape: ModelShape) -> str:
@@ -150,7 +157,8 @@ def up_argv(cfg: ServeConfig, system: str, port: int, redis_url: str) -> list[st
     (split_*) prefill on GPU 0 and decode on GPU 1."""
     argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(cfg.model_dir),
             "--kv-cache-memory", str(cfg.kv_cache_memory), "--max-model-len",
-            str(cfg.max_model_len), "--port", str(port)]
+            str(cfg.max_model_len), "--port", str(port), "--stream-interval",
+            str(cfg.stream_interval)]
     if system in ("colocated", "replicas"):
         return [*argv, "--colocated"]
     transport = system.removeprefix("split_")

@@ -75,6 +75,14 @@ def add_chat_template_flag(parser: argparse.ArgumentParser) -> None:
                   "shipped chatml_tools.jinja)")
 
 
+def add_stream_interval_flag(parser: argparse.ArgumentParser) -> None:
+    """--stream-interval, an engine's (engine/config.py SchedulerConfig.stream_interval)."""
+    add_flag(parser, "--stream-interval", 1, type=int,
+             help="a streamed request's tokens leave the engine with its first one, then every "
+                  "this many, and at its end: fewer messages per token on every hop after the "
+                  "engine (decode worker, gateway, client), larger bursts (vLLM's flag)")
+
+
 def add_kv_push_streams_flag(parser: argparse.ArgumentParser) -> None:
     """--kv-push-streams, a prefill worker's (prefill_svc/push_streams.py)."""
     add_flag(parser, "--kv-push-streams", "shared", choices=["shared", "per-request"],

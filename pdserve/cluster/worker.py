@@ -28,7 +28,12 @@ from engine.kv_events import KVEventBatch
 from engine.scheduler_output import SchedulerStats
 from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
 from pdserve.cluster.drain import DrainGate, drain
-from pdserve.cluster.flags import add_common_flags, add_flag, add_model_flags
+from pdserve.cluster.flags import (
+    add_common_flags,
+    add_flag,
+    add_model_flags,
+    add_stream_interval_flag,
+)
 from pdserve.cluster.grpc_server import make_server, set_serving, wait_for_signal
 from pdserve.cluster.lora import add_lora_flags, lora_engine_kwargs
 from pdserve.cluster.lora_metrics import lora_requests_info
@@ -69,6 +74,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--no-prefix-caching", False, action="store_true",
               help="disable automatic prefix caching")
     add_flag(parser, "--seed", 0, type=int, help="seed of unseeded sampling")
+    add_stream_interval_flag(parser)
     add_flag(parser, "--tensor-parallel-size", 1, type=int,
              help="ranks (processes) the model is sharded over: rank r uses device cuda:r of "
                   "the visible GPUs, or the CPU")
@@ -114,7 +120,7 @@ def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
         enforce_eager=args.enforce_eager,
         speculative_config=speculative_config(args.speculative_config),
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        **lora_engine_kwargs(args),
+        stream_interval=args.stream_interval, **lora_engine_kwargs(args),
     )
 
 

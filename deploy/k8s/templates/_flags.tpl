@@ -15,7 +15,8 @@ prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tl
   tls-server-name, metrics-port, model, served-model-name, max-model-len,
   dtype, kv-cache-dtype, quantization, device, block-size, kv-cache-memory, num-kv-blocks,
   gpu-memory-utilization,
-  max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, distributed-timeout-seconds,
+  max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, stream-interval,
+  distributed-timeout-seconds,
   speculative-config, kv-slab-bytes, kv-lease-seconds, kv-transport, kv-push-streams,
   enable-lora, lora-modules, max-loras, max-lora-rank, max-cpu-loras, enable-expert-parallel,
   enforce-eager, disable-log-stats, log-stats-interval]
@@ -23,7 +24,8 @@ decode: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls
   tls-server-name, metrics-port, model, served-model-name, max-model-len,
   dtype, kv-cache-dtype, quantization, device, block-size, kv-cache-memory, num-kv-blocks,
   gpu-memory-utilization,
-  max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, distributed-timeout-seconds,
+  max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, stream-interval,
+  distributed-timeout-seconds,
   speculative-config, kv-timeout, kv-wait-seconds, kv-wait-max-requests, kv-transport,
   kv-write-grace-seconds, kv-doorbell, enable-lora, lora-modules, max-loras, max-lora-rank,
   max-cpu-loras, enable-expert-parallel, enforce-eager, disable-log-stats, log-stats-interval]
