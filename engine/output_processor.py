@@ -135,15 +135,17 @@ class RequestGroup:
         )
 
     def _due(self) -> bool:
-        """`stream_interval`: the first output goes at once, then one every `stream_interval`
-        tokens (the longest sequence's; the last one always goes, finished). An output held back
-        is not lost: the next delta starts where the last one sent ended."""
+        """`stream_interval`: outputs go at once until one carries text (tokens whose text is
+        held back, or empty, do not count as the first), then one every `stream_interval`
+        tokens of the longest sequence; a finished one always goes. An output held back is not
+        lost: the next delta starts where the last one sent ended."""
         if self.stream_interval == 1:
             return True
         made = max(len(s.req.output_token_ids) for s in self.seqs)
         if self.streamed_at is not None and made - self.streamed_at < self.stream_interval:
             return False
-        self.streamed_at = made
+        if any(s.text or s.detok is None for s in self.seqs):  # something to read: count
+            self.streamed_at = made
         return True
 
     def _prompt_logprobs(self, req: Request, delta: bool) -> PromptLogprobs | None:

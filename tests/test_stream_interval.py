@@ -12,6 +12,8 @@ import pytest
 
 from engine.llm import build_engine_config
 from engine.llm_engine import LLMEngine
+from engine.output_processor import RequestGroup, SequenceState
+from engine.request import Request
 from engine.sampling_params import RequestOutputKind
 from pdserve import AsyncLLMEngine, SamplingParams
 
@@ -74,6 +76,24 @@ def test_a_stop_string_between_intervals_finishes_at_once(engines):
     outs = _outputs(third, params)
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "stop"
     assert "".join(o.outputs[0].text for o in outs) == text[:text.index(stop)]
+
+
+def test_tokens_without_text_do_not_count_as_the_first_output():
+    """A first token whose text is held back (a partial character) or empty (a special token)
+    must not start the interval, else the first visible text would wait `stream_interval`
+    tokens."""
+    req = Request("r", [1, 2], SamplingParams(max_tokens=20), max_tokens=20)
+    seq = SequenceState(req, detok=object(), matcher=None)  # absorb() is not called here
+    group = RequestGroup("r", None, [1, 2], RequestOutputKind.DELTA, seqs=[seq],
+                         stream_interval=4)
+    sent = []
+    for step, text in enumerate(["", "", "a", "b", "c", "d", "e", "f", "g"]):
+        req.output_token_ids.append(100 + step)
+        seq.text += text
+        out = group.make_output()
+        if out is not None:
+            sent.append((out.outputs[0].token_ids, out.outputs[0].text))
+    assert sent == [([100], ""), ([101], ""), ([102], "a"), ([103, 104, 105, 106], "bcde")]
 
 
 def test_a_bad_interval_is_a_value_error_naming_it(tiny_llama_dir):

@@ -11,7 +11,10 @@
 # (PDSERVE_KV_DOORBELL); then once idle with it on. Each run's report and decode worker log in
 # <busy|idle>_<on|off>_<round>/ of $OUT/runs.tgz. GPU_TESTS, when set, runs those test files
 # first. AB=argmax instead alternates the decode graphs' argmax graphs on and off
-# (PDSERVE_ARGMAX_GRAPH_MAX_BATCH=0), the doorbell on in both.
+# (PDSERVE_ARGMAX_GRAPH_MAX_BATCH=0), the doorbell on in both; AB=stream_interval the decode
+# worker's --stream-interval INTERVAL (default 4; busy_on_*) and 1 (busy_off_*); the decode step
+# printed is read from the pushed request's stream, whose tokens then come INTERVAL at a time
+# (0.00 there: read the step from the interval-1 runs).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench_results/gpu_handover}
@@ -26,9 +29,9 @@ if [ -n "${GPU_TESTS:-}" ]; then
     status=${PIPESTATUS[0]}
 fi
 AB=${AB:-doorbell}
-run() {  # run NAME DOORBELL BUSY_REQUESTS [ARGMAX_GRAPH_MAX_BATCH]
+run() {  # run NAME DOORBELL BUSY_REQUESTS [ARGMAX_GRAPH_MAX_BATCH [STREAM_INTERVAL]]
     mkdir -p "$OUT/$1"
-    PDSERVE_ARGMAX_GRAPH_MAX_BATCH=${4:-16} PDSERVE_KV_DOORBELL=$2 PDSERVE_HANDOVER_TRACE=1 COPY=0 TESTS=0 TRANSPORTS=cuda_ipc \
+    PDSERVE_STREAM_INTERVAL=${5:-1} PDSERVE_ARGMAX_GRAPH_MAX_BATCH=${4:-16} PDSERVE_KV_DOORBELL=$2 PDSERVE_HANDOVER_TRACE=1 COPY=0 TESTS=0 TRANSPORTS=cuda_ipc \
         OUT="$OUT/$1" bash pdserve/bench/gpu_kv_run.sh --slab-mib 8 --plane-slab-mib 1024 \
         --repeats 5 --kv-tokens 1024,4096,16384 --busy "$3" \
         --output-json "$OUT/$1/transfer.json" > "$OUT/$1/run.log" 2>&1
@@ -43,7 +46,10 @@ for case in report["pdserve"]:
 PY
 }
 for round in $(seq 1 "$ROUNDS"); do
-    if [ "$AB" = argmax ]; then
+    if [ "$AB" = stream_interval ]; then
+        run "busy_on_$round" on "$BUSY" 16 "${INTERVAL:-4}"
+        run "busy_off_$round" on "$BUSY" 16 1
+    elif [ "$AB" = argmax ]; then
         run "busy_on_$round" on "$BUSY" 16
         run "busy_off_$round" on "$BUSY" 0
     else
