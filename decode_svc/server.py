@@ -9,6 +9,7 @@ from decode_svc.pool import PoolExporter
 from decode_svc.receiver import KVReceiver
 from decode_svc.service import DecodeServicer, add_to_server
 from engine.config import KVWaitConfig
+from pdserve.cluster.drain import DrainGate
 from pdserve.cluster.flags import add_flag, add_kv_doorbell_flag, add_kv_transport_flag
 from pdserve.cluster.worker import (
     add_worker_flags,
@@ -57,7 +58,8 @@ async def serve(args: argparse.Namespace) -> None:
         engine.between_steps(lambda: _answer(doorbell, receiver))
         doorbell.wake_on_ring(engine.wake)
     cancels = watch_cancellations(args, receiver.drop)
-    servicer = DecodeServicer(engine, receiver, args.kv_timeout, cancels)
+    gate = DrainGate()
+    servicer = DecodeServicer(engine, receiver, args.kv_timeout, cancels, gate)
 
     async def on_stop() -> None:
         await cancels.stop()
@@ -67,7 +69,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     await run_worker(
         args, "decode", engine, lambda s: add_to_server(servicer, s),
-        receiver.stats, on_stop,
+        receiver.stats, on_stop, gate=gate,
     )
 
 

@@ -12,12 +12,14 @@ from typing import Any
 import grpc
 
 from decode_svc.convert import chunk_from_wire, delta_to_pb, pool_info_to_pb
+from decode_svc.generate_streams import GenerateStreams
 from decode_svc.push_streams import PushStreams
 from decode_svc.receiver import KVReceiver
 from engine import handover_trace
 from engine.async_engine import AsyncLLMEngine
 from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
 from pdserve.cluster.convert import load_to_pb, request_lora, sampling_params_from_pb
+from pdserve.cluster.drain import DrainGate
 from pdserve.cluster.lora_service import LoRARpcs
 from protos import common_pb2, decode_pb2, decode_pb2_grpc
 
@@ -27,12 +29,13 @@ logger = logging.getLogger(__name__)
 class DecodeServicer(LoRARpcs, decode_pb2_grpc.DecodeServicer):
     def __init__(
         self, engine: AsyncLLMEngine, receiver: KVReceiver, kv_timeout_s: float,
-        cancels: CancelWatch | NoCancelWatch,
+        cancels: CancelWatch | NoCancelWatch, gate: DrainGate | None = None,
     ):
         self.engine = engine
         self.receiver = receiver
         self.kv_timeout_s = kv_timeout_s
         self.cancels = cancels
+        self.gate = gate or DrainGate()  # GenerateStreams stops admitting when it closes
 
     async def Generate(
         self, request: Any, context: grpc.aio.ServicerContext
@@ -80,6 +83,14 @@ class DecodeServicer(LoRARpcs, decode_pb2_grpc.DecodeServicer):
         if not finished:  # aborted here (Abort rpc, a cancellation in Redis)
             logger.info("[%s] aborted", request_id)
             yield decode_pb2.GenerateResponse(finish_reason="abort")
+
+    async def GenerateStreams(
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.GenerateStreamsReply]:
+        streams = GenerateStreams(self.Generate, lambda: self.gate.admitting, self.gate.closing)
+        async with aclosing(streams.serve(request_iterator)) as replies:
+            async for reply in replies:
+                yield reply
 
     async def PushKV(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         """Its messages come as the bytes grpc received (`add_to_server`)."""

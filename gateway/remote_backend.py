@@ -38,6 +38,7 @@ from gateway.backend import (
     TokenDelta,
     state_request_id,
 )
+from gateway.generate_streams import SharedGenerate
 from gateway.metrics import GatewayMetrics
 from gateway.remote_tokenizer import RemoteTokenizer
 from gateway.worker_pool import WorkerPool
@@ -77,6 +78,7 @@ class RemoteBackend:
         max_migrations: int = 2,
         metrics: GatewayMetrics | None = None,
         routing: str = "kv_aware",
+        shared_generate: bool = True,
     ):
         self.tokenizer = RemoteTokenizer(tokenizer_address, tls)
         prefixes = PrefixIndex(registry.client, registry.keys.prefix, registry.ttl_s)
@@ -87,6 +89,8 @@ class RemoteBackend:
         self.timeout_s = timeout_s
         self.max_migrations = max_migrations  # worker failures one request may survive
         self.metrics = metrics  # counts those moves
+        # the token streams: one GenerateStreams call per decode worker, or a Generate each
+        self.shared_generate = SharedGenerate() if shared_generate else None
 
     # ---- model facts and text ------------------------------------------------------------
     async def start(self) -> None:
@@ -184,12 +188,12 @@ class RemoteBackend:
         # token (released there), or until this attempt ends
         async with self.pool.claim(prefill) as claim, \
                 self.pool.channel(decode.address) as channel:
-            call = decode_pb2_grpc.DecodeStub(channel).Generate(
-                decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
-                                           params=decode_params, prefill_locally=local,
-                                           prior_output_token_ids=prior, lora=lora_pb),
-                timeout=self.timeout_s,
-            )
+            request = decode_pb2.GenerateRequest(
+                request_id=request_id, prompt_token_ids=prompt, params=decode_params,
+                prefill_locally=local, prior_output_token_ids=prior, lora=lora_pb)
+            call = (decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=self.timeout_s)
+                    if self.shared_generate is None
+                    else self.shared_generate.open(channel, request, self.timeout_s))
             prefill_done = local
             finished = False  # the request ended: at its first token or on the decode worker
             decode_ended = False  # the decode worker ended its stream itself

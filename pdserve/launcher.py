@@ -40,6 +40,7 @@ from kernels.cache_root import cache_root
 from pdserve.cluster.flags import (
     add_chat_template_flag,
     add_flag,
+    add_generate_streams_flag,
     add_kv_doorbell_flag,
     add_kv_push_streams_flag,
     add_kv_transport_flag,
@@ -113,6 +114,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_kv_push_streams_flag(p)  # handed to every prefill worker
     add_kv_doorbell_flag(p)  # handed to every decode worker
     add_stream_interval_flag(p)  # handed to every decode worker (with --colocated, the engine)
+    add_generate_streams_flag(p)  # handed to every gateway
     add_chat_template_flag(p)  # handed to the tokenizer (with --colocated, to the engine's)
     add_flag(p, "--tool-call-parser", "hermes",
              help='how the model writes tool calls, for tool_choice "auto": hermes, smollm2, '
@@ -174,7 +176,8 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     argv = [*py, "gateway", *cluster, "--host", args.host, "--port", str(args.port),
             "--redis-url", redis_url, "--tokenizer-address", f"127.0.0.1:{tok_port}", "--log-level",
             args.log_level, "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
-            "--routing", args.routing, *_tool_flags(args), *lora_argv(args, engine=False)]
+            "--routing", args.routing, "--generate-streams", args.generate_streams,
+            *_tool_flags(args), *lora_argv(args, engine=False)]
     if args.api_server_count < 1:
         raise SystemExit("pdserve up: --api-server-count must be at least 1")
     if args.api_server_count > 1:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/decode.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"\xd9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_locally\x18\x04 \x01(\x08\x12\x1e\n\x16prior_output_token_ids\x18\x05 \x03(\r\x12*\n\x04lora\x18\x06 \x01(\x0b\x32\x17.pdserve.v1.LoRAAdapterH\x00\x88\x01\x01\x42\x07\n\x05_lora\"\xa5\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1a\n\rstop_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x11num_cached_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x15\n\rcached_blocks\x18\x06 \x01(\r\x12\x31\n\tkv_target\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.KVTargetGrantH\x02\x88\x01\x01\x42\x10\n\x0e_stop_token_idB\x14\n\x12_num_cached_tokensB\x0c\n\n_kv_target\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\xd1\x01\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\x0f\n\x07push_id\x18\x08 \x01(\r\x12\x13\n\x0bskip_blocks\x18\t \x01(\rJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x0e\x66irst_token_idR\x0e\x66irst_logprobs\"\xa6\x01\n\x08KVCommit\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x36\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobsH\x00\x88\x01\x01\x12+\n\x07written\x18\x03 \x01(\x0b\x32\x15.pdserve.v1.KVWrittenH\x01\x88\x01\x01\x42\x11\n\x0f_first_logprobsB\n\n\x08_written\"f\n\x06KVData\x12\x13\n\x0blayer_start\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_start\x18\x03 \x01(\r\x12\x11\n\tblock_end\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"[\n\tKVWritten\x12\x13\n\x0blayer_start\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_start\x18\x03 \x01(\r\x12\x11\n\tblock_end\x18\x04 \x01(\r\"\xb0\x01\n\x07KVChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHeaderH\x00\x12\"\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.KVDataH\x00\x12&\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVCommitH\x00\x12(\n\x07written\x18\x04 \x01(\x0b\x32\x15.pdserve.v1.KVWrittenH\x00\x42\x07\n\x05\x63hunk\"\'\n\x11\x44\x65scribeKVRequest\x12\x12\n\ntransports\x18\x01 \x03(\t\"\xb1\x02\n\nKVPoolInfo\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x64\x65vice_type\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x06 \x01(\t\x12\x12\n\ntransports\x18\x07 \x03(\t\x12\x17\n\x0f\x63uda_ipc_handle\x18\x08 \x01(\x0c\x12\x15\n\rnixl_metadata\x18\t \x01(\x0c\x12\x19\n\x11nixl_pool_address\x18\n \x01(\x04\x12\x16\n\x0enixl_device_id\x18\x0b \x01(\r\x12\x10\n\x08\x64oorbell\x18\x0c \x01(\t\x12\x14\n\x0cpush_streams\x18\r \x01(\x08\"I\n\x0fKVTargetRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\"3\n\rKVTargetReply\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x0f\n\x07push_id\x18\x02 \x01(\r\"(\n\x0ePushKVResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\"r\n\rKVStreamChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07push_id\x18\x02 \x01(\r\x12$\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.KVChunkH\x00\x12\r\n\x03\x63ut\x18\x04 \x01(\x08H\x00\x42\x07\n\x05\x65ntry\"=\n\x10KVStreamsRequest\x12)\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x19.pdserve.v1.KVStreamChunk\"k\n\rKVPushOutcome\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07push_id\x18\x02 \x01(\r\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x05 \x01(\x04\"=\n\x0eKVStreamsReply\x12+\n\x08outcomes\x18\x01 \x03(\x0b\x32\x19.pdserve.v1.KVPushOutcome2\xc1\x05\n\x06\x44\x65\x63ode\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12;\n\x06PushKV\x12\x13.pdserve.v1.KVChunk\x1a\x1a.pdserve.v1.PushKVResponse(\x01\x12M\n\rPushKVStreams\x12\x1c.pdserve.v1.KVStreamsRequest\x1a\x1a.pdserve.v1.KVStreamsReply(\x01\x30\x01\x12\x43\n\nDescribeKV\x12\x1d.pdserve.v1.DescribeKVRequest\x1a\x16.pdserve.v1.KVPoolInfo\x12\x42\n\x08KVTarget\x12\x1b.pdserve.v1.KVTargetRequest\x1a\x19.pdserve.v1.KVTargetReply\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoad\x12\x45\n\x08LoadLoRA\x12\x1b.pdserve.v1.LoadLoRARequest\x1a\x1c.pdserve.v1.LoadLoRAResponse\x12K\n\nUnloadLoRA\x12\x1d.pdserve.v1.UnloadLoRARequest\x1a\x1e.pdserve.v1.UnloadLoRAResponse\x12H\n\tListLoRAs\x12\x1c.pdserve.v1.ListLoRAsRequest\x1a\x1d.pdserve.v1.ListLoRAsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/decode.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"\xd9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_locally\x18\x04 \x01(\x08\x12\x1e\n\x16prior_output_token_ids\x18\x05 \x03(\r\x12*\n\x04lora\x18\x06 \x01(\x0b\x32\x17.pdserve.v1.LoRAAdapterH\x00\x88\x01\x01\x42\x07\n\x05_lora\"\xa5\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1a\n\rstop_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x11num_cached_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x15\n\rcached_blocks\x18\x06 \x01(\r\x12\x31\n\tkv_target\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.KVTargetGrantH\x02\x88\x01\x01\x42\x10\n\x0e_stop_token_idB\x14\n\x12_num_cached_tokensB\x0c\n\n_kv_target\"U\n\x16GenerateStreamsRequest\x12*\n\x05opens\x18\x01 \x03(\x0b\x32\x1b.pdserve.v1.GenerateRequest\x12\x0f\n\x07\x63\x61ncels\x18\x02 \x03(\t\"\x8d\x01\n\x13GenerateStreamEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1c.pdserve.v1.GenerateResponseH\x00\x12\x12\n\x08\x65nd_code\x18\x03 \x01(\rH\x00\x12\x13\n\x0b\x65nd_message\x18\x04 \x01(\tB\x07\n\x05\x65vent\"G\n\x14GenerateStreamsReply\x12/\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1f.pdserve.v1.GenerateStreamEvent\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\xd1\x01\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\x0f\n\x07push_id\x18\x08 \x01(\r\x12\x13\n\x0bskip_blocks\x18\t \x01(\rJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x0e\x66irst_token_idR\x0e\x66irst_logprobs\"\xa6\x01\n\x08KVCommit\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x36\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobsH\x00\x88\x01\x01\x12+\n\x07written\x18\x03 \x01(\x0b\x32\x15.pdserve.v1.KVWrittenH\x01\x88\x01\x01\x42\x11\n\x0f_first_logprobsB\n\n\x08_written\"f\n\x06KVData\x12\x13\n\x0blayer_start\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_start\x18\x03 \x01(\r\x12\x11\n\tblock_end\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"[\n\tKVWritten\x12\x13\n\x0blayer_start\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_start\x18\x03 \x01(\r\x12\x11\n\tblock_end\x18\x04 \x01(\r\"\xb0\x01\n\x07KVChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHeaderH\x00\x12\"\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.KVDataH\x00\x12&\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVCommitH\x00\x12(\n\x07written\x18\x04 \x01(\x0b\x32\x15.pdserve.v1.KVWrittenH\x00\x42\x07\n\x05\x63hunk\"\'\n\x11\x44\x65scribeKVRequest\x12\x12\n\ntransports\x18\x01 \x03(\t\"\xb1\x02\n\nKVPoolInfo\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x64\x65vice_type\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x06 \x01(\t\x12\x12\n\ntransports\x18\x07 \x03(\t\x12\x17\n\x0f\x63uda_ipc_handle\x18\x08 \x01(\x0c\x12\x15\n\rnixl_metadata\x18\t \x01(\x0c\x12\x19\n\x11nixl_pool_address\x18\n \x01(\x04\x12\x16\n\x0enixl_device_id\x18\x0b \x01(\r\x12\x10\n\x08\x64oorbell\x18\x0c \x01(\t\x12\x14\n\x0cpush_streams\x18\r \x01(\x08\"I\n\x0fKVTargetRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\"3\n\rKVTargetReply\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x0f\n\x07push_id\x18\x02 \x01(\r\"(\n\x0ePushKVResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\"r\n\rKVStreamChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07push_id\x18\x02 \x01(\r\x12$\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.KVChunkH\x00\x12\r\n\x03\x63ut\x18\x04 \x01(\x08H\x00\x42\x07\n\x05\x65ntry\"=\n\x10KVStreamsRequest\x12)\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x19.pdserve.v1.KVStreamChunk\"k\n\rKVPushOutcome\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07push_id\x18\x02 \x01(\r\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x05 \x01(\x04\"=\n\x0eKVStreamsReply\x12+\n\x08outcomes\x18\x01 \x03(\x0b\x32\x19.pdserve.v1.KVPushOutcome2\x9e\x06\n\x06\x44\x65\x63ode\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12[\n\x0fGenerateStreams\x12\".pdserve.v1.GenerateStreamsRequest\x1a .pdserve.v1.GenerateStreamsReply(\x01\x30\x01\x12;\n\x06PushKV\x12\x13.pdserve.v1.KVChunk\x1a\x1a.pdserve.v1.PushKVResponse(\x01\x12M\n\rPushKVStreams\x12\x1c.pdserve.v1.KVStreamsRequest\x1a\x1a.pdserve.v1.KVStreamsReply(\x01\x30\x01\x12\x43\n\nDescribeKV\x12\x1d.pdserve.v1.DescribeKVRequest\x1a\x16.pdserve.v1.KVPoolInfo\x12\x42\n\x08KVTarget\x12\x1b.pdserve.v1.KVTargetRequest\x1a\x19.pdserve.v1.KVTargetReply\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoad\x12\x45\n\x08LoadLoRA\x12\x1b.pdserve.v1.LoadLoRARequest\x1a\x1c.pdserve.v1.LoadLoRAResponse\x12K\n\nUnloadLoRA\x12\x1d.pdserve.v1.UnloadLoRARequest\x1a\x1e.pdserve.v1.UnloadLoRAResponse\x12H\n\tListLoRAs\x12\x1c.pdserve.v1.ListLoRAsRequest\x1a\x1d.pdserve.v1.ListLoRAsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,36 +36,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_end=274
   _globals['_GENERATERESPONSE']._serialized_start=277
   _globals['_GENERATERESPONSE']._serialized_end=570
-  _globals['_KVLAYOUT']._serialized_start=572
-  _globals['_KVLAYOUT']._serialized_end=677
-  _globals['_KVHEADER']._serialized_start=680
-  _globals['_KVHEADER']._serialized_end=889
-  _globals['_KVCOMMIT']._serialized_start=892
-  _globals['_KVCOMMIT']._serialized_end=1058
-  _globals['_KVDATA']._serialized_start=1060
-  _globals['_KVDATA']._serialized_end=1162
-  _globals['_KVWRITTEN']._serialized_start=1164
-  _globals['_KVWRITTEN']._serialized_end=1255
-  _globals['_KVCHUNK']._serialized_start=1258
-  _globals['_KVCHUNK']._serialized_end=1434
-  _globals['_DESCRIBEKVREQUEST']._serialized_start=1436
-  _globals['_DESCRIBEKVREQUEST']._serialized_end=1475
-  _globals['_KVPOOLINFO']._serialized_start=1478
-  _globals['_KVPOOLINFO']._serialized_end=1783
-  _globals['_KVTARGETREQUEST']._serialized_start=1785
-  _globals['_KVTARGETREQUEST']._serialized_end=1858
-  _globals['_KVTARGETREPLY']._serialized_start=1860
-  _globals['_KVTARGETREPLY']._serialized_end=1911
-  _globals['_PUSHKVRESPONSE']._serialized_start=1913
-  _globals['_PUSHKVRESPONSE']._serialized_end=1953
-  _globals['_KVSTREAMCHUNK']._serialized_start=1955
-  _globals['_KVSTREAMCHUNK']._serialized_end=2069
-  _globals['_KVSTREAMSREQUEST']._serialized_start=2071
-  _globals['_KVSTREAMSREQUEST']._serialized_end=2132
-  _globals['_KVPUSHOUTCOME']._serialized_start=2134
-  _globals['_KVPUSHOUTCOME']._serialized_end=2241
-  _globals['_KVSTREAMSREPLY']._serialized_start=2243
-  _globals['_KVSTREAMSREPLY']._serialized_end=2304
-  _globals['_DECODE']._serialized_start=2307
-  _globals['_DECODE']._serialized_end=3012
+  _globals['_GENERATESTREAMSREQUEST']._serialized_start=572
+  _globals['_GENERATESTREAMSREQUEST']._serialized_end=657
+  _globals['_GENERATESTREAMEVENT']._serialized_start=660
+  _globals['_GENERATESTREAMEVENT']._serialized_end=801
+  _globals['_GENERATESTREAMSREPLY']._serialized_start=803
+  _globals['_GENERATESTREAMSREPLY']._serialized_end=874
+  _globals['_KVLAYOUT']._serialized_start=876
+  _globals['_KVLAYOUT']._serialized_end=981
+  _globals['_KVHEADER']._serialized_start=984
+  _globals['_KVHEADER']._serialized_end=1193
+  _globals['_KVCOMMIT']._serialized_start=1196
+  _globals['_KVCOMMIT']._serialized_end=1362
+  _globals['_KVDATA']._serialized_start=1364
+  _globals['_KVDATA']._serialized_end=1466
+  _globals['_KVWRITTEN']._serialized_start=1468
+  _globals['_KVWRITTEN']._serialized_end=1559
+  _globals['_KVCHUNK']._serialized_start=1562
+  _globals['_KVCHUNK']._serialized_end=1738
+  _globals['_DESCRIBEKVREQUEST']._serialized_start=1740
+  _globals['_DESCRIBEKVREQUEST']._serialized_end=1779
+  _globals['_KVPOOLINFO']._serialized_start=1782
+  _globals['_KVPOOLINFO']._serialized_end=2087
+  _globals['_KVTARGETREQUEST']._serialized_start=2089
+  _globals['_KVTARGETREQUEST']._serialized_end=2162
+  _globals['_KVTARGETREPLY']._serialized_start=2164
+  _globals['_KVTARGETREPLY']._serialized_end=2215
+  _globals['_PUSHKVRESPONSE']._serialized_start=2217
+  _globals['_PUSHKVRESPONSE']._serialized_end=2257
+  _globals['_KVSTREAMCHUNK']._serialized_start=2259
+  _globals['_KVSTREAMCHUNK']._serialized_end=2373
+  _globals['_KVSTREAMSREQUEST']._serialized_start=2375
+  _globals['_KVSTREAMSREQUEST']._serialized_end=2436
+  _globals['_KVPUSHOUTCOME']._serialized_start=2438
+  _globals['_KVPUSHOUTCOME']._serialized_end=2545
+  _globals['_KVSTREAMSREPLY']._serialized_start=2547
+  _globals['_KVSTREAMSREPLY']._serialized_end=2608
+  _globals['_DECODE']._serialized_start=2611
+  _globals['_DECODE']._serialized_end=3409
 # @@protoc_insertion_point(module_scope)

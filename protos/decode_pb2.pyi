@@ -41,6 +41,32 @@ class GenerateResponse(_message.Message):
     kv_target: _common_pb2.KVTargetGrant
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., kv_target: _Optional[_Union[_common_pb2.KVTargetGrant, _Mapping]] = ...) -> None: ...
 
+class GenerateStreamsRequest(_message.Message):
+    __slots__ = ("opens", "cancels")
+    OPENS_FIELD_NUMBER: _ClassVar[int]
+    CANCELS_FIELD_NUMBER: _ClassVar[int]
+    opens: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    cancels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, opens: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., cancels: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GenerateStreamEvent(_message.Message):
+    __slots__ = ("request_id", "response", "end_code", "end_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    END_CODE_FIELD_NUMBER: _ClassVar[int]
+    END_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: GenerateResponse
+    end_code: int
+    end_message: str
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., end_code: _Optional[int] = ..., end_message: _Optional[str] = ...) -> None: ...
+
+class GenerateStreamsReply(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[GenerateStreamEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[GenerateStreamEvent, _Mapping]]] = ...) -> None: ...
+
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]

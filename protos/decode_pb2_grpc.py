@@ -40,6 +40,11 @@ class DecodeStub:
                 request_serializer=protos_dot_decode__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_decode__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStreams = channel.stream_stream(
+                '/pdserve.v1.Decode/GenerateStreams',
+                request_serializer=protos_dot_decode__pb2.GenerateStreamsRequest.SerializeToString,
+                response_deserializer=protos_dot_decode__pb2.GenerateStreamsReply.FromString,
+                _registered_method=True)
         self.PushKV = channel.stream_unary(
                 '/pdserve.v1.Decode/PushKV',
                 request_serializer=protos_dot_decode__pb2.KVChunk.SerializeToString,
@@ -101,6 +106,21 @@ class DecodeServicer:
         if aborted while waiting, INVALID_ARGUMENT at once if even the empty cache could not hold
         the request. DEADLINE_EXCEEDED if no KV arrives for --kv-timeout seconds; UNAVAILABLE if
         the transfer was rejected. Cancelling the call aborts the request and frees its blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStreams(self, request_iterator, context):
+        """Many requests' Generate streams over one long-lived call from a gateway, where each would
+        pay a stream of its own and a message per request per decode step: a request message opens
+        requests (each exactly as Generate would) and cancels others; a reply carries the messages
+        of every open request that had one ready (a decode step's deltas of every request on the
+        call in one reply), and each request's end: OK after its last message, or the status code
+        and message its Generate would have failed with. A `cancel` ends a request as cancelling
+        its Generate would (aborted, its blocks freed; no end follows); the call ending, failing or
+        being cancelled does so for every request open on it. A draining worker ends opens with
+        UNAVAILABLE and ends the call once none is open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -208,6 +228,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_decode__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_decode__pb2.GenerateResponse.SerializeToString,
             ),
+            'GenerateStreams': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStreams,
+                    request_deserializer=protos_dot_decode__pb2.GenerateStreamsRequest.FromString,
+                    response_serializer=protos_dot_decode__pb2.GenerateStreamsReply.SerializeToString,
+            ),
             'PushKV': grpc.stream_unary_rpc_method_handler(
                     servicer.PushKV,
                     request_deserializer=protos_dot_decode__pb2.KVChunk.FromString,
@@ -281,6 +306,33 @@ class Decode:
             '/pdserve.v1.Decode/Generate',
             protos_dot_decode__pb2.GenerateRequest.SerializeToString,
             protos_dot_decode__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStreams(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Decode/GenerateStreams',
+            protos_dot_decode__pb2.GenerateStreamsRequest.SerializeToString,
+            protos_dot_decode__pb2.GenerateStreamsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -80,6 +80,9 @@ def test_each_system_s_pdserve_up(system: str) -> None:
         assert "--redis-url" not in argv and "--kv-transport" not in argv
     else:
         assert (up.redis_url, up.kv_transport) == ("redis://127.0.0.1:7000/0", system)
+        assert up.generate_streams == "shared"
+        argv = up_argv(_config("--generate-streams", "per-request"), system, 1, "redis://r")
+        assert build_parser().parse_args(argv[3:]).generate_streams == "per-request"
     assert up.stream_interval == 1
     argv = up_argv(_config("--stream-interval", "4"), system, 8123, "redis://127.0.0.1:7000/0")
     assert build_parser().parse_args(argv[3:]).stream_interval == 4

@@ -19,6 +19,7 @@ def _up(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
     for name in ("HOST", "REDIS_NAMESPACE", "TLS_CERT", "TLS_KEY", "TLS_CA", "PREFILL_GPUS",
                  "DECODE_GPUS", "KV_TRANSPORT", "PREFILL_TP", "DECODE_TP", "COLOCATED",
                  "CHAT_TEMPLATE", "TOOL_CALL_PARSER", "NO_AUTO_TOOL_CHOICE", "STREAM_INTERVAL",
+                 "GENERATE_STREAMS",
                  "ENABLE_AUTO_TOOL_CHOICE", "API_KEY", "ENABLE_EXPERT_PARALLEL", "API_SERVER_COUNT",
                  "REUSE_PORT", "KV_PUSH_STREAMS", "KV_DOORBELL"):
         monkeypatch.delenv(f"PDSERVE_{name}", raising=False)
@@ -110,6 +111,19 @@ def test_the_stream_interval_reaches_the_engines_that_decode(
     assert seen == {"decode-0": interval, "decode-1": interval}
     (serve,) = plan(_up(["--colocated", *argv], monkeypatch), "", None)
     assert build_parser().parse_args(serve.argv[3:]).stream_interval == interval
+
+
+@pytest.mark.parametrize("argv, expected", [([], "shared"),
+                                            (["--generate-streams", "per-request"], "per-request")])
+def test_the_generate_streams_mode_reaches_every_gateway(
+        argv: list[str], expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    args = _up(["--api-server-count", "2", *argv], monkeypatch)
+    gateways = [s for s in plan(args, "", None) if s.name.startswith("gateway")]
+    assert len(gateways) == 2
+    for s in gateways:
+        assert build_parser().parse_args(s.argv[3:]).generate_streams == expected
+    assert all("--generate-streams" not in s.argv for s in plan(args, "", None)
+               if not s.name.startswith("gateway"))
 
 
 @pytest.mark.parametrize("argv, expected", [([], "auto"), (["--kv-transport", "nixl"], "nixl")])

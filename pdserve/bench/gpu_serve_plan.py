@@ -72,6 +72,7 @@ class ServeConfig:
     work_dir: Path | None = None  # the load generator's reports and the logs (None: out_dir)
     api_server_count: int = 1  # gateway processes of a split system (`pdserve up`'s flag)
     stream_interval: int = 1  # every system's engines stream a request's tokens this many a time
+    generate_streams: str = "shared"  # a split system's gateways (`pdserve up`'s flag)
 
     def __post_init__(self) -> None:
         if not self.systems or set(self.systems) - set(SYSTEMS):
@@ -111,6 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--max-model-len", type=int, default=2048)
     m.add_argument("--api-server-count", type=int, default=1,
                    help="gateway processes of the split systems (pdserve up's flag)")
+    m.add_argument("--generate-streams", default="shared", choices=["shared", "per-request"],
+                   help="the split systems' token streams from the decode worker: one shared "
+                        "call per gateway or a call per request (pdserve up's flag)")
     m.add_argument("--stream-interval", type=int, default=1,
                    help="every system's engines send a request's tokens this many at a time "
                         "after its first (pdserve up's flag)")
@@ -142,7 +146,7 @@ def config_of(args: argparse.Namespace) -> ServeConfig:
                        model_dir, args.kv_cache_memory, args.max_model_len, args.redis_server,
                        Path(args.out_dir), args.startup_timeout, load,
                        Path(args.work_dir) if args.work_dir else None, args.api_server_count,
-                       args.stream_interval)
+                       args.stream_interval, args.generate_streams)
 
 
 def shape_tag(shape: ModelShape) -> str:
@@ -164,7 +168,8 @@ def up_argv(cfg: ServeConfig, system: str, port: int, redis_url: str) -> list[st
     transport = system.removeprefix("split_")
     gpus = ["--prefill-gpus", "0", "--decode-gpus", "1"] if system.startswith("split_") else []
     return [*argv, "--redis-url", redis_url, "--kv-transport", transport, *gpus,
-            "--api-server-count", str(cfg.api_server_count)]
+            "--api-server-count", str(cfg.api_server_count), "--generate-streams",
+            cfg.generate_streams]
 
 
 REPLICAS = 2  # "replicas": one colocated server per GPU

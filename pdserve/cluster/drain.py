@@ -27,7 +27,8 @@ import grpc
 
 logger = logging.getLogger(__name__)
 
-ADMISSIONS = frozenset({"/pdserve.v1.Decode/Generate", "/pdserve.v1.Prefill/Prefill"})
+ADMISSIONS = frozenset({"/pdserve.v1.Decode/Generate", "/pdserve.v1.Decode/GenerateStreams",
+                        "/pdserve.v1.Prefill/Prefill"})
 _UNCOUNTED_PREFIX = "/grpc.health.v1.Health/"
 MAX_PAUSE_S = 1.0
 
@@ -46,10 +47,14 @@ class DrainGate(grpc.aio.ServerInterceptor):
         self.admissions = admissions
         self.admitting = True
         self.in_flight = 0
+        # set by `close`: a long-lived call admitting many requests (GenerateStreams) stops
+        # admitting on it too, and ends once the requests it holds ended
+        self.closing = asyncio.Event()
 
     def close(self) -> None:
         """Refuse new admissions from now on (calls in flight go on)."""
         self.admitting = False
+        self.closing.set()
 
     async def wait_idle(self, timeout_s: float, busy: Callable[[], bool] = lambda: False,
                         poll_s: float = 0.02) -> bool:

@@ -75,6 +75,14 @@ def add_chat_template_flag(parser: argparse.ArgumentParser) -> None:
                   "shipped chatml_tools.jinja)")
 
 
+def add_generate_streams_flag(parser: argparse.ArgumentParser) -> None:
+    """--generate-streams, a gateway's (gateway/generate_streams.py)."""
+    add_flag(parser, "--generate-streams", "shared", choices=["shared", "per-request"],
+             help="the token streams from each decode worker: shared (one GenerateStreams "
+                  "call per worker, a message per decode step for all its requests) or "
+                  "per-request (a Generate call each, a message per request per step)")
+
+
 def add_stream_interval_flag(parser: argparse.ArgumentParser) -> None:
     """--stream-interval, an engine's (engine/config.py SchedulerConfig.stream_interval)."""
     add_flag(parser, "--stream-interval", 1, type=int,

@@ -334,13 +334,15 @@ async def run_worker(
     args: argparse.Namespace, role: str, engine: AsyncLLMEngine,
     add_servicer: Callable[[grpc.aio.Server], None], transfer: TransferStats,
     on_stop: Callable[[], Awaitable[None]], busy: Callable[[], bool] = lambda: False,
+    gate: DrainGate | None = None,
 ) -> None:
     """Serve a worker's gRPC service until SIGTERM: health NOT_SERVING until it listens, then
     metrics and registry heartbeat; on SIGTERM the graceful stop of `pdserve.cluster.drain`
-    (`busy`: work in flight that no call accounts for), then engine shutdown."""
+    (`busy`: work in flight that no call accounts for; `gate`: the drain gate, when the
+    servicer must see it too), then engine shutdown."""
     await preload_loras(engine, args)
     service = f"pdserve.v1.{role.capitalize()}"
-    gate = DrainGate()
+    gate = gate or DrainGate()
     server, health = await make_server(service, add_servicer, [gate])
     listen(server, f"{args.host}:{args.port}", tls_from_args(args))
     await server.start()

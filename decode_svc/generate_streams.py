@@ -1,0 +1,134 @@
+"""Many requests' Generate streams over one GenerateStreams call: the decode worker's side.
+
+NOTE: over Generate each request is a stream of its own, and every decode step writes one
+message on each: with 64 requests running, 64 gRPC writes a step, each a few event-loop turns
+and a completion from grpc's poller thread, all holding the GIL that the engine thread needs
+for its next step (on an H200 at saturation the decode step's host time grew by ~3 ms). Here a
+gateway keeps one call per decode worker; a step's outputs of every request on it leave as one
+reply:
+
+    GenerateStreamsRequest [ open a, open b, cancel c ]
+         │ each open runs DecodeServicer.Generate, exactly as its own call would
+         ▼
+    one task per open request ──▶ its messages, then its end (OK or its status) ─▶ outbox
+                                                                                    │
+    GenerateStreamsReply [ (a, msg), (b, msg), (d, end OK) ] ◀── all that is ready ─┘
+
+The engine hands a step's outputs to the event loop in one callback, so every request's task
+has run to its next message before the writer runs: a reply per step, fewer when a write is
+slow (they then join the next reply). A request's end event follows its last message; a
+cancelled request gets none. The call ending (the gateway went away or cancelled it) cancels
+every request still open on it, as a cancelled Generate would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import Any
+
+import grpc
+
+from pdserve.cluster.grpc_server import status_for
+from protos import decode_pb2
+
+logger = logging.getLogger(__name__)
+Generate = Callable[[decode_pb2.GenerateRequest, Any], AsyncIterator[decode_pb2.GenerateResponse]]
+
+
+class GenerateStreams:
+    """Serves one GenerateStreams call: `serve(requests)` yields its replies. `admitting()`
+    false (the worker drains): opens end UNAVAILABLE, and the call ends once none is open."""
+
+    def __init__(self, generate: Generate, admitting: Callable[[], bool],
+                 closing: asyncio.Event) -> None:
+        self.generate = generate
+        self.admitting = admitting
+        self.closing = closing
+        self._tasks: dict[str, asyncio.Task] = {}  # the open requests'
+        self._events: list[decode_pb2.GenerateStreamEvent] = []
+        self._ready = asyncio.Event()  # events to send, or the call's requests ended
+        self._reading = True
+
+    async def serve(
+        self, requests: AsyncIterator[decode_pb2.GenerateStreamsRequest]
+    ) -> AsyncIterator[decode_pb2.GenerateStreamsReply]:
+        """The call's replies until its requests end, or the worker drains, and no request is
+        open on it. However it ends, the requests still open are cancelled."""
+        reader = asyncio.create_task(self._read(requests))
+        closing = asyncio.create_task(self.closing.wait())
+        try:
+            while True:
+                if self._events:
+                    events, self._events = self._events, []
+                    yield decode_pb2.GenerateStreamsReply(events=events)
+                    continue
+                if not self._tasks and (not self._reading or not self.admitting()):
+                    break
+                ready = asyncio.create_task(self._ready.wait())
+                await asyncio.wait({ready, closing}, return_when=asyncio.FIRST_COMPLETED)
+                ready.cancel()
+                self._ready.clear()
+            if reader.done():
+                await reader  # its error, if any, ends the call
+        finally:
+            reader.cancel()
+            closing.cancel()
+            for task in self._tasks.values():
+                task.cancel()
+
+    async def _read(self, requests: AsyncIterator[decode_pb2.GenerateStreamsRequest]) -> None:
+        try:
+            async for request in requests:
+                for request_id in request.cancels:
+                    task = self._tasks.pop(request_id, None)
+                    if task is not None:
+                        task.cancel()
+                for opened in request.opens:
+                    self._open(opened)
+        finally:
+            self._reading = False
+            self._ready.set()
+
+    def _open(self, request: decode_pb2.GenerateRequest) -> None:
+        request_id = request.request_id
+        if not self.admitting():
+            self._end(request_id, ConnectionError("the decode worker is draining"))
+        elif request_id in self._tasks:
+            self._end(request_id, ValueError(
+                f"request {request_id!r} is open on this stream already"))
+        else:
+            self._tasks[request_id] = asyncio.create_task(self._run(request))
+
+    async def _run(self, request: decode_pb2.GenerateRequest) -> None:
+        request_id = request.request_id
+        try:
+            async with aclosing(self.generate(request, None)) as messages:
+                async for msg in messages:
+                    self._add(decode_pb2.GenerateStreamEvent(request_id=request_id,
+                                                             response=msg))
+        except asyncio.CancelledError:
+            raise  # cancelled: the request was aborted by Generate's own cleanup; no end
+        except Exception as exc:  # noqa: BLE001 - every error becomes the request's end
+            self._end(request_id, exc)
+        else:
+            self._end(request_id, None)
+        finally:
+            if self._tasks.get(request_id) is asyncio.current_task():
+                del self._tasks[request_id]
+            self._ready.set()
+
+    def _end(self, request_id: str, exc: BaseException | None) -> None:
+        event = decode_pb2.GenerateStreamEvent(request_id=request_id, end_code=0)
+        if exc is not None:
+            code = status_for(exc)
+            event.end_code, event.end_message = code.value[0], str(exc) or type(exc).__name__
+            if code == grpc.StatusCode.INTERNAL:
+                logger.error("[%s] Generate failed", request_id, exc_info=exc)
+        self._add(event)
+
+    def _add(self, event: decode_pb2.GenerateStreamEvent) -> None:
+        self._events.append(event)
+        self._ready.set()

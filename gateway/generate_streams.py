@@ -1,0 +1,207 @@
+"""Many requests' Generate streams over one GenerateStreams call per decode worker: the
+gateway's side (decode_svc/generate_streams.py says why).
+
+A request on the shared call reads as its own Generate call would: `read()` gives its messages,
+then `grpc.aio.EOF`, or raises `grpc.aio.AioRpcError` with the status its Generate would have
+ended with; `cancel()` cancels it; its deadline is its own. So `RemoteBackend` reads either
+kind alike. The call is opened on a channel's first request and kept while it works; when it
+fails (the worker died, the channel was retired), every request open on it fails with its
+status (UNAVAILABLE: the requests move to another worker), and the next request opens a new
+one. A decode worker of an earlier version answers UNIMPLEMENTED: its requests, that one
+included, take a Generate call each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from typing import Any
+
+import grpc
+
+from protos import decode_pb2, decode_pb2_grpc
+
+logger = logging.getLogger(__name__)
+_DEADLINE = object()  # a request's deadline passed
+
+
+def _status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class SharedGenerate:
+    """`open(channel, request, timeout_s)`: the request's call, on the channel's shared
+    GenerateStreams call (or its own Generate where the worker serves none)."""
+
+    def __init__(self) -> None:
+        self._calls: weakref.WeakKeyDictionary[grpc.aio.Channel, StreamsCall] = (
+            weakref.WeakKeyDictionary())
+        self._unsupported: weakref.WeakSet[grpc.aio.Channel] = weakref.WeakSet()
+
+    def open(self, channel: grpc.aio.Channel, request: decode_pb2.GenerateRequest,
+             timeout_s: float | None) -> Any:
+        stub = decode_pb2_grpc.DecodeStub(channel)
+        if channel in self._unsupported:
+            return stub.Generate(request, timeout=timeout_s)
+        streams = self._calls.get(channel)
+        if streams is None or streams.failed:
+            streams = self._calls[channel] = StreamsCall(stub)
+        return streams.open(request, timeout_s,
+                            fallback=lambda: self._fall_back(channel, request, timeout_s))
+
+    def _fall_back(self, channel: grpc.aio.Channel, request: decode_pb2.GenerateRequest,
+                   timeout_s: float | None) -> Any:
+        if channel not in self._unsupported:
+            logger.info("a decode worker serves no GenerateStreams (an earlier version): a "
+                        "Generate call per request there")
+            self._unsupported.add(channel)
+        return decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=timeout_s)
+
+
+class StreamsCall:
+    """One GenerateStreams call: opens and cancels written in order by one task, replies read
+    by another and handed to each request's `RequestCall`."""
+
+    def __init__(self, stub: decode_pb2_grpc.DecodeStub) -> None:
+        self._call = stub.GenerateStreams()
+        self._open: dict[str, RequestCall] = {}
+        self._outbox: list[decode_pb2.GenerateStreamsRequest] = []
+        self._wrote = asyncio.Event()
+        self.failed: grpc.aio.AioRpcError | None = None
+        self._tasks = {asyncio.create_task(self._write()), asyncio.create_task(self._read())}
+
+    def open(self, request: decode_pb2.GenerateRequest, timeout_s: float | None,
+             fallback: Any) -> RequestCall:
+        call = RequestCall(self, request.request_id, timeout_s, fallback)
+        if request.request_id in self._open:
+            call.end(_status(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"request {request.request_id!r} is open on this stream already"))
+            return call
+        self._open[request.request_id] = call
+        self._send(decode_pb2.GenerateStreamsRequest(opens=[request]))
+        return call
+
+    def cancel(self, request_id: str) -> None:
+        if self._open.pop(request_id, None) is not None:
+            self._send(decode_pb2.GenerateStreamsRequest(cancels=[request_id]))
+
+    def _send(self, message: decode_pb2.GenerateStreamsRequest) -> None:
+        self._outbox.append(message)
+        self._wrote.set()
+
+    async def _write(self) -> None:
+        """What was sent in one event-loop turn goes as one message."""
+        try:
+            while True:
+                await self._wrote.wait()
+                self._wrote.clear()
+                taken, self._outbox = self._outbox, []
+                message = decode_pb2.GenerateStreamsRequest()
+                for m in taken:
+                    message.opens.extend(m.opens)
+                    message.cancels.extend(m.cancels)
+                await self._call.write(message)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+            pass  # the call ended: `_read` tells the requests why
+
+    async def _read(self) -> None:
+        failure = _status(grpc.StatusCode.UNAVAILABLE, "the decode worker ended the stream")
+        try:
+            while True:
+                reply = await self._call.read()
+                if reply is grpc.aio.EOF:
+                    break
+                for event in reply.events:
+                    self._route(event)
+        except grpc.aio.AioRpcError as exc:
+            failure = exc
+        except asyncio.CancelledError:
+            failure = _status(grpc.StatusCode.CANCELLED, "the gateway closed the stream")
+            raise
+        finally:
+            self.failed = failure
+            for task in self._tasks:
+                if task is not asyncio.current_task():
+                    task.cancel()
+            for call in list(self._open.values()):
+                call.end(failure)
+            self._open.clear()
+
+    def _route(self, event: decode_pb2.GenerateStreamEvent) -> None:
+        call = self._open.get(event.request_id)
+        if call is None:  # cancelled meanwhile
+            return
+        if event.WhichOneof("event") == "response":
+            call.put(event.response)
+            return
+        del self._open[event.request_id]
+        if event.end_code == 0:
+            call.end(None)
+        else:
+            call.end(_status(grpc.StatusCode(_CODES[event.end_code]), event.end_message))
+
+
+_CODES = {code.value[0]: code.value for code in grpc.StatusCode}
+
+
+class RequestCall:
+    """One request on a `StreamsCall`, with a Generate call's `read()` and `cancel()`."""
+
+    def __init__(self, streams: StreamsCall, request_id: str, timeout_s: float | None,
+                 fallback: Any) -> None:
+        self._streams = streams
+        self.request_id = request_id
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._ended = False  # its end is in the queue (or it was cancelled)
+        self._fallback = fallback
+        self._own: Any = None  # its own Generate call, after an UNIMPLEMENTED
+        self._read_any = False
+        loop = asyncio.get_running_loop()
+        self._timer = None if timeout_s is None else loop.call_later(
+            timeout_s, self._expire)
+
+    def put(self, message: decode_pb2.GenerateResponse) -> None:
+        self._queue.put_nowait(message)
+
+    def end(self, failure: grpc.aio.AioRpcError | None) -> None:
+        if not self._ended:
+            self._ended = True
+            self._queue.put_nowait(grpc.aio.EOF if failure is None else failure)
+            if self._timer is not None:
+                self._timer.cancel()
+
+    def _expire(self) -> None:
+        if not self._ended:
+            self._streams.cancel(self.request_id)
+            self._queue.put_nowait(_DEADLINE)
+            self._ended = True
+
+    async def read(self) -> Any:
+        if self._own is not None:
+            return await self._own.read()
+        item = await self._queue.get()
+        if item is _DEADLINE:
+            self._queue.put_nowait(item)  # every later read fails alike
+            raise _status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        if isinstance(item, grpc.aio.AioRpcError):
+            if item.code() == grpc.StatusCode.UNIMPLEMENTED and not self._read_any:
+                self._own = self._fallback()  # nothing reached the worker: ask it alone
+                return await self._own.read()
+            self._queue.put_nowait(item)
+            raise item
+        if item is grpc.aio.EOF:
+            self._queue.put_nowait(item)
+        self._read_any = True
+        return item
+
+    def cancel(self) -> bool:
+        if self._own is not None:
+            return self._own.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._ended:
+            return False
+        self._ended = True
+        self._streams.cancel(self.request_id)
+        return True
