@@ -35,6 +35,9 @@ from pdserve.cluster.grpc_server import status_for
 from protos import decode_pb2
 
 logger = logging.getLogger(__name__)
+MAX_EVENTS = 1024  # per reply: a backlog of many steps leaves as several replies, each well
+# within the 16 MiB message limit in practice (an event is what one Generate message was; a
+# token with 20 logprobs takes ~200 bytes)
 Generate = Callable[[decode_pb2.GenerateRequest, Any], AsyncIterator[decode_pb2.GenerateResponse]]
 
 
@@ -62,7 +65,8 @@ class GenerateStreams:
         try:
             while True:
                 if self._events:
-                    events, self._events = self._events, []
+                    events = self._events[:MAX_EVENTS]
+                    del self._events[:MAX_EVENTS]
                     yield decode_pb2.GenerateStreamsReply(events=events)
                     continue
                 if not self._tasks and (not self._reading or not self.admitting()):

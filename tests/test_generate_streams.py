@@ -218,3 +218,24 @@ def test_a_worker_without_the_call_gets_a_generate_per_request() -> None:
         await server.stop(0)
 
     run(main())
+
+
+def test_a_backlog_leaves_in_replies_of_at_most_max_events(monkeypatch) -> None:
+    import decode_svc.generate_streams as served
+
+    monkeypatch.setattr(served, "MAX_EVENTS", 3)
+
+    async def main() -> None:
+        script = Script(tokens=2)
+        server, address = await _serve(script)
+        shared = SharedGenerate()
+        async with grpc.aio.insecure_channel(address) as channel:
+            calls = [_open(shared, channel, f"r{i}") for i in range(5)]
+            await asyncio.sleep(0.1)
+            await script.advance()
+            await script.advance()
+            assert [await _drain(c) for c in calls] == [[100, 101]] * 5
+        await server.stop(0)
+        assert max(script.replies) == 3 and sum(script.replies) == 5 * 2 + 5
+
+    run(main())
