@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=int, default=64, help="requests at once")
     parser.add_argument("--tokens", type=int, default=128, help="output tokens each")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per mode after warm-up")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma list of {','.join(MODES)} (one alone: to profile it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default="bench_results/decode_streams.json")
 
@@ -91,13 +93,14 @@ async def measure(args: argparse.Namespace, model: Path, logs: Path) -> dict[str
     port = free_port()
     address = f"127.0.0.1:{port}"
     rng = random.Random(args.seed)
-    rows: dict[str, list] = {mode: [] for mode in MODES}
+    modes = _modes(args)
+    rows: dict[str, list] = {mode: [] for mode in modes}
     with child(_worker(model, port, args), logs / "decode.log") as proc:
         async with open_channel(address) as channel:
             await wait_serving(channel, address, proc, logs / "decode.log", 300)
             shared = SharedGenerate()
             for r in range(args.rounds + 1):
-                for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                for mode in (modes if r % 2 == 0 else modes[::-1]):
                     row = await _round(channel, shared if mode == "shared" else None,
                                        proc.pid, args, rng, f"{mode}-{r}")
                     print(f"round {r} {mode:>11}: decode worker CPU "
@@ -109,9 +112,17 @@ async def measure(args: argparse.Namespace, model: Path, logs: Path) -> dict[str
     return rows
 
 
+def _modes(args: argparse.Namespace) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    if not modes or set(modes) - set(MODES):
+        raise ValueError(f"--modes is a comma list of {','.join(MODES)}, got {args.modes!r}")
+    return modes
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.rounds < 1 or args.streams < 1 or args.tokens < 2:
         raise ValueError("--rounds and --streams must be >= 1, --tokens >= 2")
+    modes = _modes(args)
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
         shape = ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
@@ -119,14 +130,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         save_random_model(shape, model, args.seed, device=torch.device("cpu"))
         rows = asyncio.run(measure(args, model, Path(tmp)))
     medians = {mode: {k: statistics.median(r[k] for r in rows[mode])
-                      for k in ("cpu_ms_per_1k_tokens", "tok_s")} for mode in MODES}
-    report = {"config": config_of(args), "rounds": rows, "medians": medians,
-              "cpu_ratio_shared_over_per_request": medians["shared"]["cpu_ms_per_1k_tokens"]
-              / medians["per-request"]["cpu_ms_per_1k_tokens"]}
-    for mode in MODES:
+                      for k in ("cpu_ms_per_1k_tokens", "tok_s")} for mode in modes}
+    report = {"config": config_of(args), "rounds": rows, "medians": medians}
+    if len(modes) == 2:
+        report["cpu_ratio_shared_over_per_request"] = (
+            medians["shared"]["cpu_ms_per_1k_tokens"]
+            / medians["per-request"]["cpu_ms_per_1k_tokens"])
+    for mode in modes:
         print(f"median {mode:>11}: {medians[mode]['cpu_ms_per_1k_tokens']:.1f} CPU ms per 1000 "
               f"tokens, {medians[mode]['tok_s']:.0f} tok/s")
-    print(f"shared / per-request CPU per token: {report['cpu_ratio_shared_over_per_request']:.2f}")
+    if len(modes) == 2:
+        print("shared / per-request CPU per token: "
+              f"{report['cpu_ratio_shared_over_per_request']:.2f}")
     write_report(report, args.output_json)
     return report
 
