@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -35,8 +36,8 @@ class SharedGenerate:
     GenerateStreams call (or its own Generate where the worker serves none)."""
 
     def __init__(self) -> None:
-        self._calls: weakref.WeakKeyDictionary[grpc.aio.Channel, StreamsCall] = (
-            weakref.WeakKeyDictionary())
+        # the working call of each channel; a call that ended leaves (so does its channel)
+        self._calls: dict[grpc.aio.Channel, StreamsCall] = {}
         self._unsupported: weakref.WeakSet[grpc.aio.Channel] = weakref.WeakSet()
 
     def open(self, channel: grpc.aio.Channel, request: decode_pb2.GenerateRequest,
@@ -46,9 +47,14 @@ class SharedGenerate:
             return stub.Generate(request, timeout=timeout_s)
         streams = self._calls.get(channel)
         if streams is None or streams.failed:
-            streams = self._calls[channel] = StreamsCall(stub)
+            streams = self._calls[channel] = StreamsCall(
+                stub, on_end=lambda ended: self._forget(channel, ended))
         return streams.open(request, timeout_s,
                             fallback=lambda: self._fall_back(channel, request, timeout_s))
+
+    def _forget(self, channel: grpc.aio.Channel, ended: StreamsCall) -> None:
+        if self._calls.get(channel) is ended:
+            del self._calls[channel]
 
     def _fall_back(self, channel: grpc.aio.Channel, request: decode_pb2.GenerateRequest,
                    timeout_s: float | None) -> Any:
@@ -63,8 +69,10 @@ class StreamsCall:
     """One GenerateStreams call: opens and cancels written in order by one task, replies read
     by another and handed to each request's `RequestCall`."""
 
-    def __init__(self, stub: decode_pb2_grpc.DecodeStub) -> None:
+    def __init__(self, stub: decode_pb2_grpc.DecodeStub,
+                 on_end: Callable[[StreamsCall], None] = lambda ended: None) -> None:
         self._call = stub.GenerateStreams()
+        self._on_end = on_end
         self._open: dict[str, RequestCall] = {}
         self._outbox: list[decode_pb2.GenerateStreamsRequest] = []
         self._wrote = asyncio.Event()
@@ -121,6 +129,7 @@ class StreamsCall:
             raise
         finally:
             self.failed = failure
+            self._on_end(self)
             for task in self._tasks:
                 if task is not asyncio.current_task():
                     task.cancel()

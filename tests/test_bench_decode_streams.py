@@ -22,3 +22,13 @@ def test_both_modes_deliver_every_token_and_report_the_workers_cpu(tmp_path: Pat
         (row,) = report["rounds"][mode]
         assert row["tokens"] == 3 * 5 and row["tok_s"] > 0 and row["cpu_ms_per_1k_tokens"] > 0
     assert report["cpu_ratio_shared_over_per_request"] > 0
+
+
+def test_an_unknown_mode_is_a_value_error_naming_the_flag(tmp_path: Path) -> None:
+    import pytest
+
+    parser = argparse.ArgumentParser()
+    decode_streams.add_arguments(parser)
+    with pytest.raises(ValueError, match="--modes"):
+        decode_streams.run(parser.parse_args(["--modes", "shared,bidi",
+                                              "--output-json", str(tmp_path / "x.json")]))

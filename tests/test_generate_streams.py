@@ -166,6 +166,7 @@ def test_a_dead_worker_fails_every_open_request_unavailable_and_a_new_call_follo
                     await call.read()
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert sorted(script.closed) == ["r0", "r1", "r2"]  # the call's end cancelled them
+            assert not shared._calls  # the failed call (and its channel) are let go
         script2 = Script(tokens=1)  # the worker restarted on the same port
         server2, _ = await _serve(script2, port=int(address.rsplit(":", 1)[1]))
         async with grpc.aio.insecure_channel(address) as channel:
@@ -195,8 +196,7 @@ def test_a_draining_worker_refuses_opens_and_ends_the_call_once_idle() -> None:
             await script.advance()
             assert await _drain(held) == [100, 101]  # the request held goes on to its end
             await asyncio.sleep(0.1)
-            streams = next(iter(shared._calls.values()))
-            assert streams.failed is not None  # the worker ended the call: the next opens anew
+            assert not shared._calls  # the worker ended the call: the next request opens anew
         await server.stop(0)
 
     run(main())
