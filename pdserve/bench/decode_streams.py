@@ -2,6 +2,7 @@
 GenerateStreams call for all of them.
 
     python -m pdserve.bench.decode_streams [--streams 64] [--tokens 128] [--rounds 5]
+        [--device cuda]
 
 NOTE: a decode worker writes every running request's new tokens every step. Over Generate that
 is a gRPC message per request per step; over GenerateStreams (the gateway's default) one reply
@@ -45,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=int, default=64, help="requests at once")
     parser.add_argument("--tokens", type=int, default=128, help="output tokens each")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per mode after warm-up")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="the decode worker's (cuda: its steps replay CUDA graphs)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"comma list of {','.join(MODES)} (one alone: to profile it)")
     parser.add_argument("--seed", type=int, default=0)
@@ -55,7 +58,7 @@ def _worker(model: Path, port: int, args: argparse.Namespace) -> list[str]:
     import sys
 
     return [sys.executable, "-m", "pdserve.cli", "decode", "--model", str(model), "--port",
-            str(port), "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
+            str(port), "--device", args.device, "--dtype", "float32", "--max-model-len", "512",
             "--max-num-seqs", str(args.streams), "--kv-cache-memory", str(64 << 20),
             "--log-level", "warning"]
 
