@@ -6,10 +6,12 @@ NOTE: the order on SIGTERM (`drain`), each step bounded by --drain-timeout in al
     1. deregister; gRPC health NOT_SERVING    gateways stop picking this worker
     2. pause (`pause_s`, about a second)       a gateway that read the registry a moment before
                                                still gets in: no UNAVAILABLE for it
-    3. close the gate                          new admissions (Generate, Prefill) get UNAVAILABLE,
-                                               which the gateway treats as retryable; every
-                                               other call (PushKV for a held request, Abort,
-                                               GetLoad) still gets in
+    3. close the gate                          new admissions (Generate, GenerateStreams and
+                                               the requests opened on one, Prefill) get
+                                               UNAVAILABLE, which the gateway treats as
+                                               retryable; a GenerateStreams call ends once its
+                                               requests did; every other call (PushKV for a
+                                               held request, Abort, GetLoad) still gets in
     4. wait until idle                         no call in flight and no background work (a
                                                prefill worker's KV pushes)
     5. `on_stop` (cancel watch, KV sender, ...), then `server.stop`: anything left is cut off
