@@ -25,13 +25,15 @@ from protos import decode_pb2, decode_pb2_grpc
 
 
 class Script(decode_pb2_grpc.DecodeServicer):
-    """A decode servicer whose Generate streams `tokens` tokens of the request, one per
-    `step` (an event the test sets: every open request's message of that step), or fails
-    with ValueError for a request id starting with "bad"."""
+    """A decode servicer whose Generate streams `tokens` tokens of the request, token i once
+    the test's `advance()` ran i + 1 times (a request that comes late catches up: no step is
+    missed), or fails with ValueError for a request id starting with "bad"."""
 
     def __init__(self, tokens: int = 3) -> None:
         self.tokens = tokens
-        self.step = asyncio.Condition()
+        self.steps = [asyncio.Event() for _ in range(tokens)]
+        self.advanced = 0
+        self.started: list[str] = []  # requests whose Generate began
         self.closed: list[str] = []  # requests whose Generate was closed before its end
         self.gate = DrainGate()
         self.replies: list[int] = []  # events per reply sent
@@ -39,11 +41,11 @@ class Script(decode_pb2_grpc.DecodeServicer):
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         if request.request_id.startswith("bad"):
             raise ValueError(f"{request.request_id}: no such thing")
+        self.started.append(request.request_id)
         done = False
         try:
             for i in range(self.tokens):
-                async with self.step:
-                    await self.step.wait()
+                await self.steps[i].wait()
                 last = i == self.tokens - 1
                 yield decode_pb2.GenerateResponse(token_ids=[100 + i],
                                                   finish_reason="length" if last else "")
@@ -59,10 +61,20 @@ class Script(decode_pb2_grpc.DecodeServicer):
             yield reply
 
     async def advance(self) -> None:
-        async with self.step:
-            self.step.notify_all()
+        """The next step: every open request's next token (all of them woken at once)."""
+        self.steps[self.advanced].set()
+        self.advanced += 1
         for _ in range(20):  # let the messages travel
             await asyncio.sleep(0.005)
+
+
+
+async def until(ready: Any, what: str, timeout_s: float = 30.0) -> None:
+    """Until `ready()` (the messages crossed the call; polled, not slept for a fixed time)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not ready():
+        assert asyncio.get_running_loop().time() < deadline, f"not {what} in {timeout_s} s"
+        await asyncio.sleep(0.01)
 
 
 async def _serve(script: Script, shared: bool = True,
@@ -109,7 +121,7 @@ def test_requests_read_as_their_own_calls_and_a_step_is_one_reply() -> None:
         async with grpc.aio.insecure_channel(address) as channel:
             calls = [_open(shared, channel, f"r{i}") for i in range(4)]
             readers = [asyncio.create_task(_drain(c)) for c in calls]
-            await asyncio.sleep(0.1)  # every open is on the worker
+            await until(lambda: len(script.started) == 4, "every open on the worker")
             for _ in range(3):
                 await script.advance()
             assert [await r for r in readers] == [[100, 101, 102]] * 4
@@ -133,8 +145,8 @@ def test_cancel_and_deadline_close_the_request_on_the_worker() -> None:
         shared = SharedGenerate()
         async with grpc.aio.insecure_channel(address) as channel:
             kept, cut = _open(shared, channel, "kept"), _open(shared, channel, "cut")
-            late = _open(shared, channel, "late", timeout_s=0.3)
-            await asyncio.sleep(0.1)
+            late = _open(shared, channel, "late", timeout_s=1.0)
+            await until(lambda: len(script.started) == 3, "every open on the worker")
             await script.advance()
             assert (await cut.read()).token_ids == [100]
             assert cut.cancel() and not cut.cancel()
@@ -142,9 +154,8 @@ def test_cancel_and_deadline_close_the_request_on_the_worker() -> None:
                 await late.read()  # its first message came; the second never does in time
                 await late.read()
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            await asyncio.sleep(0.4)
-            assert sorted(script.closed) == ["cut", "late"]
-            for _ in range(5):
+            await until(lambda: sorted(script.closed) == ["cut", "late"], "both closed")
+            for _ in range(4):  # its other four steps
                 await script.advance()
             assert await _drain(kept) == [100, 101, 102, 103, 104]
         await server.stop(0)
@@ -159,19 +170,20 @@ def test_a_dead_worker_fails_every_open_request_unavailable_and_a_new_call_follo
         shared = SharedGenerate()
         async with grpc.aio.insecure_channel(address) as channel:
             calls = [_open(shared, channel, f"r{i}") for i in range(3)]
-            await asyncio.sleep(0.1)
+            await until(lambda: len(script.started) == 3, "every open on the worker")
             await server.stop(0)
             for call in calls:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await call.read()
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert sorted(script.closed) == ["r0", "r1", "r2"]  # the call's end cancelled them
+            await until(lambda: sorted(script.closed) == ["r0", "r1", "r2"],
+                        "every request cancelled by the call's end")
             assert not shared._calls  # the failed call (and its channel) are let go
         script2 = Script(tokens=1)  # the worker restarted on the same port
         server2, _ = await _serve(script2, port=int(address.rsplit(":", 1)[1]))
         async with grpc.aio.insecure_channel(address) as channel:
             call = _open(shared, channel, "again")
-            await asyncio.sleep(0.1)
+            await until(lambda: script2.started == ["again"], "the open on the new worker")
             await script2.advance()
             assert await _drain(call) == [100]
         await server2.stop(0)
@@ -186,7 +198,7 @@ def test_a_draining_worker_refuses_opens_and_ends_the_call_once_idle() -> None:
         shared = SharedGenerate()
         async with grpc.aio.insecure_channel(address) as channel:
             held = _open(shared, channel, "held")
-            await asyncio.sleep(0.1)
+            await until(lambda: script.started == ["held"], "the open on the worker")
             script.gate.close()
             refused = _open(shared, channel, "refused")
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -195,8 +207,8 @@ def test_a_draining_worker_refuses_opens_and_ends_the_call_once_idle() -> None:
             await script.advance()
             await script.advance()
             assert await _drain(held) == [100, 101]  # the request held goes on to its end
-            await asyncio.sleep(0.1)
-            assert not shared._calls  # the worker ended the call: the next request opens anew
+            # the worker ended the call: the next request opens anew
+            await until(lambda: not shared._calls, "the call ended")
         await server.stop(0)
 
     run(main())
@@ -210,7 +222,7 @@ def test_a_worker_without_the_call_gets_a_generate_per_request() -> None:
         async with grpc.aio.insecure_channel(address) as channel:
             calls = [_open(shared, channel, f"r{i}") for i in range(2)]
             readers = [asyncio.create_task(_drain(c)) for c in calls]
-            await asyncio.sleep(0.2)
+            await until(lambda: len(script.started) == 2, "both Generate calls on the worker")
             await script.advance()
             await script.advance()
             assert [await r for r in readers] == [[100, 101]] * 2
@@ -231,7 +243,7 @@ def test_a_backlog_leaves_in_replies_of_at_most_max_events(monkeypatch) -> None:
         shared = SharedGenerate()
         async with grpc.aio.insecure_channel(address) as channel:
             calls = [_open(shared, channel, f"r{i}") for i in range(5)]
-            await asyncio.sleep(0.1)
+            await until(lambda: len(script.started) == 5, "every open on the worker")
             await script.advance()
             await script.advance()
             assert [await _drain(c) for c in calls] == [[100, 101]] * 5
