@@ -24,17 +24,13 @@ every request still open on it, as a cancelled Generate would.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
-import grpc
-
-from pdserve.cluster.grpc_server import status_for
+from pdserve.cluster.grpc_server import status_of
 from protos import decode_pb2
 
-logger = logging.getLogger(__name__)
 MAX_EVENTS = 1024  # per reply: a backlog of many steps leaves as several replies, each well
 # within the 16 MiB message limit in practice (an event is what one Generate message was; a
 # token with 20 logprobs takes ~200 bytes)
@@ -52,7 +48,7 @@ class GenerateStreams:
         self.closing = closing
         self._tasks: dict[str, asyncio.Task] = {}  # the open requests'
         self._events: list[decode_pb2.GenerateStreamEvent] = []
-        self._ready = asyncio.Event()  # events to send, or the call's requests ended
+        self._ready = asyncio.Event()  # events to send, the call's requests ended, or closing
         self._reading = True
 
     async def serve(
@@ -61,7 +57,7 @@ class GenerateStreams:
         """The call's replies until its requests end, or the worker drains, and no request is
         open on it. However it ends, the requests still open are cancelled."""
         reader = asyncio.create_task(self._read(requests))
-        closing = asyncio.create_task(self.closing.wait())
+        closing = asyncio.create_task(self._wake_on_closing())
         try:
             while True:
                 if self._events:
@@ -71,9 +67,7 @@ class GenerateStreams:
                     continue
                 if not self._tasks and (not self._reading or not self.admitting()):
                     break
-                ready = asyncio.create_task(self._ready.wait())
-                await asyncio.wait({ready, closing}, return_when=asyncio.FIRST_COMPLETED)
-                ready.cancel()
+                await self._ready.wait()
                 self._ready.clear()
             if reader.done():
                 await reader  # its error, if any, ends the call
@@ -82,6 +76,10 @@ class GenerateStreams:
             closing.cancel()
             for task in self._tasks.values():
                 task.cancel()
+
+    async def _wake_on_closing(self) -> None:
+        await self.closing.wait()
+        self._ready.set()
 
     async def _read(self, requests: AsyncIterator[decode_pb2.GenerateStreamsRequest]) -> None:
         try:
@@ -113,10 +111,8 @@ class GenerateStreams:
                 async for msg in messages:
                     self._add(decode_pb2.GenerateStreamEvent(request_id=request_id,
                                                              response=msg))
-        except asyncio.CancelledError:
-            raise  # cancelled: the request was aborted by Generate's own cleanup; no end
         except Exception as exc:  # noqa: BLE001 - every error becomes the request's end
-            self._end(request_id, exc)
+            self._end(request_id, exc)  # (a cancelled one gets none: Generate's cleanup ran)
         else:
             self._end(request_id, None)
         finally:
@@ -126,11 +122,9 @@ class GenerateStreams:
 
     def _end(self, request_id: str, exc: BaseException | None) -> None:
         event = decode_pb2.GenerateStreamEvent(request_id=request_id, end_code=0)
-        if exc is not None:
-            code = status_for(exc)
-            event.end_code, event.end_message = code.value[0], str(exc) or type(exc).__name__
-            if code == grpc.StatusCode.INTERNAL:
-                logger.error("[%s] Generate failed", request_id, exc_info=exc)
+        if exc is not None:  # the status and details its own Generate call would end with
+            code, event.end_message = status_of(exc, f"[{request_id}] Generate")
+            event.end_code = code.value[0]
         self._add(event)
 
     def _add(self, event: decode_pb2.GenerateStreamEvent) -> None:

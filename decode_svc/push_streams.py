@@ -23,17 +23,13 @@ blocks reserved for another push, fenced as a vanished PushKV stream's are.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 
-import grpc
-
 from decode_svc.receiver import KVReceiver, PushCut
-from pdserve.cluster.grpc_server import status_for
+from pdserve.cluster.grpc_server import status_of
 from pdserve.transport.base import GRPC
 from protos import decode_pb2
 
-logger = logging.getLogger(__name__)
 Key = tuple[str, int]  # (request id, push id)
 _CUT = object()  # the sender cut the push
 _ENDED = object()  # the call ended with the push open
@@ -130,10 +126,8 @@ class PushStreams:
         outcome = decode_pb2.KVPushOutcome(request_id=key[0], push_id=key[1],
                                            bytes_received=received)
         if exc is not None:
-            code = status_for(exc)
-            outcome.code, outcome.message = code.value[0], str(exc) or type(exc).__name__
-            if code == grpc.StatusCode.INTERNAL:
-                logger.error("[%s] KV push %d failed", key[0], key[1], exc_info=exc)
+            code, outcome.message = status_of(exc, f"[{key[0]}] KV push {key[1]}")
+            outcome.code = code.value[0]
         else:
             self.receiver.stats.shared_stream += 1
         self._outcomes.append(outcome)

@@ -88,14 +88,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+def status_of(exc: BaseException, what: str) -> tuple[grpc.StatusCode, str]:
+    """The status code and details a servicer exception ends its call with (a request on a
+    shared stream ends with the same), logged under `what`: INTERNAL with its traceback."""
     code = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
-        logger.exception("%s failed", method, exc_info=exc)
-    else:
-        logger.info("%s: %s: %s", method, code.name, exc)
-    internal = code == grpc.StatusCode.INTERNAL
-    await context.abort(code, f"{type(exc).__name__}: {exc}" if internal else str(exc))
+        logger.exception("%s failed", what, exc_info=exc)
+        return code, f"{type(exc).__name__}: {exc}"
+    logger.info("%s: %s: %s", what, code.name, exc)
+    return code, str(exc)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    await context.abort(*status_of(exc, method))
 
 
 def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
