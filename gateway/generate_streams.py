@@ -24,31 +24,32 @@ import grpc
 from protos import decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
-_DEADLINE = object()  # a request's deadline passed
 
 
 def _status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-class SharedGenerate:
+class GenerateCalls:
     """`open(channel, request, timeout_s)`: the request's call, on the channel's shared
-    GenerateStreams call (or its own Generate where the worker serves none)."""
+    GenerateStreams call, or a Generate call of its own (`shared` false, or a worker that
+    serves no GenerateStreams)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = True) -> None:
+        self.shared = shared
         # the working call of each channel; a call that ended leaves (so does its channel)
         self._calls: dict[grpc.aio.Channel, StreamsCall] = {}
         self._unsupported: weakref.WeakSet[grpc.aio.Channel] = weakref.WeakSet()
 
     def open(self, channel: grpc.aio.Channel, request: decode_pb2.GenerateRequest,
              timeout_s: float | None) -> Any:
-        stub = decode_pb2_grpc.DecodeStub(channel)
-        if channel in self._unsupported:
-            return stub.Generate(request, timeout=timeout_s)
+        if not self.shared or channel in self._unsupported:
+            return _own_call(channel, request, timeout_s)
         streams = self._calls.get(channel)
         if streams is None or streams.failed:
             streams = self._calls[channel] = StreamsCall(
-                stub, on_end=lambda ended: self._forget(channel, ended))
+                decode_pb2_grpc.DecodeStub(channel),
+                on_end=lambda ended: self._forget(channel, ended))
         return streams.open(request, timeout_s,
                             fallback=lambda: self._fall_back(channel, request, timeout_s))
 
@@ -62,7 +63,12 @@ class SharedGenerate:
             logger.info("a decode worker serves no GenerateStreams (an earlier version): a "
                         "Generate call per request there")
             self._unsupported.add(channel)
-        return decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=timeout_s)
+        return _own_call(channel, request, timeout_s)
+
+
+def _own_call(channel: grpc.aio.Channel, request: decode_pb2.GenerateRequest,
+              timeout_s: float | None) -> Any:
+    return decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=timeout_s)
 
 
 class StreamsCall:
@@ -148,10 +154,11 @@ class StreamsCall:
         if event.end_code == 0:
             call.end(None)
         else:
-            call.end(_status(grpc.StatusCode(_CODES[event.end_code]), event.end_message))
+            code = _CODES.get(event.end_code, grpc.StatusCode.UNKNOWN)
+            call.end(_status(code, event.end_message))
 
 
-_CODES = {code.value[0]: code.value for code in grpc.StatusCode}
+_CODES = {code.value[0]: code for code in grpc.StatusCode}  # by the number on the wire
 
 
 class RequestCall:
@@ -183,21 +190,17 @@ class RequestCall:
     def _expire(self) -> None:
         if not self._ended:
             self._streams.cancel(self.request_id)
-            self._queue.put_nowait(_DEADLINE)
-            self._ended = True
+            self.end(_status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
     async def read(self) -> Any:
         if self._own is not None:
             return await self._own.read()
         item = await self._queue.get()
-        if item is _DEADLINE:
-            self._queue.put_nowait(item)  # every later read fails alike
-            raise _status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         if isinstance(item, grpc.aio.AioRpcError):
             if item.code() == grpc.StatusCode.UNIMPLEMENTED and not self._read_any:
                 self._own = self._fallback()  # nothing reached the worker: ask it alone
                 return await self._own.read()
-            self._queue.put_nowait(item)
+            self._queue.put_nowait(item)  # every later read fails alike
             raise item
         if item is grpc.aio.EOF:
             self._queue.put_nowait(item)

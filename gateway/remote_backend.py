@@ -38,7 +38,7 @@ from gateway.backend import (
     TokenDelta,
     state_request_id,
 )
-from gateway.generate_streams import SharedGenerate
+from gateway.generate_streams import GenerateCalls
 from gateway.metrics import GatewayMetrics
 from gateway.remote_tokenizer import RemoteTokenizer
 from gateway.worker_pool import WorkerPool
@@ -52,7 +52,7 @@ from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.registry import WorkerInfo, WorkerRegistry
 from pdserve.cluster.routing import pick_prefill
 from pdserve.cluster.tls import PLAINTEXT, TLSConfig
-from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from protos import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -90,7 +90,7 @@ class RemoteBackend:
         self.max_migrations = max_migrations  # worker failures one request may survive
         self.metrics = metrics  # counts those moves
         # the token streams: one GenerateStreams call per decode worker, or a Generate each
-        self.shared_generate = SharedGenerate() if shared_generate else None
+        self.generate_calls = GenerateCalls(shared=shared_generate)
 
     # ---- model facts and text ------------------------------------------------------------
     async def start(self) -> None:
@@ -191,9 +191,7 @@ class RemoteBackend:
             request = decode_pb2.GenerateRequest(
                 request_id=request_id, prompt_token_ids=prompt, params=decode_params,
                 prefill_locally=local, prior_output_token_ids=prior, lora=lora_pb)
-            call = (decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=self.timeout_s)
-                    if self.shared_generate is None
-                    else self.shared_generate.open(channel, request, self.timeout_s))
+            call = self.generate_calls.open(channel, request, self.timeout_s)
             prefill_done = local
             finished = False  # the request ended: at its first token or on the decode worker
             decode_ended = False  # the decode worker ended its stream itself

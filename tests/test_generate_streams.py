@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from decode_svc.generate_streams import GenerateStreams
-from gateway.generate_streams import SharedGenerate
+from gateway.generate_streams import GenerateCalls
 from pdserve.cluster.drain import DrainGate
 from pdserve.cluster.grpc_server import make_server
 from protos import decode_pb2, decode_pb2_grpc
@@ -97,7 +97,7 @@ async def _serve(script: Script, shared: bool = True,
     return server, f"127.0.0.1:{port}"
 
 
-def _open(shared: SharedGenerate, channel: grpc.aio.Channel, request_id: str,
+def _open(shared: GenerateCalls, channel: grpc.aio.Channel, request_id: str,
           timeout_s: float | None = 30.0) -> Any:
     return shared.open(channel, decode_pb2.GenerateRequest(request_id=request_id), timeout_s)
 
@@ -117,7 +117,7 @@ def test_requests_read_as_their_own_calls_and_a_step_is_one_reply() -> None:
     async def main() -> None:
         script = Script(tokens=3)
         server, address = await _serve(script)
-        shared = SharedGenerate()
+        shared = GenerateCalls()
         async with grpc.aio.insecure_channel(address) as channel:
             calls = [_open(shared, channel, f"r{i}") for i in range(4)]
             readers = [asyncio.create_task(_drain(c)) for c in calls]
@@ -142,7 +142,7 @@ def test_cancel_and_deadline_close_the_request_on_the_worker() -> None:
     async def main() -> None:
         script = Script(tokens=5)
         server, address = await _serve(script)
-        shared = SharedGenerate()
+        shared = GenerateCalls()
         async with grpc.aio.insecure_channel(address) as channel:
             kept, cut = _open(shared, channel, "kept"), _open(shared, channel, "cut")
             late = _open(shared, channel, "late", timeout_s=1.0)
@@ -167,7 +167,7 @@ def test_a_dead_worker_fails_every_open_request_unavailable_and_a_new_call_follo
     async def main() -> None:
         script = Script(tokens=3)
         server, address = await _serve(script)
-        shared = SharedGenerate()
+        shared = GenerateCalls()
         async with grpc.aio.insecure_channel(address) as channel:
             calls = [_open(shared, channel, f"r{i}") for i in range(3)]
             await until(lambda: len(script.started) == 3, "every open on the worker")
@@ -195,7 +195,7 @@ def test_a_draining_worker_refuses_opens_and_ends_the_call_once_idle() -> None:
     async def main() -> None:
         script = Script(tokens=2)
         server, address = await _serve(script)
-        shared = SharedGenerate()
+        shared = GenerateCalls()
         async with grpc.aio.insecure_channel(address) as channel:
             held = _open(shared, channel, "held")
             await until(lambda: script.started == ["held"], "the open on the worker")
@@ -218,7 +218,7 @@ def test_a_worker_without_the_call_gets_a_generate_per_request() -> None:
     async def main() -> None:
         script = Script(tokens=2)
         server, address = await _serve(script, shared=False)
-        shared = SharedGenerate()
+        shared = GenerateCalls()
         async with grpc.aio.insecure_channel(address) as channel:
             calls = [_open(shared, channel, f"r{i}") for i in range(2)]
             readers = [asyncio.create_task(_drain(c)) for c in calls]
@@ -240,7 +240,7 @@ def test_a_backlog_leaves_in_replies_of_at_most_max_events(monkeypatch) -> None:
     async def main() -> None:
         script = Script(tokens=2)
         server, address = await _serve(script)
-        shared = SharedGenerate()
+        shared = GenerateCalls()
         async with grpc.aio.insecure_channel(address) as channel:
             calls = [_open(shared, channel, f"r{i}") for i in range(5)]
             await until(lambda: len(script.started) == 5, "every open on the worker")

@@ -29,14 +29,14 @@ from typing import Any
 import grpc
 import torch
 
-from gateway.generate_streams import SharedGenerate
+from gateway.generate_streams import GenerateCalls
 from pdserve.bench.gpu_model import ModelShape, save_random_model
 from pdserve.bench.report import bench_main, config_of, write_report
 from pdserve.bench.transfer import child, cpu_seconds, wait_serving
 from pdserve.cluster.convert import sampling_params_to_pb
 from pdserve.cluster.grpc_server import open_channel
 from pdserve.ports import free_port
-from protos import decode_pb2, decode_pb2_grpc
+from protos import decode_pb2
 
 VOCAB = 4096
 MODES = ("shared", "per-request")
@@ -63,23 +63,21 @@ def _worker(model: Path, port: int, args: argparse.Namespace) -> list[str]:
             "--log-level", "warning"]
 
 
-async def _round(channel: grpc.aio.Channel, shared: SharedGenerate | None, pid: int,
+async def _round(channel: grpc.aio.Channel, calls: GenerateCalls, pid: int,
                  args: argparse.Namespace, rng: random.Random, tag: str) -> dict[str, float]:
-    """`--streams` requests at once through `shared` (None: a Generate call each): the
+    """`--streams` requests at once opened through `calls` (the gateway's, in one mode): the
     worker's CPU seconds per 1000 output tokens and the output tokens/s."""
     from pdserve import SamplingParams
 
     params = sampling_params_to_pb(
         SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True), args.tokens)
-    stub = decode_pb2_grpc.DecodeStub(channel)
 
     async def one(i: int) -> int:
         request = decode_pb2.GenerateRequest(
             request_id=f"{tag}-{i}", prompt_token_ids=[rng.randrange(10, VOCAB) for _ in
                                                        range(16)],
             params=params, prefill_locally=True)
-        call = (stub.Generate(request, timeout=300) if shared is None
-                else shared.open(channel, request, 300))
+        call = calls.open(channel, request, 300)
         tokens = 0
         while (msg := await call.read()) is not grpc.aio.EOF:
             tokens += len(msg.token_ids)
@@ -101,10 +99,10 @@ async def measure(args: argparse.Namespace, model: Path, logs: Path) -> dict[str
     with child(_worker(model, port, args), logs / "decode.log") as proc:
         async with open_channel(address) as channel:
             await wait_serving(channel, address, proc, logs / "decode.log", 300)
-            shared = SharedGenerate()
+            calls = {mode: GenerateCalls(shared=mode == "shared") for mode in modes}
             for r in range(args.rounds + 1):
                 for mode in (modes if r % 2 == 0 else modes[::-1]):
-                    row = await _round(channel, shared if mode == "shared" else None,
+                    row = await _round(channel, calls[mode],
                                        proc.pid, args, rng, f"{mode}-{r}")
                     print(f"round {r} {mode:>11}: decode worker CPU "
                           f"{row['cpu_ms_per_1k_tokens']:.1f} ms per 1000 tokens, "
