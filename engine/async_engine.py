@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any, TypeVar
 
 from engine import handover_trace
@@ -34,7 +35,7 @@ from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SchedulerStats
-from engine.step_budget import server_step_tokens
+from engine.step_budget import with_server_budget
 from engine.step_profiler import StepProfiler
 
 logger = logging.getLogger(__name__)
@@ -87,12 +88,7 @@ class AsyncLLMEngine:
         """Build from the same arguments as `LLM`; without `max_num_batched_tokens` (and with
         chunked prefill) a step takes the server's budget for the device
         (engine/step_budget.py)."""
-        if (kwargs.get("max_num_batched_tokens") is None
-                and kwargs.get("enable_chunked_prefill", True)):
-            budget = server_step_tokens(kwargs.get("device", "auto"))
-            logger.info("max_num_batched_tokens %d (the server's default on this device)", budget)
-            kwargs["max_num_batched_tokens"] = budget
-        return cls(LLMEngine(build_engine_config(model, **kwargs)))
+        return cls(LLMEngine(build_engine_config(model, **with_server_budget(kwargs))))
 
     # ---- requests ------------------------------------------------------------------------
     async def generate(
@@ -123,8 +119,9 @@ class AsyncLLMEngine:
         except BaseException:
             self._streams.pop(request_id, None)
             raise
-        async for out in self._consume(request_id):
-            yield out
+        async with aclosing(self._consume(request_id)) as outputs:  # closed with us: aborts first
+            async for out in outputs:
+                yield out
 
     def watch_kv(
         self, on_progress: Callable[[KVProgress], None], layers_per_group: int = 1
@@ -219,8 +216,9 @@ class AsyncLLMEngine:
         """Outputs of a request registered by `reserve_remote`; closing early aborts it."""
         if request_id not in self._streams:
             raise KeyError(f"request {request_id!r} is not open")
-        async for out in self._consume(request_id):
-            yield out
+        async with aclosing(self._consume(request_id)) as outputs:  # closed with us: aborts first
+            async for out in outputs:
+                yield out
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request wherever it is (held or reserved blocks too); its stream ends without

@@ -14,10 +14,14 @@ measured).
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import torch
 
 from engine.model_runner import resolve_device
 
+logger = logging.getLogger(__name__)
 SMALL_BUDGET = 2048
 LARGE_GPU_BUDGET = 8192
 LARGE_GPU_BYTES = 70 << 30
@@ -37,3 +41,13 @@ def large_gpu_budget(total_bytes: int, name: str) -> int:
     if total_bytes >= LARGE_GPU_BYTES and "a100" not in name.lower():
         return LARGE_GPU_BUDGET
     return SMALL_BUDGET
+
+
+def with_server_budget(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`LLM`'s arguments for a serving engine: without `max_num_batched_tokens` (and with
+    chunked prefill) a step takes the server's budget for the device."""
+    if kwargs.get("max_num_batched_tokens") is None and kwargs.get("enable_chunked_prefill", True):
+        budget = server_step_tokens(kwargs.get("device", "auto"))
+        logger.info("max_num_batched_tokens %d (the server's default on this device)", budget)
+        kwargs = {**kwargs, "max_num_batched_tokens": budget}
+    return kwargs

@@ -14,6 +14,7 @@ import uvicorn
 
 from pdserve.cluster.flags import (
     add_chat_template_flag,
+    add_engine_core_flag,
     add_flag,
     add_generate_streams_flag,
     add_redis_namespace_flag,
@@ -199,6 +200,7 @@ def add_colocated_arguments(p: argparse.ArgumentParser) -> None:
 
     add_gateway_flags(p)
     add_engine_flags(p)
+    add_engine_core_flag(p)
     add_chat_template_flag(p)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import async_engine
+from engine import async_engine, step_budget
 from engine.step_budget import large_gpu_budget, server_step_tokens
 
 
@@ -21,14 +21,20 @@ def test_the_cpu_keeps_2048() -> None:
     assert server_step_tokens("cpu") == 2048
 
 
-def test_from_args_fills_only_a_missing_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_a_missing_budget_is_filled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step_budget, "server_step_tokens", lambda device: 8192)
+    fill = step_budget.with_server_budget
+    assert fill({"device": "cuda"})["max_num_batched_tokens"] == 8192
+    assert fill({"device": "cuda", "max_num_batched_tokens": 512})["max_num_batched_tokens"] == 512
+    assert "max_num_batched_tokens" not in fill({"device": "cuda", "enable_chunked_prefill": False})
+
+
+def test_from_args_takes_the_servers_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[dict] = []
     monkeypatch.setattr(async_engine, "build_engine_config",
                         lambda model, **kw: seen.append(kw) or kw)
     monkeypatch.setattr(async_engine, "LLMEngine", lambda config: config)
-    monkeypatch.setattr(async_engine, "server_step_tokens", lambda device: 8192)
+    monkeypatch.setattr(step_budget, "server_step_tokens", lambda device: 8192)
     monkeypatch.setattr(async_engine.AsyncLLMEngine, "__init__", lambda self, engine: None)
     async_engine.AsyncLLMEngine.from_args(None, device="cuda")
-    async_engine.AsyncLLMEngine.from_args(None, device="cuda", max_num_batched_tokens=512)
-    async_engine.AsyncLLMEngine.from_args(None, device="cuda", enable_chunked_prefill=False)
-    assert [kw.get("max_num_batched_tokens") for kw in seen] == [8192, 512, None]
+    assert [kw.get("max_num_batched_tokens") for kw in seen] == [8192]

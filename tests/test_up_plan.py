@@ -113,6 +113,20 @@ def test_the_stream_interval_reaches_the_engines_that_decode(
     assert build_parser().parse_args(serve.argv[3:]).stream_interval == interval
 
 
+@pytest.mark.parametrize("argv, expected", [([], "thread"), (["--engine-core", "process"], "process")])
+def test_the_engine_core_reaches_the_colocated_server(argv: list[str], expected: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    (serve,) = plan(_up(["--colocated", *argv], monkeypatch), "", None)
+    assert build_parser().parse_args(serve.argv[3:]).engine_core == expected
+    assert all("--engine-core" not in s.argv for s in plan(_up([], monkeypatch), "", None))
+
+
+def test_the_engine_core_process_is_refused_for_a_split_cluster(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SystemExit, match="--engine-core is the colocated server's"):
+        plan(_up(["--engine-core", "process"], monkeypatch), "redis://x:1/0", None)
+
+
 @pytest.mark.parametrize("argv, expected", [([], "shared"),
                                             (["--generate-streams", "per-request"], "per-request")])
 def test_the_generate_streams_mode_reaches_every_gateway(

@@ -73,6 +73,7 @@ class ServeConfig:
     api_server_count: int = 1  # gateway processes of a split system (`pdserve up`'s flag)
     stream_interval: int = 1  # every system's engines stream a request's tokens this many a time
     generate_streams: str = "shared"  # a split system's gateways (`pdserve up`'s flag)
+    engine_core: str = "thread"  # a colocated server's engine loop: thread or process
 
     def __post_init__(self) -> None:
         if not self.systems or set(self.systems) - set(SYSTEMS):
@@ -118,6 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--stream-interval", type=int, default=1,
                    help="every system's engines send a request's tokens this many at a time "
                         "after its first (pdserve up's flag)")
+    m.add_argument("--engine-core", default="thread", choices=["thread", "process"],
+                   help="the colocated systems' engine loop: a thread of the server's process "
+                        "or a process of its own (pdserve up's flag)")
     g = p.add_argument_group("load (python -m loadtest)")
     g.add_argument("--request-rate", type=parse_rates, default=load.request_rates)
     g.add_argument("--num-prompts", type=int, default=load.num_prompts, help="per rate")
@@ -146,7 +150,7 @@ def config_of(args: argparse.Namespace) -> ServeConfig:
                        model_dir, args.kv_cache_memory, args.max_model_len, args.redis_server,
                        Path(args.out_dir), args.startup_timeout, load,
                        Path(args.work_dir) if args.work_dir else None, args.api_server_count,
-                       args.stream_interval, args.generate_streams)
+                       args.stream_interval, args.generate_streams, args.engine_core)
 
 
 def shape_tag(shape: ModelShape) -> str:
@@ -164,7 +168,7 @@ def up_argv(cfg: ServeConfig, system: str, port: int, redis_url: str) -> list[st
             str(cfg.max_model_len), "--port", str(port), "--stream-interval",
             str(cfg.stream_interval)]
     if system in ("colocated", "replicas"):
-        return [*argv, "--colocated"]
+        return [*argv, "--colocated", "--engine-core", cfg.engine_core]
     transport = system.removeprefix("split_")
     gpus = ["--prefill-gpus", "0", "--decode-gpus", "1"] if system.startswith("split_") else []
     return [*argv, "--redis-url", redis_url, "--kv-transport", transport, *gpus,

@@ -91,6 +91,14 @@ def add_stream_interval_flag(parser: argparse.ArgumentParser) -> None:
                   "engine (decode worker, gateway, client), larger bursts (vLLM's flag)")
 
 
+def add_engine_core_flag(parser: argparse.ArgumentParser) -> None:
+    """--engine-core, the colocated server's (engine/core_client.py)."""
+    add_flag(parser, "--engine-core", "thread", choices=["thread", "process"],
+             help="where the engine's step loop runs: a thread of the server's process "
+                  "(sharing its interpreter lock with the HTTP server), or a process of its own "
+                  "(vLLM V1's EngineCore)")
+
+
 def add_kv_push_streams_flag(parser: argparse.ArgumentParser) -> None:
     """--kv-push-streams, a prefill worker's (prefill_svc/push_streams.py)."""
     add_flag(parser, "--kv-push-streams", "shared", choices=["shared", "per-request"],

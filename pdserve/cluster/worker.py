@@ -11,7 +11,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
@@ -106,9 +106,16 @@ def speculative_config(text: str) -> dict | None:
 
 
 def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
+    """The serving engine of `role` from the engine flags; with `--engine-core process` (the
+    colocated server's) its step loop runs in a process of its own (engine/core_client.py)."""
     from engine.async_engine import AsyncLLMEngine
 
-    return AsyncLLMEngine.from_args(
+    engine_class: Any = AsyncLLMEngine
+    if getattr(args, "engine_core", "thread") == "process":
+        from engine.core_client import EngineCoreClient
+
+        engine_class = EngineCoreClient
+    return engine_class.from_args(
         args.model, role=role, dtype=args.dtype, device=args.device, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,

@@ -1,0 +1,303 @@
+"""`EngineCoreClient`: `AsyncLLMEngine`'s serving API over an engine in a process of its own.
+
+The step loop runs in a child process (engine/core_process.py says why and what crosses the
+pipe); this side keeps what `AsyncLLMEngine` keeps on the event loop: one output queue per
+request, callers' futures, abort on a stream closed early. A writer thread sends commands (a
+full pipe never blocks an event loop); a reader thread hands each step's outputs to their
+readers, one hop per event loop, and settles replies.
+
+    event loop ──command──▶ writer thread ──pipe──▶ engine core process
+         ▲                                                 │
+         └── per-request asyncio.Queue ◀── reader thread ◀─┘
+
+The child dying (killed, out of memory, a step that raised) ends every open stream and waiting
+call with `EngineDeadError`, as the engine thread failing does in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from multiprocessing.connection import Connection
+
+from engine.async_engine import EngineDeadError
+from engine.core_process import NO_REPLY, CoreFacts
+from engine.llm_engine import PromptInput
+from engine.lora.request import LoRARequest
+from engine.loop_hops import call_on_loops
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import SchedulerStats
+
+logger = logging.getLogger(__name__)
+_ABORTED = object()  # ends a stream whose request was aborted through `abort()`
+_STOP = object()  # ends the writer thread
+STOP_TIMEOUT_S = 30.0
+
+
+class EngineFacts:
+    """What the server reads of its engine without asking it (the names `LLMEngine` has):
+    the facts the child sent once built, and the tokenizer, loaded here at its first use."""
+
+    def __init__(self, facts: CoreFacts) -> None:
+        self.model = facts.model
+        self.eos_token_ids = list(facts.eos_token_ids)
+        self.max_model_len = facts.max_model_len
+        self.vocab_size = facts.vocab_size
+        self._tokenizer: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from engine.model_loader import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model)
+        return self._tokenizer
+
+
+class EngineCoreClient:
+    """The colocated role's `AsyncLLMEngine` API (generate, abort, stats, LoRA adapters) with
+    the engine in a child process. `from_args` blocks until the engine is built there and
+    raises what building it raised (ValueError for bad arguments)."""
+
+    def __init__(self, model: str | None, kwargs: dict[str, Any]) -> None:
+        if kwargs.get("role", "colocated") != "colocated":
+            raise ValueError("engine_core='process' serves the colocated role only")
+        mine, theirs = socket.socketpair()
+        self._conn = Connection(mine.detach())
+        self._proc = subprocess.Popen(  # not forked: no fork after torch and threads
+            [sys.executable, "-m", "engine.core_process", "--fd", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),))
+        theirs.close()
+        self._conn.send(("start", model, kwargs, logging.getLogger().getEffectiveLevel()))
+        kind, value = self._first_message()
+        if kind == "failed":
+            self._proc.wait(STOP_TIMEOUT_S)
+            raise value
+        self.engine = EngineFacts(value)
+        self._loras: list[LoRARequest] = list(value.loras)
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._prompts: dict[str, list[int]] = {}  # reader thread only: prompt ids, by request
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="pdserve-core-writer",
+                                        daemon=True)
+        self._reader = threading.Thread(target=self._read, name="pdserve-core-reader",
+                                        daemon=True)
+        self._writer.start()
+        self._reader.start()
+
+    @classmethod
+    def from_args(cls, model: str | None = None, **kwargs: Any) -> EngineCoreClient:
+        """The same arguments as `AsyncLLMEngine.from_args` (the server's step budget too)."""
+        return cls(model, kwargs)
+
+    def _first_message(self) -> tuple[str, Any]:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.wait(STOP_TIMEOUT_S)
+            raise RuntimeError(f"the engine core process exited ({self._proc.returncode}) "
+                               "before its engine was built") from None
+
+    # ---- requests ------------------------------------------------------------------------
+    async def generate(
+        self, prompt: PromptInput, sampling_params: SamplingParams | None, request_id: str,
+        prior_output_token_ids: list[int] | None = None, kv_watch: Any = None,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """`AsyncLLMEngine.generate`: outputs until the request finishes; leaving early aborts
+        it; bad input raises ValueError (from the engine's own checks) before anything runs."""
+        if kv_watch is not None:
+            raise ValueError("kv_watch: the engine core process serves the colocated role only")
+        self._open(request_id)
+        try:
+            await self._call("add", request_id, prompt, sampling_params, prior_output_token_ids,
+                             lora_request)
+        except asyncio.CancelledError:
+            self._streams.pop(request_id, None)
+            self._send("abort", NO_REPLY, request_id)  # after the add, whatever it did
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async with aclosing(self._consume(request_id)) as outputs:  # closed with us: aborts first
+            async for out in outputs:
+                yield out
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request wherever it is; its stream ends without a final output. True if the
+        engine knew it."""
+        found = await self._call("abort", request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream[0].call_soon_threadsafe(stream[1].put_nowait, _ABORTED)
+        return found
+
+    async def stats(self) -> SchedulerStats:
+        return await self._call("stats")
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter now (ValueError if it is bad)."""
+        await self._call("add_lora", lora_request)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter (KeyError, LoRAInUseError)."""
+        await self._call("remove_lora", lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded now, as the child last reported them."""
+        return list(self._loras)
+
+    @property
+    def is_running(self) -> bool:
+        """False once the engine core process failed, exited or was shut down."""
+        return self._error is None and not self._stopping and self._proc.poll() is None
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._error
+
+    def shutdown(self) -> None:
+        """Stop the engine core process (requests in flight are abandoned)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._outbox.put(("stop", NO_REPLY, ()))
+        self._outbox.put(_STOP)
+        try:
+            self._proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("the engine core process did not stop in %g s: killed", STOP_TIMEOUT_S)
+            self._proc.kill()
+            self._proc.wait()
+        self._conn.close()
+
+    # ---- event-loop side -----------------------------------------------------------------
+    async def _call(self, op: str, *args: Any) -> Any:
+        if self._error is not None:
+            raise EngineDeadError("the engine core has failed") from self._error
+        call_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        if self._error is not None:  # failed meanwhile: `_fail` may have missed this future
+            self._calls.pop(call_id)
+            raise EngineDeadError("the engine core has failed") from self._error
+        self._send(op, call_id, *args)
+        try:
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _send(self, op: str, call_id: int, *args: Any) -> None:
+        self._outbox.put((op, call_id, args))
+
+    def _open(self, request_id: str) -> None:
+        if self._error is not None:
+            raise EngineDeadError("the engine core has failed") from self._error
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._streams[request_id] = (asyncio.get_running_loop(), asyncio.Queue())
+
+    async def _consume(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        q = self._streams[request_id][1]
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                if item is _ABORTED:
+                    return
+                if isinstance(item, BaseException):
+                    raise EngineDeadError("the engine core has failed") from item
+                finished = item.finished
+                yield item
+        finally:
+            stream = self._streams.pop(request_id, None)
+            if not finished and stream is not None and self._error is None:
+                await asyncio.shield(self._call("abort", request_id))
+
+    # ---- the pipe's threads --------------------------------------------------------------
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not _STOP:
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError):  # the child is gone: the reader says so
+                return
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "outputs":
+                self._deliver(message[1])
+            elif kind == "reply":
+                self._reply(*message[1:])
+            elif kind == "forget":
+                self._prompts.pop(message[1], None)
+            elif kind == "loras":
+                self._loras = list(message[1])
+            elif kind == "dead":
+                self._fail(message[1])
+                return
+        if not self._stopping:
+            try:
+                code = self._proc.wait(1.0)
+            except subprocess.TimeoutExpired:
+                code = None
+            self._fail(RuntimeError(f"the engine core process exited ({code})"))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their readers, one hop per event loop; each gets its prompt's
+        token ids back (the child sends them with a request's first output only)."""
+        calls = []
+        for out in outputs:
+            if out.prompt_token_ids is None:
+                out.prompt_token_ids = self._prompts.get(out.request_id, [])
+            elif not out.finished:
+                self._prompts[out.request_id] = out.prompt_token_ids
+            if out.finished:
+                self._prompts.pop(out.request_id, None)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                calls.append((stream[0], stream[1].put_nowait, out))
+        call_on_loops(calls)
+
+    def _reply(self, call_id: int, ok: bool, value: Any) -> None:
+        future = self._calls.get(call_id)
+        if future is not None:
+            future.get_loop().call_soon_threadsafe(_settle, future, value, ok)
+
+    def _fail(self, exc: BaseException) -> None:
+        logger.error("the engine core failed: %s", exc)
+        self._error = exc
+        for loop, q in list(self._streams.values()):
+            loop.call_soon_threadsafe(q.put_nowait, exc)
+        dead = EngineDeadError("the engine core has failed")
+        dead.__cause__ = exc
+        for future in list(self._calls.values()):
+            future.get_loop().call_soon_threadsafe(_settle, future, dead, False)
+
+
+def _settle(future: asyncio.Future, value: Any, ok: bool) -> None:
+    if future.cancelled() or future.done():
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
