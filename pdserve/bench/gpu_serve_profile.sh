@@ -13,29 +13,32 @@
 # to gpu_kit_run.sh. py-spy starts when the load generator does (`-m loadtest`) and samples for
 # PROFILE_S seconds (default 14: the 16 req/s run's ~7 s and the all-at-once run's ~3 s).
 # PYSPY_FLAGS (default --gil) picks what py-spy samples: "--idle" or "" for every thread's
-# stack, whether it holds the GIL or not.
+# stack, whether it holds the GIL or not. PROFILE_ROLES (default "prefill decode") names the
+# processes sampled: a `pdserve` subcommand (serve: the colocated server), or core (the
+# colocated server's engine core process, with --engine-core process).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench_results/gpu_serve}
 SITE=${SITE:-/tmp/site}
 PROFILE_S=${PROFILE_S:-14}
 PYSPY_FLAGS=${PYSPY_FLAGS---gil}
+PROFILE_ROLES=${PROFILE_ROLES:-prefill decode}
 mkdir -p "$OUT"
 bash pdserve/bench/gpu_kit_run.sh --out-dir "$OUT" "$@" &
 run=$!
 sleep 5  # the kit's wheels are installed into $SITE first
 export PYTHONPATH="$SITE:$PWD"
-python3 -m pdserve.bench.proc_cpu --match pdserve --interval 0.25 --out "$OUT/proc_cpu.json" &
+python3 -m pdserve.bench.proc_cpu --match pdserve,engine.core_process --interval 0.25 --out "$OUT/proc_cpu.json" &
 sampler=$!
-profile() {  # $1: the worker's subcommand; waits for the load, then samples the worker
-    local pid=""
+profile() {  # $1: a subcommand, or core; waits for the load, then samples that process
+    local pid="" pattern="pdserve.cli $1 "
+    [ "$1" = core ] && pattern="[e]ngine.core_process"
     while ! pgrep -f "[-]m loadtest" >/dev/null && kill -0 "$run" 2>/dev/null; do sleep 0.2; done
-    pid=$(pgrep -f "pdserve.cli $1 " | head -1)
+    pid=$(pgrep -f "$pattern" | head -1)
     [ -n "$pid" ] && "$SITE/bin/py-spy" record --pid "$pid" $PYSPY_FLAGS --rate 200 --nonblocking \
         --duration "$PROFILE_S" --format raw --output "$OUT/$1_gil.txt" >"$OUT/$1_pyspy.log" 2>&1
 }
-profile prefill &
-profile decode &
+for role in $PROFILE_ROLES; do profile "$role" & done
 wait "$run"
 status=$?
 kill -TERM "$sampler" 2>/dev/null

@@ -4,7 +4,8 @@ sampled from /proc every interval until SIGTERM / SIGINT (Linux).
     python -m pdserve.bench.proc_cpu --match pdserve --out cpu.json [--interval 0.5] &
     ... the load ...; kill %1
 
-Every interval it reads utime + stime of each process whose command line contains --match
+Every interval it reads utime + stime of each process whose command line contains --match (or
+one of its comma-separated parts: `pdserve,engine.core_process` takes the engine core too)
 (`/proc/PID/stat`, `/proc/PID/cmdline`) and records the CPU share since the previous sample
 (1.0 = one core busy the whole interval). The JSON: `processes` {pid: command line} and
 `samples` [{t, cpu: {pid: share}}]; `busiest` lists, per process, its samples' 90th percentile
@@ -34,7 +35,9 @@ def cpu_seconds(pid: str) -> float | None:
 
 
 def matching(pattern: str) -> dict[str, str]:
-    """{pid: command line} of the processes whose command line contains `pattern`, not this."""
+    """{pid: command line} of the processes whose command line contains `pattern` (or one of
+    its comma-separated parts), not this."""
+    parts = [p for p in pattern.split(",") if p]
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or entry.name == str(os.getpid()):
@@ -43,7 +46,7 @@ def matching(pattern: str) -> dict[str, str]:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
         except OSError:
             continue
-        if pattern in cmd:
+        if any(part in cmd for part in parts):
             found[entry.name] = cmd[:200]
     return found
 
@@ -87,7 +90,8 @@ def busiest(samples: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pdserve.bench.proc_cpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--match", default="pdserve", help="substring of the command lines")
+    p.add_argument("--match", default="pdserve,engine.core_process",
+                   help="substrings of the command lines, comma-separated")
     p.add_argument("--interval", type=float, default=0.5)
     p.add_argument("--out", required=True, help="JSON file written on SIGTERM / SIGINT")
     args = p.parse_args(argv)
