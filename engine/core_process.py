@@ -67,7 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m engine.core_process")
     parser.add_argument("--fd", type=int, required=True)
     conn = Connection(parser.parse_args(argv).fd)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's process handles Ctrl-C
+    # Its life is the server's: the server stops it (after draining on SIGTERM, or on Ctrl-C)
+    # or its end of the socket closes; a signal sent to the process group must not cut it first.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         _, model, kwargs, log_level = conn.recv()
     except (EOFError, OSError):
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
                                   tuple(engine.list_loras()))))
     try:
         _Core(engine, conn).run()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the parent went away mid-send: nothing is left to serve
     finally:
         engine.shutdown()
 
@@ -110,7 +115,6 @@ class _Core:
                     return
                 if outputs:
                     self.conn.send(("outputs", self._wire(outputs)))
-            self._lora_changes()
 
     def _commands(self, block: bool) -> bool:
         """Run the commands waiting (with `block`, wait for one first: the engine is idle).
@@ -131,6 +135,7 @@ class _Core:
                 else:
                     logger.warning("%s%r failed: %s", op, args[:1], exc)
                 continue
+            self._lora_changes()  # an add may have loaded one: known before the reply
             if call_id != NO_REPLY:
                 self.conn.send(("reply", call_id, True, result))
         return True

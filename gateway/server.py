@@ -231,7 +231,9 @@ async def _serve_colocated(args: argparse.Namespace, engine: AsyncLLMEngine, nam
         loras = LoRAModels(MemoryCatalog(), EngineAdapters(engine))
         await loras.seed(parse_lora_modules(args.lora_modules))
         metrics.watch_engine(engine.stats, args.max_loras)
-    app = build_app(LocalBackend(engine, name, template), api_key=args.api_key or None,
+    backend = LocalBackend(engine, name, template)
+    await backend.model_info()  # the tokenizer and chat template, before the first request
+    app = build_app(backend, api_key=args.api_key or None,
                     max_concurrent_requests=args.max_concurrent_requests,
                     max_body_bytes=args.max_body_bytes,
                     trust_request_chat_template=args.trust_request_chat_template,

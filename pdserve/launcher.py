@@ -45,7 +45,6 @@ from pdserve.cluster.flags import (
     add_kv_push_streams_flag,
     add_kv_transport_flag,
     add_redis_namespace_flag,
-    add_engine_core_flag,
     add_stream_interval_flag,
     add_tls_flags,
 )
@@ -115,7 +114,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_kv_push_streams_flag(p)  # handed to every prefill worker
     add_kv_doorbell_flag(p)  # handed to every decode worker
     add_stream_interval_flag(p)  # handed to every decode worker (with --colocated, the engine)
-    add_engine_core_flag(p)  # with --colocated only: the server's engine
+    p.add_argument("--engine-core", default=None, choices=["thread", "process"],
+                   help="with --colocated: where the server's engine loop runs (pdserve serve's "
+                        "--engine-core; default: its default, process)")
     add_generate_streams_flag(p)  # handed to every gateway
     add_chat_template_flag(p)  # handed to the tokenizer (with --colocated, to the engine's)
     add_flag(p, "--tool-call-parser", "hermes",
@@ -154,12 +155,13 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
     decoding = [*spec, "--stream-interval", str(args.stream_interval)]  # engines that decode
     engine += lora_argv(args)  # LoRA: the engines' flags and --lora-modules (they preload them)
-    if args.engine_core != "thread" and not args.colocated:
+    if args.engine_core is not None and not args.colocated:
         raise SystemExit("pdserve up: --engine-core is the colocated server's (--colocated); "
                          "prefill and decode workers run their engine in a thread")
     if args.colocated:
-        argv = [*py, "serve", *common, *engine, *decoding, *template, *_tool_flags(args),
-                "--engine-core", args.engine_core]
+        argv = [*py, "serve", *common, *engine, *decoding, *template, *_tool_flags(args)]
+        if args.engine_core is not None:
+            argv += ["--engine-core", args.engine_core]
         return [_colocated(args, argv, gateway_url)]
     services = []
     if redis_port is not None:

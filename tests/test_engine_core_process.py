@@ -191,3 +191,35 @@ def test_pdserve_up_colocated_with_the_engine_in_its_own_process(tmp_path) -> No
                 break
             time.sleep(0.1)
         assert worker["num_free_blocks"] == worker["num_total_blocks"]
+
+        # SIGTERM (to the server and its engine core alike, as a process group's would be):
+        # the stream in flight finishes, then both processes end.
+        server = c.pids()["gateway"]
+        (core,) = _children(server, "engine.core_process")
+        draining = client.completions.create(model=model, prompt=prompt, max_tokens=48,
+                                             temperature=0, stream=True)
+        chunks = iter(draining)
+        first = next(chunks)
+        os.kill(core, signal.SIGTERM)
+        os.kill(server, signal.SIGTERM)
+        rest = list(chunks)
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert len([first, *rest]) >= 40
+        c.proc.wait(60)
+        assert not _children(server, "engine.core_process") and not os.path.exists(f"/proc/{core}")
+
+
+def _children(pid: int, marker: str) -> list[int]:
+    """The live processes whose parent is `pid` and whose command line holds `marker`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        if int(ppid) == pid and state != "Z" and marker in cmd:
+            found.append(int(entry))
+    return found

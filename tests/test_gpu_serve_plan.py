@@ -78,9 +78,9 @@ def test_each_system_s_pdserve_up(system: str) -> None:
     assert up.colocated == (system == "colocated")
     if system == "colocated":
         assert "--redis-url" not in argv and "--kv-transport" not in argv
-        assert up.engine_core == "thread"
-        argv = up_argv(_config("--engine-core", "process"), system, 1, "redis://r")
-        assert build_parser().parse_args(argv[3:]).engine_core == "process"
+        assert up.engine_core == "process"
+        argv = up_argv(_config("--engine-core", "thread"), system, 1, "redis://r")
+        assert build_parser().parse_args(argv[3:]).engine_core == "thread"
     else:
         assert (up.redis_url, up.kv_transport) == ("redis://127.0.0.1:7000/0", system)
         assert up.generate_streams == "shared"

@@ -113,7 +113,7 @@ def test_the_stream_interval_reaches_the_engines_that_decode(
     assert build_parser().parse_args(serve.argv[3:]).stream_interval == interval
 
 
-@pytest.mark.parametrize("argv, expected", [([], "thread"), (["--engine-core", "process"], "process")])
+@pytest.mark.parametrize("argv, expected", [([], "process"), (["--engine-core", "thread"], "thread")])
 def test_the_engine_core_reaches_the_colocated_server(argv: list[str], expected: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     (serve,) = plan(_up(["--colocated", *argv], monkeypatch), "", None)
@@ -124,7 +124,7 @@ def test_the_engine_core_reaches_the_colocated_server(argv: list[str], expected:
 def test_the_engine_core_process_is_refused_for_a_split_cluster(
         monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit, match="--engine-core is the colocated server's"):
-        plan(_up(["--engine-core", "process"], monkeypatch), "redis://x:1/0", None)
+        plan(_up(["--engine-core", "thread"], monkeypatch), "redis://x:1/0", None)
 
 
 @pytest.mark.parametrize("argv, expected", [([], "shared"),

@@ -73,7 +73,7 @@ class ServeConfig:
     api_server_count: int = 1  # gateway processes of a split system (`pdserve up`'s flag)
     stream_interval: int = 1  # every system's engines stream a request's tokens this many a time
     generate_streams: str = "shared"  # a split system's gateways (`pdserve up`'s flag)
-    engine_core: str = "thread"  # a colocated server's engine loop: thread or process
+    engine_core: str = "process"  # a colocated server's engine loop: thread or process
 
     def __post_init__(self) -> None:
         if not self.systems or set(self.systems) - set(SYSTEMS):
@@ -119,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--stream-interval", type=int, default=1,
                    help="every system's engines send a request's tokens this many at a time "
                         "after its first (pdserve up's flag)")
-    m.add_argument("--engine-core", default="thread", choices=["thread", "process"],
+    m.add_argument("--engine-core", default="process", choices=["thread", "process"],
                    help="the colocated systems' engine loop: a thread of the server's process "
                         "or a process of its own (pdserve up's flag)")
     g = p.add_argument_group("load (python -m loadtest)")

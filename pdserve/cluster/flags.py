@@ -93,7 +93,7 @@ def add_stream_interval_flag(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_core_flag(parser: argparse.ArgumentParser) -> None:
     """--engine-core, the colocated server's (engine/core_client.py)."""
-    add_flag(parser, "--engine-core", "thread", choices=["thread", "process"],
+    add_flag(parser, "--engine-core", "process", choices=["thread", "process"],
              help="where the engine's step loop runs: a thread of the server's process "
                   "(sharing its interpreter lock with the HTTP server), or a process of its own "
                   "(vLLM V1's EngineCore)")
