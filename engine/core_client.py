@@ -17,6 +17,7 @@ call with `EngineDeadError`, as the engine thread failing does in-process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -24,6 +25,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -67,25 +69,15 @@ class EngineFacts:
 
 class EngineCoreClient:
     """The colocated role's `AsyncLLMEngine` API (generate, abort, stats, LoRA adapters) with
-    the engine in a child process. `from_args` blocks until the engine is built there and
-    raises what building it raised (ValueError for bad arguments)."""
+    the engine in another process: a child this server starts (`from_args`: blocks until the
+    engine is built there, raises what building it raised, ValueError for bad arguments), or
+    the engine core another server started with a listening socket (`connect`)."""
 
-    def __init__(self, model: str | None, kwargs: dict[str, Any]) -> None:
-        if kwargs.get("role", "colocated") != "colocated":
-            raise ValueError("engine_core='process' serves the colocated role only")
-        mine, theirs = socket.socketpair()
-        self._conn = Connection(mine.detach())
-        self._proc = subprocess.Popen(  # not forked: no fork after torch and threads
-            [sys.executable, "-m", "engine.core_process", "--fd", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),))
-        theirs.close()
-        self._conn.send(("start", model, kwargs, logging.getLogger().getEffectiveLevel()))
-        kind, value = self._first_message()
-        if kind == "failed":
-            self._proc.wait(STOP_TIMEOUT_S)
-            raise value
-        self.engine = EngineFacts(value)
-        self._loras: list[LoRARequest] = list(value.loras)
+    def __init__(self, conn: Connection, facts: CoreFacts,
+                 proc: subprocess.Popen | None = None) -> None:
+        self._conn, self._proc = conn, proc
+        self.engine = EngineFacts(facts)
+        self._loras: list[LoRARequest] = list(facts.loras)
         self._stopping = False
         self._error: BaseException | None = None
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -101,17 +93,53 @@ class EngineCoreClient:
         self._reader.start()
 
     @classmethod
-    def from_args(cls, model: str | None = None, **kwargs: Any) -> EngineCoreClient:
-        """The same arguments as `AsyncLLMEngine.from_args` (the server's step budget too)."""
-        return cls(model, kwargs)
-
-    def _first_message(self) -> tuple[str, Any]:
+    def from_args(cls, model: str | None = None, listen: str = "",
+                  **kwargs: Any) -> EngineCoreClient:
+        """Start the engine core as a child with `AsyncLLMEngine.from_args`'s arguments (the
+        server's step budget too); with `listen`, a Unix socket path at which other servers
+        `connect` to the same engine."""
+        if kwargs.get("role", "colocated") != "colocated":
+            raise ValueError("engine_core='process' serves the colocated role only")
+        mine, theirs = socket.socketpair()
+        conn = Connection(mine.detach())
+        argv = [sys.executable, "-m", "engine.core_process", "--fd", str(theirs.fileno())]
+        proc = subprocess.Popen(  # not forked: no fork after torch and threads
+            [*argv, *(["--listen", listen] if listen else [])], pass_fds=(theirs.fileno(),))
+        theirs.close()
+        conn.send(("start", model, kwargs, logging.getLogger().getEffectiveLevel()))
         try:
-            return self._conn.recv()
+            kind, value = conn.recv()
         except (EOFError, OSError):
-            self._proc.wait(STOP_TIMEOUT_S)
-            raise RuntimeError(f"the engine core process exited ({self._proc.returncode}) "
-                               "before its engine was built") from None
+            proc.wait(STOP_TIMEOUT_S)
+            raise RuntimeError(f"the engine core process exited ({proc.returncode}) before "
+                               "its engine was built") from None
+        if kind == "failed":
+            proc.wait(STOP_TIMEOUT_S)
+            raise value
+        return cls(conn, value, proc)
+
+    @classmethod
+    def connect(cls, path: str, timeout_s: float = 600.0) -> EngineCoreClient:
+        """Join the engine core listening at `path`, waiting up to `timeout_s` for it to be
+        there (the server that starts it may still be building the engine)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no engine core listening at {path} after "
+                                       f"{timeout_s:g} s") from None
+                time.sleep(0.2)
+        conn = Connection(sock.detach())
+        try:
+            _, facts = conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"the engine core at {path} closed the connection") from None
+        return cls(conn, facts)
 
     # ---- requests ------------------------------------------------------------------------
     async def generate(
@@ -165,7 +193,8 @@ class EngineCoreClient:
     @property
     def is_running(self) -> bool:
         """False once the engine core process failed, exited or was shut down."""
-        return self._error is None and not self._stopping and self._proc.poll() is None
+        alive = self._proc is None or self._proc.poll() is None
+        return self._error is None and not self._stopping and alive
 
     @property
     def failure(self) -> BaseException | None:
@@ -178,6 +207,10 @@ class EngineCoreClient:
         self._stopping = True
         self._outbox.put(("stop", NO_REPLY, ()))
         self._outbox.put(_STOP)
+        if self._proc is None:  # another server's engine core: only this connection ends
+            self._writer.join(STOP_TIMEOUT_S)
+            self._conn.close()
+            return
         try:
             self._proc.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -190,6 +223,8 @@ class EngineCoreClient:
     async def _call(self, op: str, *args: Any) -> Any:
         if self._error is not None:
             raise EngineDeadError("the engine core has failed") from self._error
+        if self._stopping:
+            raise EngineDeadError("the engine core client was shut down")
         call_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
@@ -226,7 +261,8 @@ class EngineCoreClient:
                 yield item
         finally:
             stream = self._streams.pop(request_id, None)
-            if not finished and stream is not None and self._error is None:
+            if not finished and stream is not None and self._error is None and not (
+                    self._stopping):
                 await asyncio.shield(self._call("abort", request_id))
 
     # ---- the pipe's threads --------------------------------------------------------------
@@ -256,10 +292,10 @@ class EngineCoreClient:
                 self._fail(message[1])
                 return
         if not self._stopping:
-            try:
-                code = self._proc.wait(1.0)
-            except subprocess.TimeoutExpired:
-                code = None
+            code = None
+            if self._proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = self._proc.wait(1.0)
             self._fail(RuntimeError(f"the engine core process exited ({code})"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

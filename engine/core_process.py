@@ -12,6 +12,11 @@ network, the streams and the detokenization:
           ▲                                                                   │
           └── reader thread ◀── ("outputs", [...]) · ("reply", id, ok, value) ◀┘
 
+With `--listen PATH` other servers join the same engine (`EngineCoreClient.connect`; `pdserve
+up --colocated --api-server-count N`): each connection gets the outputs of the requests it
+added; one that goes away has its requests aborted; when the parent stops, the core finishes
+the others' requests (at most STOP_DRAIN_S), then ends.
+
 One pipe each way, messages in order: a command's reply comes before the outputs of any step
 that ran after it, so an `add` is answered before its request's first output. Commands run
 between steps exactly as `AsyncLLMEngine`'s do (add, abort, stats, LoRA adapters). Outputs
@@ -19,7 +24,8 @@ carry a request's prompt token ids once, with its first output (the client keeps
 later step's message stays the size of what is new.
 
 Child -> parent messages:
-  ("ready", facts)              the engine is built (facts: `CoreFacts`)
+  ("ready", facts)              the engine is built (facts: `CoreFacts`); also the first
+                                message to a server that joins
   ("failed", exc)               building it raised; the process exits
   ("reply", call_id, ok, value) a command's result, or its exception (ok False)
   ("outputs", [RequestOutput])  one step's outputs
@@ -31,11 +37,15 @@ Child -> parent messages:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
+import os
 import pickle
 import signal
-from multiprocessing.connection import Connection
+import socket
+import time
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from engine.llm import build_engine_config
@@ -45,6 +55,8 @@ from engine.step_budget import with_server_budget
 
 logger = logging.getLogger(__name__)
 NO_REPLY = 0  # a command's call id when nobody waits for its answer
+STOP_DRAIN_S = 25.0  # the longest the others' requests may run on after the parent's stop
+STOP_POLL_S = 0.2  # how often an idle, stopping loop looks whether it may end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +78,10 @@ def main(argv: list[str] | None = None) -> None:
     subprocess, not multiprocessing's spawn: that re-runs the parent's main script.)"""
     parser = argparse.ArgumentParser(prog="python -m engine.core_process")
     parser.add_argument("--fd", type=int, required=True)
-    conn = Connection(parser.parse_args(argv).fd)
+    parser.add_argument("--listen", default="", help="a Unix socket path other servers connect "
+                        "to (EngineCoreClient.connect)")
+    args = parser.parse_args(argv)
+    conn = Connection(args.fd)
     # Its life is the server's: the server stops it (after draining on SIGTERM, or on Ctrl-C)
     # or its end of the socket closes; a signal sent to the process group must not cut it first.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -81,75 +96,173 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException as exc:  # noqa: BLE001 - the parent raises it
         conn.send(("failed", portable(exc)))
         return
-    conn.send(("ready", CoreFacts(engine.config.model, tuple(engine.eos_token_ids),
-                                  engine.max_model_len, engine.vocab_size,
-                                  tuple(engine.list_loras()))))
+    facts = CoreFacts(engine.config.model, tuple(engine.eos_token_ids), engine.max_model_len,
+                      engine.vocab_size, tuple(engine.list_loras()))
+    listener = _listen(args.listen) if args.listen else None
+    conn.send(("ready", facts))
     try:
-        _Core(engine, conn).run()
+        _Core(engine, conn, facts, listener).run()
     except (BrokenPipeError, ConnectionResetError):
         pass  # the parent went away mid-send: nothing is left to serve
     finally:
         engine.shutdown()
+        if listener is not None:
+            listener.close()
+            with contextlib.suppress(OSError):
+                os.unlink(args.listen)
+
+
+def _listen(path: str) -> socket.socket:
+    """A non-blocking Unix socket at `path` (a stale file of an earlier run replaced)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    listener.setblocking(False)
+    return listener
 
 
 class _Core:
-    """The step loop: commands between steps, each step's outputs in one message."""
+    """The step loop: commands between steps, each step's outputs in one message per server.
 
-    def __init__(self, engine: LLMEngine, conn: Connection) -> None:
-        self.engine, self.conn = engine, conn
+    The first connection is the parent's; with a listening socket other servers connect too
+    (`pdserve up --colocated --api-server-count N`: N HTTP servers, one engine). A request's
+    outputs go to the connection that added it; a server that goes away has its requests
+    aborted; the parent going away ends the loop."""
+
+    def __init__(self, engine: LLMEngine, conn: Connection, facts: CoreFacts,
+                 listener: socket.socket | None = None) -> None:
+        self.engine, self.parent, self.facts, self.listener = engine, conn, facts, listener
+        self.conns: list[Connection] = [conn]
+        self.owner: dict[str, Connection] = {}  # request id -> the server that added it
         self.handlers = {
             "add": self._add, "abort": self._abort, "stats": engine.stats,
             "add_lora": engine.add_lora, "remove_lora": engine.remove_lora,
         }
-        self.prompt_sent: set[str] = set()  # requests whose prompt ids the parent has
+        self.prompt_sent: set[str] = set()  # requests whose prompt ids their server has
         self.loras = tuple(engine.list_loras())
+        self.stopping_at = 0.0  # when the parent said stop (0: it has not)
 
     def run(self) -> None:
-        while self._commands(block=not self.engine.has_work()):
+        while self._commands(block=not self.engine.has_work()) and not self._stopped():
             if self.engine.has_work():
                 try:
                     outputs = self.engine.step()
                 except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
                     logger.exception("the engine's step failed")
-                    self.conn.send(("dead", portable(exc)))
+                    for conn in list(self.conns):
+                        self._send(conn, ("dead", portable(exc)))
                     return
-                if outputs:
-                    self.conn.send(("outputs", self._wire(outputs)))
+                by_conn: dict[Connection, list[RequestOutput]] = {}
+                for out in self._wire(outputs):
+                    conn = self.owner.get(out.request_id)
+                    if out.finished:
+                        self.owner.pop(out.request_id, None)
+                    if conn is not None:
+                        by_conn.setdefault(conn, []).append(out)
+                for conn, batch in by_conn.items():
+                    self._send(conn, ("outputs", batch))
 
     def _commands(self, block: bool) -> bool:
-        """Run the commands waiting (with `block`, wait for one first: the engine is idle).
-        False when the loop must end: told to stop, or the parent is gone."""
-        while self.conn.poll(None if block else 0):
-            block = False
-            try:
-                op, call_id, args = self.conn.recv()
-            except (EOFError, OSError):
-                return False
-            if op == "stop":
-                return False
-            try:
-                result = self.handlers[op](*args)
-            except Exception as exc:  # noqa: BLE001 - handed to the caller
-                if call_id != NO_REPLY:
-                    self.conn.send(("reply", call_id, False, portable(exc)))
-                else:
-                    logger.warning("%s%r failed: %s", op, args[:1], exc)
+        """Run the commands waiting (with `block`, wait for one first: the engine is idle;
+        while stopping, at most STOP_POLL_S). False when the loop must end: the parent is
+        gone (its stop is `_stop`: the others' requests may still finish)."""
+        waitables: list[Any] = [*self.conns, *([self.listener] if self.listener else [])]
+        timeout = (STOP_POLL_S if self.stopping_at else None) if block else 0
+        for ready in wait(waitables, timeout):
+            if ready is self.listener:
+                self._accept()
                 continue
-            self._lora_changes()  # an add may have loaded one: known before the reply
-            if call_id != NO_REPLY:
-                self.conn.send(("reply", call_id, True, result))
+            while ready in self.conns and ready.poll(0):
+                try:
+                    message = ready.recv()
+                except (EOFError, OSError):
+                    if ready is self.parent:
+                        return False
+                    message = ("stop", NO_REPLY, ())
+                if message[0] == "stop":
+                    if ready is self.parent:
+                        self._stop()
+                    else:
+                        self._drop(ready)
+                    break
+                self._run(ready, *message)
         return True
 
-    def _add(self, request_id: str, prompt: Any, params: Any, prior: list[int] | None,
-             lora_request: Any) -> None:
+    def _stop(self) -> None:
+        """The parent stops (it has drained its own requests): take no new server, and end
+        once the others' requests are done, at most STOP_DRAIN_S from now."""
+        self.stopping_at = time.monotonic()
+        self._drop(self.parent)  # what it left running is abandoned
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+    def _stopped(self) -> bool:
+        if not self.stopping_at:
+            return False
+        others_busy = any(conn in self.conns for conn in self.owner.values())
+        return not others_busy or time.monotonic() - self.stopping_at > STOP_DRAIN_S
+
+    def _run(self, conn: Connection, op: str, call_id: int, args: tuple) -> None:
+        try:
+            result = self.handlers[op](conn, *args) if op in ("add", "abort") else (
+                self.handlers[op](*args))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            if call_id != NO_REPLY:
+                self._send(conn, ("reply", call_id, False, portable(exc)))
+            else:
+                logger.warning("%s%r failed: %s", op, args[:1], exc)
+            return
+        self._lora_changes()  # an add may have loaded one: known before the reply
+        if call_id != NO_REPLY:
+            self._send(conn, ("reply", call_id, True, result))
+
+    def _accept(self) -> None:
+        assert self.listener is not None
+        try:
+            sock, _ = self.listener.accept()
+        except BlockingIOError:
+            return
+        sock.setblocking(True)
+        conn = Connection(sock.detach())
+        self.conns.append(conn)
+        self._send(conn, ("ready", dataclasses.replace(self.facts, loras=self.loras)))
+
+    def _drop(self, conn: Connection) -> None:
+        """A server went away: its requests are aborted (their blocks freed)."""
+        self.conns.remove(conn)
+        conn.close()
+        for request_id in [r for r, c in self.owner.items() if c is conn]:
+            del self.owner[request_id]
+            self.prompt_sent.discard(request_id)
+            self.engine.abort_request(request_id)
+
+    def _send(self, conn: Connection, message: tuple) -> None:
+        """To a server; a server other than the parent that is gone is dropped."""
+        if conn not in self.conns:  # dropped, or the parent after its stop
+            return
+        try:
+            conn.send(message)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            if conn is self.parent:
+                raise BrokenPipeError("the parent is gone") from None
+            if conn in self.conns:
+                self._drop(conn)
+
+    def _add(self, conn: Connection, request_id: str, prompt: Any, params: Any,
+             prior: list[int] | None, lora_request: Any) -> None:
         self.prompt_sent.discard(request_id)
         self.engine.add_request(request_id, prompt, params, prior_output_token_ids=prior,
                                 lora_request=lora_request)
+        self.owner[request_id] = conn
 
-    def _abort(self, request_id: str) -> bool:
-        if request_id in self.prompt_sent:  # no final output will tell the parent to drop it
+    def _abort(self, conn: Connection, request_id: str) -> bool:
+        if request_id in self.prompt_sent:  # no final output will tell the server to drop it
             self.prompt_sent.discard(request_id)
-            self.conn.send(("forget", request_id))
+            self._send(conn, ("forget", request_id))
+        self.owner.pop(request_id, None)
         return self.engine.abort_request(request_id)
 
     def _wire(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -169,7 +282,8 @@ class _Core:
         loras = tuple(self.engine.list_loras())
         if loras != self.loras:
             self.loras = loras
-            self.conn.send(("loras", loras))
+            for conn in list(self.conns):
+                self._send(conn, ("loras", loras))
 
 
 def portable(exc: BaseException) -> BaseException:

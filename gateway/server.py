@@ -227,7 +227,8 @@ async def _serve_colocated(args: argparse.Namespace, engine: AsyncLLMEngine, nam
 
     metrics, loras = GatewayMetrics(), None
     if args.enable_lora:  # --lora-modules loaded now: a bad adapter fails the start
-        await preload_loras(engine, args)
+        if not args.engine_core_address:  # else the engine core's own server loaded them
+            await preload_loras(engine, args)
         loras = LoRAModels(MemoryCatalog(), EngineAdapters(engine))
         await loras.seed(parse_lora_modules(args.lora_modules))
         metrics.watch_engine(engine.stats, args.max_loras)

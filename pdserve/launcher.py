@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -106,7 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              help="prompts up to this many tokens prefill on the decode worker (0: never)")
     add_flag(p, "--api-server-count", 1, type=int,
              help="gateway processes sharing --port (SO_REUSEPORT: the kernel spreads client "
-                  "connections over them); one Python process streams a few thousand tokens/s")
+                  "connections over them); one Python process streams a few thousand tokens/s "
+                  "(with --colocated: servers sharing one engine core process)")
     add_flag(p, "--routing", "kv_aware", choices=["kv_aware", "load", "round_robin"],
              help="how the gateway picks workers: kv_aware (prefill workers holding the "
                   "prompt's prefix, against load), load, round_robin")
@@ -155,6 +157,8 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
     decoding = [*spec, "--stream-interval", str(args.stream_interval)]  # engines that decode
     engine += lora_argv(args)  # LoRA: the engines' flags and --lora-modules (they preload them)
+    if args.api_server_count < 1:
+        raise SystemExit("pdserve up: --api-server-count must be at least 1")
     if args.engine_core is not None and not args.colocated:
         raise SystemExit("pdserve up: --engine-core is the colocated server's (--colocated); "
                          "prefill and decode workers run their engine in a thread")
@@ -162,7 +166,7 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
         argv = [*py, "serve", *common, *engine, *decoding, *template, *_tool_flags(args)]
         if args.engine_core is not None:
             argv += ["--engine-core", args.engine_core]
-        return [_colocated(args, argv, gateway_url)]
+        return _colocated(args, argv, gateway_url)
     services = []
     if redis_port is not None:
         services.append(Service("redis", redis_argv(redis_port), f"redis:{redis_port}"))
@@ -186,8 +190,6 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
             args.log_level, "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
             "--routing", args.routing, "--generate-streams", args.generate_streams,
             *_tool_flags(args), *lora_argv(args, engine=False)]
-    if args.api_server_count < 1:
-        raise SystemExit("pdserve up: --api-server-count must be at least 1")
     if args.api_server_count > 1:
         argv += ["--reuse-port"]
     for i in range(args.api_server_count):
@@ -211,15 +213,29 @@ def _tool_flags(args: argparse.Namespace) -> list[str]:
     return ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
 
 
-def _colocated(args: argparse.Namespace, argv: list[str], gateway_url: str) -> Service:
-    """`pdserve serve`, its one engine sized like a decode worker (--decode-tp, --decode-gpus)."""
+def _colocated(args: argparse.Namespace, argv: list[str], gateway_url: str) -> list[Service]:
+    """`pdserve serve`, its one engine sized like a decode worker (--decode-tp, --decode-gpus);
+    with --api-server-count N, N of them on one port sharing one engine core process."""
     if args.prefill_tp != 1:
         raise SystemExit("pdserve up: --colocated runs one engine, sized by --decode-tp and "
                          "--decode-gpus: drop --prefill-tp")
     [env] = _gpu_envs(args, "decode", 1)
     argv += ["--tensor-parallel-size", str(args.decode_tp), "--host", args.host, "--port",
              str(args.port)]
-    return Service("gateway", argv, f"http:{gateway_url}/ready", env={**env, **_key_env(args)})
+    env = {**env, **_key_env(args)}
+    if args.api_server_count == 1:
+        return [Service("gateway", argv, f"http:{gateway_url}/ready", env=env)]
+    if args.engine_core == "thread":
+        raise SystemExit("pdserve up: --colocated --api-server-count N shares one engine core "
+                         "process between N servers: drop --engine-core thread")
+    # the first server starts the engine core; the others join it; all serve one port
+    core = os.path.join(tempfile.gettempdir(), f"pdserve-engine-core-{args.port}.sock")
+    argv += ["--reuse-port"]
+    return [Service("gateway" if i == 0 else f"gateway-{i}",
+                    [*argv, *(["--engine-core-listen", core] if i == 0 else
+                              ["--engine-core-address", core])],
+                    f"http:{gateway_url}/ready", env=env)
+            for i in range(args.api_server_count)]
 
 
 def _gpu_envs(args: argparse.Namespace, role: str, count: int) -> list[dict[str, str]]:

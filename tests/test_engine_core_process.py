@@ -134,6 +134,52 @@ def test_a_killed_engine_core_fails_its_streams_and_later_calls() -> None:
         client.shutdown()
 
 
+def test_servers_that_join_share_the_engine_and_leave_nothing_behind(tmp_path) -> None:
+    """A second server joins the first's engine core (`connect`): its requests run there with
+    the same outputs; when it goes away mid-request, that request's blocks are freed; when the
+    first server stops, the core finishes the others' requests, then ends."""
+    path = str(tmp_path / "core.sock")
+    owner = EngineCoreClient.from_args(None, listen=path, **KWARGS)
+    try:
+        joined = EngineCoreClient.connect(path, timeout_s=30)
+        expected = asyncio.run(_run(owner, PROMPTS[0], "a", _params()))
+        assert asyncio.run(_run(joined, PROMPTS[0], "b", _params())) == expected
+        assert joined.engine.max_model_len == 256
+
+        async def leave_mid_request():
+            stream = joined.generate(PROMPTS[1], _params(max_tokens=200), "left")
+            await stream.__anext__()
+            joined.shutdown()  # gone without closing its stream
+            for _ in range(100):
+                stats = await owner.stats()
+                if stats.num_running == 0:
+                    return stats
+                await asyncio.sleep(0.05)
+            return stats
+
+        stats = asyncio.run(leave_mid_request())
+        assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+        # The first server stops (it drained its own requests): the engine core finishes what
+        # another server's requests still need, then ends.
+        late = EngineCoreClient.connect(path, timeout_s=30)
+
+        async def finish_after_the_owner_stops():
+            stream = late.generate(PROMPTS[2], _params(max_tokens=40), "late")
+            outputs = [await stream.__anext__()]
+            stopping = asyncio.create_task(asyncio.to_thread(owner.shutdown))
+            outputs += [out async for out in stream]
+            await stopping
+            return outputs
+
+        outputs = asyncio.run(finish_after_the_owner_stops())
+        assert outputs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outputs) == 40
+        late.shutdown()
+    finally:
+        owner.shutdown()
+    assert owner._proc.returncode == 0 and not os.path.exists(path)
+
+
 def test_shutdown_stops_the_child(core) -> None:
     client = EngineCoreClient.from_args(None, **KWARGS)
     client.shutdown()
@@ -223,3 +269,37 @@ def _children(pid: int, marker: str) -> list[int]:
         if int(ppid) == pid and state != "Z" and marker in cmd:
             found.append(int(entry))
     return found
+
+
+@pytest.mark.slow
+def test_pdserve_up_colocated_api_servers_share_one_engine_core(tmp_path) -> None:
+    """`pdserve up --colocated --api-server-count 2`: two HTTP servers on one port, one engine
+    core (started by the first); streams from fresh connections all complete alike, and the
+    engine's blocks are free after."""
+    import httpx
+    import openai
+    from cluster import run_cluster
+
+    prompt = "The capital of France is"
+    with run_cluster(tmp_path, "--colocated", "--api-server-count", "2",
+                     "--kv-cache-memory", str(32 << 20), "--max-model-len", "512") as c:
+        pids = c.pids()
+        assert len(_children(pids["gateway"], "engine.core_process")) == 1
+        assert not _children(pids["gateway-1"], "engine.core_process")
+        (model,) = [m["id"] for m in httpx.get(c.url + "/v1/models").json()["data"]]
+
+        async def one() -> str:
+            async with openai.AsyncOpenAI(base_url=c.url + "/v1", api_key="unused",
+                                          max_retries=0) as client:
+                stream = await client.completions.create(
+                    model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+                return "".join([ch.choices[0].text async for ch in stream])
+
+        async def main() -> list[str]:
+            return await asyncio.gather(*(one() for _ in range(6)))
+
+        texts = asyncio.run(main())
+        assert len(set(texts)) == 1 and texts[0]
+        (worker,) = httpx.get(c.url + "/workers").json()["workers"]
+        assert worker["num_running"] == 0
+        assert worker["num_free_blocks"] == worker["num_total_blocks"]

@@ -121,6 +121,19 @@ def test_the_engine_core_reaches_the_colocated_server(argv: list[str], expected:
     assert all("--engine-core" not in s.argv for s in plan(_up([], monkeypatch), "", None))
 
 
+def test_colocated_api_servers_share_one_engine_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    servers = plan(_up(["--colocated", "--api-server-count", "3"], monkeypatch), "", None)
+    assert [s.name for s in servers] == ["gateway", "gateway-1", "gateway-2"]
+    parsed = [build_parser().parse_args(s.argv[3:]) for s in servers]
+    core = parsed[0].engine_core_listen
+    assert core and all(p.reuse_port for p in parsed) and not parsed[0].engine_core_address
+    assert [p.engine_core_address for p in parsed[1:]] == [core, core]
+    assert not any(p.engine_core_listen for p in parsed[1:])
+    with pytest.raises(SystemExit, match="drop --engine-core thread"):
+        plan(_up(["--colocated", "--api-server-count", "2", "--engine-core", "thread"],
+                 monkeypatch), "", None)
+
+
 def test_the_engine_core_process_is_refused_for_a_split_cluster(
         monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit, match="--engine-core is the colocated server's"):

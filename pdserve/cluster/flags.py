@@ -97,6 +97,13 @@ def add_engine_core_flag(parser: argparse.ArgumentParser) -> None:
              help="where the engine's step loop runs: a thread of the server's process "
                   "(sharing its interpreter lock with the HTTP server), or a process of its own "
                   "(vLLM V1's EngineCore)")
+    add_flag(parser, "--engine-core-listen", "",
+             help="with --engine-core process: a Unix socket path at which other servers join "
+                  "this server's engine core (`--engine-core-address`)")
+    add_flag(parser, "--engine-core-address", "",
+             help="join the engine core another server listens for at this Unix socket path "
+                  "instead of starting one (its engine flags then apply; this server's are "
+                  "unused)")
 
 
 def add_kv_push_streams_flag(parser: argparse.ArgumentParser) -> None:

@@ -111,10 +111,14 @@ def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
     from engine.async_engine import AsyncLLMEngine
 
     engine_class: Any = AsyncLLMEngine
-    if getattr(args, "engine_core", "thread") == "process":
+    extra: dict[str, Any] = {}
+    if getattr(args, "engine_core", "thread") == "process" or getattr(
+            args, "engine_core_address", ""):
         from engine.core_client import EngineCoreClient
 
-        engine_class = EngineCoreClient
+        if args.engine_core_address:
+            return EngineCoreClient.connect(args.engine_core_address)
+        engine_class, extra = EngineCoreClient, {"listen": args.engine_core_listen}
     return engine_class.from_args(
         args.model, role=role, dtype=args.dtype, device=args.device, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
@@ -127,7 +131,7 @@ def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
         enforce_eager=args.enforce_eager,
         speculative_config=speculative_config(args.speculative_config),
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        stream_interval=args.stream_interval, **lora_engine_kwargs(args),
+        stream_interval=args.stream_interval, **lora_engine_kwargs(args), **extra,
     )
 
 
