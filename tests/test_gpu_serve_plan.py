@@ -81,6 +81,10 @@ def test_each_system_s_pdserve_up(system: str) -> None:
         assert up.engine_core == "process"
         argv = up_argv(_config("--engine-core", "thread"), system, 1, "redis://r")
         assert build_parser().parse_args(argv[3:]).engine_core == "thread"
+        assert up.api_server_count == 1
+        argv = up_argv(_config("--colocated-api-servers", "4", "--api-server-count", "2"),
+                       system, 1, "redis://r")
+        assert build_parser().parse_args(argv[3:]).api_server_count == 4
     else:
         assert (up.redis_url, up.kv_transport) == ("redis://127.0.0.1:7000/0", system)
         assert up.generate_streams == "shared"

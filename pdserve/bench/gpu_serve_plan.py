@@ -74,12 +74,13 @@ class ServeConfig:
     stream_interval: int = 1  # every system's engines stream a request's tokens this many a time
     generate_streams: str = "shared"  # a split system's gateways (`pdserve up`'s flag)
     engine_core: str = "process"  # a colocated server's engine loop: thread or process
+    colocated_api_servers: int = 1  # HTTP servers in front of a colocated system's engine core
 
     def __post_init__(self) -> None:
         if not self.systems or set(self.systems) - set(SYSTEMS):
             raise ValueError(f"--systems is a comma list of {','.join(SYSTEMS)}")
-        if self.api_server_count < 1:
-            raise ValueError("--api-server-count must be >= 1")
+        if self.api_server_count < 1 or self.colocated_api_servers < 1:
+            raise ValueError("--api-server-count and --colocated-api-servers must be >= 1")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
         if self.kv_cache_memory < 1 or self.max_model_len < 1:
@@ -122,6 +123,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--engine-core", default="process", choices=["thread", "process"],
                    help="the colocated systems' engine loop: a thread of the server's process "
                         "or a process of its own (pdserve up's flag)")
+    m.add_argument("--colocated-api-servers", type=int, default=1,
+                   help="the colocated systems' HTTP servers sharing one engine core (pdserve up "
+                        "--colocated --api-server-count)")
     g = p.add_argument_group("load (python -m loadtest)")
     g.add_argument("--request-rate", type=parse_rates, default=load.request_rates)
     g.add_argument("--num-prompts", type=int, default=load.num_prompts, help="per rate")
@@ -150,7 +154,8 @@ def config_of(args: argparse.Namespace) -> ServeConfig:
                        model_dir, args.kv_cache_memory, args.max_model_len, args.redis_server,
                        Path(args.out_dir), args.startup_timeout, load,
                        Path(args.work_dir) if args.work_dir else None, args.api_server_count,
-                       args.stream_interval, args.generate_streams, args.engine_core)
+                       args.stream_interval, args.generate_streams, args.engine_core,
+                       args.colocated_api_servers)
 
 
 def shape_tag(shape: ModelShape) -> str:
@@ -168,7 +173,8 @@ def up_argv(cfg: ServeConfig, system: str, port: int, redis_url: str) -> list[st
             str(cfg.max_model_len), "--port", str(port), "--stream-interval",
             str(cfg.stream_interval)]
     if system in ("colocated", "replicas"):
-        return [*argv, "--colocated", "--engine-core", cfg.engine_core]
+        return [*argv, "--colocated", "--engine-core", cfg.engine_core, "--api-server-count",
+                str(cfg.colocated_api_servers)]
     transport = system.removeprefix("split_")
     gpus = ["--prefill-gpus", "0", "--decode-gpus", "1"] if system.startswith("split_") else []
     return [*argv, "--redis-url", redis_url, "--kv-transport", transport, *gpus,
