@@ -201,7 +201,10 @@ class EngineCoreClient:
         return self._error
 
     def shutdown(self) -> None:
-        """Stop the engine core process (requests in flight are abandoned)."""
+        """Stop the engine core process (this server's requests in flight are abandoned;
+        those of servers that joined it finish first, for at most
+        core_process.STOP_DRAIN_S); a server that joined another's engine core only leaves
+        it."""
         if self._stopping:
             return
         self._stopping = True
