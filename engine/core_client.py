@@ -28,15 +28,14 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
-
 from multiprocessing.connection import Connection
+from typing import Any
 
 from engine.async_engine import EngineDeadError
 from engine.core_process import NO_REPLY, CoreFacts
 from engine.llm_engine import PromptInput
-from engine.lora.request import LoRARequest
 from engine.loop_hops import call_on_loops
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SchedulerStats

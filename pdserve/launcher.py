@@ -23,7 +23,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import tempfile
 import threading
 import time
 from collections.abc import Iterator

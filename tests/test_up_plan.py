@@ -113,7 +113,8 @@ def test_the_stream_interval_reaches_the_engines_that_decode(
     assert build_parser().parse_args(serve.argv[3:]).stream_interval == interval
 
 
-@pytest.mark.parametrize("argv, expected", [([], "process"), (["--engine-core", "thread"], "thread")])
+@pytest.mark.parametrize("argv, expected",
+                         [([], "process"), (["--engine-core", "thread"], "thread")])
 def test_the_engine_core_reaches_the_colocated_server(argv: list[str], expected: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     (serve,) = plan(_up(["--colocated", *argv], monkeypatch), "", None)
