@@ -28,18 +28,24 @@ def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _engine_args(monkeypatch: pytest.MonkeyPatch, args: argparse.Namespace) -> dict[str, Any]:
-    """What `build_engine(args, ...)` hands AsyncLLMEngine.from_args, checked against
-    build_engine_config's signature."""
+    """What `build_engine(args, ...)` hands AsyncLLMEngine.from_args (or, for `pdserve
+    serve`, EngineCoreClient.from_args: its engine core runs in a process of its own), checked
+    against build_engine_config's signature."""
     from engine.async_engine import AsyncLLMEngine
+    from engine.core_client import EngineCoreClient
 
     seen: dict[str, Any] = {}
 
-    def fake_from_args(model: str | None, **kwargs: Any) -> str:
-        seen.update(kwargs)
-        return "engine"
+    def fake(cls: type) -> Any:
+        def from_args(model: str | None, listen: str = "", **kwargs: Any) -> str:
+            seen.update(kwargs)
+            return cls.__name__
+        return staticmethod(from_args)
 
-    monkeypatch.setattr(AsyncLLMEngine, "from_args", staticmethod(fake_from_args))
-    assert build_engine(args, "decode") == "engine"
+    monkeypatch.setattr(AsyncLLMEngine, "from_args", fake(AsyncLLMEngine))
+    monkeypatch.setattr(EngineCoreClient, "from_args", fake(EngineCoreClient))
+    expected = "EngineCoreClient" if args.command == "serve" else "AsyncLLMEngine"
+    assert build_engine(args, "decode") == expected
     inspect.signature(build_engine_config).bind(args.model, **seen)
     return seen
 

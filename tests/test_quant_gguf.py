@@ -348,10 +348,12 @@ def test_quantization_flag_reaches_the_engine(
     from pdserve.cli import build_parser
     from pdserve.cluster.worker import build_engine
 
+    from engine.core_client import EngineCoreClient
+
     seen: dict = {}
-    monkeypatch.setattr(
-        AsyncLLMEngine, "from_args", staticmethod(lambda model, **kw: seen.update(kw))
-    )
+    for engine_class in (AsyncLLMEngine, EngineCoreClient):  # serve's runs in its own process
+        monkeypatch.setattr(engine_class, "from_args",
+                            staticmethod(lambda model, listen="", **kw: seen.update(kw)))
     monkeypatch.delenv("PDSERVE_QUANTIZATION", raising=False)
     build_engine(build_parser().parse_args([command, "--quantization", "none"]), command)
     assert seen["quantization"] == "none"
