@@ -345,10 +345,9 @@ def test_quantization_flag_reaches_the_engine(
     command: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from engine.async_engine import AsyncLLMEngine
+    from engine.core_client import EngineCoreClient
     from pdserve.cli import build_parser
     from pdserve.cluster.worker import build_engine
-
-    from engine.core_client import EngineCoreClient
 
     seen: dict = {}
     for engine_class in (AsyncLLMEngine, EngineCoreClient):  # serve's runs in its own process
