@@ -8,7 +8,7 @@ step loop runs in a child process and the server's process (engine/core_client.p
 network, the streams and the detokenization:
 
     server process                                   engine core process (this module)
-    EngineCoreClient ──(op, call id, args)──▶ pipe ──▶ [commands between steps ─▶ step]
+    EngineCoreClient ──(op, call id, args)──▶ socket ──▶ [commands between steps ─▶ step]
           ▲                                                                   │
           └── reader thread ◀── ("outputs", [...]) · ("reply", id, ok, value) ◀┘
 
@@ -17,18 +17,19 @@ up --colocated --api-server-count N`): each connection gets the outputs of the r
 added; one that goes away has its requests aborted; when the parent stops, the core finishes
 the others' requests (at most STOP_DRAIN_S), then ends.
 
-One pipe each way, messages in order: a command's reply comes before the outputs of any step
-that ran after it, so an `add` is answered before its request's first output. Commands run
-between steps exactly as `AsyncLLMEngine`'s do (add, abort, stats, LoRA adapters). Outputs
+One Unix socket per server, messages in order: a command's reply comes before the outputs of
+any step that ran after it, so an `add` is answered before its request's first output. Commands
+run between steps exactly as `AsyncLLMEngine`'s do (add, abort, stats, LoRA adapters). Outputs
 carry a request's prompt token ids once, with its first output (the client keeps them): each
 later step's message stays the size of what is new.
 
-Child -> parent messages:
+Server -> core: ("start", model, kwargs, log_level) first (the parent), then (op, call_id,
+args) commands: add, abort, stats, add_lora, remove_lora, stop. Core -> server messages:
   ("ready", facts)              the engine is built (facts: `CoreFacts`); also the first
                                 message to a server that joins
   ("failed", exc)               building it raised; the process exits
   ("reply", call_id, ok, value) a command's result, or its exception (ok False)
-  ("outputs", [RequestOutput])  one step's outputs
+  ("outputs", [RequestOutput])  one step's outputs (of that server's requests)
   ("forget", request_id)        an aborted request: drop the prompt ids kept for it
   ("loras", [LoRARequest])      the adapters loaded now, whenever that set changes
   ("dead", exc)                 a step raised; no request can progress; the process exits
