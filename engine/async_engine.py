@@ -33,6 +33,7 @@ from engine.llm_engine import LLMEngine, PromptInput
 from engine.loop_hops import call_on_loops
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
+from engine.request_streams import EngineDeadError, RequestFailed, RequestStreams, settle
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SchedulerStats
 from engine.step_budget import with_server_budget
@@ -42,27 +43,15 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 HANDOVER_S = 0.002  # the longest the engine thread waits for an event loop after commands
-_ABORTED = object()  # ends a stream whose request was aborted through `abort()`
 # (fn, args, the future its answer settles and that future's loop: None when nobody waits)
 _Command = tuple[Callable[..., Any], tuple, asyncio.Future | None,
                  asyncio.AbstractEventLoop | None]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine's step loop raised; no request can make progress."""
 
 
 class _Failed:
     """A command that fails the engine loop (a tensor-parallel rank died while it idled)."""
 
     def __init__(self, exc: RuntimeError) -> None:
-        self.exc = exc
-
-
-class _RequestFailed:
-    """Ends one request's stream with `exc` (the engine loop itself is fine)."""
-
-    def __init__(self, exc: Exception) -> None:
         self.exc = exc
 
 
@@ -74,7 +63,7 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue[_Command | _Failed | None] = queue.SimpleQueue()
         self._stopping = False
         self._error: BaseException | None = None
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams = RequestStreams("the engine loop has failed")
         # Engine thread only: reservations queued for free blocks -> the future their blocks
         # (or None: aborted while queued) are handed to.
         self._granted: dict[str, asyncio.Future] = {}
@@ -113,11 +102,11 @@ class AsyncLLMEngine:
         try:
             await self.call(add, request_id, prompt, sampling_params)
         except asyncio.CancelledError:
-            self._streams.pop(request_id, None)
+            self._streams.discard(request_id)
             self._abort_soon(request_id)  # the add may still be queued: undo it after it runs
             raise
         except BaseException:
-            self._streams.pop(request_id, None)
+            self._streams.discard(request_id)
             raise
         async with aclosing(self._consume(request_id)) as outputs:  # closed with us: aborts first
             async for out in outputs:
@@ -158,11 +147,11 @@ class AsyncLLMEngine:
                 f"{wait.seconds:g} s"
             ) from None
         except asyncio.CancelledError:
-            self._streams.pop(request_id, None)
+            self._streams.discard(request_id)
             self._abort_soon(request_id)  # the reservation may still be queued: release it after
             raise
         except BaseException:
-            self._streams.pop(request_id, None)
+            self._streams.discard(request_id)
             raise
         return reservation
 
@@ -224,10 +213,7 @@ class AsyncLLMEngine:
         """Abort a request wherever it is (held or reserved blocks too); its stream ends without
         a final output. True if the engine knew the request."""
         found = await self.call(self._abort, request_id)
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, _ABORTED)
+        self._streams.end(request_id)
         return found
 
     @property
@@ -270,28 +256,10 @@ class AsyncLLMEngine:
     def _open(self, request_id: str) -> None:
         if self._error is not None:
             raise EngineDeadError("the engine loop has failed") from self._error
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self._streams[request_id] = (asyncio.get_running_loop(), asyncio.Queue())
+        self._streams.open(request_id)
 
-    async def _consume(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        q = self._streams[request_id][1]
-        finished = False
-        try:
-            while not finished:
-                item = await q.get()
-                if item is _ABORTED:
-                    return
-                if isinstance(item, _RequestFailed):
-                    raise RuntimeError(f"request {request_id!r} failed: {item.exc}") from item.exc
-                if isinstance(item, BaseException):
-                    raise EngineDeadError("the engine loop has failed") from item
-                finished = item.finished
-                yield item
-        finally:
-            stream = self._streams.pop(request_id, None)
-            if not finished and stream is not None:
-                await asyncio.shield(self.call(self._abort, request_id))
+    def _consume(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        return self._streams.consume(request_id, lambda: self.call(self._abort, request_id))
 
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -330,7 +298,7 @@ class AsyncLLMEngine:
     def _grant_reservations(self) -> None:
         for request_id, reservation in self.engine.grant_reservations():
             future = self._granted.pop(request_id)
-            future.get_loop().call_soon_threadsafe(_settle, future, reservation, None)
+            future.get_loop().call_soon_threadsafe(settle, future, reservation, None)
 
     def _commit(
         self, request_id: str, first_token_id: int, logprobs: tuple[float, dict] | None
@@ -341,13 +309,13 @@ class AsyncLLMEngine:
             self.engine.commit_request(request_id, first_token_id, logprobs)
         except Exception as exc:  # noqa: BLE001 - handed to the request's reader
             if self.engine.abort_request(request_id):  # else: aborted already, nothing waits
-                self._deliver(request_id, _RequestFailed(exc))
+                self._streams.put(request_id, RequestFailed(exc))
 
     def _abort(self, request_id: str) -> bool:
         """`LLMEngine.abort_request`; a reservation queued for blocks is told None."""
         future = self._granted.pop(request_id, None)
         if future is not None:
-            future.get_loop().call_soon_threadsafe(_settle, future, None, None)
+            future.get_loop().call_soon_threadsafe(settle, future, None, None)
         return self.engine.abort_request(request_id)
 
     def _run_commands(self, block: bool) -> None:
@@ -373,38 +341,25 @@ class AsyncLLMEngine:
                 try:
                     result = fn(*args)
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
-                    loop.call_soon_threadsafe(_settle, future, None, exc)
+                    loop.call_soon_threadsafe(settle, future, None, exc)
                 else:
-                    loop.call_soon_threadsafe(_settle, future, result, None)
+                    loop.call_soon_threadsafe(settle, future, result, None)
         finally:
             for loop in loops:
                 _hand_over(loop)
 
-    def _deliver(
-        self, request_id: str, item: RequestOutput | BaseException | _RequestFailed
-    ) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, item)
-
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs to their readers, one hop per event loop (engine/loop_hops.py)."""
-        calls = []
         for out in outputs:
             handover_trace.mark(out.request_id, "step_out")
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                calls.append((stream[0], stream[1].put_nowait, out))
-        call_on_loops(calls)
+        call_on_loops(self._streams.output_calls(outputs))
 
     def _fail_all(self, exc: BaseException) -> None:
-        for request_id in list(self._streams):
-            self._deliver(request_id, exc)
+        self._streams.fail_all(exc)
         dead = EngineDeadError("the engine loop has failed")
         dead.__cause__ = exc
         for future in self._granted.values():
-            future.get_loop().call_soon_threadsafe(_settle, future, None, dead)
+            future.get_loop().call_soon_threadsafe(settle, future, None, dead)
 
 
 def _nothing() -> None:
@@ -425,12 +380,3 @@ def _hand_over(loop: asyncio.AbstractEventLoop) -> None:
     except RuntimeError:  # closed meanwhile
         return
     done.wait(HANDOVER_S)
-
-
-def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if future.cancelled():
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)

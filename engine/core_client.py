@@ -31,17 +31,16 @@ from contextlib import aclosing
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.async_engine import EngineDeadError
 from engine.core_process import NO_REPLY, CoreFacts
 from engine.llm_engine import PromptInput
 from engine.loop_hops import call_on_loops
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
+from engine.request_streams import EngineDeadError, RequestStreams, settle
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SchedulerStats
 
 logger = logging.getLogger(__name__)
-_ABORTED = object()  # ends a stream whose request was aborted through `abort()`
 _STOP = object()  # ends the writer thread
 STOP_TIMEOUT_S = 30.0
 
@@ -79,7 +78,7 @@ class EngineCoreClient:
         self._loras: list[LoRARequest] = list(facts.loras)
         self._stopping = False
         self._error: BaseException | None = None
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams = RequestStreams("the engine core has failed")
         self._prompts: dict[str, list[int]] = {}  # reader thread only: prompt ids, by request
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
@@ -155,11 +154,11 @@ class EngineCoreClient:
             await self._call("add", request_id, prompt, sampling_params, prior_output_token_ids,
                              lora_request)
         except asyncio.CancelledError:
-            self._streams.pop(request_id, None)
+            self._streams.discard(request_id)
             self._send("abort", NO_REPLY, request_id)  # after the add, whatever it did
             raise
         except BaseException:
-            self._streams.pop(request_id, None)
+            self._streams.discard(request_id)
             raise
         async with aclosing(self._consume(request_id)) as outputs:  # closed with us: aborts first
             async for out in outputs:
@@ -169,9 +168,7 @@ class EngineCoreClient:
         """Abort a request wherever it is; its stream ends without a final output. True if the
         engine knew it."""
         found = await self._call("abort", request_id)
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream[0].call_soon_threadsafe(stream[1].put_nowait, _ABORTED)
+        self._streams.end(request_id)
         return found
 
     async def stats(self) -> SchedulerStats:
@@ -245,27 +242,15 @@ class EngineCoreClient:
     def _open(self, request_id: str) -> None:
         if self._error is not None:
             raise EngineDeadError("the engine core has failed") from self._error
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self._streams[request_id] = (asyncio.get_running_loop(), asyncio.Queue())
+        self._streams.open(request_id)
 
-    async def _consume(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        q = self._streams[request_id][1]
-        finished = False
-        try:
-            while not finished:
-                item = await q.get()
-                if item is _ABORTED:
-                    return
-                if isinstance(item, BaseException):
-                    raise EngineDeadError("the engine core has failed") from item
-                finished = item.finished
-                yield item
-        finally:
-            stream = self._streams.pop(request_id, None)
-            if not finished and stream is not None and self._error is None and not (
-                    self._stopping):
-                await asyncio.shield(self._call("abort", request_id))
+    def _consume(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        return self._streams.consume(request_id, lambda: self._abort_left(request_id))
+
+    async def _abort_left(self, request_id: str) -> None:
+        """A reader left before its request finished: abort it, unless nothing runs it now."""
+        if self._error is None and not self._stopping:
+            await self._call("abort", request_id)
 
     # ---- the pipe's threads --------------------------------------------------------------
     def _write(self) -> None:
@@ -303,7 +288,6 @@ class EngineCoreClient:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs to their readers, one hop per event loop; each gets its prompt's
         token ids back (the child sends them with a request's first output only)."""
-        calls = []
         for out in outputs:
             if out.prompt_token_ids is None:
                 out.prompt_token_ids = self._prompts.get(out.request_id, [])
@@ -311,31 +295,19 @@ class EngineCoreClient:
                 self._prompts[out.request_id] = out.prompt_token_ids
             if out.finished:
                 self._prompts.pop(out.request_id, None)
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                calls.append((stream[0], stream[1].put_nowait, out))
-        call_on_loops(calls)
+        call_on_loops(self._streams.output_calls(outputs))
 
     def _reply(self, call_id: int, ok: bool, value: Any) -> None:
         future = self._calls.get(call_id)
         if future is not None:
-            future.get_loop().call_soon_threadsafe(_settle, future, value, ok)
+            future.get_loop().call_soon_threadsafe(settle, future, value if ok else None,
+                                                   None if ok else value)
 
     def _fail(self, exc: BaseException) -> None:
         logger.error("the engine core failed: %s", exc)
         self._error = exc
-        for loop, q in list(self._streams.values()):
-            loop.call_soon_threadsafe(q.put_nowait, exc)
+        self._streams.fail_all(exc)
         dead = EngineDeadError("the engine core has failed")
         dead.__cause__ = exc
         for future in list(self._calls.values()):
-            future.get_loop().call_soon_threadsafe(_settle, future, dead, False)
-
-
-def _settle(future: asyncio.Future, value: Any, ok: bool) -> None:
-    if future.cancelled() or future.done():
-        return
-    if ok:
-        future.set_result(value)
-    else:
-        future.set_exception(value)
+            future.get_loop().call_soon_threadsafe(settle, future, None, dead)
