@@ -52,7 +52,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from decode_svc.convert import first_logprobs, layout_from_pb, slab_from_pb, written_range
@@ -103,12 +103,20 @@ class KVReceiver:
     def __init__(
         self, engine: AsyncLLMEngine, kv_wait: KVWaitConfig = NO_KV_WAIT,
         exporter: PoolExporter | None = None, write_grace_s: float = 1.0,
-        fence_timeout_s: float = 30.0,
+        fence_timeout_s: float = 30.0, kv_caches: Callable[[], list] | None = None,
+        layout: KVLayout | None = None,
     ):
+        """`kv_caches` and `layout`: where a grpc push's slabs are written (called at the
+        first such push) and its layout, for an engine in a process of its own
+        (decode_svc/core_client.py); by default the engine's own (every rank's heads, with
+        tensor parallelism)."""
         self.engine = engine
         self.kv_wait = kv_wait
-        self.kv_caches = engine.engine.runner.kv_view()  # every rank's heads, with TP
-        self.layout: KVLayout = layout_of(self.kv_caches)
+        if kv_caches is None:
+            caches = engine.engine.runner.kv_view()
+            kv_caches, layout = (lambda: caches), layout_of(caches)
+        assert layout is not None
+        self.kv_caches, self.layout = kv_caches, layout
         self.exporter = exporter or PoolExporter(engine.engine.runner.kv_pool, GRPC)
         self.write_grace_s = write_grace_s
         self.fence_timeout_s = fence_timeout_s
@@ -225,11 +233,13 @@ class KVReceiver:
             return list(pending.block_ids), pending.pushes
 
     def ring(self, ring: Ring) -> None:
-        """A commit doorbell's record, on the engine thread (`AsyncLLMEngine.between_steps`):
-        commit the request now if the ringing push is its current one, its stream is open here
-        (the header read: that stream then ends in the commit or is cut) and nothing ended the
-        request; else ignore the record (the push's commit chunk, or its absence, decides as
-        without a doorbell). The request's Generate is woken on the event loop."""
+        """A commit doorbell's record, on the engine thread (`AsyncLLMEngine.between_steps`),
+        or on the doorbell's waker thread when the engine runs in a process of its own (its
+        `commit_here` sends the commit there): commit the request now if the ringing push is
+        its current one, its stream is open here (the header read: that stream then ends in
+        the commit or is cut) and nothing ended the request; else ignore the record (the
+        push's commit chunk, or its absence, decides as without a doorbell). The request's
+        Generate is woken on the event loop."""
         with self._lock:
             pending = self.pending.get(ring.request_id)
             if (pending is None or pending.block_ids is None or pending.done.is_set()
@@ -367,7 +377,8 @@ class KVReceiver:
         if header.skip_blocks != pending.cached_blocks:  # never a write into shared blocks
             raise ValueError(f"header skips {header.skip_blocks} blocks, this worker holds "
                              f"the first {pending.cached_blocks} (Generate's cached_blocks)")
-        writer = KVSlabWriter(self.kv_caches, pending.block_ids, present=header.skip_blocks)
+        writer = KVSlabWriter(self.kv_caches() if transport == GRPC else None, pending.block_ids,
+                              present=header.skip_blocks, layout=self.layout)
         pending.progress_at = time.monotonic()
         first_slab_at = None
         async for chunk in chunks:

@@ -5,12 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from decode_svc.core_client import CorePoolExporter, DecodeCoreClient
 from decode_svc.pool import PoolExporter
 from decode_svc.receiver import KVReceiver
 from decode_svc.service import DecodeServicer, add_to_server
 from engine.config import KVWaitConfig
 from pdserve.cluster.drain import DrainGate
-from pdserve.cluster.flags import add_flag, add_kv_doorbell_flag, add_kv_transport_flag
+from pdserve.cluster.flags import (
+    add_decode_engine_core_flag,
+    add_flag,
+    add_kv_doorbell_flag,
+    add_kv_transport_flag,
+)
 from pdserve.cluster.worker import (
     add_worker_flags,
     build_engine,
@@ -39,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "seconds its blocks stay reserved once the writing pushes ended (a cancelled "
                   "sender's last write may still land)")
     add_kv_doorbell_flag(parser)
+    add_decode_engine_core_flag(parser)
     add_flag(parser, "--kv-wait-max-requests", 64, type=int,
              help="Generates that may wait for free KV blocks at a time; more get "
                   "RESOURCE_EXHAUSTED at once")
@@ -47,16 +54,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def serve(args: argparse.Namespace) -> None:
     engine = await asyncio.to_thread(build_engine, args, "decode")
     args.kv_transport = kv_transport_for(args)
-    exporter = PoolExporter(engine.engine.runner.kv_pool, args.kv_transport)
-    await asyncio.to_thread(engine.engine.runner.kv_view)  # every rank's pool mapped here
-    receiver = KVReceiver(engine, KVWaitConfig(args.kv_wait_seconds, args.kv_wait_max_requests),
-                          exporter, args.kv_write_grace_seconds, args.kv_timeout)
+    kv_wait = KVWaitConfig(args.kv_wait_seconds, args.kv_wait_max_requests)
+    if isinstance(engine, DecodeCoreClient):  # the engine in a process of its own
+        exporter: PoolExporter | CorePoolExporter = CorePoolExporter(engine)
+        receiver = KVReceiver(engine, kv_wait, exporter, args.kv_write_grace_seconds,
+                              args.kv_timeout, kv_caches=engine.kv_caches, layout=exporter.layout)
+    else:
+        exporter = PoolExporter(engine.engine.runner.kv_pool, args.kv_transport)
+        await asyncio.to_thread(engine.engine.runner.kv_view)  # every rank's pool mapped here
+        receiver = KVReceiver(engine, kv_wait, exporter, args.kv_write_grace_seconds,
+                              args.kv_timeout)
     doorbell = None
     if args.kv_doorbell == "on" and any(t != GRPC for t in exporter.offered):
         doorbell = DoorbellListener(exporter.pool_id)
         exporter.doorbell = doorbell.name
-        engine.between_steps(lambda: _answer(doorbell, receiver))
-        doorbell.wake_on_ring(engine.wake)
+        if isinstance(engine, DecodeCoreClient):  # its waker thread commits: one hop less
+            doorbell.wake_on_ring(lambda: _answer(doorbell, receiver))
+        else:  # the engine thread drains it between steps, woken when idle
+            engine.between_steps(lambda: _answer(doorbell, receiver))
+            doorbell.wake_on_ring(engine.wake)
     cancels = watch_cancellations(args, receiver.drop)
     gate = DrainGate()
     servicer = DecodeServicer(engine, receiver, args.kv_timeout, cancels, gate)
@@ -74,7 +90,8 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def _answer(doorbell: DoorbellListener, receiver: KVReceiver) -> None:
-    """The engine thread, before each step: commit what rang since."""
+    """Commit what rang since: on the engine thread before each step, or (an engine core
+    process) on the doorbell's waker thread, which sends the commits there."""
     for ring in doorbell.drain():
         receiver.ring(ring)
 

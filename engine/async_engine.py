@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from engine import handover_trace
 from engine.config import NO_KV_WAIT, KVWaitConfig
+from engine.kv_events import KVEventBatch, prefix_events
 from engine.kv_handoff import KVCacheFullError, Reservation
 from engine.kv_progress import KVProgress, KVWatch
 from engine.llm import build_engine_config
@@ -228,6 +229,11 @@ class AsyncLLMEngine:
 
     async def stats(self) -> SchedulerStats:
         return await self.call(self.engine.stats)
+
+    async def prefix_events(self, full: bool) -> KVEventBatch:
+        """The prefix cache's events since the last call; with `full`, every cached hash (for
+        the cluster's KV-aware routing)."""
+        return await self.call(prefix_events, self.engine.block_manager, full)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` (a method of `self.engine`) on the engine thread between steps."""

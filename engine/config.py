@@ -49,6 +49,9 @@ class CacheConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
+    # On the CPU: the pool in a memfd another process maps (the runner's `kv_pool_fd`): a
+    # decode worker's server writes received KV into its engine process's pool that way.
+    shared_pool: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

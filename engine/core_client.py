@@ -17,6 +17,7 @@ call with `EngineDeadError`, as the engine thread failing does in-process.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -80,7 +81,7 @@ class EngineCoreClient:
         self._error: BaseException | None = None
         self._streams = RequestStreams("the engine core has failed")
         self._prompts: dict[str, list[int]] = {}  # reader thread only: prompt ids, by request
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, asyncio.Future | concurrent.futures.Future] = {}
         self._ids = itertools.count(1)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, name="pdserve-core-writer",
@@ -90,21 +91,28 @@ class EngineCoreClient:
         self._writer.start()
         self._reader.start()
 
+    CORE_MODULE = "engine.core_process"  # the child's module (`python -m`)
+    ROLES = ("colocated",)  # the roles its engine may serve
+
     @classmethod
-    def from_args(cls, model: str | None = None, listen: str = "",
+    def from_args(cls, model: str | None = None, listen: str = "", options: dict | None = None,
                   **kwargs: Any) -> EngineCoreClient:
         """Start the engine core as a child with `AsyncLLMEngine.from_args`'s arguments (the
         server's step budget too); with `listen`, a Unix socket path at which other servers
-        `connect` to the same engine."""
-        if kwargs.get("role", "colocated") != "colocated":
-            raise ValueError("engine_core='process' serves the colocated role only")
+        `connect` to the same engine. `options`: the role's own (a subclass's child reads
+        them)."""
+        role = kwargs.get("role", "colocated")
+        if role not in cls.ROLES:
+            raise ValueError(f"engine_core='process' serves the {' and '.join(cls.ROLES)} "
+                             f"role{'s' * (len(cls.ROLES) > 1)} only, not {role!r}")
         mine, theirs = socket.socketpair()
         conn = Connection(mine.detach())
-        argv = [sys.executable, "-m", "engine.core_process", "--fd", str(theirs.fileno())]
+        argv = [sys.executable, "-m", cls.CORE_MODULE, "--fd", str(theirs.fileno())]
         proc = subprocess.Popen(  # not forked: no fork after torch and threads
             [*argv, *(["--listen", listen] if listen else [])], pass_fds=(theirs.fileno(),))
         theirs.close()
-        conn.send(("start", model, kwargs, logging.getLogger().getEffectiveLevel()))
+        conn.send(("start", model, kwargs, logging.getLogger().getEffectiveLevel(),
+                   options or {}))
         try:
             kind, value = conn.recv()
         except (EOFError, OSError):
@@ -114,7 +122,13 @@ class EngineCoreClient:
         if kind == "failed":
             proc.wait(STOP_TIMEOUT_S)
             raise value
-        return cls(conn, value, proc)
+        try:
+            return cls(conn, value, proc)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            conn.close()
+            raise
 
     @classmethod
     def connect(cls, path: str, timeout_s: float = 600.0) -> EngineCoreClient:
@@ -236,6 +250,24 @@ class EngineCoreClient:
         finally:
             self._calls.pop(call_id, None)
 
+    def call_blocking(self, op: str, *args: Any, timeout_s: float = STOP_TIMEOUT_S) -> Any:
+        """`_call` for a caller off the event loop (a worker thread): waits for the reply."""
+        if self._error is not None:
+            raise EngineDeadError("the engine core has failed") from self._error
+        if self._stopping:
+            raise EngineDeadError("the engine core client was shut down")
+        call_id = next(self._ids)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls[call_id] = future
+        if self._error is not None:
+            self._calls.pop(call_id)
+            raise EngineDeadError("the engine core has failed") from self._error
+        self._send(op, call_id, *args)
+        try:
+            return future.result(timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
+
     def _send(self, op: str, call_id: int, *args: Any) -> None:
         self._outbox.put((op, call_id, args))
 
@@ -278,6 +310,8 @@ class EngineCoreClient:
             elif kind == "dead":
                 self._fail(message[1])
                 return
+            else:
+                self._role_message(message)
         if not self._stopping:
             code = None
             if self._proc is not None:
@@ -297,9 +331,15 @@ class EngineCoreClient:
                 self._prompts.pop(out.request_id, None)
         call_on_loops(self._streams.output_calls(outputs))
 
+    def _role_message(self, message: tuple) -> None:
+        """A message of a role's own commands (a subclass's), on the reader thread."""
+        logger.warning("the engine core sent an unknown message %r", message[0])
+
     def _reply(self, call_id: int, ok: bool, value: Any) -> None:
         future = self._calls.get(call_id)
-        if future is not None:
+        if isinstance(future, concurrent.futures.Future):  # `call_blocking`'s
+            _settle_blocking(future, value if ok else None, None if ok else value)
+        elif future is not None:
             future.get_loop().call_soon_threadsafe(settle, future, value if ok else None,
                                                    None if ok else value)
 
@@ -310,4 +350,17 @@ class EngineCoreClient:
         dead = EngineDeadError("the engine core has failed")
         dead.__cause__ = exc
         for future in list(self._calls.values()):
-            future.get_loop().call_soon_threadsafe(settle, future, None, dead)
+            if isinstance(future, concurrent.futures.Future):
+                _settle_blocking(future, None, dead)
+            else:
+                future.get_loop().call_soon_threadsafe(settle, future, None, dead)
+
+
+def _settle_blocking(future: concurrent.futures.Future, result: Any,
+                     exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

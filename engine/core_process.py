@@ -23,8 +23,10 @@ run between steps exactly as `AsyncLLMEngine`'s do (add, abort, stats, LoRA adap
 carry a request's prompt token ids once, with its first output (the client keeps them): each
 later step's message stays the size of what is new.
 
-Server -> core: ("start", model, kwargs, log_level) first (the parent), then (op, call_id,
-args) commands: add, abort, stats, add_lora, remove_lora, stop. Core -> server messages:
+Server -> core: ("start", model, kwargs, log_level, options) first (the parent; `options`: a
+role's own, e.g. the decode role's KV transport), then (op, call_id, args) commands: add, abort,
+stats, add_lora, remove_lora, stop (and a role's own: decode_svc/engine_core.py). Core ->
+server messages (and a role's own):
   ("ready", facts)              the engine is built (facts: `CoreFacts`); also the first
                                 message to a server that joins
   ("failed", exc)               building it raised; the process exits
@@ -72,12 +74,14 @@ class CoreFacts:
     loras: tuple[Any, ...]  # the adapters loaded at start (LoRARequest)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, core_class: type[Core] | None = None) -> None:
     """`python -m engine.core_process --fd N`: N is this end of a socket pair whose first
-    message is ("start", model, kwargs, log_level): build the engine from `LLM`'s arguments,
-    then serve commands and steps until told to stop or the parent's end closes. (A plain
-    subprocess, not multiprocessing's spawn: that re-runs the parent's main script.)"""
-    parser = argparse.ArgumentParser(prog="python -m engine.core_process")
+    message is ("start", model, kwargs, log_level, options): build the engine from `LLM`'s
+    arguments, then serve commands and steps until told to stop or the parent's end closes. (A
+    plain subprocess, not multiprocessing's spawn: that re-runs the parent's main script.)
+    `core_class`: the loop serving it (a role's subclass of `Core`)."""
+    core_class = core_class or Core
+    parser = argparse.ArgumentParser(prog=f"python -m {core_class.__module__}")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--listen", default="", help="a Unix socket path other servers connect "
                         "to (EngineCoreClient.connect)")
@@ -88,24 +92,30 @@ def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     try:
-        _, model, kwargs, log_level = conn.recv()
+        _, model, kwargs, log_level, options = conn.recv()
     except (EOFError, OSError):
         return
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = LLMEngine(build_engine_config(model, **with_server_budget(kwargs)))
+        engine = LLMEngine(core_class.engine_config(model, kwargs, options))
     except BaseException as exc:  # noqa: BLE001 - the parent raises it
         conn.send(("failed", portable(exc)))
         return
-    facts = CoreFacts(engine.config.model, tuple(engine.eos_token_ids), engine.max_model_len,
-                      engine.vocab_size, tuple(engine.list_loras()))
-    listener = _listen(args.listen) if args.listen else None
-    conn.send(("ready", facts))
     try:
-        _Core(engine, conn, facts, listener).run()
+        listener = _listen(args.listen) if args.listen else None
+        core = core_class(engine, conn, listener, options)
+    except BaseException as exc:  # noqa: BLE001 - the parent raises it
+        conn.send(("failed", portable(exc)))
+        engine.shutdown()
+        return
+    try:
+        conn.send(("ready", core.facts))
+        core.started()
+        core.run()
     except (BrokenPipeError, ConnectionResetError):
         pass  # the parent went away mid-send: nothing is left to serve
     finally:
+        core.close()
         engine.shutdown()
         if listener is not None:
             listener.close()
@@ -124,26 +134,50 @@ def _listen(path: str) -> socket.socket:
     return listener
 
 
-class _Core:
+class Core:
     """The step loop: commands between steps, each step's outputs in one message per server.
 
     The first connection is the parent's; with a listening socket other servers connect too
     (`pdserve up --colocated --api-server-count N`: N HTTP servers, one engine). A request's
     outputs go to the connection that added it; a server that goes away has its requests
-    aborted; the parent going away ends the loop."""
+    aborted; the parent going away ends the loop.
 
-    def __init__(self, engine: LLMEngine, conn: Connection, facts: CoreFacts,
-                 listener: socket.socket | None = None) -> None:
-        self.engine, self.parent, self.facts, self.listener = engine, conn, facts, listener
+    A role's subclass (decode_svc/engine_core.py) adds commands to `handlers` (those in
+    `per_server` are called with the asking connection first), builds its engine's config
+    (`engine_config`), adds to the facts, and acts after every round of commands and step
+    (`after_round`)."""
+
+    per_server = frozenset({"add", "abort"})
+
+    def __init__(self, engine: LLMEngine, conn: Connection,
+                 listener: socket.socket | None = None, options: dict | None = None) -> None:
+        self.engine, self.parent, self.listener = engine, conn, listener
+        self.facts = CoreFacts(engine.config.model, tuple(engine.eos_token_ids),
+                               engine.max_model_len, engine.vocab_size,
+                               tuple(engine.list_loras()))
         self.conns: list[Connection] = [conn]
         self.owner: dict[str, Connection] = {}  # request id -> the server that added it
-        self.handlers = {
+        self.handlers: dict[str, Any] = {
             "add": self._add, "abort": self._abort, "stats": engine.stats,
             "add_lora": engine.add_lora, "remove_lora": engine.remove_lora,
         }
         self.prompt_sent: set[str] = set()  # requests whose prompt ids their server has
         self.loras = tuple(engine.list_loras())
         self.stopping_at = 0.0  # when the parent said stop (0: it has not)
+
+    @staticmethod
+    def engine_config(model: str | None, kwargs: dict, options: dict) -> Any:
+        """The engine's config from `LLM`'s arguments and the server's step budget."""
+        return build_engine_config(model, **with_server_budget(kwargs))
+
+    def started(self) -> None:
+        """After "ready" went to the parent, before the first command."""
+
+    def after_round(self) -> None:
+        """After each round of commands and each step (the moments blocks are freed)."""
+
+    def close(self) -> None:
+        """The loop ended (before the engine shuts down)."""
 
     def run(self) -> None:
         while self._commands(block=not self.engine.has_work()) and not self._stopped():
@@ -164,6 +198,7 @@ class _Core:
                         by_conn.setdefault(conn, []).append(out)
                 for conn, batch in by_conn.items():
                     self._send(conn, ("outputs", batch))
+            self.after_round()
 
     def _commands(self, block: bool) -> bool:
         """Run the commands waiting (with `block`, wait for one first: the engine is idle;
@@ -208,7 +243,7 @@ class _Core:
 
     def _run(self, conn: Connection, op: str, call_id: int, args: tuple) -> None:
         try:
-            result = self.handlers[op](conn, *args) if op in ("add", "abort") else (
+            result = self.handlers[op](conn, *args) if op in self.per_server else (
                 self.handlers[op](*args))
         except Exception as exc:  # noqa: BLE001 - handed to the caller
             if call_id != NO_REPLY:

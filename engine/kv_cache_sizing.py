@@ -155,4 +155,7 @@ class KVCacheSizingMixin:
                 num_blocks, self.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
                 num_blocks * self.block_bytes() / 2**20,
             )
+        if self.config.cache.shared_pool and self.device.type == "cpu":
+            pool, self.kv_pool_fd = zero_pages.shared_zeros((layers, *shape), self.kv_cache_dtype)
+            return pool
         return zero_pages.zeros((layers, *shape), self.kv_cache_dtype, self.device)

@@ -11,6 +11,7 @@ entry left by an earlier process under the same id is replaced, not extended.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -50,3 +51,9 @@ class KVEvents:
     def _bound(self) -> None:
         if len(self._stored) + len(self._removed) > self.max_pending:
             self._stored, self._removed, self._reset = {}, {}, True
+
+
+def prefix_events(block_manager: Any, full: bool) -> KVEventBatch:
+    """A block manager's events since the last call; with `full`, every cached hash."""
+    batch = block_manager.drain_kv_events()
+    return KVEventBatch(True, block_manager.cached_hashes()) if full else batch

@@ -156,16 +156,18 @@ class KVSlabWriter:
     """Receives one request's slabs into its reserved blocks; knows when all have arrived."""
 
     def __init__(
-        self, kv_caches: list[torch.Tensor] | list[ShardedKVLayer], block_ids: list[int],
-        present: int = 0,
+        self, kv_caches: list[torch.Tensor] | list[ShardedKVLayer] | None, block_ids: list[int],
+        present: int = 0, layout: KVLayout | None = None,
     ):
         """`present`: the first blocks hold their KV already (the receiver's prefix cache had
-        them): no slab may cover them, and they count as arrived."""
+        them): no slab may cover them, and they count as arrived. `kv_caches` None (with the
+        `layout`): a data plane's push, whose sender writes the blocks (`mark_written` only)."""
         if not 0 <= present <= len(block_ids):
             raise ValueError(f"present blocks {present} out of range [0, {len(block_ids)}]")
         self.kv_caches = kv_caches
-        self.layout = layout_of(kv_caches)
-        self.block_ids = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
+        self.layout = layout or layout_of(kv_caches)
+        self.block_ids = None if kv_caches is None else torch.tensor(
+            block_ids, dtype=torch.long, device=kv_caches[0].device)
         self.num_blocks = len(block_ids)
         self._seen = torch.zeros(self.layout.num_layers, self.num_blocks, dtype=torch.bool)
         self._seen[:, :present] = True
@@ -180,6 +182,8 @@ class KVSlabWriter:
         """Check `slab` (range, size, no overlap) and copy it into the cache (mutates it).
         ValueError, writing nothing, if any check fails."""
         l0, l1, b0, b1 = slab.layer_start, slab.layer_end, slab.block_start, slab.block_end
+        if self.kv_caches is None or self.block_ids is None:
+            raise ValueError("KV slab bytes on a push whose sender writes the blocks itself")
         self._check_range(l0, l1, b0, b1)
         expected = (l1 - l0) * (b1 - b0) * self.layout.cell_bytes()
         if len(slab.data) != expected:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 
 import torch
 
@@ -24,4 +25,24 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     # MAP_PRIVATE: a forked child gets its own copy-on-write view, not a shared pool.
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # The tensor holds the mapping alive (frombuffer keeps a reference to its buffer).
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """A zeroed CPU tensor of `shape` in a memfd, and the memfd (the caller closes it once
+    other processes have it: the mapping stays)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    fd = os.memfd_create("pdserve-kv-pool", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        return map_shared(fd, shape, dtype), fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def map_shared(fd: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor `shared_zeros` made, mapped from its memfd `fd` (in any process)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    pages = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)

@@ -116,8 +116,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_kv_doorbell_flag(p)  # handed to every decode worker
     add_stream_interval_flag(p)  # handed to every decode worker (with --colocated, the engine)
     p.add_argument("--engine-core", default=None, choices=["thread", "process"],
-                   help="with --colocated: where the server's engine loop runs (pdserve serve's "
-                        "--engine-core; default: its default, process)")
+                   help="where the engine loop runs: with --colocated the server's (pdserve "
+                        "serve's --engine-core; default process), else every decode worker's "
+                        "(pdserve decode's --engine-core; default thread); prefill workers run "
+                        "theirs in a thread")
     add_generate_streams_flag(p)  # handed to every gateway
     add_chat_template_flag(p)  # handed to the tokenizer (with --colocated, to the engine's)
     add_flag(p, "--tool-call-parser", "hermes",
@@ -158,9 +160,6 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     engine += lora_argv(args)  # LoRA: the engines' flags and --lora-modules (they preload them)
     if args.api_server_count < 1:
         raise SystemExit("pdserve up: --api-server-count must be at least 1")
-    if args.engine_core is not None and not args.colocated:
-        raise SystemExit("pdserve up: --engine-core is the colocated server's (--colocated); "
-                         "prefill and decode workers run their engine in a thread")
     if args.colocated:
         argv = [*py, "serve", *common, *engine, *decoding, *template, *_tool_flags(args)]
         if args.engine_core is not None:
@@ -181,6 +180,8 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
                     str(port), "--redis-url", redis_url, "--metrics-port", str(free_port())]
             if role == "decode":
                 argv += [*decoding, "--kv-doorbell", args.kv_doorbell]
+                if args.engine_core is not None:
+                    argv += ["--engine-core", args.engine_core]
             else:
                 argv += ["--kv-push-streams", args.kv_push_streams]
             services.append(Service(f"{role}-{i}", argv, f"grpc:127.0.0.1:{port}", env=env))

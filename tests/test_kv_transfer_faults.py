@@ -3,7 +3,8 @@
 One `pdserve prefill` and one `pdserve decode` (tiny random Llama, 64 blocks of 16 tokens,
 --kv-timeout 3) serve the module, once per KV transport: `grpc` (the bytes in PushKV) and
 `nixl` (NIXL agents WRITE them into the reserved blocks over host memory; PushKV carries the
-header, KVWritten ranges and the commit). A fake decode worker (tests/worker_procs.py) breaks
+header, KVWritten ranges and the commit), and once more over grpc with the decode engine in a
+process of its own. A fake decode worker (tests/worker_procs.py) breaks
 off pushes. Every test ends with both workers' blocks all free: a leak fails the next test too.
 
 Hand-built pushes speak the transport too: over nixl they ask KVTarget for the blocks and send
@@ -107,10 +108,14 @@ def _nixl_installed() -> bool:
     "grpc",
     pytest.param("nixl", marks=pytest.mark.skipif(not _nixl_installed(),
                                                   reason="NIXL not installed (pdserve[nixl])")),
+    "grpc, decode engine core process",
 ])
 def workers(request: pytest.FixtureRequest, model_dir: str) -> Iterator[Workers]:
-    """Both workers, started together; the reference runs in this process while they load."""
-    transport = request.param
+    """Both workers, started together; the reference runs in this process while they load.
+    The third round: the decode engine's step loop in a process of its own (`--engine-core
+    process`, decode_svc/engine_core.py), the grpc push writing into its pool mapped in the
+    worker's process."""
+    transport, _, core = request.param.partition(", ")
     pport, dport, mport, pmport = free_port(), free_port(), free_port(), free_port()
     common = ["--num-kv-blocks", str(NUM_BLOCKS), "--dtype", "float32",
               "--kv-transport", transport]
@@ -120,7 +125,8 @@ def workers(request: pytest.FixtureRequest, model_dir: str) -> Iterator[Workers]
     # must carry all of it (decode-side reuse: test_kv_receiver, test_cluster_kv_routing)
     decode = spawn_worker("decode", model_dir, dport, *common, "--no-prefix-caching",
                           "--kv-timeout", str(KV_TIMEOUT_S), "--metrics-port", str(mport),
-                          "--kv-write-grace-seconds", str(WRITE_GRACE_S))
+                          "--kv-write-grace-seconds", str(WRITE_GRACE_S),
+                          *(["--engine-core", "process"] if core else []))
     try:
         layout, short, long = _reference(model_dir)
         paddr, daddr = f"127.0.0.1:{pport}", f"127.0.0.1:{dport}"

@@ -1,7 +1,8 @@
 """A decode worker whose KV cache is full queues reservations instead of refusing them.
 
 One decode-role `AsyncLLMEngine` (tiny random Llama, 32 blocks of 16 tokens = 512 tokens, its
-max_model_len) serves the module. A "holder" reserves 30 blocks, leaving 2 free; the requests
+max_model_len) serves the module, then a `DecodeCoreClient` (the same engine in a process of its
+own). A "holder" reserves 30 blocks, leaving 2 free; the requests
 under test need more than that and wait until the holder frees its blocks (finished or aborted),
 first come first served, or give up. Every test ends with all 32 blocks free and no waiter.
 """
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from decode_svc.core_client import CorePoolExporter, DecodeCoreClient
 from decode_svc.receiver import KVReceiver
 from engine.async_engine import AsyncLLMEngine
 from engine.config import KVWaitConfig
@@ -31,13 +33,24 @@ def prompt(num_blocks: int, first: int = 10) -> list[int]:
     return list(range(first, first + num_blocks * BS))
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_dir: str) -> Iterator[AsyncLLMEngine]:
-    engine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", role="decode",
-                                      num_kv_blocks=NUM_BLOCKS, block_size=BS,
-                                      max_model_len=NUM_BLOCKS * BS)
+@pytest.fixture(scope="module", params=["thread", "process"])
+def engine(request: pytest.FixtureRequest, tiny_llama_dir: str) -> Iterator[AsyncLLMEngine]:
+    """The engine's step loop in a thread of this process, then in a process of its own
+    (`DecodeCoreClient`: the queue and its grants live there)."""
+    engine_class = AsyncLLMEngine if request.param == "thread" else DecodeCoreClient
+    engine = engine_class.from_args(tiny_llama_dir, dtype="float32", role="decode",
+                                    num_kv_blocks=NUM_BLOCKS, block_size=BS,
+                                    max_model_len=NUM_BLOCKS * BS)
     yield engine
     engine.shutdown()
+
+
+def make_receiver(engine: AsyncLLMEngine | DecodeCoreClient) -> KVReceiver:
+    if isinstance(engine, AsyncLLMEngine):
+        return KVReceiver(engine, WAIT)
+    exporter = CorePoolExporter(engine)
+    return KVReceiver(engine, WAIT, exporter, kv_caches=engine.kv_caches,
+                      layout=exporter.layout)
 
 
 @pytest.fixture
@@ -156,7 +169,7 @@ async def test_a_request_bigger_than_the_whole_cache_is_refused_at_once(engine, 
 
 # ---- the decode service's receiver on top ------------------------------------------------------
 async def test_a_request_dropped_while_waiting_for_blocks_is_not_expected(engine, holder):
-    receiver = KVReceiver(engine, WAIT)
+    receiver = make_receiver(engine)
     expecting = asyncio.create_task(receiver.expect("r", prompt(4, 20), PARAMS))
     await settle()
     with pytest.raises(NotFoundError):  # no push before the blocks are reserved
@@ -168,7 +181,7 @@ async def test_a_request_dropped_while_waiting_for_blocks_is_not_expected(engine
 
 
 async def test_the_receiver_expects_a_request_once_its_blocks_are_granted(engine, holder):
-    receiver = KVReceiver(engine, WAIT)
+    receiver = make_receiver(engine)
     expecting = asyncio.create_task(receiver.expect("r", prompt(4, 20), PARAMS))
     await settle()
     await engine.abort(holder)

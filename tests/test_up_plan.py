@@ -135,10 +135,17 @@ def test_colocated_api_servers_share_one_engine_core(monkeypatch: pytest.MonkeyP
                  monkeypatch), "", None)
 
 
-def test_the_engine_core_process_is_refused_for_a_split_cluster(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(SystemExit, match="--engine-core is the colocated server's"):
-        plan(_up(["--engine-core", "thread"], monkeypatch), "redis://x:1/0", None)
+@pytest.mark.parametrize("argv, expected",
+                         [([], "thread"), (["--engine-core", "process"], "process")])
+def test_the_engine_core_reaches_every_decode_worker_of_a_split_cluster(
+        argv: list[str], expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    services = plan(_up(["--prefill", "1", "--decode", "2", *argv], monkeypatch),
+                    "redis://x:1/0", None)
+    seen = {s.name: build_parser().parse_args(s.argv[3:]).engine_core
+            for s in services if s.name.startswith("decode")}
+    assert seen == {"decode-0": expected, "decode-1": expected}
+    prefill = next(s for s in services if s.name.startswith("prefill"))
+    assert "--engine-core" not in prefill.argv
 
 
 @pytest.mark.parametrize("argv, expected", [([], "shared"),

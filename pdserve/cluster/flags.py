@@ -106,6 +106,14 @@ def add_engine_core_flag(parser: argparse.ArgumentParser) -> None:
                   "unused)")
 
 
+def add_decode_engine_core_flag(parser: argparse.ArgumentParser) -> None:
+    """--engine-core, a decode worker's (decode_svc/engine_core.py)."""
+    add_flag(parser, "--engine-core", "thread", choices=["thread", "process"],
+             help="where the decode engine's step loop runs: a thread of the worker's process "
+                  "(sharing its interpreter lock with the gRPC server), or a process of its own "
+                  "(not with --tensor-parallel-size > 1)")
+
+
 def add_kv_push_streams_flag(parser: argparse.ArgumentParser) -> None:
     """--kv-push-streams, a prefill worker's (prefill_svc/push_streams.py)."""
     add_flag(parser, "--kv-push-streams", "shared", choices=["shared", "per-request"],

@@ -107,12 +107,17 @@ def speculative_config(text: str) -> dict | None:
 
 def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
     """The serving engine of `role` from the engine flags; with `--engine-core process` (the
-    colocated server's) its step loop runs in a process of its own (engine/core_client.py)."""
+    colocated server's, a decode worker's) its step loop runs in a process of its own
+    (engine/core_client.py, decode_svc/core_client.py)."""
     from engine.async_engine import AsyncLLMEngine
 
     engine_class: Any = AsyncLLMEngine
     extra: dict[str, Any] = {}
-    if getattr(args, "engine_core", "thread") == "process" or getattr(
+    if role == "decode" and getattr(args, "engine_core", "thread") == "process":
+        from decode_svc.core_client import DecodeCoreClient
+
+        engine_class, extra = DecodeCoreClient, {"options": {"kv_transport": args.kv_transport}}
+    elif getattr(args, "engine_core", "thread") == "process" or getattr(
             args, "engine_core_address", ""):
         from engine.core_client import EngineCoreClient
 
@@ -362,7 +367,7 @@ async def run_worker(
                             kv_transport=getattr(args, "kv_transport", ""),
                             tensor_parallel_size=args.tensor_parallel_size,
                             block_size=args.block_size,
-                            prefix_events=lambda full: prefix_events(engine, full),
+                            prefix_events=engine.prefix_events,
                             max_loras=args.max_loras if args.enable_lora else 0,
                             loras=lambda: [r.lora_name for r in engine.list_loras()])
     heartbeat = await start_monitoring(args, monitor)
@@ -400,13 +405,6 @@ async def _engine_failure(engine: AsyncLLMEngine, every_s: float = 0.5) -> BaseE
     while engine.failure is None:
         await asyncio.sleep(every_s)
     return engine.failure
-
-
-async def prefix_events(engine: AsyncLLMEngine, full: bool) -> KVEventBatch:
-    """The engine's prefix-cache events since the last call; with `full`, every cached hash."""
-    bm = engine.engine.block_manager
-    batch = await engine.call(bm.drain_kv_events)
-    return KVEventBatch(True, await engine.call(bm.cached_hashes)) if full else batch
 
 
 class PrefixPublisher:
