@@ -31,35 +31,43 @@ def _engine_args(monkeypatch: pytest.MonkeyPatch, args: argparse.Namespace) -> d
     """What `build_engine(args, ...)` hands AsyncLLMEngine.from_args (or, for `pdserve
     serve`, EngineCoreClient.from_args: its engine core runs in a process of its own), checked
     against build_engine_config's signature."""
+    from decode_svc.core_client import DecodeCoreClient
     from engine.async_engine import AsyncLLMEngine
     from engine.core_client import EngineCoreClient
 
     seen: dict[str, Any] = {}
 
     def fake(cls: type) -> Any:
-        def from_args(model: str | None, listen: str = "", **kwargs: Any) -> str:
-            seen.update(kwargs)
+        def from_args(model: str | None, listen: str = "", options: dict | None = None,
+                      **kwargs: Any) -> str:
+            seen.update(kwargs, options=options)
             return cls.__name__
         return staticmethod(from_args)
 
-    monkeypatch.setattr(AsyncLLMEngine, "from_args", fake(AsyncLLMEngine))
-    monkeypatch.setattr(EngineCoreClient, "from_args", fake(EngineCoreClient))
-    expected = "EngineCoreClient" if args.command == "serve" else "AsyncLLMEngine"
-    assert build_engine(args, "decode") == expected
+    for cls in (AsyncLLMEngine, EngineCoreClient, DecodeCoreClient):
+        monkeypatch.setattr(cls, "from_args", fake(cls))
+    role = "colocated" if args.command == "serve" else args.command
+    expected = {"serve": "EngineCoreClient"}.get(args.command, "AsyncLLMEngine")
+    if getattr(args, "engine_core", "") == "process" and role == "decode":
+        expected = "DecodeCoreClient"
+    assert build_engine(args, role) == expected
+    options = seen.pop("options")
+    if expected == "DecodeCoreClient":
+        assert options == {"kv_transport": args.kv_transport}
     inspect.signature(build_engine_config).bind(args.model, **seen)
     return seen
 
 
-@pytest.mark.parametrize("command", ["serve", "prefill", "decode"])
+@pytest.mark.parametrize("command", ["serve", "prefill", "decode", "decode --engine-core process"])
 def test_service_flags_reach_the_engine(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    args = build_parser().parse_args([command, "--tensor-parallel-size", "2",
+    args = build_parser().parse_args([*command.split(), "--tensor-parallel-size", "2",
                                       "--distributed-timeout-seconds", "7.5"])
     seen = _engine_args(monkeypatch, args)
     assert (seen["tensor_parallel_size"], seen["distributed_timeout_s"]) == (2, 7.5)
     assert seen["enable_expert_parallel"] is False and seen["enforce_eager"] is False
     assert seen["stream_interval"] == 1
-    args = build_parser().parse_args([command, "--enable-expert-parallel", "--enforce-eager",
-                                      "--stream-interval", "5"])
+    args = build_parser().parse_args([*command.split(), "--enable-expert-parallel",
+                                      "--enforce-eager", "--stream-interval", "5"])
     seen = _engine_args(monkeypatch, args)
     assert seen["enable_expert_parallel"] is True and seen["enforce_eager"] is True
     assert seen["stream_interval"] == 5

@@ -90,6 +90,9 @@ def test_each_system_s_pdserve_up(system: str) -> None:
         assert up.generate_streams == "shared"
         argv = up_argv(_config("--generate-streams", "per-request"), system, 1, "redis://r")
         assert build_parser().parse_args(argv[3:]).generate_streams == "per-request"
+        assert up.engine_core == "thread"  # the decode worker's, as pdserve decode's default
+        argv = up_argv(_config("--decode-engine-core", "process"), system, 1, "redis://r")
+        assert build_parser().parse_args(argv[3:]).engine_core == "process"
     assert up.stream_interval == 1
     argv = up_argv(_config("--stream-interval", "4"), system, 8123, "redis://127.0.0.1:7000/0")
     assert build_parser().parse_args(argv[3:]).stream_interval == 4

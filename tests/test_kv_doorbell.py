@@ -2,7 +2,8 @@
 datagram that the decode engine's thread reads between steps (decode_svc/receiver.py `ring`).
 
 The record and the socket on their own, then a decode-role `AsyncLLMEngine` (tiny random
-Llama, float32) with a real doorbell wired as `pdserve decode` wires it, and a receiver whose
+Llama, float32), and the same engine in a process of its own (`DecodeCoreClient`), each with a
+real doorbell wired as `pdserve decode` wires it, and a receiver whose
 pool offers nixl without starting a plane (these tests are about the commit, not the bytes:
 the pushes send KVWritten ranges only). A ring commits the request before its commit chunk
 arrives, and only for the push that is current with its stream open; the chunk then confirms
@@ -18,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from decode_svc.convert import layout_to_pb
+from decode_svc.core_client import DecodeCoreClient
 from decode_svc.receiver import KVReceiver, PushCut
 from decode_svc.server import _answer
 from engine.async_engine import AsyncLLMEngine
@@ -96,15 +98,25 @@ class OneSidedPool:
         return transport in self.offered
 
 
-@pytest.fixture(scope="module")
-def engine_and_bell(tiny_llama_dir: str) -> Iterator[SimpleNamespace]:
-    engine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", role="decode",
-                                      num_kv_blocks=NUM_BLOCKS, max_model_len=NUM_BLOCKS * 16,
-                                      enable_prefix_caching=False)
+@pytest.fixture(scope="module", params=["thread", "process"])
+def engine_and_bell(request: pytest.FixtureRequest,
+                    tiny_llama_dir: str) -> Iterator[SimpleNamespace]:
+    """The engine's loop in a thread (its thread drains the doorbell between steps), then in
+    a process of its own (the doorbell's waker thread drains it and sends the commits)."""
+    kwargs = {"dtype": "float32", "role": "decode", "num_kv_blocks": NUM_BLOCKS,
+              "max_model_len": NUM_BLOCKS * 16, "enable_prefix_caching": False}
     bell = DoorbellListener(POOL)
+    if request.param == "thread":
+        engine: AsyncLLMEngine | DecodeCoreClient = AsyncLLMEngine.from_args(tiny_llama_dir,
+                                                                             **kwargs)
+    else:
+        engine = DecodeCoreClient.from_args(tiny_llama_dir, **kwargs)
     state = SimpleNamespace(engine=engine, bell=bell, receiver=None, sender=DoorbellSender())
-    engine.between_steps(lambda: state.receiver and _answer(bell, state.receiver))
-    bell.wake_on_ring(engine.wake)
+    if isinstance(engine, AsyncLLMEngine):
+        engine.between_steps(lambda: state.receiver and _answer(bell, state.receiver))
+        bell.wake_on_ring(engine.wake)
+    else:
+        bell.wake_on_ring(lambda: state.receiver and _answer(bell, state.receiver))
     yield state
     engine.shutdown()
     bell.close()
@@ -114,7 +126,10 @@ def engine_and_bell(tiny_llama_dir: str) -> Iterator[SimpleNamespace]:
 @pytest.fixture
 async def w(engine_and_bell: SimpleNamespace) -> AsyncIterator[SimpleNamespace]:
     """A receiver expecting request "r" (3 blocks), granted to push 1 over nixl."""
-    receiver = KVReceiver(engine_and_bell.engine, exporter=OneSidedPool(), write_grace_s=0.0)
+    engine = engine_and_bell.engine
+    caches = {} if isinstance(engine, AsyncLLMEngine) else {
+        "kv_caches": engine.kv_caches, "layout": engine.facts.layout}
+    receiver = KVReceiver(engine, exporter=OneSidedPool(), write_grace_s=0.0, **caches)
     engine_and_bell.receiver = receiver
     assert await receiver.expect("r", PROMPT, PARAMS)
     assert receiver.grant("r")[2] == 1
@@ -152,9 +167,12 @@ def _push(push_id: int, gate: asyncio.Event, commit: bool = True
     return chunks()
 
 
-async def _polled(engine: AsyncLLMEngine) -> None:
+async def _polled(engine: AsyncLLMEngine | DecodeCoreClient) -> None:
     """Until the engine thread has drained its doorbell since now (its polls run before each
-    round of commands: two rounds, one after the other)."""
+    round of commands: two rounds, one after the other); with an engine core process, the
+    waker thread (woken by the datagram at once: 0.1 s is ample) and any commit it sent."""
+    if not isinstance(engine, AsyncLLMEngine):
+        await asyncio.sleep(0.1)
     await engine.stats()
     await engine.stats()
 

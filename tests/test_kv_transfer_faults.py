@@ -3,7 +3,7 @@
 One `pdserve prefill` and one `pdserve decode` (tiny random Llama, 64 blocks of 16 tokens,
 --kv-timeout 3) serve the module, once per KV transport: `grpc` (the bytes in PushKV) and
 `nixl` (NIXL agents WRITE them into the reserved blocks over host memory; PushKV carries the
-header, KVWritten ranges and the commit), and once more over grpc with the decode engine in a
+header, KVWritten ranges and the commit), and once more over each with the decode engine in a
 process of its own. A fake decode worker (tests/worker_procs.py) breaks
 off pushes. Every test ends with both workers' blocks all free: a leak fails the next test too.
 
@@ -109,12 +109,15 @@ def _nixl_installed() -> bool:
     pytest.param("nixl", marks=pytest.mark.skipif(not _nixl_installed(),
                                                   reason="NIXL not installed (pdserve[nixl])")),
     "grpc, decode engine core process",
+    pytest.param("nixl, decode engine core process",
+                 marks=pytest.mark.skipif(not _nixl_installed(),
+                                          reason="NIXL not installed (pdserve[nixl])")),
 ])
 def workers(request: pytest.FixtureRequest, model_dir: str) -> Iterator[Workers]:
     """Both workers, started together; the reference runs in this process while they load.
-    The third round: the decode engine's step loop in a process of its own (`--engine-core
-    process`, decode_svc/engine_core.py), the grpc push writing into its pool mapped in the
-    worker's process."""
+    The last two rounds: the decode engine's step loop in a process of its own (`--engine-core
+    process`, decode_svc/engine_core.py): the grpc push writes into its pool mapped in the
+    worker's process, NIXL's agent and the pool's export live in the engine core process."""
     transport, _, core = request.param.partition(", ")
     pport, dport, mport, pmport = free_port(), free_port(), free_port(), free_port()
     common = ["--num-kv-blocks", str(NUM_BLOCKS), "--dtype", "float32",
