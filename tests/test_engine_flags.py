@@ -103,3 +103,13 @@ def test_worker_publishes_its_tp_size() -> None:
     info = asyncio.run(monitor.info())
     assert (info.tensor_parallel_size, info.num_running, info.num_total_blocks) == (2, 1, 4)
     assert WorkerInfo.from_json(info.to_json()) == info
+
+
+def test_an_engine_core_listen_socket_needs_the_engine_core_process() -> None:
+    """A first server told to listen for others while its engine runs in a thread (e.g.
+    PDSERVE_ENGINE_CORE=thread under `pdserve up --colocated --api-server-count 2`) fails at
+    once: the others would wait for a socket nobody opens."""
+    args = build_parser().parse_args(["serve", "--engine-core", "thread",
+                                      "--engine-core-listen", "/tmp/pdserve-core.sock"])
+    with pytest.raises(ValueError, match="--engine-core-listen: only with --engine-core process"):
+        build_engine(args, "colocated")

@@ -9,6 +9,9 @@ and the commit.
     restart     a decode worker restarted on the same port has a new pool: the prefill worker's
                 cached handle is refused (KVTarget FAILED_PRECONDITION) before it writes, that
                 push goes over grpc, and the next one maps the new pool
+    engine core the decode worker's engine in a process of its own (--engine-core process):
+                tokens equal colocated over cuda_ipc (the pool exported by that process) and
+                over grpc (its server writes the pool opened by the handle)
     kills       a prefill worker killed while it pushes, a decode worker killed while it
                 receives: the survivor ends with every block free (SIGKILL lands wherever the
                 push is by then; on a GPU the whole push takes a few ms, so "mid-write" is not
@@ -105,11 +108,12 @@ class Worker:
             time.sleep(0.05)
 
 
-def _pair(model: str, dtype: str, gpus: tuple[str, str] | None = None
-          ) -> tuple[Worker, Worker]:
+def _pair(model: str, dtype: str, gpus: tuple[str, str] | None = None,
+          decode_flags: tuple[str, ...] = ()) -> tuple[Worker, Worker]:
     """A prefill and a decode worker over cuda_ipc; `gpus`: (prefill's, decode's) GPU, each
     worker seeing its own first and the other's after it, as `pdserve up --prefill-gpus
-    --decode-gpus` starts them (None: both on the test's first GPU)."""
+    --decode-gpus` starts them (None: both on the test's first GPU); `decode_flags` last on the
+    decode worker's command line."""
     common = ("--device", "cuda", "--dtype", dtype, "--num-kv-blocks", str(NUM_BLOCKS),
               "--kv-transport", "cuda_ipc")
     envs: list[dict[str, str] | None] = [None, None]
@@ -119,8 +123,8 @@ def _pair(model: str, dtype: str, gpus: tuple[str, str] | None = None
     prefill = Worker("prefill", model, (*common, "--max-num-batched-tokens", str(PREFILL_CHUNK)),
                      free_port(), free_port(), env=envs[0])
     decode = Worker("decode", model, (*common, "--kv-write-grace-seconds", str(GRACE_S),
-                                      "--kv-timeout", "10"), free_port(), free_port(),
-                    env=envs[1])
+                                      "--kv-timeout", "10", *decode_flags), free_port(),
+                    free_port(), env=envs[1])
     return prefill.start(), decode.start()
 
 
@@ -253,6 +257,29 @@ def test_a_restarted_decode_worker_refuses_the_stale_handle_then_maps_anew(pair)
     assert prefill.counter("kv_transfer_granted_pushes") == granted + 1  # no KVTarget rpc
     prefill.wait_idle()
     decode.wait_idle()
+
+
+@pytest.mark.parametrize("transport", ["cuda_ipc", "grpc"])
+def test_a_decode_engine_core_process_equals_colocated(model_dir: str, transport: str) -> None:
+    """`pdserve decode --engine-core process` (decode_svc/engine_core.py): over cuda_ipc the
+    prefill worker writes the pool the engine core process allocated and exported; over grpc
+    (the decode worker offering nothing else) the decode worker's server writes the slabs into
+    that pool opened by its CUDA IPC handle. Tokens equal colocated, bytes under the transport,
+    every block free afterwards."""
+    prompts = _prompts(49152)
+    ref = _reference(model_dir, "float32", prompts)
+    prefill, decode = _pair(model_dir, "float32", decode_flags=(
+        "--engine-core", "process", "--kv-transport", transport))
+    try:
+        prefill.ready(), decode.ready()
+        for i, (prompt, expected) in enumerate(zip(prompts, ref)):
+            assert _disaggregated(prefill, decode, f"core-{transport}-{i}", prompt) == expected
+        moved = sum(_kv_bytes(p, _block_bytes(model_dir, "float32")) for p in prompts)
+        assert decode.counter("kv_transfer_bytes", transport=transport) == moved
+        prefill.wait_idle()
+        decode.wait_idle()
+    finally:
+        stop_all([w.proc for w in (prefill, decode) if w.proc is not None])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -113,6 +113,10 @@ def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
 
     engine_class: Any = AsyncLLMEngine
     extra: dict[str, Any] = {}
+    if getattr(args, "engine_core_listen", "") and args.engine_core != "process":
+        # else the servers joining it would wait for a socket nobody opens
+        raise ValueError("--engine-core-listen: only with --engine-core process (is "
+                         "PDSERVE_ENGINE_CORE=thread set?)")
     if role == "decode" and getattr(args, "engine_core", "thread") == "process":
         from decode_svc.core_client import DecodeCoreClient
 
