@@ -37,7 +37,7 @@ from multiprocessing.reduction import sendfds
 from typing import Any
 
 from decode_svc.pool import PoolExporter
-from engine import core_process
+from engine import core_process, handover_trace
 from engine.config import EngineConfig
 from engine.core_process import Core, CoreFacts, portable
 from engine.kv_events import KVEventBatch, prefix_events
@@ -120,6 +120,8 @@ class DecodeCore(Core):
                 logprobs: tuple[float, dict] | None) -> None:
         """Nobody waits for it: a failure (a bug: an aborted request is not one) ends the
         request's stream with the error."""
+        handover_trace.mark(request_id, "commit_in")  # this process's stamps start here
+        handover_trace.mark(request_id, "commit_run")
         try:
             self.engine.commit_request(request_id, first_token_id, logprobs)
         except Exception as exc:  # noqa: BLE001 - handed to the request's reader

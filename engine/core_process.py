@@ -51,6 +51,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from engine import handover_trace
 from engine.llm import build_engine_config
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -182,6 +183,7 @@ class Core:
     def run(self) -> None:
         while self._commands(block=not self.engine.has_work()) and not self._stopped():
             if self.engine.has_work():
+                handover_trace.mark_all("step")
                 try:
                     outputs = self.engine.step()
                 except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
@@ -198,6 +200,8 @@ class Core:
                         by_conn.setdefault(conn, []).append(out)
                 for conn, batch in by_conn.items():
                     self._send(conn, ("outputs", batch))
+                for out in outputs:  # handed to its server (a handover's stamps end here)
+                    handover_trace.mark(out.request_id, "yield")
             self.after_round()
 
     def _commands(self, block: bool) -> bool:

@@ -11,6 +11,11 @@ host), so a log line lines up with the prefill worker's or a benchmark's stamps.
 `step` each engine step begun while the request waits for its tokens (inside it `scheduled`,
 `launched`, `landed`: the previous step's tokens waited for, `sampling`; `step_out` when one
 returned outputs for it), `yield` each Generate message with its tokens handed to gRPC.
+
+With the decode engine in a process of its own (decode_svc/engine_core.py) that process logs a
+line of its own for the request: `commit_in` the commit command read there, `commit_run`, the
+steps, and `yield` each step's outputs sent to the worker's process. A reader merges the lines
+of one request id (`merge`).
 """
 
 from __future__ import annotations
@@ -82,3 +87,14 @@ def in_batch_at(stamps: list[tuple[str, float]]) -> float | None:
 def traced() -> list[str]:
     """Requests being stamped now (the engine thread stamps its steps for them)."""
     return list(_marks) if TRACE else []
+
+
+def merge(lines: list[str]) -> dict[str, list[tuple[str, float]]]:
+    """Every request's stamps from log lines, those of several processes' lines for one
+    request merged in time order."""
+    stamps: dict[str, list[tuple[str, float]]] = {}
+    for line in lines:
+        parsed = parse(line)
+        if parsed is not None:
+            stamps.setdefault(parsed[0], []).extend(parsed[1])
+    return {request_id: sorted(s, key=lambda stamp: stamp[1]) for request_id, s in stamps.items()}

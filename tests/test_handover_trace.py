@@ -52,3 +52,16 @@ def test_off_it_keeps_nothing(monkeypatch):
     handover_trace.mark("r1", "commit_in")
     handover_trace.mark_all("step")
     assert handover_trace.traced() == [] and handover_trace._marks == {}
+
+
+def test_the_lines_of_two_processes_merge_into_one_request_s_stamps():
+    """The decode worker's process (commit read, messages to gRPC) and its engine core
+    process (commit run, steps, outputs sent) log a line each for the request."""
+    server = "x handover [r1] commit_in=10.000000 yield=+3.000 yield=+4.000"
+    core = "y handover [r1] commit_in=10.001000 commit_run=+0.100 scheduled=+0.500 yield=+2.000"
+    merged = handover_trace.merge([server, "unrelated", core])
+    assert list(merged) == ["r1"]
+    stamps = merged["r1"]
+    assert [p for p, _ in stamps] == ["commit_in", "commit_in", "commit_run", "scheduled",
+                                      "yield", "yield", "yield"]
+    assert handover_trace.in_batch_at(stamps) == pytest.approx(10.0015)

@@ -14,7 +14,9 @@
 # (PDSERVE_ARGMAX_GRAPH_MAX_BATCH=0), the doorbell on in both; AB=stream_interval the decode
 # worker's --stream-interval INTERVAL (default 4; busy_on_*) and 1 (busy_off_*); the decode step
 # printed is read from the pushed request's stream, whose tokens then come INTERVAL at a time
-# (0.00 there: read the step from the interval-1 runs).
+# (0.00 there: read the step from the interval-1 runs); AB=engine_core the decode worker's
+# engine in a process of its own (busy_on_*: --engine-core process) and in a thread (busy_off_*),
+# the doorbell on in both.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench_results/gpu_handover}
@@ -29,9 +31,9 @@ if [ -n "${GPU_TESTS:-}" ]; then
     status=${PIPESTATUS[0]}
 fi
 AB=${AB:-doorbell}
-run() {  # run NAME DOORBELL BUSY_REQUESTS [ARGMAX_GRAPH_MAX_BATCH [STREAM_INTERVAL]]
+run() {  # run NAME DOORBELL BUSY_REQUESTS [ARGMAX_GRAPH_MAX_BATCH [STREAM_INTERVAL [ENGINE_CORE]]]
     mkdir -p "$OUT/$1"
-    PDSERVE_STREAM_INTERVAL=${5:-1} PDSERVE_ARGMAX_GRAPH_MAX_BATCH=${4:-16} PDSERVE_KV_DOORBELL=$2 PDSERVE_HANDOVER_TRACE=1 COPY=0 TESTS=0 TRANSPORTS=cuda_ipc \
+    PDSERVE_ENGINE_CORE=${6:-thread} PDSERVE_STREAM_INTERVAL=${5:-1} PDSERVE_ARGMAX_GRAPH_MAX_BATCH=${4:-16} PDSERVE_KV_DOORBELL=$2 PDSERVE_HANDOVER_TRACE=1 COPY=0 TESTS=0 TRANSPORTS=cuda_ipc \
         OUT="$OUT/$1" bash pdserve/bench/gpu_kv_run.sh --slab-mib 8 --plane-slab-mib 1024 \
         --repeats 5 --kv-tokens 1024,4096,16384 --busy "$3" \
         --output-json "$OUT/$1/transfer.json" > "$OUT/$1/run.log" 2>&1
@@ -49,6 +51,9 @@ for round in $(seq 1 "$ROUNDS"); do
     if [ "$AB" = stream_interval ]; then
         run "busy_on_$round" on "$BUSY" 16 "${INTERVAL:-4}"
         run "busy_off_$round" on "$BUSY" 16 1
+    elif [ "$AB" = engine_core ]; then
+        run "busy_on_$round" on "$BUSY" 16 1 process
+        run "busy_off_$round" on "$BUSY" 16 1 thread
     elif [ "$AB" = argmax ]; then
         run "busy_on_$round" on "$BUSY" 16
         run "busy_off_$round" on "$BUSY" 0

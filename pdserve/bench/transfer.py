@@ -458,11 +458,7 @@ def to_batch(log: Path, cases: list[Case], repeats: int) -> None:
     """Fill each push case's `to_batch` from the decode worker's handover stamps (its log, on
     the same clock as the commits): the commit sent -> the request's first step scheduled, for
     the timed rounds' pushes."""
-    stamps = {}
-    for line in log.read_text().splitlines():
-        parsed = handover_trace.parse(line)
-        if parsed is not None:
-            stamps[parsed[0]] = parsed[1]
+    stamps = handover_trace.merge(log.read_text().splitlines())
     for case in cases:
         for request_id, committed in case.commits[-repeats:]:
             at = handover_trace.in_batch_at(stamps.get(request_id, []))
