@@ -68,7 +68,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.kv_doorbell == "on" and any(t != GRPC for t in exporter.offered):
         doorbell = DoorbellListener(exporter.pool_id)
         exporter.doorbell = doorbell.name
-        if isinstance(engine, DecodeCoreClient):  # its waker thread commits: one hop less
+        if isinstance(engine, DecodeCoreClient):  # no engine thread here: the waker commits
             doorbell.wake_on_ring(lambda: _answer(doorbell, receiver))
         else:  # the engine thread drains it between steps, woken when idle
             engine.between_steps(lambda: _answer(doorbell, receiver))
