@@ -9,7 +9,6 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from engine.config import KVWaitConfig
 from engine.kv_transfer import layout_of
 from engine.request_streams import EngineDeadError
 from engine.sampling_params import SamplingParams
+from pdserve.bench.proc_cpu import children
 
 BS, NUM_BLOCKS = 16, 8
 PARAMS = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -93,20 +93,10 @@ def test_a_decode_worker_exits_when_its_engine_core_dies(tiny_llama_dir: str) ->
         stop_all([worker])
 
 
+
 def _children(pid: int, module: str) -> list[int]:
-    """Processes whose parent is `pid` and whose command line names `module`."""
-    found = []
+    """`proc_cpu.children`, waiting up to 10 s for one."""
     deadline = time.monotonic() + 10
-    while not found and time.monotonic() < deadline:
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
-            try:
-                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == pid and module in cmdline:
-                found.append(int(proc.name))
+    while not (found := children(pid, module)) and time.monotonic() < deadline:
         time.sleep(0.1)
     return found

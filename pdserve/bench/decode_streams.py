@@ -2,7 +2,7 @@
 GenerateStreams call for all of them.
 
     python -m pdserve.bench.decode_streams [--streams 64] [--tokens 128] [--rounds 5]
-        [--device cuda]
+        [--device cuda] [--engine-core thread|process]
 
 NOTE: a decode worker writes every running request's new tokens every step. Over Generate that
 is a gRPC message per request per step; over GenerateStreams (the gateway's default) one reply
@@ -31,6 +31,7 @@ import torch
 
 from gateway.generate_streams import GenerateCalls
 from pdserve.bench.gpu_model import ModelShape, save_random_model
+from pdserve.bench.proc_cpu import children
 from pdserve.bench.report import bench_main, config_of, write_report
 from pdserve.bench.transfer import child, cpu_seconds, wait_serving
 from pdserve.cluster.convert import sampling_params_to_pb
@@ -50,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the decode worker's (cuda: its steps replay CUDA graphs)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"comma list of {','.join(MODES)} (one alone: to profile it)")
+    parser.add_argument("--engine-core", default="thread", choices=["thread", "process"],
+                        help="the decode worker's engine loop: a thread of its process, or a "
+                             "process of its own (then its CPU is reported apart)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default="bench_results/decode_streams.json")
 
@@ -60,13 +64,15 @@ def _worker(model: Path, port: int, args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", "decode", "--model", str(model), "--port",
             str(port), "--device", args.device, "--dtype", "float32", "--max-model-len", "512",
             "--max-num-seqs", str(args.streams), "--kv-cache-memory", str(64 << 20),
-            "--log-level", "warning"]
+            "--log-level", "warning", "--engine-core", args.engine_core]
 
 
 async def _round(channel: grpc.aio.Channel, calls: GenerateCalls, pid: int,
-                 args: argparse.Namespace, rng: random.Random, tag: str) -> dict[str, float]:
+                 args: argparse.Namespace, rng: random.Random, tag: str,
+                 core_pid: int | None = None) -> dict[str, float]:
     """`--streams` requests at once opened through `calls` (the gateway's, in one mode): the
-    worker's CPU seconds per 1000 output tokens and the output tokens/s."""
+    worker's CPU seconds per 1000 output tokens (its engine core process's apart) and the
+    output tokens/s."""
     from pdserve import SamplingParams
 
     params = sampling_params_to_pb(
@@ -83,10 +89,11 @@ async def _round(channel: grpc.aio.Channel, calls: GenerateCalls, pid: int,
             tokens += len(msg.token_ids)
         return tokens
 
-    cpu, start = cpu_seconds(pid), time.perf_counter()
+    cpu, core, start = cpu_seconds(pid), cpu_seconds(core_pid), time.perf_counter()
     tokens = sum(await asyncio.gather(*(one(i) for i in range(args.streams))))
     wall, used = time.perf_counter() - start, cpu_seconds(pid) - cpu
     return {"tokens": tokens, "cpu_ms_per_1k_tokens": 1e6 * used / tokens,
+            "core_cpu_ms_per_1k_tokens": 1e6 * (cpu_seconds(core_pid) - core) / tokens,
             "tok_s": tokens / wall}
 
 
@@ -99,13 +106,18 @@ async def measure(args: argparse.Namespace, model: Path, logs: Path) -> dict[str
     with child(_worker(model, port, args), logs / "decode.log") as proc:
         async with open_channel(address) as channel:
             await wait_serving(channel, address, proc, logs / "decode.log", 300)
+            core_pid = None
+            if args.engine_core == "process":
+                (core_pid,) = children(proc.pid, "decode_svc.engine_core")
             calls = {mode: GenerateCalls(shared=mode == "shared") for mode in modes}
             for r in range(args.rounds + 1):
                 for mode in (modes if r % 2 == 0 else modes[::-1]):
                     row = await _round(channel, calls[mode],
-                                       proc.pid, args, rng, f"{mode}-{r}")
+                                       proc.pid, args, rng, f"{mode}-{r}", core_pid)
+                    core = (f" + engine core {row['core_cpu_ms_per_1k_tokens']:.1f}"
+                            if core_pid else "")
                     print(f"round {r} {mode:>11}: decode worker CPU "
-                          f"{row['cpu_ms_per_1k_tokens']:.1f} ms per 1000 tokens, "
+                          f"{row['cpu_ms_per_1k_tokens']:.1f}{core} ms per 1000 tokens, "
                           f"{row['tok_s']:.0f} tok/s{' (warm-up)' if r == 0 else ''}",
                           flush=True)
                     if r > 0:
@@ -131,7 +143,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         save_random_model(shape, model, args.seed, device=torch.device("cpu"))
         rows = asyncio.run(measure(args, model, Path(tmp)))
     medians = {mode: {k: statistics.median(r[k] for r in rows[mode])
-                      for k in ("cpu_ms_per_1k_tokens", "tok_s")} for mode in modes}
+                      for k in ("cpu_ms_per_1k_tokens", "core_cpu_ms_per_1k_tokens", "tok_s")}
+               for mode in modes}
     report = {"config": config_of(args), "rounds": rows, "medians": medians}
     if len(modes) == 2:
         report["cpu_ratio_shared_over_per_request"] = (
@@ -139,7 +152,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             / medians["per-request"]["cpu_ms_per_1k_tokens"])
     for mode in modes:
         print(f"median {mode:>11}: {medians[mode]['cpu_ms_per_1k_tokens']:.1f} CPU ms per 1000 "
-              f"tokens, {medians[mode]['tok_s']:.0f} tok/s")
+              f"tokens (engine core process: {medians[mode]['core_cpu_ms_per_1k_tokens']:.1f}), "
+              f"{medians[mode]['tok_s']:.0f} tok/s")
     if len(modes) == 2:
         print("shared / per-request CPU per token: "
               f"{report['cpu_ratio_shared_over_per_request']:.2f}")

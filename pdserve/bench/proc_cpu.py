@@ -51,6 +51,20 @@ def matching(pattern: str) -> dict[str, str]:
     return found
 
 
+def children(pid: int, pattern: str) -> list[int]:
+    """The processes whose parent is `pid` and whose command line contains `pattern` (an
+    engine core process of a server)."""
+    found = []
+    for child in matching(pattern):
+        try:
+            ppid = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            found.append(int(child))
+    return found
+
+
 def sample(pattern: str, interval: float) -> dict[str, Any]:
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
