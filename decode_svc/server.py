@@ -59,6 +59,8 @@ async def serve(args: argparse.Namespace) -> None:
         exporter: PoolExporter | CorePoolExporter = CorePoolExporter(engine)
         receiver = KVReceiver(engine, kv_wait, exporter, args.kv_write_grace_seconds,
                               args.kv_timeout, kv_caches=engine.kv_caches, layout=exporter.layout)
+        if args.kv_transport == GRPC:  # every push writes here: map the pool now, off the loop
+            await asyncio.to_thread(engine.kv_caches)
     else:
         exporter = PoolExporter(engine.engine.runner.kv_pool, args.kv_transport)
         await asyncio.to_thread(engine.engine.runner.kv_view)  # every rank's pool mapped here
