@@ -36,6 +36,7 @@ from engine.core_process import NO_REPLY, CoreFacts
 from engine.llm_engine import PromptInput
 from engine.loop_hops import call_on_loops
 from engine.lora.request import LoRARequest
+from engine.output_wire import decode
 from engine.outputs import RequestOutput
 from engine.request_streams import EngineDeadError, RequestStreams, settle
 from engine.sampling_params import SamplingParams
@@ -300,7 +301,7 @@ class EngineCoreClient:
                 break
             kind = message[0]
             if kind == "outputs":
-                self._deliver(message[1])
+                self._deliver([decode(wire) for wire in message[1]])
             elif kind == "reply":
                 self._reply(*message[1:])
             elif kind == "forget":

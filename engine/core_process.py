@@ -31,7 +31,8 @@ server messages (and a role's own):
                                 message to a server that joins
   ("failed", exc)               building it raised; the process exits
   ("reply", call_id, ok, value) a command's result, or its exception (ok False)
-  ("outputs", [RequestOutput])  one step's outputs (of that server's requests)
+  ("outputs", [Wire])           one step's outputs (of that server's requests), as tuples
+                                (engine/output_wire.py)
   ("forget", request_id)        an aborted request: drop the prompt ids kept for it
   ("loras", [LoRARequest])      the adapters loaded now, whenever that set changes
   ("dead", exc)                 a step raised; no request can progress; the process exits
@@ -54,6 +55,7 @@ from typing import Any
 from engine import handover_trace
 from engine.llm import build_engine_config
 from engine.llm_engine import LLMEngine
+from engine.output_wire import Wire, encode
 from engine.outputs import RequestOutput
 from engine.step_budget import with_server_budget
 
@@ -191,13 +193,13 @@ class Core:
                     for conn in list(self.conns):
                         self._send(conn, ("dead", portable(exc)))
                     return
-                by_conn: dict[Connection, list[RequestOutput]] = {}
-                for out in self._wire(outputs):
+                by_conn: dict[Connection, list[Wire]] = {}
+                for out, wire in zip(outputs, self._wire(outputs), strict=True):
                     conn = self.owner.get(out.request_id)
                     if out.finished:
                         self.owner.pop(out.request_id, None)
                     if conn is not None:
-                        by_conn.setdefault(conn, []).append(out)
+                        by_conn.setdefault(conn, []).append(wire)
                 for conn, batch in by_conn.items():
                     self._send(conn, ("outputs", batch))
                 for out in outputs:  # handed to its server (a handover's stamps end here)
@@ -305,17 +307,17 @@ class Core:
         self.owner.pop(request_id, None)
         return self.engine.abort_request(request_id)
 
-    def _wire(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """The prompt's token ids go with a request's first output only (None after)."""
+    def _wire(self, outputs: list[RequestOutput]) -> list[Wire]:
+        """The outputs as tuples (engine/output_wire.py); the prompt's token ids go with a
+        request's first output only (None after)."""
         wire = []
         for out in outputs:
-            if out.request_id in self.prompt_sent:
-                out = dataclasses.replace(out, prompt_token_ids=None)
-            elif not out.finished:
+            sent = out.request_id in self.prompt_sent
+            if not sent and not out.finished:
                 self.prompt_sent.add(out.request_id)
             if out.finished:
                 self.prompt_sent.discard(out.request_id)
-            wire.append(out)
+            wire.append(encode(out, prompt_ids=not sent))
         return wire
 
     def _lora_changes(self) -> None:
