@@ -117,6 +117,7 @@ class KVReceiver:
             kv_caches, layout = (lambda: caches), layout_of(caches)
         assert layout is not None
         self.kv_caches, self.layout = kv_caches, layout
+        self._mapped: list | None = None  # kv_caches() once called (off the event loop)
         self.exporter = exporter or PoolExporter(engine.engine.runner.kv_pool, GRPC)
         self.write_grace_s = write_grace_s
         self.fence_timeout_s = fence_timeout_s
@@ -377,7 +378,9 @@ class KVReceiver:
         if header.skip_blocks != pending.cached_blocks:  # never a write into shared blocks
             raise ValueError(f"header skips {header.skip_blocks} blocks, this worker holds "
                              f"the first {pending.cached_blocks} (Generate's cached_blocks)")
-        writer = KVSlabWriter(self.kv_caches() if transport == GRPC else None, pending.block_ids,
+        if transport == GRPC and self._mapped is None:  # a GPU pool is opened by its handle
+            self._mapped = await asyncio.to_thread(self.kv_caches)  # (a CUDA context: ~1 s)
+        writer = KVSlabWriter(self._mapped if transport == GRPC else None, pending.block_ids,
                               present=header.skip_blocks, layout=self.layout)
         pending.progress_at = time.monotonic()
         first_slab_at = None
