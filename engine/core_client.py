@@ -339,7 +339,7 @@ class EngineCoreClient:
     def _reply(self, call_id: int, ok: bool, value: Any) -> None:
         future = self._calls.get(call_id)
         if isinstance(future, concurrent.futures.Future):  # `call_blocking`'s
-            _settle_blocking(future, value if ok else None, None if ok else value)
+            settle(future, value if ok else None, None if ok else value)  # thread-safe
         elif future is not None:
             future.get_loop().call_soon_threadsafe(settle, future, value if ok else None,
                                                    None if ok else value)
@@ -352,16 +352,7 @@ class EngineCoreClient:
         dead.__cause__ = exc
         for future in list(self._calls.values()):
             if isinstance(future, concurrent.futures.Future):
-                _settle_blocking(future, None, dead)
+                settle(future, None, dead)
             else:
                 future.get_loop().call_soon_threadsafe(settle, future, None, dead)
 
-
-def _settle_blocking(future: concurrent.futures.Future, result: Any,
-                     exc: BaseException | None) -> None:
-    if future.done():
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)

@@ -9,6 +9,7 @@ failure, or at the engine's failure; a reader that leaves early aborts the reque
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -96,8 +97,10 @@ class RequestStreams:
                 await asyncio.shield(abort())
 
 
-def settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    """On the future's loop: its result, or `exc`, unless it is cancelled or settled."""
+def settle(future: asyncio.Future | concurrent.futures.Future, result: Any,
+           exc: BaseException | None) -> None:
+    """Its result, or `exc`, unless it is cancelled or settled: an asyncio future's on its
+    loop, a `concurrent.futures.Future`'s from any thread."""
     if future.done():
         return
     if exc is not None:
