@@ -29,10 +29,11 @@ from engine.config import NO_KV_WAIT, KVWaitConfig
 from engine.core_client import EngineCoreClient
 from engine.core_process import NO_REPLY
 from engine.kv_events import KVEventBatch
-from engine.kv_handoff import KVCacheFullError, Reservation
+from engine.kv_handoff import Reservation
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.request_streams import EngineDeadError, RequestFailed, settle
+from engine.reservation_wait import await_reservation
 from engine.sampling_params import SamplingParams
 from pdserve.transport.base import GRPC, PoolInfo
 
@@ -82,27 +83,13 @@ class DecodeCoreClient(EngineCoreClient):
         self._open(request_id)
         granted = self._granted[request_id] = asyncio.get_running_loop().create_future()
         try:
-            reservation = await self._call("reserve", request_id, prompt_token_ids,
-                                           sampling_params, prior_output_token_ids,
-                                           wait.max_waiting, lora_request)
-            if reservation is None:
-                reservation = await asyncio.wait_for(granted, wait.seconds)
-        except TimeoutError:
-            await self.abort(request_id)  # out of the queue, or its blocks freed if just granted
-            raise KVCacheFullError(
-                f"no room for request {request_id!r}: its KV blocks were not free within "
-                f"{wait.seconds:g} s"
-            ) from None
-        except asyncio.CancelledError:
-            self._streams.discard(request_id)
-            self._send("abort", NO_REPLY, request_id)  # after the reserve, whatever it did
-            raise
-        except BaseException:
-            self._streams.discard(request_id)
-            raise
+            return await await_reservation(
+                request_id, self._call("reserve", request_id, prompt_token_ids, sampling_params,
+                                       prior_output_token_ids, wait.max_waiting, lora_request),
+                granted, wait, self._streams, lambda: self.abort(request_id),
+                lambda: self._send("abort", NO_REPLY, request_id))
         finally:
             self._granted.pop(request_id, None)
-        return reservation
 
     async def commit_remote(
         self, request_id: str, first_token_id: int, logprobs: tuple[float, dict] | None

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from engine import handover_trace
 from engine.config import NO_KV_WAIT, KVWaitConfig
 from engine.kv_events import KVEventBatch, prefix_events
-from engine.kv_handoff import KVCacheFullError, Reservation
+from engine.kv_handoff import Reservation
 from engine.kv_progress import KVProgress, KVWatch
 from engine.llm import build_engine_config
 from engine.llm_engine import LLMEngine, PromptInput
@@ -35,6 +35,7 @@ from engine.loop_hops import call_on_loops
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.request_streams import EngineDeadError, RequestFailed, RequestStreams, settle
+from engine.reservation_wait import await_reservation
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SchedulerStats
 from engine.step_budget import with_server_budget
@@ -135,26 +136,11 @@ class AsyncLLMEngine:
         already) / ValueError, keeping nothing; a cancelled caller keeps nothing either."""
         self._open(request_id)
         granted = asyncio.get_running_loop().create_future()
-        try:
-            reservation = await self.call(self._reserve, request_id, prompt_token_ids,
-                                          sampling_params, prior_output_token_ids, wait, granted,
-                                          lora_request)
-            if reservation is None:
-                reservation = await asyncio.wait_for(granted, wait.seconds)
-        except TimeoutError:
-            await self.abort(request_id)  # out of the queue, or its blocks freed if just granted
-            raise KVCacheFullError(
-                f"no room for request {request_id!r}: its KV blocks were not free within "
-                f"{wait.seconds:g} s"
-            ) from None
-        except asyncio.CancelledError:
-            self._streams.discard(request_id)
-            self._abort_soon(request_id)  # the reservation may still be queued: release it after
-            raise
-        except BaseException:
-            self._streams.discard(request_id)
-            raise
-        return reservation
+        return await await_reservation(
+            request_id, self.call(self._reserve, request_id, prompt_token_ids, sampling_params,
+                                  prior_output_token_ids, wait, granted, lora_request),
+            granted, wait, self._streams, lambda: self.abort(request_id),
+            lambda: self._abort_soon(request_id))
 
     async def commit_remote(
         self, request_id: str, first_token_id: int, logprobs: tuple[float, dict] | None
