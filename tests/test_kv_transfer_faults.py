@@ -363,15 +363,18 @@ def test_a_push_slower_than_the_timeout_but_never_idle_that_long_completes(
     w, ref, rid = workers, workers.long, "slow"
     call = _open(w, rid, ref)
     slabs = _slabs(w.layout, ref.num_blocks, w)
-    gap = KV_TIMEOUT_S * 0.6
-    assert gap * len(slabs) > KV_TIMEOUT_S
+    gap = KV_TIMEOUT_S * 0.6  # two pauses: the push takes longer than the timeout
+    pause_before = {0, len(slabs) // 2}
+    assert len(slabs) >= 2 and gap * len(pause_before) > KV_TIMEOUT_S
     header = _header(rid, w.layout, ref, w)
 
     def chunks() -> Iterator[decode_pb2.KVChunk]:
         yield header
-        for slab in slabs:
-            time.sleep(gap)
+        for i, slab in enumerate(slabs):
+            if i in pause_before:
+                time.sleep(gap)
             yield slab
+        time.sleep(gap)
         yield _commit(ref)
 
     reply = w.decode.PushKV(chunks(), timeout=30)
