@@ -286,7 +286,7 @@ class Scheduler:
         such a step is still running on the device: a request admitted now reads them in a
         later step, which the device runs after it."""
         self.block_manager.cache_full_blocks(req)
-        scheduled = ScheduledRequest(req, num_new, drafts or [])
+        scheduled = ScheduledRequest(req, num_new, drafts)
         if req.spec_token_ids:
             req.spec_token_ids = []  # a proposal serves one step
         out.scheduled.append(scheduled)

@@ -16,22 +16,28 @@ Sample = tuple[int, "tuple[float, dict[int, float]] | None"]
 Samples = list[Sample]
 
 
-@dataclass
 class ScheduledRequest:
-    request: Request
-    # Tokens [start, start + num_new_tokens) of the request, the draft tokens last.
-    num_new_tokens: int
-    # Speculative decoding: draft tokens, beyond the request's tokens, verified in this step.
-    spec_token_ids: list[int] = field(default_factory=list)
-    start: int = field(init=False)  # num_computed_tokens when scheduled
-    # The chunk reaches the end of the sequence, so its logits are sampled.
-    samples: bool = field(init=False)
+    """One request's share of a step: tokens [start, start + num_new_tokens) of it, the draft
+    tokens (speculative decoding, beyond the request's tokens, verified in this step) last.
+    `samples`: the chunk reaches the end of the sequence, so its logits are sampled.
 
-    def __post_init__(self) -> None:
-        r = self.request
-        self.start = r.num_computed_tokens
-        end = self.start + self.num_new_tokens - len(self.spec_token_ids)
-        self.samples = end == r.num_tokens + r.num_pending
+    A plain class with slots: every running request makes one every step."""
+
+    __slots__ = ("request", "num_new_tokens", "spec_token_ids", "start", "samples")
+
+    def __init__(self, request: Request, num_new_tokens: int,
+                 spec_token_ids: list[int] | None = None) -> None:
+        self.request = request
+        self.num_new_tokens = num_new_tokens
+        self.spec_token_ids = spec_token_ids if spec_token_ids is not None else []
+        self.start = request.num_computed_tokens  # when scheduled
+        end = self.start + num_new_tokens - len(self.spec_token_ids)
+        self.samples = end == request.num_tokens + request.num_pending
+
+    def __repr__(self) -> str:
+        return (f"ScheduledRequest({self.request.request_id!r}, start={self.start}, "
+                f"num_new_tokens={self.num_new_tokens}, spec_token_ids={self.spec_token_ids}, "
+                f"samples={self.samples})")
 
 
 @dataclass
