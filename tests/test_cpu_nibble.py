@@ -128,6 +128,18 @@ def test_amx_cpus_keep_torch_kernels_unless_asked(amx: bool, choice: str | None,
     assert cpu_nibble.preferred() is expected
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_q8_0_takes_the_kernel_wherever_it_runs(amx: bool, monkeypatch) -> None:
+    """AMX or not: torch has no int8 group GEMM (SplitInt8Kernel's two int4 GEMMs are slower)."""
+    monkeypatch.setattr(cpu_nibble, "_cpu_has", lambda probe: amx or "amx" not in probe)
+    monkeypatch.delenv(cpu_nibble.CHOICE_ENV, raising=False)
+    monkeypatch.setattr(cpu_nibble, "available", lambda: True)
+    assert cpu_nibble.preferred_q8()
+    assert cpu_nibble.preferred() is not amx
+    monkeypatch.setattr(cpu_nibble, "available", lambda: False)  # no compiler, no AVX512-BF16
+    assert not cpu_nibble.preferred_q8()
+
+
 @pytest.mark.parametrize("m", [1, 7])
 def test_fp32_activations_are_rounded_as_torch_rounds_them(m: int) -> None:
     n, k = 48, 64

@@ -1,7 +1,7 @@
 """CPU matmuls over GGUF weights in the unpacked layout of `blocks.py`, each beside its reference.
 
-    NibbleKernel    Q4_0 / Q4_1 / Q4_K / Q8_0 with bf16 activations on a CPU with AVX512-BF16
-                    and no AMX (`cpu_nibble.preferred()`):
+    NibbleKernel    Q4_0 / Q4_1 / Q4_K with bf16 activations on a CPU with AVX512-BF16 and no
+                    AMX (`cpu_nibble.preferred()`), Q8_0 wherever it runs (`preferred_q8()`):
                     the codes fed to bf16 dot products as they are (kernels/cpu_nibble.py),
                     outputs in the activations' dtype (fp32 sums, not rounded to bf16 for fp32
                     activations). Steps of DENSE_MIN_TOKENS rows or more multiply a transient
@@ -12,8 +12,9 @@
                     and nibble = code + offset (offset 8 for Q4_0, else 0) has
                     z = b + s * (8 - offset). Scales and zeros are held in bf16. Steps of many
                     tokens multiply a transient de-quantized bf16 copy instead (int4_dense.py).
-    SplitInt8Kernel Q8_0 with bf16 activations: an int8 code is 16 * hi + lo with hi in -8..7,
-                    lo in 0..15, so the matmul is two int4 GEMMs (hi with scale 16 s, lo with s).
+    SplitInt8Kernel Q8_0 with bf16 activations where kernels/cpu_nibble.py does not run: an
+                    int8 code is 16 * hi + lo with hi in -8..7, lo in 0..15, so the matmul is
+                    two int4 GEMMs (hi with scale 16 s, lo with s).
     DequantKernel   any format, any dtype: de-quantizes `tile_rows` rows at a time into the
                     activations' dtype and multiplies (exact in fp32; never the whole matrix).
     DenseKernel     F32/F16/BF16 GGUF tensors: a plain F.linear.
@@ -167,8 +168,9 @@ class NibbleKernel:
     @staticmethod
     def fits(w: QuantWeight) -> bool:
         """Whether make_kernel should take this kernel for `w` here."""
-        return (cpu_nibble.preferred() and (w.qtype in FOUR_BIT or w.qtype == Q.Q8_0)
-                and NibbleKernel._shape_fits(w))
+        wanted = (cpu_nibble.preferred_q8() if w.qtype == Q.Q8_0
+                  else w.qtype in FOUR_BIT and cpu_nibble.preferred())
+        return wanted and NibbleKernel._shape_fits(w)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N] in x's dtype
         dtype = x.dtype
