@@ -19,10 +19,9 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
-import time
 from typing import Any
 
-from pdserve.bench.report import bench_main, config_of, write_report
+from pdserve.bench.report import bench_main, config_of, median_wall_ms, write_report
 
 PACKAGES = ("engine/", "kernels/")
 
@@ -64,10 +63,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def generate() -> None:
         llm.generate(prompt, params, use_tqdm=False)
 
-    generate()  # warm-up
-    start = time.perf_counter()
-    generate()
-    ms_per_token = 1e3 * (time.perf_counter() - start) / args.tokens
+    ms_per_token = median_wall_ms(generate, repeats=1) / args.tokens  # after one warm-up
 
     sites: collections.Counter = collections.Counter()
 
