@@ -44,16 +44,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from kernels.cache_root import cache_root
+from kernels import cpu_build
 
 log = logging.getLogger(__name__)
 
@@ -70,28 +68,9 @@ def _cpu_has(probe: str) -> bool:
 
 
 def build(source: Path = SOURCE, out_dir: Path | None = None) -> Path:
-    """Compile `source` (once: the file is named by a hash of the source, flags and compiler)
-    and return the shared object's path; raises OSError / CalledProcessError on failure."""
-    cc = os.environ.get("CC") or "cc"
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    text = source.read_bytes()
-    digest = hashlib.sha256(text + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-    out_dir = out_dir or Path(cache_root()) / "cpu_kernels"
-    target = out_dir / f"{source.stem}-{digest}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # a temporary name, then an atomic rename: workers starting together may build at once
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        subprocess.run([cc, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True,
-                       check=True)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    """Compile `source` (once, kernels/cpu_build.py) and return the shared object's path; raises
+    OSError / CalledProcessError on failure."""
+    return cpu_build.build(source, FLAGS, out_dir)
 
 
 @functools.cache

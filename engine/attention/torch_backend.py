@@ -47,6 +47,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_chunks import chunk_attention, chunk_plan, short_seqs
 from engine.attention.torch_kv_cache import gather_blocks, gather_rows, store_kv
 from engine.models.rotary import RopeInputs, rotate_qk
+from kernels import cpu_attention
 from kernels.kv_cache_fp8 import check_scales
 
 
@@ -89,6 +90,10 @@ class TorchAttentionState:
     meta: AttentionMetadata | None = None  # the step's, for the short chunks' plan
     memo: StepMemo = field(default_factory=StepMemo)
 
+    @property
+    def decode_only(self) -> bool:
+        return not self.prefills and self.decode is not None
+
 
 class TorchAttentionBackend:
     name = "torch"
@@ -121,6 +126,10 @@ class TorchAttentionBackend:
         if not isinstance(meta.backend_state, TorchAttentionState):
             self.prepare(meta)
         state: TorchAttentionState = meta.backend_state
+        if state.decode_only and not q.is_cuda:
+            out = _c_decode(q, k, v, kv_cache, meta, scale, rope, state.memo)
+            if out is not None:
+                return out
         if rope is not None:
             q, k = rotate_joint(rope, q, k, state.memo)
         kv_scales = (self.k_scale, self.v_scale)
@@ -133,6 +142,22 @@ class TorchAttentionBackend:
         if state.decode is not None:
             outs.append(_decode_attention(q, kv_cache, state.decode, scale, kv_scales, state.memo))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _c_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float, rope: RopeInputs | None, memo: StepMemo,
+) -> torch.Tensor | None:  # [T, H, D], or None: the torch ops serve this layer
+    """A step of decodes only, on the CPU: the layer's rotation, stores and attention as one C
+    call (kernels/cpu_attention.py) where the kernel builds here and takes the operands."""
+    if rope is not None and rope.cos is None:
+        return None
+    cos, sin = (None, None) if rope is None else (rope.cos, rope.sin)
+    if cpu_attention.library() is None or not cpu_attention.fits(q, k, v, kv_cache, cos):
+        return None
+    step = memo.get(("c_decode", id(rope)), lambda: cpu_attention.StepArgs(
+        meta.slot_mapping, meta.block_tables, meta.seq_lens, cos, sin))
+    return cpu_attention.paged_decode(q, k, v, kv_cache, step, scale)
 
 
 def rotate_joint(
