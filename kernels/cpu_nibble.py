@@ -28,16 +28,18 @@ The shared object is compiled once per machine with the system's C compiler (`$C
 (same soname). No compiler, no AVX512-BF16, or a failed build: `library()` is None and the
 callers keep torch's int4 kernel.
 
-Where it pays (`preferred()`, 4-bit formats): a CPU with AVX512-BF16 but no AMX. On the 2-core
-EPYC pdserve is developed on, weights streamed from memory, it is about even with torch's int4
-GEMM at 1 row (0.70-1.13x), 0.94-1.32x at 4 and 1.2-3.4x from 8 rows (`python -m
-pdserve.bench.cpu_int4_gemm`, docs/benchmarks.md); on a 16-core Xeon with AMX the two were even
-up to 32 rows and torch's (AMX tiles) was 2-7x faster from 256, so there torch's stays for them.
-Q8_0 (`preferred_q8()`) takes it wherever it runs: torch has no int8 group GEMM, and the two int4
-GEMMs that stand in for one (engine/quant/kernels.py `SplitInt8Kernel`) were 1.6-2.4x slower up
-to 128 rows on the EPYC and 1.7x slower at 1-32 rows on a 2-core AMX Xeon, and hold 10 bits a
-weight where this kernel holds 8.5.
-`PDSERVE_CPU_NIBBLE=1` takes this kernel wherever it runs, `0` never.
+Where it serves (`preferred()`): every CPU it runs on, for every GGUF format it packs. On the
+2-core EPYC pdserve is developed on, weights streamed from memory, it is about even with torch's
+int4 GEMM at 1 row (0.70-1.13x), 0.94-1.32x at 4 and 1.2-3.4x from 8 rows (`python -m
+pdserve.bench.cpu_int4_gemm`, docs/benchmarks.md). On Xeons with AMX the two 4-bit GEMMs are even
+up to 128 rows (16 cores: 0.65-1.33x; 2 cores: 0.84-1.06x up to 64) and torch's, on AMX tiles,
+is 2-7x faster from 256 rows, where both kernels give way to the de-quantized bf16 matmul
+(DENSE_MIN_TOKENS); a decode step then saves the bf16 casts torch's GEMM needs around it (the
+bundled model on a 2-core AMX Xeon: 7% less time a token, docs/benchmarks.md). torch has no int8
+group GEMM: the two int4 GEMMs that stand in for Q8_0 (engine/quant/kernels.py
+`SplitInt8Kernel`) were 1.6-2.4x slower up to 128 rows on the EPYC and 1.7x slower at 1-32 rows
+on a 2-core AMX Xeon, and hold 10 bits a weight where this kernel holds 8.5.
+`PDSERVE_CPU_NIBBLE=0` keeps torch's kernels.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mav
          "-mavx512bf16", "-mf16c", "-mfma"]
 GROUP = 32
 Q4, Q8 = 0, 1  # the C file's FMT_Q4, FMT_Q8
-CHOICE_ENV = "PDSERVE_CPU_NIBBLE"  # "0": never; "1": wherever it runs; unset: preferred()
+CHOICE_ENV = "PDSERVE_CPU_NIBBLE"  # "0": never; else wherever it runs
 
 
 def _cpu_has(probe: str) -> bool:
@@ -102,14 +104,7 @@ def available() -> bool:
 
 
 def preferred() -> bool:
-    """Whether 4-bit GGUF weights should take it here (see the module's note on AMX)."""
-    if not available():
-        return False
-    return os.environ.get(CHOICE_ENV) == "1" or not _cpu_has("_is_amx_tile_supported")
-
-
-def preferred_q8() -> bool:
-    """Whether Q8_0 weights should take it here: wherever it runs (the module's note)."""
+    """Whether GGUF weights should take it here: wherever it runs (the module's note)."""
     return available()
 
 

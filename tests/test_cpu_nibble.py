@@ -116,28 +116,19 @@ def test_the_build_is_cached_and_a_failed_build_raises(tmp_path: Path, monkeypat
         cpu_nibble.build(out_dir=tmp_path / "other")
 
 
-@pytest.mark.parametrize(("amx", "choice", "expected"), [
-    (False, None, True), (True, None, False), (True, "1", True)])
-def test_amx_cpus_keep_torch_kernels_unless_asked(amx: bool, choice: str | None, expected: bool,
-                                                   monkeypatch) -> None:
-    monkeypatch.setattr(cpu_nibble, "_cpu_has", lambda probe: amx or "amx" not in probe)
-    if choice is None:
-        monkeypatch.delenv(cpu_nibble.CHOICE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(cpu_nibble.CHOICE_ENV, choice)
-    assert cpu_nibble.preferred() is expected
-
-
 @pytest.mark.parametrize("amx", [False, True])
-def test_q8_0_takes_the_kernel_wherever_it_runs(amx: bool, monkeypatch) -> None:
-    """AMX or not: torch has no int8 group GEMM (SplitInt8Kernel's two int4 GEMMs are slower)."""
+def test_every_gguf_format_takes_the_kernel_wherever_it_runs(amx: bool, monkeypatch) -> None:
+    """AMX or not (torch's AMX int4 GEMM only wins from 256 rows, where the de-quantized bf16
+    matmul serves instead); `PDSERVE_CPU_NIBBLE=0` or no kernel here: torch's kernels."""
     monkeypatch.setattr(cpu_nibble, "_cpu_has", lambda probe: amx or "amx" not in probe)
     monkeypatch.delenv(cpu_nibble.CHOICE_ENV, raising=False)
     monkeypatch.setattr(cpu_nibble, "available", lambda: True)
-    assert cpu_nibble.preferred_q8()
-    assert cpu_nibble.preferred() is not amx
+    q4 = QuantWeight(Q.Q4_1, torch.zeros(32, 64, dtype=torch.int8), torch.ones(32, 2),
+                     torch.zeros(32, 2), 32)
+    q8 = QuantWeight(Q.Q8_0, torch.zeros(32, 64, dtype=torch.int8), torch.ones(32, 2), None, 32)
+    assert cpu_nibble.preferred() and NibbleKernel.fits(q4) and NibbleKernel.fits(q8)
     monkeypatch.setattr(cpu_nibble, "available", lambda: False)  # no compiler, no AVX512-BF16
-    assert not cpu_nibble.preferred_q8()
+    assert not cpu_nibble.preferred() and not NibbleKernel.fits(q4) and not NibbleKernel.fits(q8)
 
 
 @pytest.mark.parametrize("m", [1, 7])

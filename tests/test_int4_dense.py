@@ -27,7 +27,6 @@ needs_dense = pytest.mark.skipif(
 @pytest.fixture(autouse=True)
 def _torch_int4_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_nibble, "preferred", lambda: False)
-    monkeypatch.setattr(cpu_nibble, "preferred_q8", lambda: False)
 
 
 @needs_dense

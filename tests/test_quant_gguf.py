@@ -87,7 +87,6 @@ def test_kernels_match_the_reference(
     if nibble and not cpu_nibble.available():
         pytest.skip("kernels/cpu_nibble.c does not run here (no AVX512-BF16 or no C compiler)")
     monkeypatch.setattr(cpu_nibble, "preferred", lambda: nibble)
-    monkeypatch.setattr(cpu_nibble, "preferred_q8", lambda: nibble)
     rows, cols = 1104, 256  # more rows than one de-quantized tile (1024 at 256 columns)
     raw = random_blocks(qtype, rows, cols, seed=2)
     kernel = make_kernel(unpack(qtype, raw, (rows, cols), "w"), dtype)

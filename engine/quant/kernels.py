@@ -1,12 +1,11 @@
 """CPU matmuls over GGUF weights in the unpacked layout of `blocks.py`, each beside its reference.
 
-    NibbleKernel    Q4_0 / Q4_1 / Q4_K with bf16 activations on a CPU with AVX512-BF16 and no
-                    AMX (`cpu_nibble.preferred()`), Q8_0 wherever it runs (`preferred_q8()`):
-                    the codes fed to bf16 dot products as they are (kernels/cpu_nibble.py),
-                    outputs in the activations' dtype (fp32 sums, not rounded to bf16 for fp32
-                    activations). Steps of DENSE_MIN_TOKENS rows or more multiply a transient
-                    de-quantized bf16 W^T. Elsewhere (AMX, no AVX512-BF16, no C compiler) the
-                    two kernels below serve these formats.
+    NibbleKernel    Q4_0 / Q4_1 / Q4_K and Q8_0 with bf16 activations on a CPU with AVX512-BF16
+                    (`cpu_nibble.preferred()`): the codes fed to bf16 dot products as they are
+                    (kernels/cpu_nibble.py), outputs in the activations' dtype (fp32 sums, not
+                    rounded to bf16 for fp32 activations). Steps of DENSE_MIN_TOKENS rows or
+                    more multiply a transient de-quantized bf16 W^T. Elsewhere (no AVX512-BF16,
+                    no C compiler) the two kernels below serve these formats.
     Int4PackKernel  Q4_0 / Q4_1 / Q4_K: torch's packed int4 CPU GEMM, bf16 activations. torch's
                     group convention is w = (nibble - 8) * s + z, so a block with w = s * code + b
                     and nibble = code + offset (offset 8 for Q4_0, else 0) has
@@ -168,9 +167,8 @@ class NibbleKernel:
     @staticmethod
     def fits(w: QuantWeight) -> bool:
         """Whether make_kernel should take this kernel for `w` here."""
-        wanted = (cpu_nibble.preferred_q8() if w.qtype == Q.Q8_0
-                  else w.qtype in FOUR_BIT and cpu_nibble.preferred())
-        return wanted and NibbleKernel._shape_fits(w)
+        wanted = w.qtype == Q.Q8_0 or w.qtype in FOUR_BIT
+        return wanted and cpu_nibble.preferred() and NibbleKernel._shape_fits(w)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N] in x's dtype
         dtype = x.dtype
