@@ -16,9 +16,11 @@
 // request's logits do not depend on what else is in the batch.
 
 #include <immintrin.h>
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 enum { FMT_Q4 = 0, FMT_Q8 = 1 };
 
@@ -247,4 +249,70 @@ void nibble_dequant_t(int K, int N, int fmt, const uint8_t *w, const uint16_t *s
             }
         }
     }
+}
+
+// The GEMM's input made here from fp32 rows, so that a decode layer's norm or SwiGLU and the
+// projection after it are one call (kernels/cpu_nibble.py `gemm_pre`):
+//   PRE_RMSNORM   r = x + residual (x alone when residual is NULL) is written to r_out [M, K],
+//                 and the GEMM reads r * w / sqrt(mean(r^2) + eps)         (x [M, K], ldx)
+//   PRE_SILU_MUL  the GEMM reads silu(x[:, :K]) * x[:, K:], silu(g) = g / (1 + e^-g)
+//                                                                        (x [M, 2K], ldx)
+// all in fp32, then rounded to bf16 as nibble_gemm rounds fp32 rows. Returns nibble_gemm's.
+enum { PRE_RMSNORM = 0, PRE_SILU_MUL = 1 };
+
+// e^x in fp32 for any x (clamped to where fp32's exponent holds it): 2^n e^r, r in
+// [-ln2/2, ln2/2], Cephes's polynomial; written so that the compiler vectorizes the loop
+#pragma omp declare simd
+static inline float exp_poly(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+int nibble_gemm_pre(int pre, const float *x, ptrdiff_t ldx, const float *residual,
+                    ptrdiff_t ldr, float *r_out, const float *norm_w, float eps, int M, int K,
+                    int N, int fmt, const uint8_t *w, const uint16_t *s, const uint16_t *z,
+                    void *y, int out_bf16, int nthreads) {
+    float stack[4096];
+    const size_t words = (size_t)M * K;
+    float *in = words <= 4096 ? stack : malloc(words * sizeof(float));
+    if (!in) return -1;
+    for (int m = 0; m < M; m++) {
+        const float *xr = x + (ptrdiff_t)m * ldx;
+        float *dst = in + (size_t)m * K;
+        if (pre == PRE_RMSNORM) {
+            float *r = r_out + (size_t)m * K;
+            const float *res = residual ? residual + (ptrdiff_t)m * ldr : NULL;
+            float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+            for (int k = 0; k < K; k++) {
+                const float v = res ? xr[k] + res[k] : xr[k];
+                r[k] = v;
+                sq += v * v;
+            }
+            const float inv = 1.0f / sqrtf(sq / (float)K + eps);
+#pragma omp simd
+            for (int k = 0; k < K; k++) dst[k] = r[k] * inv * norm_w[k];
+        } else {
+#pragma omp simd
+            for (int k = 0; k < K; k++) {
+                const float g = xr[k];
+                dst[k] = g / (1.0f + exp_poly(-g)) * xr[K + k];
+            }
+        }
+    }
+    const int status = nibble_gemm(in, 1, K, M, K, N, fmt, w, s, z, y, out_bf16, nthreads);
+    if (in != stack) free(in);
+    return status;
 }

@@ -62,6 +62,7 @@ FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mav
          "-mavx512bf16", "-mf16c", "-mfma"]
 GROUP = 32
 Q4, Q8 = 0, 1  # the C file's FMT_Q4, FMT_Q8
+PRE_RMSNORM, PRE_SILU_MUL = 0, 1  # the C file's input prologues (nibble_gemm_pre)
 CHOICE_ENV = "PDSERVE_CPU_NIBBLE"  # "0": never; else wherever it runs
 
 
@@ -95,6 +96,9 @@ def library() -> ctypes.CDLL | None:
     lib.nibble_gemm.restype = i
     lib.nibble_dequant_t.argtypes = [i, i, i, p, p, p, p, i]
     lib.nibble_dequant_t.restype = None
+    f, n = ctypes.c_float, ctypes.c_ssize_t
+    lib.nibble_gemm_pre.argtypes = [i, p, n, p, n, p, p, f, i, i, i, i, p, p, p, p, i, i]
+    lib.nibble_gemm_pre.restype = i
     return lib
 
 
@@ -168,6 +172,38 @@ class Gemm:
                       torch.get_num_threads()):
             raise MemoryError(f"cpu_nibble: no scratch for {m} rows of {self.k}")
         return y
+
+    def rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y, r): r = x + residual (x when None), y = rms_norm(r, weight, eps) W^T, fp32
+        rows in and out (the norm in fp32, then rounded to bf16 as __call__ rounds x)."""
+        m = x.shape[0]
+        r = torch.empty(m, self.k)
+        y = torch.empty(m, self.n)
+        res = (0, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
+        self._pre(PRE_RMSNORM, x, *res, r.data_ptr(), weight.data_ptr(), eps, y)
+        return y, r
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(silu(gate) * up) W^T for gate_up [M, 2K] fp32 (gate, then up) -> [M, N] fp32."""
+        y = torch.empty(gate_up.shape[0], self.n)
+        self._pre(PRE_SILU_MUL, gate_up, 0, 0, 0, 0, 0.0, y)
+        return y
+
+    def _pre(self, pre: int, x: torch.Tensor, res: int, ldr: int, r: int, w: int, eps: float,
+             y: torch.Tensor) -> None:
+        m = x.shape[0]
+        if library().nibble_gemm_pre(pre, x.data_ptr(), x.stride(0), res, ldr, r, w, eps, m,
+                                     self.k, self.n, *self._head, y.data_ptr(), 0,
+                                     torch.get_num_threads()):
+            raise MemoryError(f"cpu_nibble: no scratch for {m} rows of {self.k}")
+
+    @staticmethod
+    def takes_rows(*rows: torch.Tensor | None) -> bool:
+        """Whether `rmsnorm` / `silu_mul` take these operands: 2-D fp32 CPU rows with unit
+        stride (the norm's weight too)."""
+        return all(t is None or (t.dtype == torch.float32 and t.dim() in (1, 2)
+                                 and t.stride(-1) == 1 and not t.is_cuda) for t in rows)
 
 
 def gemm(x: torch.Tensor, fmt: int, codes: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,

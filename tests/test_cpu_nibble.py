@@ -60,6 +60,62 @@ def test_gemm_matches_the_reference_and_rows_are_independent(fmt: int, n: int, m
 
 
 @pytest.mark.parametrize("fmt", [cpu_nibble.Q4, cpu_nibble.Q8], ids=["q4", "q8"])
+@pytest.mark.parametrize("m", [1, 5, 300])  # 300 rows: the prologue's buffer off the stack
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "first_layer"])
+def test_the_norm_and_swiglu_prologues_equal_the_ops_then_the_gemm(fmt: int, m: int,
+                                                                    residual: bool) -> None:
+    """Gemm.rmsnorm: r = x + residual exactly, then the GEMM of F.rms_norm(r) (within a bf16
+    rounding of the normed rows: the C sum of squares runs in another order); Gemm.silu_mul:
+    the GEMM of F.silu(gate) * up, the same way. Strided rows (views of wider rows) too."""
+    n, k = 48, 64
+    codes, s, z = _packed(fmt, n, k, seed=m)
+    gemm = cpu_nibble.Gemm(fmt, codes, s, z, n)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k + 16, generator=g)[:, :k]  # rows 80 apart
+    res = torch.randn(m, k, generator=g) if residual else None
+    weight = torch.rand(k, generator=g) + 0.5
+    y, r = gemm.rmsnorm(x, res, weight, 1e-5)
+    want_r = x + res if residual else x
+    assert torch.equal(r, want_r)
+    want = gemm(torch.nn.functional.rms_norm(want_r, (k,), weight, 1e-5), torch.float32)
+    assert (y - want).abs().max() <= 0.02 * want.abs().max()
+    gate_up = torch.randn(m, 2 * k, generator=g) * 3
+    want = gemm(torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:], torch.float32)
+    got = gemm.silu_mul(gate_up)
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    assert gemm.takes_rows(x, res, weight) and not gemm.takes_rows(x.bfloat16())
+
+
+def test_gguf_linear_fuses_on_decode_rows_only() -> None:
+    """GGUFLinear's rmsnorm_linear / silu_mul_linear: the fused call for fp32 rows under
+    DENSE_MIN_TOKENS, giving what the norm / SwiGLU ops then the layer give; None (the
+    caller's ops) for bf16 rows and for steps long enough for the de-quantized matmul."""
+    from engine.models.layers import RMSNorm, silu_and_mul
+    from engine.quant.int4_dense import DENSE_MIN_TOKENS
+    from engine.quant.layers import GGUFLinear
+
+    k, n = 64, 96
+    layer = GGUFLinear(k, n, bias=False, activation_dtype=torch.bfloat16)  # as the loader
+    w = unpack(Q.Q4_1, random_blocks(Q.Q4_1, n, k, seed=1), (n, k), "w")
+    layer.weight.weight_loader(layer.weight, slice(0, n), w, "w")
+    assert isinstance(layer.kernels[0], NibbleKernel)
+    norm = RMSNorm(k, 1e-6)
+    norm.weight.data = torch.rand(k) + 0.5
+    g = torch.Generator().manual_seed(2)
+    x, res = torch.randn(3, k, generator=g), torch.randn(3, k, generator=g)
+    y, r = layer.rmsnorm_linear(x, res, norm)
+    normed, want_r = norm(x, res)
+    assert torch.equal(r, want_r)
+    want = layer(normed)
+    assert (y - want).abs().max() <= 0.02 * want.abs().max()
+    gate_up = torch.randn(3, 2 * k, generator=g)
+    want = layer(silu_and_mul(gate_up))
+    assert (layer.silu_mul_linear(gate_up) - want).abs().max() <= 0.02 * want.abs().max()
+    assert layer.rmsnorm_linear(x.bfloat16(), res.bfloat16(), norm) is None
+    assert layer.silu_mul_linear(torch.zeros(DENSE_MIN_TOKENS, 2 * k)) is None
+
+
+@pytest.mark.parametrize("fmt", [cpu_nibble.Q4, cpu_nibble.Q8], ids=["q4", "q8"])
 def test_dequantized_transpose_and_rows_read_back(fmt: int) -> None:
     n, k = 48, 64
     codes, s, z = _packed(fmt, n, k, seed=7)

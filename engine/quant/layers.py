@@ -24,6 +24,7 @@ from torch import nn
 
 from engine.quant.blocks import QuantWeight, dequantize
 from engine.quant.gguf_cuda import CudaKernel, make_cuda_kernel
+from engine.quant.int4_dense import DENSE_MIN_TOKENS
 from engine.quant.kernels import (
     DenseKernel,
     DequantKernel,
@@ -34,6 +35,7 @@ from engine.quant.kernels import (
     make_kernel,
 )
 from engine.token_choice import top_ids
+from kernels import cpu_nibble
 
 # activations (and for torch's kernels, outputs) rounded to bf16
 _ROUNDING_KERNELS = (NibbleKernel, Int4PackKernel, SplitInt8Kernel)
@@ -130,6 +132,34 @@ class GGUFLinear(nn.Module):
 
     def weight_bytes(self) -> int:
         return sum(k.nbytes() for k in self.kernels)
+
+    # The decode layer's fusions (engine/models/tp_layers.py calls these where a layer defines
+    # them): on the CPU, a norm or SwiGLU and this projection in one C call
+    # (kernels/cpu_nibble.py `Gemm.rmsnorm` / `silu_mul`) where one NibbleKernel holds the
+    # weight and the rows are fp32; None elsewhere, and the caller runs the plain ops.
+
+    def rmsnorm_linear(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (self(norm(x + residual)), x + residual)
+        gemm = self._fusable(x)
+        if gemm is None or not gemm.takes_rows(x, residual, norm.weight):
+            return None
+        y, r = gemm.rmsnorm(x, residual, norm.weight, norm.eps)
+        return (y if self.bias is None else y + self.bias), r
+
+    def silu_mul_linear(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """self(silu(gate) * up) for gate_up [T, 2 * in_features]."""
+        gemm = self._fusable(gate_up)
+        if gemm is None or not gemm.takes_rows(gate_up):
+            return None
+        y = gemm.silu_mul(gate_up)
+        return y if self.bias is None else y + self.bias
+
+    def _fusable(self, x: torch.Tensor) -> cpu_nibble.Gemm | None:
+        kernels = self.kernels
+        if len(kernels) != 1 or not isinstance(kernels[0], NibbleKernel) or x.dim() != 2:
+            return None
+        return kernels[0].gemm if x.shape[0] < DENSE_MIN_TOKENS else None
 
 
 class GGUFEmbedding(nn.Module):
