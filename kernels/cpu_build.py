@@ -29,12 +29,15 @@ def cpu_flags() -> str:
     return ""
 
 
-def build(source: Path, flags: list[str], out_dir: Path | None = None) -> Path:
+def build(source: Path, flags: list[str], out_dir: Path | None = None,
+          includes: tuple[Path, ...] = ()) -> Path:
     """Compile `source` with `flags` (once) and return the shared object's path; raises OSError
-    or subprocess.CalledProcessError (its stderr holds the compiler's message) on failure."""
+    or subprocess.CalledProcessError (its stderr holds the compiler's message) on failure.
+    `includes`: the files `source` #includes, hashed with it."""
     cc = os.environ.get("CC") or "cc"
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = source.read_bytes() + " ".join(flags).encode() + version.encode()
+    key = b"".join(p.read_bytes() for p in (source, *includes))
+    key += " ".join(flags).encode() + version.encode()
     if "-march=native" in flags:
         key += cpu_flags().encode()
     digest = hashlib.sha256(key).hexdigest()[:16]

@@ -155,7 +155,7 @@ class Gemm:
                  n: int) -> None:
         self.tensors = (codes, s, z)  # kept alive: the C side holds their pointers
         self.n, self.k = n, codes.shape[1] * (4 if fmt == Q4 else 2)  # K/4 or K/2 loads a tile
-        self._head = (fmt, codes.data_ptr(), s.data_ptr(), 0 if z is None else z.data_ptr())
+        self.pointers = (fmt, codes.data_ptr(), s.data_ptr(), 0 if z is None else z.data_ptr())
         self._call = library().nibble_gemm
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -168,7 +168,7 @@ class Gemm:
         m = x.shape[0]
         y = torch.empty(m, self.n, dtype=out_dtype)
         if self._call(x.data_ptr(), x.dtype == torch.float32, x.stride(0), m, self.k, self.n,
-                      *self._head, y.data_ptr(), out_dtype == torch.bfloat16,
+                      *self.pointers, y.data_ptr(), out_dtype == torch.bfloat16,
                       torch.get_num_threads()):
             raise MemoryError(f"cpu_nibble: no scratch for {m} rows of {self.k}")
         return y
@@ -194,7 +194,7 @@ class Gemm:
              y: torch.Tensor) -> None:
         m = x.shape[0]
         if library().nibble_gemm_pre(pre, x.data_ptr(), x.stride(0), res, ldr, r, w, eps, m,
-                                     self.k, self.n, *self._head, y.data_ptr(), 0,
+                                     self.k, self.n, *self.pointers, y.data_ptr(), 0,
                                      torch.get_num_threads()):
             raise MemoryError(f"cpu_nibble: no scratch for {m} rows of {self.k}")
 

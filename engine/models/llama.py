@@ -23,6 +23,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.distributed.group import SingleRank
 from engine.distributed.sharding import even_split, head_shard
+from engine.models.cpu_decode_layer import fused_decode_layer
 from engine.models.layers import RMSNorm, silu_and_mul
 from engine.models.rotary import RopeInputs, RotaryEmbedding, rope_parameters
 from engine.models.tp_layers import (
@@ -208,7 +209,13 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), both [T, hidden]
         """HF's `residual + sublayer(norm(residual))` twice, with each skip-connection add
         deferred into the next norm (one fused kernel on CUDA; at decode sizes, where the load
-        planned it, fused into the projection after the norm: engine/models/gemv_plan.py)."""
+        planned it, fused into the projection after the norm: engine/models/gemv_plan.py; on
+        the CPU, a step of decodes through a quantized layer: one C call,
+        engine/models/cpu_decode_layer.py)."""
+        if not h.is_cuda:
+            fused = fused_decode_layer(self, h, residual, rope, kv_cache, meta)
+            if fused is not None:
+                return fused
         x, residual = self._attention(h, residual, rope, kv_cache, meta)
         mlp, norm = self.mlp, self.post_attention_layernorm  # once each (~0.5 us a lookup)
         if isinstance(mlp, LlamaMLP):
