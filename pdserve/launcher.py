@@ -118,8 +118,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-core", default=None, choices=["thread", "process"],
                    help="where the engine loop runs: with --colocated the server's (pdserve "
                         "serve's --engine-core; default process), else every decode worker's "
-                        "(pdserve decode's --engine-core; default thread); prefill workers run "
-                        "theirs in a thread")
+                        "(pdserve decode's --engine-core; default auto: a process on a GPU, a "
+                        "thread on the CPU); prefill workers run theirs in a thread")
     add_generate_streams_flag(p)  # handed to every gateway
     add_chat_template_flag(p)  # handed to the tokenizer (with --colocated, to the engine's)
     add_flag(p, "--tool-call-parser", "hermes",

@@ -113,3 +113,22 @@ def test_an_engine_core_listen_socket_needs_the_engine_core_process() -> None:
                                       "--engine-core-listen", "/tmp/pdserve-core.sock"])
     with pytest.raises(ValueError, match="--engine-core-listen: only with --engine-core process"):
         build_engine(args, "colocated")
+
+
+@pytest.mark.parametrize(("argv", "cuda", "expected"), [
+    (["decode"], True, "process"),  # auto: a GPU worker without tensor parallelism
+    (["decode"], False, "thread"),  # auto on the CPU
+    (["decode", "--tensor-parallel-size", "2"], True, "thread"),  # the process refuses TP
+    (["decode", "--device", "cpu"], True, "thread"),
+    (["decode", "--engine-core", "process"], False, "process"),  # as asked
+    (["decode", "--engine-core", "thread"], True, "thread"),
+])
+def test_a_decode_worker_resolves_its_engine_core(argv: list[str], cuda: bool, expected: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from pdserve.cluster.worker import decode_engine_core
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    args = build_parser().parse_args(argv)
+    assert decode_engine_core(args) == expected

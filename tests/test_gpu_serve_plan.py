@@ -90,7 +90,7 @@ def test_each_system_s_pdserve_up(system: str) -> None:
         assert up.generate_streams == "shared"
         argv = up_argv(_config("--generate-streams", "per-request"), system, 1, "redis://r")
         assert build_parser().parse_args(argv[3:]).generate_streams == "per-request"
-        assert up.engine_core == "thread"  # the decode worker's, as pdserve decode's default
+        assert up.engine_core is None  # auto: the decode workers resolve their default
         argv = up_argv(_config("--decode-engine-core", "process"), system, 1, "redis://r")
         assert build_parser().parse_args(argv[3:]).engine_core == "process"
     assert up.stream_interval == 1

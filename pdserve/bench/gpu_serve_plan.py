@@ -75,7 +75,7 @@ class ServeConfig:
     generate_streams: str = "shared"  # a split system's gateways (`pdserve up`'s flag)
     engine_core: str = "process"  # a colocated server's engine loop: thread or process
     colocated_api_servers: int = 1  # HTTP servers in front of a colocated system's engine core
-    decode_engine_core: str = "thread"  # a split system's decode worker's engine loop
+    decode_engine_core: str = "auto"  # a split system's decode worker's engine loop
 
     def __post_init__(self) -> None:
         if not self.systems or set(self.systems) - set(SYSTEMS):
@@ -124,10 +124,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--engine-core", default="process", choices=["thread", "process"],
                    help="the colocated systems' engine loop: a thread of the server's process "
                         "or a process of its own (pdserve up's flag)")
-    m.add_argument("--decode-engine-core", default="thread", choices=["thread", "process"],
+    m.add_argument("--decode-engine-core", default="auto",
+                   choices=["auto", "thread", "process"],
                    help="the split systems' decode worker's engine loop: a thread of its "
                         "process or a process of its own (pdserve up --engine-core without "
-                        "--colocated)")
+                        "--colocated); auto: the worker's default (a process on a GPU without "
+                        "tensor parallelism)")
     m.add_argument("--colocated-api-servers", type=int, default=1,
                    help="the colocated systems' HTTP servers sharing one engine core (pdserve up "
                         "--colocated --api-server-count)")
@@ -184,7 +186,8 @@ def up_argv(cfg: ServeConfig, system: str, port: int, redis_url: str) -> list[st
     gpus = ["--prefill-gpus", "0", "--decode-gpus", "1"] if system.startswith("split_") else []
     return [*argv, "--redis-url", redis_url, "--kv-transport", transport, *gpus,
             "--api-server-count", str(cfg.api_server_count), "--generate-streams",
-            cfg.generate_streams, "--engine-core", cfg.decode_engine_core]
+            cfg.generate_streams, *([] if cfg.decode_engine_core == "auto" else
+                                    ["--engine-core", cfg.decode_engine_core])]
 
 
 REPLICAS = 2  # "replicas": one colocated server per GPU

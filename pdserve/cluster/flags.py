@@ -108,10 +108,13 @@ def add_engine_core_flag(parser: argparse.ArgumentParser) -> None:
 
 def add_decode_engine_core_flag(parser: argparse.ArgumentParser) -> None:
     """--engine-core, a decode worker's (decode_svc/engine_core.py)."""
-    add_flag(parser, "--engine-core", "thread", choices=["thread", "process"],
+    add_flag(parser, "--engine-core", "auto", choices=["auto", "thread", "process"],
              help="where the decode engine's step loop runs: a thread of the worker's process "
                   "(sharing its interpreter lock with the gRPC server), or a process of its own "
-                  "(not with --tensor-parallel-size > 1)")
+                  "(not with --tensor-parallel-size > 1); auto: a process on a GPU without "
+                  "tensor parallelism (1.25x the output tokens/s at saturation on an H200, "
+                  "docs/loadtest.md), a thread on the CPU (where the process cost 4-5% on 2 "
+                  "cores)")
 
 
 def add_kv_push_streams_flag(parser: argparse.ArgumentParser) -> None:

@@ -105,6 +105,18 @@ def speculative_config(text: str) -> dict | None:
     return value
 
 
+def decode_engine_core(args: argparse.Namespace) -> str:
+    """A decode worker's --engine-core with auto resolved: process where the engine runs on a
+    GPU without tensor parallelism (its step is host-bound there), else thread."""
+    choice = getattr(args, "engine_core", "thread")
+    if choice != "auto":
+        return choice
+    from engine.model_runner import resolve_device
+
+    on_gpu = resolve_device(args.device).type == "cuda"
+    return "process" if on_gpu and args.tensor_parallel_size == 1 else "thread"
+
+
 def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
     """The serving engine of `role` from the engine flags; with `--engine-core process` (the
     colocated server's, a decode worker's) its step loop runs in a process of its own
@@ -117,7 +129,7 @@ def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
         # else the servers joining it would wait for a socket nobody opens
         raise ValueError("--engine-core-listen: only with --engine-core process (is "
                          "PDSERVE_ENGINE_CORE=thread set?)")
-    if role == "decode" and getattr(args, "engine_core", "thread") == "process":
+    if role == "decode" and decode_engine_core(args) == "process":
         from decode_svc.core_client import DecodeCoreClient
 
         engine_class, extra = DecodeCoreClient, {"options": {"kv_transport": args.kv_transport}}
