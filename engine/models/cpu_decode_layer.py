@@ -2,10 +2,11 @@
 step of decodes only, fp32 rows, when the layer is the plain one the kernel computes.
 
 A layer qualifies once, at its first step: LlamaAttention and LlamaMLP as they are (no q/k norms,
-no biases, no LoRA wrappers: those are other types), every projection a GGUFLinear held by one
-NibbleKernel, both norms RMSNorm with fp32 weights, the torch attention backend. A step then
-qualifies when the torch backend planned it as decodes only, its rotary tables are fp32, the rows
-fp32, fewer than DENSE_MIN_TOKENS, and the cache fp32 within the attention kernel's limits.
+no biases, no LoRA wrappers: those are other types), the decoder layer's own attention step,
+every projection a GGUFLinear held by one NibbleKernel, both norms RMSNorm with fp32 weights, the
+torch attention backend. A step then qualifies when the torch backend planned it as decodes
+only, its rotary tables are fp32, the rows fp32, fewer than DENSE_MIN_TOKENS, and the cache fp32
+within the attention kernel's limits.
 Anything else returns None and the layer's modules run as before; the two compute the same
 kernels in the same order (tests/test_cpu_decode_layer.py).
 """
@@ -57,12 +58,13 @@ def fused_decode_layer(
 
 
 def _plan(layer: Any) -> cpu_decode_layer.LayerArgs | None:
-    from engine.models.llama import LlamaAttention, LlamaMLP
+    from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
     attn, mlp = layer.self_attn, layer.mlp
     if (
         cpu_decode_layer.library() is None
         or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP
+        or type(layer)._attention is not LlamaDecoderLayer._attention
         or attn.attn_backend.name != "torch"
         or attn.head_dim > cpu_attention.MAX_HEAD_DIM or attn.head_dim % 2
         or attn.num_heads // attn.num_kv_heads > cpu_attention.MAX_GROUP
