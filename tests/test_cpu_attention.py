@@ -50,6 +50,7 @@ def _run(meta, cache, q, k, v, cos, sin, scale):
 @pytest.mark.parametrize(("lens", "heads", "kv_heads", "d"), [
     ([1, 17, 100, 33, 16], 8, 2, 64),  # more tasks than threads: one part each
     ([300], 9, 3, 64),  # a single stream: its blocks split across the threads
+    ([3, 70], 4, 1, 64),  # split too, the one-block sequence's second part empty
     ([5, 40], 4, 4, 128),  # no grouping
     ([70, 2, 31], 6, 2, 48),  # a head size the kernel does not specialise
 ])
