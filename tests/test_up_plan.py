@@ -136,7 +136,8 @@ def test_colocated_api_servers_share_one_engine_core(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize("argv, expected",
-                         [([], "thread"), (["--engine-core", "process"], "process")])
+                         [([], "auto"), (["--engine-core", "process"], "process"),
+                          (["--engine-core", "thread"], "thread")])
 def test_the_engine_core_reaches_every_decode_worker_of_a_split_cluster(
         argv: list[str], expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
     services = plan(_up(["--prefill", "1", "--decode", "2", *argv], monkeypatch),
