@@ -15,14 +15,15 @@
 //   acc = acc e^(m - m') + sum_j e^(s_j - m') v_j;           out = acc / l
 //
 // All arithmetic is in fp32. In bf16, rotated q and k are rounded to bf16 first, as the torch
-// path holds them, and the output is rounded once. e^x is a Cephes-style polynomial written so
-// that the compiler vectorizes it (glibc's vector expf needs -ffast-math, which breaks -inf).
+// path holds them, and the output is rounded once. e^x is kernels/cpu_exp.h's.
 
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_exp.h"
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 enum { MAX_D = 256, MAX_G = 16, MAX_BS = 128 };
@@ -76,25 +77,6 @@ static inline void rotate(float *x, const float *c, const float *s, int D) {
     memcpy(x, r, (size_t)D * 4);
 }
 
-// e^x for x <= 0 (scores minus their running max): 2^n e^r, r in [-ln2/2, ln2/2], ~2 ulp
-#pragma omp declare simd
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
 static inline const float *key_row(const void *base, ptrdiff_t i, int D, int dt, float *buf) {
     if (dt == DT_F32) return (const float *)base + i;
     load_row(buf, base, i, D, dt);
@@ -132,11 +114,11 @@ static inline __attribute__((always_inline)) int attend(
         for (int g = 0; g < G; g++) {
             float mx = m[g];
             for (int j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
-            const float corr = m[g] == -INFINITY ? 0.0f : exp_neg(m[g] - mx);
+            const float corr = m[g] == -INFINITY ? 0.0f : exp_poly(m[g] - mx);
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
             for (int j = 0; j < n; j++) {
-                s[g][j] = exp_neg(s[g][j] - mx);
+                s[g][j] = exp_poly(s[g][j] - mx);
                 sum += s[g][j];
             }
             l[g] = l[g] * corr + sum;
@@ -279,7 +261,7 @@ int cpu_paged_decode(int dt, int T, int H, int Hkv, int D,
                         const float *part = first + p * part_floats;
                         const float mp = part[(size_t)G * D + g];
                         if (mp == -INFINITY) continue;  // an empty range
-                        const float w = exp_neg(mp - M);
+                        const float w = exp_poly(mp - M);
                         sum += w * part[(size_t)G * D + G + g];
                         for (int d = 0; d < D; d++) o[d] += w * part[(size_t)g * D + d];
                     }

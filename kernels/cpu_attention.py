@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
-import subprocess
 from pathlib import Path
 
 import torch
 
 from kernels import cpu_build
 
-log = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).with_suffix(".c")
+INCLUDES = (cpu_build.EXP_HEADER,)
 FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-march=native", "-mprefer-vector-width=512"]
 CHOICE_ENV = "PDSERVE_CPU_ATTENTION"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -41,12 +38,8 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernel, or None where it cannot run here (logged once)."""
     if os.environ.get(CHOICE_ENV) == "0":
         return None
-    try:
-        lib = ctypes.CDLL(str(cpu_build.build(SOURCE, FLAGS)))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        log.warning("cpu_attention: could not build %s (%s); torch's ops serve CPU attention",
-                    SOURCE.name, detail.strip()[:500])
+    lib = cpu_build.load(SOURCE, FLAGS, "torch's ops serve CPU attention", INCLUDES)
+    if lib is None:
         return None
     p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t
     lib.cpu_paged_decode.argtypes = [i, i, i, i, i, p, n, p, n, p, n, p, p, n, p,

@@ -8,13 +8,18 @@ at once: each compiles to a temporary name, then renames it atomically."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import subprocess
 import tempfile
 from pathlib import Path
 
 from kernels.cache_root import cache_root
+
+log = logging.getLogger(__name__)
+EXP_HEADER = Path(__file__).with_name("cpu_exp.h")  # e^x, #included by the kernels using it
 
 
 def cpu_flags() -> str:
@@ -56,3 +61,15 @@ def build(source: Path, flags: list[str], out_dir: Path | None = None,
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def load(source: Path, flags: list[str], instead: str,
+         includes: tuple[Path, ...] = ()) -> ctypes.CDLL | None:
+    """`source` built (`build`) and loaded, or None if either fails, logged with `instead`
+    (what serves in its place); the caller sets the functions' argtypes."""
+    try:
+        return ctypes.CDLL(str(build(source, flags, includes=includes)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning("could not build %s (%s); %s", source.name, detail.strip()[:500], instead)
+        return None

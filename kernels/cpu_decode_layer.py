@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
-import subprocess
 from pathlib import Path
 
 import torch
 
 from kernels import cpu_attention, cpu_build, cpu_nibble
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = [*cpu_nibble.FLAGS, "-march=native", "-mprefer-vector-width=512"]
@@ -54,13 +50,9 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernel, or None where it cannot run here (logged once)."""
     if os.environ.get(CHOICE_ENV) == "0" or cpu_nibble.library() is None:
         return None
-    try:
-        lib = ctypes.CDLL(str(cpu_build.build(SOURCE, FLAGS, includes=(
-            cpu_nibble.SOURCE, cpu_attention.SOURCE))))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        log.warning("cpu_decode_layer: could not build %s (%s); the layer's modules serve",
-                    SOURCE.name, detail.strip()[:500])
+    lib = cpu_build.load(SOURCE, FLAGS, "the layer's modules serve", (
+        cpu_nibble.SOURCE, cpu_attention.SOURCE, cpu_build.EXP_HEADER))
+    if lib is None:
         return None
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.cpu_decode_layer.argtypes = [p, p, p, i64, i, p, i64, p, i64, i, p, p, i]

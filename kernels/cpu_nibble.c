@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_exp.h"
+
 enum { FMT_Q4 = 0, FMT_Q8 = 1 };
 
 static inline __m512 load_f16(const uint16_t *p) {
@@ -259,26 +261,6 @@ void nibble_dequant_t(int K, int N, int fmt, const uint8_t *w, const uint16_t *s
 //                                                                        (x [M, 2K], ldx)
 // all in fp32, then rounded to bf16 as nibble_gemm rounds fp32 rows. Returns nibble_gemm's.
 enum { PRE_RMSNORM = 0, PRE_SILU_MUL = 1 };
-
-// e^x in fp32 for any x (clamped to where fp32's exponent holds it): 2^n e^r, r in
-// [-ln2/2, ln2/2], Cephes's polynomial; written so that the compiler vectorizes the loop
-#pragma omp declare simd
-static inline float exp_poly(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
 
 int nibble_gemm_pre(int pre, const float *x, ptrdiff_t ldx, const float *residual,
                     ptrdiff_t ldr, float *r_out, const float *norm_w, float eps, int M, int K,

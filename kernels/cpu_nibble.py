@@ -48,7 +48,6 @@ import ctypes
 import functools
 import logging
 import os
-import subprocess
 from pathlib import Path
 
 import torch
@@ -58,6 +57,7 @@ from kernels import cpu_build
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
+INCLUDES = (cpu_build.EXP_HEADER,)
 FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
          "-mavx512bf16", "-mf16c", "-mfma"]
 GROUP = 32
@@ -73,7 +73,7 @@ def _cpu_has(probe: str) -> bool:
 def build(source: Path = SOURCE, out_dir: Path | None = None) -> Path:
     """Compile `source` (once, kernels/cpu_build.py) and return the shared object's path; raises
     OSError / CalledProcessError on failure."""
-    return cpu_build.build(source, FLAGS, out_dir)
+    return cpu_build.build(source, FLAGS, out_dir, includes=INCLUDES)
 
 
 @functools.cache
@@ -84,12 +84,8 @@ def library() -> ctypes.CDLL | None:
     if not _cpu_has("_is_avx512_bf16_supported"):
         log.info("cpu_nibble: no AVX512-BF16 on this CPU; torch's int4 kernel serves GGUF weights")
         return None
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        log.warning("cpu_nibble: could not build %s (%s); torch's int4 kernel serves GGUF "
-                    "weights", SOURCE.name, detail.strip()[:500])
+    lib = cpu_build.load(SOURCE, FLAGS, "torch's int4 kernel serves GGUF weights", INCLUDES)
+    if lib is None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.nibble_gemm.argtypes = [p, i, ctypes.c_ssize_t, i, i, i, i, p, p, p, p, i, i]
