@@ -78,7 +78,6 @@ class StepArgs:
         if tables.stride(1) != 1:
             tables = tables.contiguous()
         self.tensors = (slots, tables, seq_lens, cos, sin)
-        self.num_tokens = slots.shape[0]
         self.rope = (0, 0, 0) if cos is None else (cos.data_ptr(), sin.data_ptr(), cos.stride(0))
         self.tables = (slots.data_ptr(), tables.data_ptr(), tables.stride(0),
                        seq_lens.data_ptr())

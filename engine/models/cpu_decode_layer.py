@@ -21,7 +21,6 @@ from engine.attention.metadata import AttentionMetadata
 from engine.models.layers import RMSNorm
 from engine.models.rotary import RopeInputs
 from engine.quant.int4_dense import DENSE_MIN_TOKENS
-from engine.quant.kernels import NibbleKernel
 from engine.quant.layers import GGUFLinear
 from kernels import cpu_attention, cpu_decode_layer
 
@@ -83,7 +82,6 @@ def _plan(layer: Any) -> cpu_decode_layer.LayerArgs | None:
 
 def _gemm(proj: Any) -> Any:
     """The nibble GEMM holding a whole projection with no bias, else None."""
-    if type(proj) is not GGUFLinear or proj.bias is not None or len(proj.kernels) != 1:
+    if type(proj) is not GGUFLinear or proj.bias is not None:
         return None
-    kernel = proj.kernels[0]
-    return kernel.gemm if isinstance(kernel, NibbleKernel) else None
+    return proj.nibble_gemm

@@ -155,11 +155,18 @@ class GGUFLinear(nn.Module):
         y = gemm.silu_mul(gate_up)
         return y if self.bias is None else y + self.bias
 
-    def _fusable(self, x: torch.Tensor) -> cpu_nibble.Gemm | None:
+    @property
+    def nibble_gemm(self) -> cpu_nibble.Gemm | None:
+        """The C GEMM holding the whole weight (one NibbleKernel), else None."""
         kernels = self.kernels
-        if len(kernels) != 1 or not isinstance(kernels[0], NibbleKernel) or x.dim() != 2:
+        if len(kernels) != 1 or not isinstance(kernels[0], NibbleKernel):
             return None
-        return kernels[0].gemm if x.shape[0] < DENSE_MIN_TOKENS else None
+        return kernels[0].gemm
+
+    def _fusable(self, x: torch.Tensor) -> cpu_nibble.Gemm | None:
+        if x.dim() != 2 or x.shape[0] >= DENSE_MIN_TOKENS:
+            return None
+        return self.nibble_gemm
 
 
 class GGUFEmbedding(nn.Module):
