@@ -32,10 +32,11 @@ def test_with_an_engine_core_process_its_cpu_is_reported_apart(tmp_path: Path) -
     parser = argparse.ArgumentParser()
     decode_streams.add_arguments(parser)
     report = decode_streams.run(parser.parse_args([
-        "--streams", "4", "--tokens", "32", "--rounds", "1", "--modes", "shared",
+        "--streams", "4", "--tokens", "128", "--rounds", "1", "--modes", "shared",
         "--engine-core", "process", "--output-json", str(tmp_path / "streams.json")]))
     (row,) = report["rounds"]["shared"]
-    assert row["tokens"] == 4 * 32
+    # enough tokens that the worker's share of a round spans several of /proc's 10 ms ticks
+    assert row["tokens"] == 4 * 128
     assert row["cpu_ms_per_1k_tokens"] > 0 and row["core_cpu_ms_per_1k_tokens"] > 0
 
 
