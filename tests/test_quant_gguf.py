@@ -307,7 +307,9 @@ def test_tiny_model_kept_quantized_equals_it_dequantized(
     assert agree >= 3
 
 
-def test_quantization_option_resolves(quantized_llama: Path, tiny_llama_dir: str) -> None:
+def test_quantization_option_resolves(
+    quantized_llama: Path, tiny_llama_dir: str, cache_root: Path
+) -> None:
     gguf = str(quantized_llama)
     cases = [  # (quantization, dtype) -> config.quantization, on the CPU
         ((None, "auto"), "gguf"),
@@ -332,7 +334,7 @@ def test_quantization_option_resolves(quantized_llama: Path, tiny_llama_dir: str
         EngineConfig(model=gguf, quantization="none")  # the user's word, not the engine's
 
 
-def test_unsupported_tensor_types_fall_back_or_are_named(tmp_path: Path) -> None:
+def test_unsupported_tensor_types_fall_back_or_are_named(tmp_path: Path, cache_root: Path) -> None:
     path = tmp_path / "q5.gguf"
     write_quantized_llama(path, {**TINY_TYPES, "ffn_gate": Q.Q5_0})
     assert build_engine_config(str(path), device="cpu").quantization is None  # de-quantized

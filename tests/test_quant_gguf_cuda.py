@@ -137,7 +137,7 @@ def quantized_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_quantization_option_resolves_on_cuda(quantized_llama: Path) -> None:
+def test_quantization_option_resolves_on_cuda(quantized_llama: Path, cache_root: Path) -> None:
     gguf = str(quantized_llama)
     cases = [  # (quantization, dtype) -> config.quantization on CUDA: kept quantized by name
         ((None, "auto"), None),
