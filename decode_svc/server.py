@@ -22,6 +22,7 @@ from pdserve.cluster.worker import (
     build_engine,
     kv_transport_for,
     run_worker,
+    serial_host_threads,
     watch_cancellations,
 )
 from pdserve.transport.base import GRPC
@@ -52,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    serial_host_threads(args)
     engine = await asyncio.to_thread(build_engine, args, "decode")
     args.kv_transport = kv_transport_for(args)
     kv_wait = KVWaitConfig(args.kv_wait_seconds, args.kv_wait_max_requests)

@@ -58,10 +58,10 @@ class _Failed:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        # PDSERVE_TORCH_PROFILER_DIR: a torch.profiler window over the steps
-        self._profiler = StepProfiler.from_env(engine.config.role)
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]):
+        """`engine`, or a function that builds it: called on the engine's own thread, the one
+        that steps it (a CPU engine built on another thread runs its steps ~3x slower:
+        engine/omp_threads.py); what it raises is raised here."""
         self._commands: queue.SimpleQueue[_Command | _Failed | None] = queue.SimpleQueue()
         self._stopping = False
         self._error: BaseException | None = None
@@ -70,16 +70,24 @@ class AsyncLLMEngine:
         # (or None: aborted while queued) are handed to.
         self._granted: dict[str, asyncio.Future] = {}
         self._polls: list[Callable[[], None]] = []  # `between_steps`
-        self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
+        built: list[LLMEngine | BaseException] = []
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(engine, built, ready),
+                                        name="pdserve-engine", daemon=True)
         self._thread.start()
-        engine.runner.on_rank_failure(lambda exc: self._commands.put(_Failed(exc)))
+        ready.wait()
+        if isinstance(built[0], BaseException):
+            raise built[0]
+        self.engine = built[0]
+        self.engine.runner.on_rank_failure(lambda exc: self._commands.put(_Failed(exc)))
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> AsyncLLMEngine:
         """Build from the same arguments as `LLM`; without `max_num_batched_tokens` (and with
         chunked prefill) a step takes the server's budget for the device
         (engine/step_budget.py)."""
-        return cls(LLMEngine(build_engine_config(model, **with_server_budget(kwargs))))
+        config = build_engine_config(model, **with_server_budget(kwargs))
+        return cls(lambda: LLMEngine(config))
 
     # ---- requests ------------------------------------------------------------------------
     async def generate(
@@ -254,6 +262,21 @@ class AsyncLLMEngine:
         return self._streams.consume(request_id, lambda: self.call(self._abort, request_id))
 
     # ---- engine thread -------------------------------------------------------------------
+    def _run(self, engine: LLMEngine | Callable[[], LLMEngine], built: list,
+             ready: threading.Event) -> None:
+        """The engine thread: build the engine if given a builder, then step it."""
+        try:
+            self.engine = engine() if callable(engine) else engine
+            # PDSERVE_TORCH_PROFILER_DIR: a torch.profiler window over the steps
+            self._profiler = StepProfiler.from_env(self.engine.config.role)
+        except BaseException as exc:  # noqa: BLE001 - raised by the constructor
+            built.append(exc)
+            ready.set()
+            return
+        built.append(self.engine)
+        ready.set()
+        self._loop()
+
     def _loop(self) -> None:
         while not self._stopping:
             try:

@@ -224,7 +224,9 @@ async def _serve_colocated(args: argparse.Namespace, engine: AsyncLLMEngine, nam
     from gateway.lora import EngineAdapters, LoRAModels, MemoryCatalog
     from gateway.metrics import GatewayMetrics
     from pdserve.cluster.lora_service import preload_loras
+    from pdserve.cluster.worker import serial_host_threads
 
+    serial_host_threads(args)
     metrics, loras = GatewayMetrics(), None
     if args.enable_lora:  # --lora-modules loaded now: a bad adapter fails the start
         if not args.engine_core_address:  # else the engine core's own server loaded them

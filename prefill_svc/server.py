@@ -12,6 +12,7 @@ from pdserve.cluster.worker import (
     build_engine,
     kv_transport_for,
     run_worker,
+    serial_host_threads,
     watch_cancellations,
 )
 from prefill_svc.lease import KVLeases
@@ -34,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    serial_host_threads(args)
     engine = await asyncio.to_thread(build_engine, args, "prefill")
     args.kv_transport = kv_transport_for(args)
     planes = PeerPlanes(engine.engine.runner.kv_pool, args.kv_transport)
