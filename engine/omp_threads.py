@@ -11,6 +11,12 @@ event loop's executor thread) kept its pool beside the engine thread's, and 8.4 
 did both. So `AsyncLLMEngine` builds its engine on the thread that steps it, and a CPU server's
 other threads that may run torch ops (the event loop: the grpc push's scatter; the executor:
 the sender's gathers) run them without a team: `serial_thread`, `serial_executor`.
+
+Spinning is what a decode step's short regions need, and what a host with more engine threads
+than cores cannot afford: a prefill worker's regions are long (its prompts' GEMMs), so its
+workers sleep between them (`wait_passively_by_default`, `pdserve prefill`), and on the 2-core
+box the split cluster's decode worker then kept both its single-stream speed and most of its
+throughput under load (docs/loadtest.md, "OpenMP teams on the CPU").
 """
 
 from __future__ import annotations
@@ -18,9 +24,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
-
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +42,8 @@ def _libgomp() -> ctypes.CDLL | None:
 def serial_thread() -> None:
     """The calling thread's torch ops (and the C kernels, which take torch's thread count) run
     on it alone from now on: its OpenMP team size is 1, so it never starts a pool."""
+    import torch
+
     torch.get_num_threads()  # torch's per-thread lazy set-up first: it would undo what follows
     lib = _libgomp()
     if lib is not None:
@@ -48,3 +55,11 @@ def serial_thread() -> None:
 def serial_executor() -> ThreadPoolExecutor:
     """An executor for an event loop's `to_thread` whose threads run torch ops serially."""
     return ThreadPoolExecutor(thread_name_prefix="pdserve-serial", initializer=serial_thread)
+
+
+def wait_passively_by_default() -> None:
+    """This process's OpenMP workers sleep between parallel regions instead of spinning, unless
+    the environment already says how they wait. libgomp reads it when it loads (with torch):
+    call before that."""
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"

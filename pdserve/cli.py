@@ -179,6 +179,12 @@ def _logged(args: argparse.Namespace, fn: Callable[[argparse.Namespace], object]
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["prefill"]:
+        # before torch loads: a prefill worker's OpenMP workers sleep between its long
+        # parallel regions, leaving the cores to a decode worker beside it
+        from engine.omp_threads import wait_passively_by_default
+
+        wait_passively_by_default()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -12,6 +12,7 @@
 # Into $OUT: {mode}_{round}.json (python -m loadtest's reports) and the servers' logs; prints
 # each run's summary line. Load: 96 prompts of 64 tokens, 64 output tokens each, all at once,
 # at most 48 in flight (LOAD overrides the load generator's flags).
+# MODES: the engine cores to run, in order (default "thread process").
 set -euo pipefail
 OUT=${OUT:-bench_results/engine_core}
 ROUNDS=${ROUNDS:-2}
@@ -19,7 +20,7 @@ PORT=${PORT:-8078}
 LOAD=${LOAD:---request-rate inf --num-prompts 96 --input-len 64 --output-len 64 --max-concurrency 48 --num-warmups 2}
 mkdir -p "$OUT"
 for round in $(seq "$ROUNDS"); do
-    for mode in thread process; do
+    for mode in ${MODES:-thread process}; do
         if [ "${SPLIT:-0}" = 1 ]; then
             server_cmd=(pdserve up)
         else
