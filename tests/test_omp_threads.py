@@ -1,9 +1,11 @@
 """engine/omp_threads.py and where AsyncLLMEngine builds its engine: a serial thread's torch ops
 start no OpenMP team (its team size is 1, other threads keep theirs), and an engine given as a
-builder is built on the engine's own thread, its failure raised to the caller."""
+builder is built on the engine's own thread, its failure raised to the caller; passive OpenMP
+waits are a default the environment overrides."""
 
 from __future__ import annotations
 
+import os
 import threading
 import types
 
@@ -68,3 +70,18 @@ def test_a_builder_runs_on_the_engine_thread_and_its_failure_reaches_the_caller(
 
     with pytest.raises(ValueError, match="max_model_len"):
         AsyncLLMEngine(bad)
+
+
+def test_passive_waits_are_a_default_the_environment_overrides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine.omp_threads import wait_passively_by_default
+
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    wait_passively_by_default()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")  # the user's say
+    wait_passively_by_default()
+    assert "OMP_WAIT_POLICY" not in os.environ
