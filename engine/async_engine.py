@@ -70,16 +70,14 @@ class AsyncLLMEngine:
         # (or None: aborted while queued) are handed to.
         self._granted: dict[str, asyncio.Future] = {}
         self._polls: list[Callable[[], None]] = []  # `between_steps`
-        built: list[LLMEngine | BaseException] = []
+        failed: list[BaseException] = []  # what building the engine raised
         ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(engine, built, ready),
+        self._thread = threading.Thread(target=self._run, args=(engine, failed, ready),
                                         name="pdserve-engine", daemon=True)
         self._thread.start()
         ready.wait()
-        if isinstance(built[0], BaseException):
-            raise built[0]
-        self.engine = built[0]
-        self.engine.runner.on_rank_failure(lambda exc: self._commands.put(_Failed(exc)))
+        if failed:
+            raise failed[0]
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> AsyncLLMEngine:
@@ -262,19 +260,19 @@ class AsyncLLMEngine:
         return self._streams.consume(request_id, lambda: self.call(self._abort, request_id))
 
     # ---- engine thread -------------------------------------------------------------------
-    def _run(self, engine: LLMEngine | Callable[[], LLMEngine], built: list,
+    def _run(self, engine: LLMEngine | Callable[[], LLMEngine], failed: list[BaseException],
              ready: threading.Event) -> None:
         """The engine thread: build the engine if given a builder, then step it."""
         try:
             self.engine = engine() if callable(engine) else engine
             # PDSERVE_TORCH_PROFILER_DIR: a torch.profiler window over the steps
             self._profiler = StepProfiler.from_env(self.engine.config.role)
+            self.engine.runner.on_rank_failure(lambda exc: self._commands.put(_Failed(exc)))
         except BaseException as exc:  # noqa: BLE001 - raised by the constructor
-            built.append(exc)
-            ready.set()
+            failed.append(exc)
             return
-        built.append(self.engine)
-        ready.set()
+        finally:
+            ready.set()
         self._loop()
 
     def _loop(self) -> None:
