@@ -57,6 +57,7 @@ from engine.llm import build_engine_config
 from engine.llm_engine import LLMEngine
 from engine.output_wire import Wire, encode
 from engine.outputs import RequestOutput
+from engine.stack_sampler import start_from_env
 from engine.step_budget import with_server_budget
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None, core_class: type[Core] | None = None) ->
     parser.add_argument("--listen", default="", help="a Unix socket path other servers connect "
                         "to (EngineCoreClient.connect)")
     args = parser.parse_args(argv)
+    start_from_env("core" if core_class is Core else core_class.__module__.split(".")[0] + "-core")
     conn = Connection(args.fd)
     # Its life is the server's: the server stops it (after draining on SIGTERM, or on Ctrl-C)
     # or its end of the socket closes; a signal sent to the process group must not cut it first.

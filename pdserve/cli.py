@@ -27,6 +27,7 @@ from engine.config import (
     QUANTIZATION_CHOICES,
     QUANTIZATION_HELP,
 )
+from engine.stack_sampler import start_from_env
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
         wait_passively_by_default()
     args = build_parser().parse_args(argv)
+    start_from_env(((sys.argv[1:] if argv is None else argv) or ["pdserve"])[0])
     try:
         return args.func(args)
     except ValueError as exc:
