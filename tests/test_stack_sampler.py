@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from engine.stack_sampler import start_from_env
+from pdserve.bench import stack_samples
 from pdserve.bench.pyspy_summary import summarise
 
 
@@ -41,7 +42,11 @@ def test_a_busy_thread_is_sampled_where_it_spins_and_its_cpu_counted(tmp_path) -
     cpu = json.loads(stacks.with_suffix(".cpu.json").read_text())
     assert cpu["samples"] >= 60
     spinner = [s for name, s in cpu["threads_cpu_s"].items() if name.startswith("spinner ")]
-    assert spinner and spinner[0] >= 0.6  # it ended before the last dump: kept from a reading (every 0.5 s)
+    assert spinner and spinner[0] >= 0.6  # ended before the last dump: kept from a reading
+    summary = stack_samples.summarise(tmp_path)[stacks.stem]
+    spin = summary["threads"]["spinner"]
+    assert spin["busy_samples"] >= 40 and "spin_here" in spin["lines"][0][0]
+    assert "MainThread" not in summary["threads"]  # asleep: under --min-cpu
 
 
 def test_nothing_starts_without_the_variable_and_a_bad_rate_is_refused(tmp_path, monkeypatch):
