@@ -10,7 +10,8 @@ share one sent prefix, up to the blocks all of them have final:
     ready   6  6  6  6  3  3 ..
     sent    3  3  3  3  3  3 ..        -> slab layers [0, 4) x blocks [3, 6)
 
-cut to at most `max_bytes` (whole layers when a layer's blocks fit, else blocks of one layer).
+cut to at most `max_bytes` (whole layers when a layer's blocks fit, else blocks of one layer in
+pieces of even size: `even_piece`).
 A rectangle that could still grow by a layer within `max_bytes` is left to grow (a full one
 further down the layers goes first) unless the caller flushes. A preemption restarts the
 request (`restart`): nothing is final until computed again; what was sent stays sent (it was
@@ -19,7 +20,7 @@ final when it was read).
 
 from __future__ import annotations
 
-from engine.kv_transfer import KVLayout, SlabRange
+from engine.kv_transfer import KVLayout, SlabRange, even_piece
 
 
 class SlabFrontier:
@@ -69,7 +70,8 @@ class SlabFrontier:
             l1 += 1
         per_layer = (b1 - b0) * self.cell_bytes
         if per_layer > self.max_bytes:  # blocks of one layer
-            return (l0, l0 + 1, b0, b0 + max(1, self.max_bytes // self.cell_bytes)), True
+            piece = even_piece(b1 - b0, self.max_bytes // self.cell_bytes)
+            return (l0, l0 + 1, b0, b0 + piece), True
         fit = max(1, self.max_bytes // per_layer)
         if fit < l1 - l0:
             return (l0, l0 + fit, b0, b1), True
