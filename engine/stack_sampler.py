@@ -6,6 +6,8 @@ on machines where py-spy cannot attach (the GPU machines refuse most of its samp
                             (py-spy's raw format: pdserve.bench.pyspy_summary reads it)
         ROLE-PID.cpu.json   each OS thread's CPU seconds (user + system, /proc) since sampling
                             began, by name, and the samples taken
+    PDSERVE_STACK_SAMPLE_WHILE=PATH              # only while PATH exists (a load's run), CPU
+                                                 # counted from when it first appeared
 
 NOTE: a daemon thread wakes every 1 / PDSERVE_STACK_SAMPLE_HZ seconds (default 100), takes
 `sys._current_frames()` and counts each thread's stack as a tuple of (code, line): formatting
@@ -31,6 +33,7 @@ from types import FrameType
 
 ENV_DIR = "PDSERVE_STACK_SAMPLES"
 ENV_HZ = "PDSERVE_STACK_SAMPLE_HZ"
+ENV_GATE = "PDSERVE_STACK_SAMPLE_WHILE"
 DUMP_EVERY_S = 5.0
 CPU_EVERY_S = 0.5
 
@@ -52,12 +55,14 @@ def _thread_cpu() -> dict[int, tuple[str, float]]:
 
 
 class StackSampler:
-    def __init__(self, path: Path, hz: float) -> None:
+    def __init__(self, path: Path, hz: float, gate: str = "") -> None:
         self.path = path
         self.interval = 1.0 / hz
+        self.gate = gate  # sample only while this path exists ("": always)
         self.counts: collections.Counter[tuple[str, Stack]] = collections.Counter()
         self.samples = 0
-        self._cpu_start = _thread_cpu()
+        self._cpu_start = {} if gate else _thread_cpu()  # gated: taken when it first opens
+        self._opened = not gate
         self._cpu_seen: dict[int, tuple[str, float]] = {}  # the last reading, ended threads too
         self._names: dict[int, str] = {}  # native id -> Python thread name, as they were seen
         self._stop = threading.Event()
@@ -77,6 +82,10 @@ class StackSampler:
         next_dump = time.monotonic() + DUMP_EVERY_S
         next_cpu = 0.0
         while not self._stop.wait(self.interval):
+            if self.gate and not os.path.exists(self.gate):
+                continue
+            if not self._opened:
+                self._cpu_start, self._opened = _thread_cpu(), True
             by_ident = {t.ident: t for t in threading.enumerate()}
             with self._lock:
                 for ident, frame in sys._current_frames().items():
@@ -96,11 +105,14 @@ class StackSampler:
                 next_dump = time.monotonic() + DUMP_EVERY_S
 
     def dump(self) -> None:
+        if not self._opened:
+            return
         with self._lock:
             lines = [";".join([name, *(_frame_text(code, line) for code, line in stack)])
                      + f" {count}" for (name, stack), count in self.counts.items()]
             samples = self.samples
-        self._cpu_seen.update(_thread_cpu())
+        if not self.gate or os.path.exists(self.gate):
+            self._cpu_seen.update(_thread_cpu())
         threads = collections.Counter()
         for tid, (os_name, seconds) in self._cpu_seen.items():
             start = self._cpu_start.get(tid, (os_name, 0.0))[1]
@@ -137,6 +149,7 @@ def start_from_env(role: str) -> StackSampler | None:
     if hz <= 0:
         raise ValueError(f"{ENV_HZ} must be > 0, got {hz}")
     Path(folder).mkdir(parents=True, exist_ok=True)
-    sampler = StackSampler(Path(folder) / f"{role}-{os.getpid()}.txt", hz)
+    sampler = StackSampler(Path(folder) / f"{role}-{os.getpid()}.txt", hz,
+                           os.environ.get(ENV_GATE, ""))
     sampler.start()
     return sampler

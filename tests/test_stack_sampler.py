@@ -56,3 +56,37 @@ def test_nothing_starts_without_the_variable_and_a_bad_rate_is_refused(tmp_path,
     monkeypatch.setenv("PDSERVE_STACK_SAMPLE_HZ", "0")
     with pytest.raises(ValueError, match="PDSERVE_STACK_SAMPLE_HZ"):
         start_from_env("x")
+
+
+def test_a_gated_sampler_counts_only_while_its_path_exists(tmp_path) -> None:
+    gate = tmp_path / "load-running"
+    script = textwrap.dedent(f"""
+        import pathlib, time
+        from engine.stack_sampler import start_from_env
+
+        def spin(seconds):
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                pass
+
+        def before_the_gate():
+            spin(0.6)
+
+        def inside_the_gate():
+            spin(0.8)
+
+        start_from_env("gated")
+        before_the_gate()
+        pathlib.Path({str(gate)!r}).touch()
+        inside_the_gate()
+    """)
+    env = {"PDSERVE_STACK_SAMPLES": str(tmp_path / "stacks"), "PDSERVE_STACK_SAMPLE_HZ": "200",
+           "PDSERVE_STACK_SAMPLE_WHILE": str(gate)}
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60,
+                   env={**os.environ, **env})
+    (stacks,) = (tmp_path / "stacks").glob("gated-*.txt")
+    assert summarise(str(stacks), "inside_the_gate")[0] >= 20
+    assert summarise(str(stacks), "before_the_gate")[0] == 0
+    cpu = json.loads(stacks.with_suffix(".cpu.json").read_text())["threads_cpu_s"]
+    main = next(s for name, s in cpu.items() if name.startswith("MainThread "))
+    assert 0.4 <= main <= 1.2  # the gated spin, not the first one (nor the imports)

@@ -138,7 +138,8 @@ def run_system(cfg: ServeConfig, system: str) -> dict[str, Any]:
             log(f"{system}: up at {base_url}; workers' metrics {workers or '-'}")
             argv = loadtest_argv(cfg.load, system, base_url,
                                  [f"http://{a}/metrics" for a in workers.values()], report)
-            code = subprocess.run(argv).returncode
+            with sampling_window():
+                code = subprocess.run(argv).returncode
             transfers = {role: transfer_bytes(a) for role, a in workers.items()}
         finally:
             stop(procs)
@@ -148,6 +149,20 @@ def run_system(cfg: ServeConfig, system: str) -> dict[str, Any]:
     return {"system": system, "report": str(report), "kv_bytes_by_transport": transfers,
             "runs": [{**{k: v for k, v in r.items() if k != "requests"},
                       "second_token_p50_s": second_token_p50(r["requests"])} for r in runs]}
+
+
+@contextlib.contextmanager
+def sampling_window() -> Any:
+    """The load's run as the servers' stack samplers' window (engine/stack_sampler.py): the path
+    PDSERVE_STACK_SAMPLE_WHILE names exists only meanwhile."""
+    gate = os.environ.get("PDSERVE_STACK_SAMPLE_WHILE")
+    if gate:
+        Path(gate).touch()
+    try:
+        yield
+    finally:
+        if gate:
+            Path(gate).unlink(missing_ok=True)
 
 
 def start_up(cfg: ServeConfig, system: str, redis_url: str, tmp: Path, out: IO[str],
