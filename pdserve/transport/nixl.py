@@ -34,6 +34,7 @@ import torch
 from engine.kv_transfer import pool_layout
 from pdserve.transport.base import NIXL, Peer, PeerUnreachable, PoolInfo, ready_events
 from pdserve.transport.descriptors import block_runs, run_descriptors
+from pdserve.transport.nixl_agent import progress_agent
 
 _POLL_SPIN = 64  # state checks before sleeping between them
 # the staging buffer, allocated on first use: each chunk is one NIXL transfer (~0.5-0.9 ms of
@@ -71,9 +72,10 @@ class NixlPlane:
         self.mem = "VRAM" if pool.device.type == "cuda" else "DRAM"
         self.device_id = pool.device.index or 0
         # Only the side written into keeps NIXL's progress thread (peers' writes need it to
-        # complete; it polls, holding a core): a writer progresses while it waits for its own.
+        # complete; it polls, pausing between polls: nixl_agent.py): a writer progresses while
+        # it waits for its own.
         config = mod.nixl_agent_config(enable_prog_thread=serve, backends=["UCX"])
-        self.agent = mod.nixl_agent(agent_name, config)
+        self.agent = progress_agent(mod, agent_name, config)
         self.agent.register_memory(pool)
         self._lock = threading.Lock()  # the agent is built without thread sync (and staging)
         self.stage = stage
