@@ -297,8 +297,8 @@ class EngineCoreClient:
         while True:
             try:
                 message = self._conn.recv()
-            except (EOFError, OSError):
-                break
+            except (EOFError, OSError, TypeError):  # TypeError: closed by another thread
+                break  # meanwhile (multiprocessing's Connection then reads a None handle)
             kind = message[0]
             if kind == "outputs":
                 self._deliver([decode(wire) for wire in message[1]])

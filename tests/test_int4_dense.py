@@ -13,7 +13,7 @@ from test_quant_gguf import TOLERANCE, random_blocks
 
 from engine.quant import int4_dense
 from engine.quant.blocks import unpack
-from engine.quant.int4_dense import DENSE_MIN_TOKENS, dense_weight_t, pack_block_rows
+from engine.quant.int4_dense import DENSE_MIN_TOKENS, dense_weight_t, has_bf16_dot, pack_block_rows
 from engine.quant.kernels import Int4PackKernel, int4pack_available, make_kernel, reference_linear
 from kernels import cpu_nibble
 
@@ -48,6 +48,7 @@ def test_dense_weight_is_the_exact_dequantization_rounded_to_bf16(shape: tuple[i
 
 
 @needs_dense
+@pytest.mark.skipif(not has_bf16_dot(), reason="no bf16 dot product: the int4 GEMM stays faster")
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
 def test_many_token_steps_take_the_dense_weight_and_match_the_reference(
     qtype: GGMLQuantizationType, monkeypatch: pytest.MonkeyPatch
@@ -67,6 +68,20 @@ def test_many_token_steps_take_the_dense_weight_and_match_the_reference(
         assert bool(calls) == (t >= DENSE_MIN_TOKENS)  # one matrix, or both int8 halves
         err = (out.float() - ref[:t]).abs().max().item()
         assert err <= TOLERANCE[torch.bfloat16] * ref.abs().max().item(), err
+
+
+@needs_dense
+def test_without_a_bf16_dot_product_many_token_steps_keep_the_int4_gemm(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(int4_dense, "has_bf16_dot", lambda: False)  # an AVX2-only CPU
+    raw = random_blocks(Q.Q4_1, 192, 256, seed=4)
+    kernel = make_kernel(unpack(Q.Q4_1, raw, (192, 256), "w"), torch.bfloat16)
+    x = torch.randn(DENSE_MIN_TOKENS, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+    monkeypatch.setattr("engine.quant.kernels.dense_weight_t", lambda *a: pytest.fail("dense"))
+    ref = reference_linear(x, raw, Q.Q4_1, (192, 256))
+    err = (kernel(x).float() - ref).abs().max().item()
+    assert err <= TOLERANCE[torch.bfloat16] * ref.abs().max().item(), err
 
 
 def test_no_dense_path_where_rows_are_not_whole_blocks() -> None:

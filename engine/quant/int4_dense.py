@@ -52,7 +52,7 @@ def pack_block_rows() -> int | None:
 
 
 @functools.cache
-def _has_bf16_dot() -> bool:
+def has_bf16_dot() -> bool:
     cpu = torch.cpu
     return any(getattr(cpu, name, lambda: False)()
                for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
@@ -88,7 +88,7 @@ def whole_blocks(packed: torch.Tensor) -> bool:
 def dense_supported(packed: torch.Tensor) -> bool:
     """Whether `dense_weight_t` takes this packed weight: whole blocks of rows, whole groups,
     and a CPU with a bf16 dot product (else the int4 GEMM is the faster one)."""
-    return _has_bf16_dot() and whole_blocks(packed) and (packed.shape[1] * 2) % _GROUP == 0
+    return has_bf16_dot() and whole_blocks(packed) and (packed.shape[1] * 2) % _GROUP == 0
 
 
 def dense_weight_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
