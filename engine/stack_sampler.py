@@ -75,6 +75,7 @@ class StackSampler:
 
     def stop(self) -> None:
         self._stop.set()
+        self._thread.join(timeout=5.0)  # its own dump under way ends first: one writer a file
         self.dump()
 
     def _run(self) -> None:

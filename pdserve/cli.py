@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
         wait_passively_by_default()
     args = build_parser().parse_args(argv)
-    start_from_env(((sys.argv[1:] if argv is None else argv) or ["pdserve"])[0])
+    start_from_env(args.command)
     try:
         return args.func(args)
     except ValueError as exc:

@@ -59,6 +59,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
+from engine import stack_sampler
 from pdserve.bench.gpu_model import ModelShape, log
 from pdserve.bench.gpu_serve_plan import (
     REPLICAS,
@@ -155,7 +156,7 @@ def run_system(cfg: ServeConfig, system: str) -> dict[str, Any]:
 def sampling_window() -> Any:
     """The load's run as the servers' stack samplers' window (engine/stack_sampler.py): the path
     PDSERVE_STACK_SAMPLE_WHILE names exists only meanwhile."""
-    gate = os.environ.get("PDSERVE_STACK_SAMPLE_WHILE")
+    gate = os.environ.get(stack_sampler.ENV_GATE)
     if gate:
         Path(gate).touch()
     try:
