@@ -2,10 +2,10 @@
 
     PYTHONPATH=. python -m pdserve.bench.gpu_throughput_trace [--runs 4] [--small] [--json PATH]
 
-Loads the 1B-shaped random model with the arguments of `pdserve bench gpu`, warms it up the same
-way (gpu_generation._run_pdserve), then runs the throughput workload `--runs` times, each on fresh
-prompts, recording every engine step without adding a synchronisation (steps overlap as in the
-benchmark):
+Loads the 1B-shaped random model with the arguments of `pdserve bench gpu` (`--quantization fp8`:
+quantized on load), warms it up the same way (gpu_generation._run_pdserve), then runs the
+throughput workload `--runs` times, each on fresh prompts, recording every engine step without
+adding a synchronisation (steps overlap as in the benchmark):
 
     step_s      wall time of `engine.step()`
     wait_s      the part of it spent in `LaunchedStep.result()`: waiting for the device's tokens
@@ -197,7 +197,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ceilings = measure_ceilings(device, torch.bfloat16, resolve_sizes(args)[0]) \
         if device.type == "cuda" else None
-    models = RandomModel(sizes, device, args.seed, None, _llm_kwargs(args, device, sizes))
+    kwargs = _llm_kwargs(args, device, sizes)
+    if args.quantization:
+        kwargs["quantization"] = args.quantization
+    models = RandomModel(sizes, device, args.seed, args.model_dir, kwargs)
     try:
         llm = models.llm()
         tok = llm.get_tokenizer()
@@ -254,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--slowest", type=int, default=5)
+    parser.add_argument("--quantization", default=None,
+                        help="the LLM's quantization (fp8 quantizes the bf16 model on load)")
     parser.add_argument("--torch-profile", default=None, metavar="DIR",
                         help="profile the last run's steps 20-79 with torch.profiler into DIR")
     args = parser.parse_args(argv)
