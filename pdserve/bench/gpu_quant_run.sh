@@ -23,6 +23,10 @@
 #             lists, each in a process of its own; default w4a16 against w4a16_hostargmax three
 #             times, the order alternated, then bf16 against bf16_hostargmax), then
 #             pdserve.bench.gpu_first_step's phases with the argmax graphs and without
+#   trace     pdserve.bench.gpu_throughput_trace of W1 for each of TRACE_ORDER (default bf16 fp8
+#             bf16 fp8, each in a process of its own, TRACE_RUNS runs, default 3): the decode
+#             steps' host phases and waits for the device; the last process of each system
+#             also profiles its last run's decode steps with torch.profiler (GPU busy time)
 # Reports in $OUT; a fresh PDSERVE_CACHE_DIR, so every GEMV plan is timed, none recorded.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -91,6 +95,21 @@ for part in "${@:-tests kernels latency}"; do
         for flag in "" --host-argmax; do
           python3 -m pdserve.bench.gpu_first_step --requests 6 --out "$OUT/first_step$flag" \
               $flag 2>&1 | grep "step" || status=1
+        done ;;
+      trace)
+        model=$(mktemp -d)/model
+        i=0
+        order=(${TRACE_ORDER:-bf16 fp8 bf16 fp8})
+        for system in "${order[@]}"; do
+          i=$((i + 1))
+          args=(--runs "${TRACE_RUNS:-3}" --model-dir "$model" --json "$OUT/trace_${i}_$system.json")
+          [ "$system" = bf16 ] || args+=(--quantization "$system")
+          later=$(printf '%s\n' "${order[@]:$i}" | grep -cx "$system")
+          [ "$later" = 0 ] && args+=(--torch-profile "$OUT/profile_$system")
+          echo "-- $i: $system"
+          python3 -m pdserve.bench.gpu_throughput_trace "${args[@]}" 2>&1 \
+              | grep -v "slow step" | tail -12
+          status=$((status | PIPESTATUS[0]))
         done ;;
       *) echo "unknown part $p"; status=1 ;;
     esac
