@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Callable
@@ -98,10 +99,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Subcommands whose arguments come from a module, imported only when the command is built:
+# a gateway, the tokenizer service, `up` and `status` never import torch (2 s and ~200 MiB a
+# process), which the workers' and the benchmarks' modules do. (name, module, help)
+SERVICES = (
+    ("tokenizer", "tokenizer_svc.server", "run the tokenizer service"),
+    ("prefill", "prefill_svc.server", "run a prefill worker"),
+    ("decode", "decode_svc.server", "run a decode worker"),
+    ("gateway", "gateway.server", "run the OpenAI gateway in front of the workers"),
+)
+BENCHMARKS = (
+    ("throughput", "pdserve.bench.throughput", "offline throughput vs HF transformers"),
+    ("transfer", "pdserve.bench.transfer", "KV transfer throughput over gRPC vs raw grpcio"),
+    ("pipeline", "pdserve.bench.pipeline", "handover and gateway overhead of a running cluster"),
+    ("gpu", "pdserve.bench.gpu",
+     "the GPU benchmark: ceilings, kernels vs peers, throughput, latency"),
+    ("serve", "loadtest.cli", "load test an OpenAI endpoint: TTFT, TPOT, ITL, goodput (loadtest)"),
+    ("kv-routing", "pdserve.bench.kv_routing", "kv_aware vs load routing on a multi-turn load"),
+    ("spec", "pdserve.bench.spec_decode", "speculative decoding (ngram) vs plain decoding: tok/s"),
+    ("cpu-gguf", "pdserve.bench.cpu_gguf",
+     "CPU decode: a GGUF kept quantized vs de-quantized fp32 vs llama.cpp"),
+)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `command` (the subcommand about to run; "" for none), the
+    other subcommands are only named, their modules not imported."""
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    def wanted(name: str) -> bool:
+        return command is None or command == name
 
     demo = sub.add_parser("demo", help="offline generation demo on the bundled model")
     _add_engine_args(demo)
@@ -117,59 +146,44 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.set_defaults(func=cmd_generate)
 
-    _add_services(sub)
+    _add_services(sub, wanted)
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    tp = bench_sub.add_parser("throughput", help="offline throughput vs HF transformers")
-    from pdserve.bench import throughput
-
-    throughput.add_arguments(tp)
-    tp.set_defaults(func=lambda a: 0 if throughput.run(a) else 1)
-    import loadtest.cli as serve
-    from pdserve.bench import cpu_gguf, gpu, kv_routing, pipeline, spec_decode, transfer
-
-    for name, module, text in (
-        ("transfer", transfer, "KV transfer throughput over gRPC vs raw grpcio"),
-        ("pipeline", pipeline, "handover and gateway overhead of a running cluster"),
-        ("gpu", gpu, "the GPU benchmark: ceilings, kernels vs peers, throughput, latency"),
-        ("serve", serve, "load test an OpenAI endpoint: TTFT, TPOT, ITL, goodput (loadtest)"),
-        ("kv-routing", kv_routing, "kv_aware vs load routing on a multi-turn load"),
-        ("spec", spec_decode, "speculative decoding (ngram) vs plain decoding: tok/s"),
-        ("cpu-gguf", cpu_gguf,
-         "CPU decode: a GGUF kept quantized vs de-quantized fp32 vs llama.cpp"),
-    ):
-        p = bench_sub.add_parser(name, help=text)
-        module.add_arguments(p)
-        p.set_defaults(func=lambda a, m=module: 0 if m.run(a) else 1)
+    if wanted("bench"):
+        bench_sub = bench.add_subparsers(dest="bench", required=True)
+        for name, module_name, text in BENCHMARKS:
+            p = bench_sub.add_parser(name, help=text)
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(func=lambda a, m=module: 0 if m.run(a) else 1)
     return parser
 
 
-def _add_services(sub: argparse._SubParsersAction) -> None:
-    from decode_svc import server as decode_server
-    from gateway import server as gateway_server
-    from pdserve import launcher, status
-    from prefill_svc import server as prefill_server
-    from tokenizer_svc import server as tokenizer_server
-
+def _add_services(sub: argparse._SubParsersAction, wanted: Callable[[str], bool]) -> None:
     up = sub.add_parser("up", help="start the whole local cluster")
-    launcher.add_arguments(up)
-    up.set_defaults(func=launcher.run)
+    if wanted("up"):
+        from pdserve import launcher
+
+        launcher.add_arguments(up)
+        up.set_defaults(func=launcher.run)
     st = sub.add_parser("status", help="registered workers and their load")
-    status.add_arguments(st)
-    st.set_defaults(func=status.run)
+    if wanted("status"):
+        from pdserve import status
+
+        status.add_arguments(st)
+        st.set_defaults(func=status.run)
     serve = sub.add_parser("serve", help="OpenAI server with one in-process engine")
-    gateway_server.add_colocated_arguments(serve)
-    serve.set_defaults(func=lambda a: _logged(a, gateway_server.serve_colocated))
-    for name, module, text in (
-        ("tokenizer", tokenizer_server, "the tokenizer service"),
-        ("prefill", prefill_server, "a prefill worker"),
-        ("decode", decode_server, "a decode worker"),
-        ("gateway", gateway_server, "the OpenAI gateway in front of the workers"),
-    ):
-        p = sub.add_parser(name, help=f"run {text}")
-        module.add_arguments(p)
-        p.set_defaults(func=lambda a, m=module: _logged(a, m.run))
+    if wanted("serve"):
+        from gateway import server as gateway_server
+
+        gateway_server.add_colocated_arguments(serve)
+        serve.set_defaults(func=lambda a: _logged(a, gateway_server.serve_colocated))
+    for name, module_name, text in SERVICES:
+        p = sub.add_parser(name, help=text)
+        if wanted(name):
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(func=lambda a, m=module: _logged(a, m.run))
 
 
 def _logged(args: argparse.Namespace, fn: Callable[[argparse.Namespace], object]) -> int:
@@ -180,13 +194,15 @@ def _logged(args: argparse.Namespace, fn: Callable[[argparse.Namespace], object]
 
 
 def main(argv: list[str] | None = None) -> int:
-    if (sys.argv[1:] if argv is None else argv)[:1] == ["prefill"]:
+    given = sys.argv[1:] if argv is None else argv
+    command = given[0] if given and not given[0].startswith("-") else None
+    if command == "prefill":
         # before torch loads: a prefill worker's OpenMP workers sleep between its long
         # parallel regions, leaving the cores to a decode worker beside it
         from engine.omp_threads import wait_passively_by_default
 
         wait_passively_by_default()
-    args = build_parser().parse_args(argv)
+    args = build_parser(command or "").parse_args(argv)  # `pdserve --help`: names only
     start_from_env(args.command)
     try:
         return args.func(args)

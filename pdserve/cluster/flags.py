@@ -113,7 +113,7 @@ def add_decode_engine_core_flag(parser: argparse.ArgumentParser) -> None:
                   "(sharing its interpreter lock with the gRPC server), or a process of its own "
                   "(not with --tensor-parallel-size > 1); auto: a process on a GPU without "
                   "tensor parallelism (1.25x the output tokens/s at saturation on an H200, "
-                  "docs/loadtest.md), a thread on the CPU (where the process cost 4-5% on 2 "
+                  "docs/loadtest.md), a thread on the CPU (where the process cost 4-5%% on 2 "
                   "cores)")
 
 
