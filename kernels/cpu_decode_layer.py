@@ -3,8 +3,9 @@ which includes kernels/cpu_nibble.c and kernels/cpu_attention.c): the ctypes sid
 constants (its packed projections, norms, heads) are one `Layer` struct made once; a step's
 tables one `Step` struct made by the first layer; a call passes two pointers and the rows.
 
-Built once per machine like kernels/cpu_nibble.c (it needs AVX512-BF16); `library()` is None
-where it cannot run, and engine/models/cpu_decode_layer.py then leaves the layer to its modules.
+Built once per machine like kernels/cpu_nibble.c (with its AVX512-BF16 or its AVX2 path);
+`library()` is None where it cannot run, and engine/models/cpu_decode_layer.py then leaves the
+layer to its modules.
 `PDSERVE_CPU_DECODE_LAYER=0` keeps the modules' path.
 """
 
@@ -20,7 +21,6 @@ import torch
 from kernels import cpu_attention, cpu_build, cpu_nibble
 
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = [*cpu_nibble.FLAGS, "-march=native", "-mprefer-vector-width=512"]
 CHOICE_ENV = "PDSERVE_CPU_DECODE_LAYER"
 ERRORS = {**cpu_attention.ERRORS, -10: "projections that do not chain",
           -11: "no scratch memory"}
@@ -50,7 +50,10 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernel, or None where it cannot run here (logged once)."""
     if os.environ.get(CHOICE_ENV) == "0" or cpu_nibble.library() is None:
         return None
-    lib = cpu_build.load(SOURCE, FLAGS, "the layer's modules serve", (
+    flags = [*cpu_nibble.flags(), "-march=native", "-mprefer-vector-width=512"]
+    if cpu_nibble.flags() is cpu_nibble.AVX2_FLAGS:  # the AVX2 path even where there is more
+        flags = [*flags, "-mno-avx512bf16"]
+    lib = cpu_build.load(SOURCE, flags, "the layer's modules serve", (
         cpu_nibble.SOURCE, cpu_attention.SOURCE, cpu_build.EXP_HEADER))
     if lib is None:
         return None

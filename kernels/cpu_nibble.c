@@ -1,5 +1,6 @@
 // GGUF weights kept quantized on the CPU: y = x W^T with bf16 activations on AVX512-BF16 dot
-// products, W read as 4-bit codes (Q4_0, Q4_1, Q4_K) or 8-bit ones (Q8_0) in groups of 32 along K.
+// products (or, built without AVX512-BF16, on AVX2's fp32 FMAs: the second path below), W read
+// as 4-bit codes (Q4_0, Q4_1, Q4_K) or 8-bit ones (Q8_0) in groups of 32 along K.
 // kernels/cpu_nibble.py builds this file with the system C compiler, packs the weights and holds
 // the torch reference; the layout and the arithmetic are described there.
 //
@@ -25,6 +26,8 @@
 #include "cpu_exp.h"
 
 enum { FMT_Q4 = 0, FMT_Q8 = 1 };
+
+#if defined(__AVX512BF16__)
 
 static inline __m512 load_f16(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
@@ -257,6 +260,217 @@ void nibble_dequant_t(int K, int N, int fmt, const uint8_t *w, const uint16_t *s
         }
     }
 }
+
+#else  // AVX2, FMA and F16C: CPUs without AVX512-BF16 (kernels/cpu_nibble.py picks the flags)
+
+// The idea here: 8 output columns a register (two a tile of 16), x in fp32 (rounded to bf16
+// first, as the AVX512 path reads it). A load's 16 bytes for 8 columns widen to 8 32-bit lanes
+// holding each column's two bytes; a shift and a mask give one input's codes for the 8 columns,
+// converted to fp32 and made weights at once, w = s q + z (Q8: w = d u - 128 d), the way the
+// reference computes them; then every row of the block adds x_k w into its accumulators, in
+// ascending k, one FMA chain per column: a row's sums are the same whatever the block shape,
+// the number of rows or the threads.
+
+static inline __m256 load_f16x8(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+static inline __m128i bf16x8(__m256 v) {  // round to nearest even, as torch rounds (finite v)
+    __m256i b = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))),
+                          16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+}
+
+static inline float bf16_round(float v) {  // v rounded to bf16 and back, as torch rounds
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000u;
+    memcpy(&v, &b, 4);
+    return v;
+}
+
+// The weights of input k + j of a load for tile t's two halves of 8 columns.
+static inline __attribute__((always_inline)) void weights(
+    const int FMT, const int j, __m256i v0, __m256i v1, __m256 s0, __m256 s1, __m256 z0,
+    __m256 z1, __m256 *w0, __m256 *w1)
+{
+    // Q4: a lane holds bytes (q[k] | q[k+2] << 4) | (q[k+1] | q[k+3] << 4) << 8; Q8: u[k] | u[k+1] << 8
+    const int shift = FMT == FMT_Q4 ? (j == 0 ? 0 : j == 1 ? 8 : j == 2 ? 4 : 12) : 8 * j;
+    const __m256i mask = _mm256_set1_epi32(FMT == FMT_Q4 ? 0xF : 0xFF);
+    *w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v0, shift), mask)),
+                          s0, z0);
+    *w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v1, shift), mask)),
+                          s1, z1);
+}
+
+// Rows r0..r0+R-1 of x (fp32) against tiles nt0..nt0+T-1, R * T <= 6: 2 R T accumulators.
+static inline __attribute__((always_inline)) void block(
+    const int R, const int T, const int FMT, const float *x, ptrdiff_t ldx, int K,
+    const uint8_t *w, const uint16_t *s, const uint16_t *z, int nt0, void *y, ptrdiff_t ldy,
+    int out_bf16)
+{
+    const int G = K / 32;
+    const int L = FMT == FMT_Q4 ? 8 : 16;  // 32-byte loads per group and tile
+    const int J = FMT == FMT_Q4 ? 4 : 2;  // inputs a load holds per column
+    __m256 acc[6][4][2];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m256 sc[4][2], zc[4][2];
+        for (int t = 0; t < T; t++) {
+            const size_t at = ((size_t)(nt0 + t) * G + g) * 16;
+            sc[t][0] = load_f16x8(s + at);
+            sc[t][1] = load_f16x8(s + at + 8);
+            if (FMT == FMT_Q4) {
+                zc[t][0] = load_f16x8(z + at);
+                zc[t][1] = load_f16x8(z + at + 8);
+            } else {
+                zc[t][0] = _mm256_mul_ps(sc[t][0], _mm256_set1_ps(-128.f));
+                zc[t][1] = _mm256_mul_ps(sc[t][1], _mm256_set1_ps(-128.f));
+            }
+        }
+        for (int st = 0; st < L; st++) {
+            const int k = g * 32 + st * J;
+            for (int t = 0; t < T; t++) {
+                const uint8_t *src = w + ((size_t)(nt0 + t) * G * L + (size_t)g * L + st) * 32;
+                if (R <= 4 && (st & 1) == 0)  // the next job's line: see the AVX512 path
+                    _mm_prefetch((const char *)src + (size_t)4 * G * L * 32, _MM_HINT_T1);
+                const __m256i v0 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
+                const __m256i v1 = _mm256_cvtepu16_epi32(
+                    _mm_loadu_si128((const __m128i *)(src + 16)));
+                for (int j = 0; j < J; j++) {
+                    __m256 w0, w1;
+                    weights(FMT, j, v0, v1, sc[t][0], sc[t][1], zc[t][0], zc[t][1], &w0, &w1);
+                    for (int r = 0; r < R; r++) {
+                        const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k + j);
+                        acc[r][t][0] = _mm256_fmadd_ps(xb, w0, acc[r][t][0]);
+                        acc[r][t][1] = _mm256_fmadd_ps(xb, w1, acc[r][t][1]);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++)
+            for (int h = 0; h < 2; h++) {
+                const size_t at = (size_t)r * ldy + (size_t)(nt0 + t) * 16 + h * 8;
+                if (out_bf16)
+                    _mm_storeu_si128((__m128i *)((uint16_t *)y + at), bf16x8(acc[r][t][h]));
+                else
+                    _mm256_storeu_ps((float *)y + at, acc[r][t][h]);
+            }
+}
+
+#define BLOCK(RR, TT, NT0, F) block(RR, TT, F, x + (ptrdiff_t)m * K, K, K, w, s, z, NT0, \
+                                    (char *)y + (size_t)m * N * osize, N, out_bf16)
+
+// One job: `tiles` (1, 2 or 4) tiles from nt for every row: blocks of 6 rows a tile at a time
+// (12 accumulators of the 16 registers), then the last rows with as many tiles at once as keep
+// a single row at 8 independent FMA chains.
+#define JOB(F) do { int m = 0; \
+    for (; m + 6 <= M; m += 6) \
+        for (int t = 0; t < tiles; t++) BLOCK(6, 1, nt + t, F); \
+    const int left = M - m; \
+    if (left == 1) { \
+        if (tiles == 4) BLOCK(1, 4, nt, F); \
+        else if (tiles == 2) BLOCK(1, 2, nt, F); \
+        else BLOCK(1, 1, nt, F); \
+    } else if (left == 2) { \
+        for (int t = 0; t + 2 <= tiles; t += 2) BLOCK(2, 2, nt + t, F); \
+        if (tiles == 1) BLOCK(2, 1, nt, F); \
+    } else if (left == 3) { \
+        for (int t = 0; t < tiles; t++) BLOCK(3, 1, nt + t, F); \
+    } else if (left == 4) { \
+        for (int t = 0; t < tiles; t++) BLOCK(4, 1, nt + t, F); \
+    } else if (left == 5) { \
+        for (int t = 0; t < tiles; t++) BLOCK(5, 1, nt + t, F); \
+    } } while (0)
+
+// As the AVX512 path's nibble_gemm (same arguments and layout): x bf16, or fp32 when x_fp32
+// (rounded to bf16 here first), y fp32 or bf16. Returns 0, or -1 without scratch.
+int nibble_gemm(const void *x_in, int x_fp32, ptrdiff_t ldx, int M, int K, int N, int fmt,
+                const uint8_t *w, const uint16_t *s, const uint16_t *z, void *y, int out_bf16,
+                int nthreads) {
+    const int NT = N / 16;
+    const size_t osize = out_bf16 ? 2 : 4;
+    float stack_x[8192];
+    const size_t words = (size_t)M * K;
+    float *x = words <= 8192 ? stack_x : malloc(words * sizeof(float));
+    if (!x) return -1;
+    for (int m = 0; m < M; m++) {
+        float *dst = x + (size_t)m * K;
+        if (x_fp32) {
+            const float *src = (const float *)x_in + (ptrdiff_t)m * ldx;
+            for (int k = 0; k < K; k++) dst[k] = bf16_round(src[k]);
+        } else {
+            const uint16_t *src = (const uint16_t *)x_in + (ptrdiff_t)m * ldx;
+            for (int k = 0; k < K; k++) {
+                const uint32_t b = (uint32_t)src[k] << 16;
+                memcpy(dst + k, &b, 4);
+            }
+        }
+    }
+    const int quads = NT / 4, rest = NT % 4;  // jobs of 4 tiles, then 2 and 1 for the rest
+    const int jobs = quads + (rest >= 2) + (rest & 1);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int job = 0; job < jobs; job++) {
+        int nt, tiles;
+        if (job < quads) { nt = job * 4; tiles = 4; }
+        else if (job == quads && rest >= 2) { nt = quads * 4; tiles = 2; }
+        else { nt = NT - 1; tiles = 1; }
+        if (fmt == FMT_Q4) JOB(FMT_Q4); else JOB(FMT_Q8);
+    }
+    if (x != stack_x) free(x);
+    return 0;
+}
+
+// W^T [K, N] in bf16, as the AVX512 path's: each weight made as the GEMM makes it, rounded once.
+#define CHUNK 32
+void nibble_dequant_t(int K, int N, int fmt, const uint8_t *w, const uint16_t *s,
+                      const uint16_t *z, uint16_t *out, int nthreads) {
+    const int G = K / 32, NT = N / 16;
+    const int L = fmt == FMT_Q4 ? 8 : 16, J = fmt == FMT_Q4 ? 4 : 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int chunk = 0; chunk < (NT + CHUNK - 1) / CHUNK; chunk++) {
+        const int end = chunk * CHUNK + CHUNK < NT ? chunk * CHUNK + CHUNK : NT;
+        for (int g = 0; g < G; g++) {
+            for (int nt = chunk * CHUNK; nt < end; nt++) {
+                const size_t at = ((size_t)nt * G + g) * 16;
+                const __m256 s0 = load_f16x8(s + at), s1 = load_f16x8(s + at + 8);
+                __m256 z0, z1;
+                if (fmt == FMT_Q4) {
+                    z0 = load_f16x8(z + at);
+                    z1 = load_f16x8(z + at + 8);
+                } else {
+                    z0 = _mm256_mul_ps(s0, _mm256_set1_ps(-128.f));
+                    z1 = _mm256_mul_ps(s1, _mm256_set1_ps(-128.f));
+                }
+                for (int st = 0; st < L; st++) {
+                    const uint8_t *src = w + ((size_t)nt * G * L + (size_t)g * L + st) * 32;
+                    const __m256i v0 = _mm256_cvtepu16_epi32(
+                        _mm_loadu_si128((const __m128i *)src));
+                    const __m256i v1 = _mm256_cvtepu16_epi32(
+                        _mm_loadu_si128((const __m128i *)(src + 16)));
+                    const int k = g * 32 + st * J;
+                    for (int j = 0; j < J; j++) {
+                        __m256 w0, w1;
+                        if (fmt == FMT_Q4)
+                            weights(FMT_Q4, j, v0, v1, s0, s1, z0, z1, &w0, &w1);
+                        else
+                            weights(FMT_Q8, j, v0, v1, s0, s1, z0, z1, &w0, &w1);
+                        uint16_t *dst = out + (size_t)(k + j) * N + (size_t)nt * 16;
+                        _mm_storeu_si128((__m128i *)dst, bf16x8(w0));
+                        _mm_storeu_si128((__m128i *)(dst + 8), bf16x8(w1));
+                    }
+                }
+            }
+        }
+    }
+}
+
+#endif
 
 // The GEMM's input made here from fp32 rows, so that a decode layer's norm or SwiGLU and the
 // projection after it are one call (kernels/cpu_nibble.py `gemm_pre`):

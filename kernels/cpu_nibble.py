@@ -1,4 +1,5 @@
-"""CPU GEMMs over 4-bit and 8-bit GGUF codes on AVX512-BF16 dot products (kernels/cpu_nibble.c).
+"""CPU GEMMs over 4-bit and 8-bit GGUF codes on AVX512-BF16 dot products, or on AVX2's fp32 FMAs
+where a CPU has no AVX512-BF16 (kernels/cpu_nibble.c, one path or the other by its flags).
 
 torch's packed int4 CPU GEMM widens every weight to fp32 and multiplies on the fp32 vector units;
 its cost grows with the rows of x by ~1.5 ms per row over a decode step of the bundled model, which
@@ -23,10 +24,16 @@ The scales stay fp16 as the file holds them (Q4_K's d * sc products are rounded 
 so the weights take the file's bytes per block plus nothing. `nibble_dequant_t` writes W^T in
 bf16 for steps long enough that a dense bf16 GEMM wins.
 
+On a CPU with AVX2 but no AVX512-BF16 the same layout feeds fp32 FMAs instead: each input's
+codes for 8 columns widen and become weights (`s q + z`) once per block of rows, then each row
+adds `x_k w` in order (the C file's second path). There it is 1.2-2.4x torch's int4 GEMM at 1-32
+rows, and the bundled model's single stream 2.2-2.6x faster (a 2-core AVX2 EPYC,
+docs/benchmarks.md "GGUF codes on AVX2 alone").
+
 The shared object is compiled once per machine with the system's C compiler (`$CC`, else
 `cc`) into pdserve's cache folder and loaded after torch, whose OpenMP runtime it then shares
-(same soname). No compiler, no AVX512-BF16, or a failed build: `library()` is None and the
-callers keep torch's int4 kernel.
+(same soname). No compiler, no AVX2, or a failed build: `library()` is None and the callers
+keep torch's int4 kernel.
 
 Where it serves (`preferred()`): every CPU it runs on, for every GGUF format it packs. On the
 2-core EPYC pdserve is developed on, weights streamed from memory, it is about even with torch's
@@ -58,12 +65,13 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
 INCLUDES = (cpu_build.EXP_HEADER,)
-FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-         "-mavx512bf16", "-mf16c", "-mfma"]
+BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mf16c", "-mfma"]
+AVX512_FLAGS = [*BASE_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+AVX2_FLAGS = [*BASE_FLAGS, "-mavx2"]
 GROUP = 32
 Q4, Q8 = 0, 1  # the C file's FMT_Q4, FMT_Q8
 PRE_RMSNORM, PRE_SILU_MUL = 0, 1  # the C file's input prologues (nibble_gemm_pre)
-CHOICE_ENV = "PDSERVE_CPU_NIBBLE"  # "0": never; else wherever it runs
+CHOICE_ENV = "PDSERVE_CPU_NIBBLE"  # "0": never; "avx2": that path; else wherever it runs
 
 
 def _cpu_has(probe: str) -> bool:
@@ -71,9 +79,20 @@ def _cpu_has(probe: str) -> bool:
 
 
 def build(source: Path = SOURCE, out_dir: Path | None = None) -> Path:
-    """Compile `source` (once, kernels/cpu_build.py) and return the shared object's path; raises
-    OSError / CalledProcessError on failure."""
-    return cpu_build.build(source, FLAGS, out_dir, includes=INCLUDES)
+    """Compile `source` (once, kernels/cpu_build.py) with this CPU's `flags()` and return the
+    shared object's path; raises OSError / CalledProcessError on failure."""
+    return cpu_build.build(source, flags() or AVX2_FLAGS, out_dir, includes=INCLUDES)
+
+
+def flags() -> list[str] | None:
+    """The build's flags on this CPU: AVX512-BF16's path where it has it, else AVX2's (with FMA
+    and F16C, which every AVX2 CPU has); None on neither. `PDSERVE_CPU_NIBBLE=avx2` takes the
+    AVX2 path on any AVX2 CPU (to compare the two)."""
+    if _cpu_has("_is_avx512_bf16_supported") and os.environ.get(CHOICE_ENV) != "avx2":
+        return AVX512_FLAGS
+    if _cpu_has("_is_avx2_supported"):
+        return AVX2_FLAGS
+    return None
 
 
 @functools.cache
@@ -81,10 +100,10 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None where they cannot run here (logged once)."""
     if os.environ.get(CHOICE_ENV) == "0":
         return None
-    if not _cpu_has("_is_avx512_bf16_supported"):
-        log.info("cpu_nibble: no AVX512-BF16 on this CPU; torch's int4 kernel serves GGUF weights")
+    if (chosen := flags()) is None:
+        log.info("cpu_nibble: no AVX2 on this CPU; torch's int4 kernel serves GGUF weights")
         return None
-    lib = cpu_build.load(SOURCE, FLAGS, "torch's int4 kernel serves GGUF weights", INCLUDES)
+    lib = cpu_build.load(SOURCE, chosen, "torch's int4 kernel serves GGUF weights", INCLUDES)
     if lib is None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int

@@ -1,8 +1,8 @@
-"""kernels/cpu_nibble: the AVX512-BF16 GEMM over packed GGUF codes against its fp32 reference
-(every block shape: 6-row blocks, the last rows, 4-, 2- and 1-tile jobs), a row's output the
-same whatever else is in the batch or the thread count, the de-quantized W^T, the codes read
-back, the build cached and its failure reported, and NibbleKernel against gguf's own
-de-quantization."""
+"""kernels/cpu_nibble: the GEMM over packed GGUF codes (its AVX512-BF16 path or its AVX2 one,
+whichever this CPU builds) against its fp32 reference (every block shape: 6-row blocks, the last
+rows, 4-, 2- and 1-tile jobs), a row's output the same whatever else is in the batch or the
+thread count, the de-quantized W^T, the codes read back, the build cached and its failure
+reported, and NibbleKernel against gguf's own de-quantization."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from kernels import cpu_nibble
 
 Q = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not cpu_nibble.available(),
-                                reason="no AVX512-BF16 or no C compiler here")
+                                reason="no AVX2 or no C compiler here")
 
 
 def _packed(fmt: int, n: int, k: int, seed: int):
@@ -149,6 +149,24 @@ def test_nibble_kernel_matches_gguf_dequantization(qtype: GGMLQuantizationType,
     if qtype == Q.Q8_0:
         ids = torch.tensor([0, 17, 79])
         assert kernel.codes_readable() and torch.equal(kernel.codes(ids), w.codes[ids])
+
+
+@pytest.mark.parametrize("bf16_dot", [True, False])
+def test_long_steps_densify_only_with_a_bf16_dot_product(bf16_dot: bool, monkeypatch) -> None:
+    """From DENSE_MIN_TOKENS rows: the de-quantized W^T and a bf16 matmul where the CPU has a
+    bf16 dot product; on AVX2 alone (torch's bf16 matmul several times slower) the kernel."""
+    from engine.quant import kernels
+
+    monkeypatch.setattr(kernels, "has_bf16_dot", lambda: bf16_dot)
+    raw = random_blocks(Q.Q4_1, 32, 64, seed=5)
+    kernel = NibbleKernel(unpack(Q.Q4_1, raw, (32, 64), "w"))
+    made = []
+    monkeypatch.setattr(kernel, "dense_t", lambda: made.append(1) or NibbleKernel.dense_t(kernel))
+    x = torch.randn(kernels.DENSE_MIN_TOKENS, 64, generator=torch.Generator().manual_seed(6))
+    out = kernel(x)
+    assert bool(made) == bf16_dot
+    if not bf16_dot:  # the GEMM's own bits
+        assert torch.equal(out, kernel.gemm(x, torch.float32))
 
 
 def test_shapes_it_does_not_take_are_refused() -> None:

@@ -1,11 +1,12 @@
 """CPU matmuls over GGUF weights in the unpacked layout of `blocks.py`, each beside its reference.
 
     NibbleKernel    Q4_0 / Q4_1 / Q4_K and Q8_0 with bf16 activations on a CPU with AVX512-BF16
-                    (`cpu_nibble.preferred()`): the codes fed to bf16 dot products as they are
-                    (kernels/cpu_nibble.py), outputs in the activations' dtype (fp32 sums, not
-                    rounded to bf16 for fp32 activations). Steps of DENSE_MIN_TOKENS rows or
-                    more multiply a transient de-quantized bf16 W^T. Elsewhere (no AVX512-BF16,
-                    no C compiler) the two kernels below serve these formats.
+                    or AVX2 (`cpu_nibble.preferred()`): the codes fed to bf16 dot products as
+                    they are, or made fp32 weights in registers on AVX2 (kernels/cpu_nibble.py),
+                    outputs in the activations' dtype (fp32 sums, not rounded to bf16 for fp32
+                    activations). Steps of DENSE_MIN_TOKENS rows or more multiply a transient
+                    de-quantized bf16 W^T where the CPU has a bf16 dot product. Elsewhere (no
+                    AVX2, no C compiler) the two kernels below serve these formats.
     Int4PackKernel  Q4_0 / Q4_1 / Q4_K: torch's packed int4 CPU GEMM, bf16 activations. torch's
                     group convention is w = (nibble - 8) * s + z, so a block with w = s * code + b
                     and nibble = code + offset (offset 8 for Q4_0, else 0) has
@@ -34,6 +35,7 @@ from engine.quant.int4_dense import (
     DENSE_MIN_TOKENS,
     dense_supported,
     dense_weight_t,
+    has_bf16_dot,
     nibble_rows,
     whole_blocks,
 )
@@ -158,6 +160,9 @@ class NibbleKernel:
             raise ValueError(f"NibbleKernel takes Q4_0, Q4_1, Q4_K or Q8_0, got {w.qtype.name}")
         self.scale = cpu_nibble.pack_groups(w.scale)
         self.gemm = cpu_nibble.Gemm(self.fmt, self.codes_packed, self.scale, self.zero, rows)
+        # long steps de-quantize for a bf16 GEMM only where the CPU has a bf16 dot product: on
+        # AVX2 alone torch's bf16 matmul is 6x slower than this kernel at 32 rows
+        self.densifies = has_bf16_dot()
 
     @staticmethod
     def _shape_fits(w: QuantWeight) -> bool:  # whole tiles of 16 rows, whole groups of 32
@@ -172,7 +177,7 @@ class NibbleKernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N] in x's dtype
         dtype = x.dtype
-        if x.shape[0] >= DENSE_MIN_TOKENS:
+        if self.densifies and x.shape[0] >= DENSE_MIN_TOKENS:
             return (x.to(torch.bfloat16) @ self.dense_t()).to(dtype)
         if dtype == torch.float32 or dtype == torch.bfloat16:  # fp32 x: rounded in the kernel
             return self.gemm(x, dtype)
