@@ -50,9 +50,10 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernel, or None where it cannot run here (logged once)."""
     if os.environ.get(CHOICE_ENV) == "0" or cpu_nibble.library() is None:
         return None
-    flags = [*cpu_nibble.flags(), "-march=native", "-mprefer-vector-width=512"]
-    if cpu_nibble.flags() is cpu_nibble.AVX2_FLAGS:  # the AVX2 path even where there is more
-        flags = [*flags, "-mno-avx512bf16"]
+    nibble = cpu_nibble.flags()
+    flags = [*nibble, "-march=native", "-mprefer-vector-width=512"]
+    if nibble is cpu_nibble.AVX2_FLAGS:  # the AVX2 path even where -march=native has more
+        flags.append("-mno-avx512bf16")
     lib = cpu_build.load(SOURCE, flags, "the layer's modules serve", (
         cpu_nibble.SOURCE, cpu_attention.SOURCE, cpu_build.EXP_HEADER))
     if lib is None:

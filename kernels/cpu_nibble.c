@@ -27,6 +27,22 @@
 
 enum { FMT_Q4 = 0, FMT_Q8 = 1 };
 
+// nibble_gemm's jobs, on either path: runs of 4 tiles of 16 columns, then one of 2 and one of 1
+// for the rest. Job `job` covers `tiles` tiles from tile `nt`.
+static inline int job_count(int NT) {
+    const int rest = NT % 4;
+    return NT / 4 + (rest >= 2) + (rest & 1);
+}
+
+static inline void job_tiles(int job, int NT, int *nt, int *tiles) {
+    const int quads = NT / 4;
+    if (job < quads) { *nt = job * 4; *tiles = 4; }
+    else if (job == quads && NT % 4 >= 2) { *nt = quads * 4; *tiles = 2; }
+    else { *nt = NT - 1; *tiles = 1; }
+}
+
+#define CHUNK 32  // nibble_dequant_t's job: a run of CHUNK tiles
+
 #if defined(__AVX512BF16__)
 
 static inline __m512 load_f16(const uint16_t *p) {
@@ -197,14 +213,11 @@ int nibble_gemm(const void *x_in, int x_fp32, ptrdiff_t ldx, int M, int K, int N
             sx[(size_t)m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(load_bf16(p),
                                                                        load_bf16(p + 16)));
         }
-    const int quads = NT / 4, rest = NT % 4;  // jobs of 4 tiles, then 2 and 1 for the rest
-    const int jobs = quads + (rest >= 2) + (rest & 1);
+    const int jobs = job_count(NT);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int job = 0; job < jobs; job++) {
         int nt, tiles;
-        if (job < quads) { nt = job * 4; tiles = 4; }
-        else if (job == quads && rest >= 2) { nt = quads * 4; tiles = 2; }
-        else { nt = NT - 1; tiles = 1; }
+        job_tiles(job, NT, &nt, &tiles);
         if (fmt == FMT_Q4) JOB(FMT_Q4); else JOB(FMT_Q8);
     }
     if (sx != stack_sx) free(sx);
@@ -216,7 +229,6 @@ int nibble_gemm(const void *x_in, int x_fp32, ptrdiff_t ldx, int M, int K, int N
 // bf16 GEMM over it beats nibble_gemm. A job is a run of CHUNK tiles written group by group, so
 // the stores of one input row are contiguous (a 49152-column lm_head written tile by tile would
 // touch a new page at every row).
-#define CHUNK 32
 void nibble_dequant_t(int K, int N, int fmt, const uint8_t *w, const uint16_t *s,
                       const uint16_t *z, uint16_t *out, int nthreads) {
     const int G = K / 32, NT = N / 16;
@@ -412,14 +424,11 @@ int nibble_gemm(const void *x_in, int x_fp32, ptrdiff_t ldx, int M, int K, int N
             }
         }
     }
-    const int quads = NT / 4, rest = NT % 4;  // jobs of 4 tiles, then 2 and 1 for the rest
-    const int jobs = quads + (rest >= 2) + (rest & 1);
+    const int jobs = job_count(NT);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int job = 0; job < jobs; job++) {
         int nt, tiles;
-        if (job < quads) { nt = job * 4; tiles = 4; }
-        else if (job == quads && rest >= 2) { nt = quads * 4; tiles = 2; }
-        else { nt = NT - 1; tiles = 1; }
+        job_tiles(job, NT, &nt, &tiles);
         if (fmt == FMT_Q4) JOB(FMT_Q4); else JOB(FMT_Q8);
     }
     if (x != stack_x) free(x);
@@ -427,7 +436,6 @@ int nibble_gemm(const void *x_in, int x_fp32, ptrdiff_t ldx, int M, int K, int N
 }
 
 // W^T [K, N] in bf16, as the AVX512 path's: each weight made as the GEMM makes it, rounded once.
-#define CHUNK 32
 void nibble_dequant_t(int K, int N, int fmt, const uint8_t *w, const uint16_t *s,
                       const uint16_t *z, uint16_t *out, int nthreads) {
     const int G = K / 32, NT = N / 16;
