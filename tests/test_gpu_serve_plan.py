@@ -68,6 +68,13 @@ def test_tiny_shape_with_overrides_and_out(monkeypatch: pytest.MonkeyPatch) -> N
         _config("--request-rate", "0")
 
 
+def test_sample_rates_are_some_of_the_load_s() -> None:
+    assert _config().sample_rates is None
+    assert _config("--sample-rates", "inf").sample_rates == (math.inf,)
+    with pytest.raises(ValueError, match="--sample-rates"):
+        _config("--sample-rates", "8")
+
+
 @pytest.mark.parametrize("system", ["colocated", "grpc", "cuda_ipc"])
 def test_each_system_s_pdserve_up(system: str) -> None:
     cfg = _config("--model-dir", "/m")

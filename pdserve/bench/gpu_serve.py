@@ -137,10 +137,8 @@ def run_system(cfg: ServeConfig, system: str) -> dict[str, Any]:
             base_url = ",".join(urls)
             workers = worker_metrics(urls[0]) if redis_url else {}
             log(f"{system}: up at {base_url}; workers' metrics {workers or '-'}")
-            argv = loadtest_argv(cfg.load, system, base_url,
-                                 [f"http://{a}/metrics" for a in workers.values()], report)
-            with sampling_window():
-                code = subprocess.run(argv).returncode
+            code = run_load(cfg, system, base_url,
+                            [f"http://{a}/metrics" for a in workers.values()], report)
             transfers = {role: transfer_bytes(a) for role, a in workers.items()}
         finally:
             stop(procs)
@@ -152,11 +150,39 @@ def run_system(cfg: ServeConfig, system: str) -> dict[str, Any]:
                       "second_token_p50_s": second_token_p50(r["requests"])} for r in runs]}
 
 
+def run_load(cfg: ServeConfig, system: str, base_url: str, metrics_urls: list[str],
+             report: Path) -> int:
+    """The load generator against `base_url`, its report into `report`; its exit code. With
+    --sample-rates a subset of the rates, one run per rate, the samplers' gate open only in
+    the chosen ones, and the runs' reports merged into one."""
+    load = cfg.load
+    if cfg.sample_rates is None or set(cfg.sample_rates) == set(load.request_rates):
+        with sampling_window():
+            return subprocess.run(loadtest_argv(load, system, base_url, metrics_urls,
+                                                report)).returncode
+    parts = []
+    for rate in load.request_rates:
+        part = report.with_name(f"{report.stem}.rate{len(parts)}.json")
+        argv = loadtest_argv(dataclasses.replace(load, request_rates=(rate,)), system,
+                             base_url, metrics_urls, part)
+        with sampling_window(rate in cfg.sample_rates):
+            code = subprocess.run(argv).returncode
+        if code != 0:
+            return code
+        parts.append(part)
+    merged = json.loads(parts[0].read_text())
+    merged["runs"] = [run for part in parts for run in json.loads(part.read_text())["runs"]]
+    report.write_text(json.dumps(merged, indent=1))
+    for part in parts:
+        part.unlink()
+    return 0
+
+
 @contextlib.contextmanager
-def sampling_window() -> Any:
+def sampling_window(open_gate: bool = True) -> Any:
     """The load's run as the servers' stack samplers' window (engine/stack_sampler.py): the path
-    PDSERVE_STACK_SAMPLE_WHILE names exists only meanwhile."""
-    gate = os.environ.get(stack_sampler.ENV_GATE)
+    PDSERVE_STACK_SAMPLE_WHILE names exists only meanwhile (not at all unless `open_gate`)."""
+    gate = os.environ.get(stack_sampler.ENV_GATE) if open_gate else None
     if gate:
         Path(gate).touch()
     try:

@@ -76,6 +76,9 @@ class ServeConfig:
     engine_core: str = "process"  # a colocated server's engine loop: thread or process
     colocated_api_servers: int = 1  # HTTP servers in front of a colocated system's engine core
     decode_engine_core: str = "auto"  # a split system's decode worker's engine loop
+    # the rates whose runs open the servers' stack samplers' gate (None: the whole load); when
+    # a subset, the load generator runs once per rate (each after its own warm-ups)
+    sample_rates: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.systems or set(self.systems) - set(SYSTEMS):
@@ -86,6 +89,8 @@ class ServeConfig:
             raise ValueError("--stream-interval must be >= 1")
         if self.kv_cache_memory < 1 or self.max_model_len < 1:
             raise ValueError("--kv-cache-memory and --max-model-len must be >= 1")
+        if self.sample_rates is not None and set(self.sample_rates) - set(self.load.request_rates):
+            raise ValueError("--sample-rates must be some of --request-rate")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -145,6 +150,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=load.seed, help="prompts, arrivals and weights")
     g.add_argument("--client-processes", type=int, default=load.client_processes,
                    help="the load generator sends from this many processes")
+    g.add_argument("--sample-rates", type=parse_rates, default=None,
+                   help="only these rates' runs open the stack samplers' gate "
+                        "(PDSERVE_STACK_SAMPLE_WHILE; default: the whole load)")
 
 
 def config_of(args: argparse.Namespace) -> ServeConfig:
@@ -162,7 +170,7 @@ def config_of(args: argparse.Namespace) -> ServeConfig:
                        Path(args.out_dir), args.startup_timeout, load,
                        Path(args.work_dir) if args.work_dir else None, args.api_server_count,
                        args.stream_interval, args.generate_streams, args.engine_core,
-                       args.colocated_api_servers, args.decode_engine_core)
+                       args.colocated_api_servers, args.decode_engine_core, args.sample_rates)
 
 
 def shape_tag(shape: ModelShape) -> str:
