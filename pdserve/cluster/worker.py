@@ -67,7 +67,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--kv-cache-memory", None, type=int, help="KV cache bytes")
     add_flag(parser, "--num-kv-blocks", None, type=int, help="KV blocks (overrides memory)")
     add_flag(parser, "--gpu-memory-utilization", 0.9, type=float, help="GPU memory fraction")
-    add_flag(parser, "--max-num-seqs", 64, type=int, help="running requests per step")
+    add_flag(parser, "--max-num-seqs", None, type=int,
+             help="running requests per step (unset: 1024 on a GPU of >= 70 GiB other than an "
+                  "A100, 256 on other GPUs, 64 on the CPU; engine/step_budget.py)")
     add_flag(parser, "--max-num-batched-tokens", None, type=int,
              help="tokens per step (unset: 8192 on a GPU of >= 70 GiB other than an A100, "
                   "else 2048; engine/step_budget.py)")
