@@ -52,9 +52,10 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from engine import handover_trace
+from engine import handover_trace, loop_profile
 from engine.llm import build_engine_config
 from engine.llm_engine import LLMEngine
+from engine.loop_profile import LoopProfile
 from engine.output_wire import Wire, encode
 from engine.outputs import RequestOutput
 from engine.stack_sampler import start_from_env
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None, core_class: type[Core] | None = None) ->
     parser.add_argument("--listen", default="", help="a Unix socket path other servers connect "
                         "to (EngineCoreClient.connect)")
     args = parser.parse_args(argv)
-    start_from_env("core" if core_class is Core else core_class.__module__.split(".")[0] + "-core")
+    role = "core" if core_class is Core else core_class.__module__.split(".")[0] + "-core"
+    start_from_env(role)
     conn = Connection(args.fd)
     # Its life is the server's: the server stops it (after draining on SIGTERM, or on Ctrl-C)
     # or its end of the socket closes; a signal sent to the process group must not cut it first.
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None, core_class: type[Core] | None = None) ->
         conn.send(("failed", portable(exc)))
         engine.shutdown()
         return
+    core.profile = loop_profile.from_env(role)
     try:
         conn.send(("ready", core.facts))
         core.started()
@@ -120,6 +123,8 @@ def main(argv: list[str] | None = None, core_class: type[Core] | None = None) ->
     except (BrokenPipeError, ConnectionResetError):
         pass  # the parent went away mid-send: nothing is left to serve
     finally:
+        if core.profile is not None:
+            core.profile.close()
         core.close()
         engine.shutdown()
         if listener is not None:
@@ -169,6 +174,7 @@ class Core:
         self.prompt_sent: set[str] = set()  # requests whose prompt ids their server has
         self.loras = tuple(engine.list_loras())
         self.stopping_at = 0.0  # when the parent said stop (0: it has not)
+        self.profile: LoopProfile | None = None  # PDSERVE_CPROFILE_DIR (engine/loop_profile.py)
 
     @staticmethod
     def engine_config(model: str | None, kwargs: dict, options: dict) -> Any:
@@ -186,6 +192,8 @@ class Core:
 
     def run(self) -> None:
         while self._commands(block=not self.engine.has_work()) and not self._stopped():
+            if self.profile is not None:
+                self.profile.tick()
             if self.engine.has_work():
                 handover_trace.mark_all("step")
                 try:
