@@ -69,8 +69,8 @@ class StreamResumer:
         log = self.ctx.events
         if log is None:
             raise OpenAIError("This gateway records no streams (it runs without Redis, as "
-                              "`pdserve serve` does): none can be resumed.", status=404,
-                              code="resume_not_supported")
+                              "`pdserve serve` does, or with --resume-ttl-seconds 0): none "
+                              "can be resumed.", status=404, code="resume_not_supported")
         self.ctx.metrics.stream_reconnects.inc()
         try:
             meta = await log.meta(request_id)

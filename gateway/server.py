@@ -87,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                   "worker, its prefill to another prefill worker (0: fail it)")
     add_flag(p, "--resume-ttl-seconds", 300, type=int,
              help="how long a streamed response's events stay in Redis after its last one, "
-                  "for a client to resume it (GET /v1/streams/{id}, Last-Event-ID)")
+                  "for a client to resume it (GET /v1/streams/{id}, Last-Event-ID); 0: streams "
+                  "are not recorded (no Redis writes per token; none can be resumed)")
     add_flag(p, "--response-ttl-seconds", 3600, type=int,
              help="how long a stored /v1/responses response stays in Redis (for "
                   "previous_response_id and GET /v1/responses/{id})")
@@ -124,11 +125,22 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def stream_log(client: Any, args: argparse.Namespace) -> Any:
+    """Where streams are recorded for resuming (an EventLog on `client`), or None with
+    --resume-ttl-seconds 0: no Redis write per decode step, and no stream can be resumed."""
+    from pdserve.cluster.event_log import EventLog
+
+    if args.resume_ttl_seconds < 0:
+        raise ValueError(f"--resume-ttl-seconds must be >= 0, got {args.resume_ttl_seconds}")
+    if not args.resume_ttl_seconds:
+        return None
+    return EventLog(client, prefix=args.redis_namespace, ttl_s=args.resume_ttl_seconds)
+
+
 async def serve_disaggregated(args: argparse.Namespace) -> None:
     from gateway.app import build_app
     from gateway.metrics import GatewayMetrics
     from gateway.remote_backend import RemoteBackend
-    from pdserve.cluster.event_log import EventLog
     from pdserve.cluster.registry import WorkerRegistry
     from pdserve.cluster.response_store import RedisResponses
     from pdserve.cluster.state import RequestStore, connect
@@ -139,7 +151,7 @@ async def serve_disaggregated(args: argparse.Namespace) -> None:
         raise ValueError("--lora-modules needs --enable-lora")
     client = connect(args.redis_url)
     store = RequestStore(client, prefix=args.redis_namespace)
-    events = EventLog(client, prefix=args.redis_namespace, ttl_s=args.resume_ttl_seconds)
+    events = stream_log(client, args)
     registry = WorkerRegistry(client, prefix=args.redis_namespace)
     address = args.tokenizer_address or await _until(
         lambda: _registered_tokenizer(registry), "a tokenizer in the registry")

@@ -509,3 +509,21 @@ def test_a_finished_stream_replays_the_rest(cluster, expected) -> None:
     assert asyncio.run(stream_events(cluster.url, path))[1] == full
     status, body = http_get(cluster.url + "/v1/streams/cmpl-bogus")
     assert status == 404 and json.loads(body)["error"]["code"] == "stream_not_found"
+
+
+def test_a_gateway_with_resume_ttl_zero_records_no_stream() -> None:
+    """--resume-ttl-seconds 0: no EventLog (no Redis write per step); negative: refused."""
+    import argparse
+
+    from gateway.server import add_arguments, stream_log
+    from pdserve.cluster.event_log import EventLog
+    from pdserve.cluster.state import connect
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    client = connect("redis://127.0.0.1:1/0")  # lazy: no I/O here
+    log = stream_log(client, parser.parse_args([]))
+    assert isinstance(log, EventLog) and log.ttl_s == 300
+    assert stream_log(client, parser.parse_args(["--resume-ttl-seconds", "0"])) is None
+    with pytest.raises(ValueError, match="--resume-ttl-seconds"):
+        stream_log(client, parser.parse_args(["--resume-ttl-seconds", "-1"]))
