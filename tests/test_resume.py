@@ -35,7 +35,14 @@ from gateway.backend import TokenDelta, resumed_request_id, state_request_id
 from gateway.local_backend import LocalBackend
 from gateway.sequence import SequenceDecoder, SequenceSpec
 from pdserve.cluster.event_log import EventLog, LogEvent, StreamMeta
-from pdserve.cluster.state import InvalidTransition, Keys, RequestNotFound, RequestStore, connect
+from pdserve.cluster.state import (
+    InvalidTransition,
+    Keys,
+    RequestNotFound,
+    RequestStore,
+    StateStoreError,
+    connect,
+)
 from pdserve.ports import free_port
 
 PREFIX = "resume-test"  # the in-process gateway's keys, apart from other tests' on one Redis
@@ -91,6 +98,40 @@ async def test_event_log_lease(redis_url: str) -> None:
         assert not await log.append("r2", "c", [])
     finally:
         await client.aclose()
+
+
+async def test_event_log_appends_made_meanwhile_go_in_one_call(redis_url: str) -> None:
+    """Group commit: appends made while a call is in flight go together in the next; each
+    stream's lease is checked alone; a Redis failure reaches every waiting caller."""
+    client = connect(redis_url)
+    log = EventLog(client, PREFIX, ttl_s=60, lease_ms=2000)
+    calls: list[int] = []
+    script = log._append
+
+    async def counted(keys: list[str], args: list) -> Any:
+        calls.append(len(keys) // 3)
+        return await script(keys=keys, args=args)
+
+    log._append = counted  # type: ignore[assignment]
+    try:
+        for i in range(5):
+            await log.open(f"g{i}", "me", "{}")
+        first = asyncio.create_task(log.append("g0", "me", [LogEvent(0, "data: a\n\n")]))
+        await asyncio.sleep(0)  # its call is in flight: the next ones wait for it
+        rest = [log.append(f"g{i}", "me" if i != 3 else "thief", [LogEvent(0, f"data: {i}\n\n")],
+                           end="done" if i == 4 else "") for i in range(1, 5)]
+        assert await first
+        assert await asyncio.gather(*rest) == [True, True, False, True]
+        assert calls == [1, 4]
+        assert [e.data for e in await log.read("g2")] == ["data: 2\n\n"]
+        assert await log.read("g3") == []  # not the lease holder's: nothing written
+        assert (await log.meta("g4")).done and not (await log.meta("g1")).done
+    finally:
+        await client.aclose()
+    broken = EventLog(connect("redis://127.0.0.1:1/0", timeout_s=0.5), PREFIX)
+    results = await asyncio.gather(*(broken.append(f"x{i}", "me", []) for i in range(3)),
+                                   return_exceptions=True)
+    assert all(isinstance(r, StateStoreError) for r in results)
 
 
 async def test_request_state_resume(redis_url: str) -> None:
