@@ -126,6 +126,16 @@ async def test_event_log_appends_made_meanwhile_go_in_one_call(redis_url: str) -
         assert [e.data for e in await log.read("g2")] == ["data: 2\n\n"]
         assert await log.read("g3") == []  # not the lease holder's: nothing written
         assert (await log.meta("g4")).done and not (await log.meta("g1")).done
+        # a caller cancelled while its append waits for the next call: the others go on
+        busy = asyncio.create_task(log.append("g0", "me", [LogEvent(1, "data: b\n\n")]))
+        await asyncio.sleep(0)
+        gone = asyncio.create_task(log.append("g1", "me", [LogEvent(1, "data: c\n\n")]))
+        kept = asyncio.create_task(log.append("g2", "me", [LogEvent(1, "data: d\n\n")]))
+        await asyncio.sleep(0)
+        gone.cancel()
+        assert await busy and await kept
+        assert gone.cancelled()
+        assert [e.data for e in await log.read("g2")] == ["data: 2\n\n", "data: d\n\n"]
     finally:
         await client.aclose()
     broken = EventLog(connect("redis://127.0.0.1:1/0", timeout_s=0.5), PREFIX)
