@@ -17,7 +17,9 @@ GPUs and 256 on the others. Measured here with pdserve's 64 on every device (doc
 one H100, 2026-12-05, the same load): a third of a burst's 96 requests waited for a seat, in
 the colocated server for their prefill and in the split's decode worker with their KV in
 place (handover p90 614 ms), until the first 64 finished; the output rate at saturation is
-then two rounds of decode steps instead of one. So a server on a GPU takes vLLM's values; the
+then two rounds of decode steps instead of one (with vLLM's values, a later call: the
+colocated server's burst took 830 ms against 1084, the split's handover p90 82 ms). So a
+server on a GPU takes vLLM's values; the
 CPU keeps 64 (its steps are the matmuls, and a CPU step of 64 rows of the bundled model is
 already ~0.2 s), and so does the offline `LLM` everywhere.
 """
