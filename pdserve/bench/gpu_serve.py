@@ -28,7 +28,10 @@ NOTE: what runs, in order, each system alone on the machine:
              word tokens (the SmolLM2 tokenizer: its 49152 ids are valid in the model's larger
              vocabulary), --output-len held with ignore_eos, greedy; goodput under the SLOs.
              Each worker's /metrics (addresses from the gateway's /workers) is a --metrics-url,
-             so every rate's report carries the KV transfer counters' growth.
+             so every rate's report carries the KV transfer counters' growth. With
+             PDSERVE_STACK_SAMPLE_WHILE set, its path exists while the load runs (the servers'
+             stack samplers and loop profiles look only then); --sample-rates, a subset of the
+             rates, runs the load generator once per rate and opens it for those alone.
   transport  after the load, the workers' kv_transfer_bytes per data plane are read once more
              (warm-ups included): they show which plane carried the KV (a worker without CUDA
              falls back from cuda_ipc to grpc with a warning).
