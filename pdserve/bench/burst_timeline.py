@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.report import bench_main
-from pdserve.bench.ttft_breakdown import read_log
+from pdserve.bench.ttft_breakdown import quantile_ms, read_log
 
 _RECEIVED = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] KV received: ")
 
@@ -137,9 +137,7 @@ def _span(values: list[float | None], t0: float) -> list[int] | None:
 def _quantiles(values: list[float]) -> dict | None:
     if not values:
         return None
-    ordered = sorted(values)
-    pick = lambda q: round(1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
-    return {"p10": pick(0.1), "p50": pick(0.5), "p90": pick(0.9)}
+    return {f"p{round(100 * q)}": quantile_ms(values, q) for q in (0.1, 0.5, 0.9)}
 
 
 def _steps(samples: list[tuple[float, int]]) -> dict | None:

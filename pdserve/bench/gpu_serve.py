@@ -134,7 +134,7 @@ def run_system(cfg: ServeConfig, system: str) -> dict[str, Any]:
             tempfile.TemporaryDirectory(prefix="pdserve-gpu-serve-") as tmp:
         try:
             redis_url = "" if system in ("colocated", "replicas") else start_redis(
-                cfg, Path(tmp), out, procs)
+                cfg.redis_server, Path(tmp), out, procs)
             gpus = [str(i) for i in range(REPLICAS)] if system == "replicas" else [None]
             urls = [start_up(cfg, system, redis_url, Path(tmp), out, procs, gpu) for gpu in gpus]
             base_url = ",".join(urls)
@@ -219,11 +219,12 @@ def second_token_p50(requests: list[dict[str, Any]]) -> float | None:
     return times[len(times) // 2] if times else None
 
 
-def start_redis(cfg: ServeConfig, workdir: Path, out: IO[str],
+def start_redis(binary: str, workdir: Path, out: IO[str] | int,
                 procs: list[subprocess.Popen]) -> str:
-    """A Redis of `cfg.redis_server` on a free loopback port, once it answers PING; its URL."""
+    """A Redis of `binary` on a free loopback port, once it answers PING (added to `procs`,
+    for `stop`); its URL."""
     port = free_port()
-    proc = subprocess.Popen(redis_argv(cfg.redis_server, port, workdir), stdout=out,
+    proc = subprocess.Popen(redis_argv(binary, port, workdir), stdout=out,
                             stderr=subprocess.STDOUT, **own_group())
     procs.append(proc)
     wait_healthy(Service("redis", [], f"redis:{port}", proc), time.monotonic() + 30)

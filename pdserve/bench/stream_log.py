@@ -82,22 +82,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import subprocess
 
-    from pdserve.bench.gpu_serve_plan import redis_argv
-    from pdserve.launcher import Service, wait_healthy
-    from pdserve.ports import free_port
+    from pdserve.bench.gpu_serve import start_redis, stop
 
     if min(args.streams, args.steps, args.rounds) < 1:
         raise ValueError("--streams, --steps and --rounds must be >= 1")
-    port = free_port()
+    procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen(redis_argv(args.redis_server, port, Path(tmp)),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         try:
-            wait_healthy(Service("redis", [], f"redis:{port}", proc), time.monotonic() + 30)
-            rounds = asyncio.run(measure(f"redis://127.0.0.1:{port}/0", args))
+            url = start_redis(args.redis_server, Path(tmp), subprocess.DEVNULL, procs)
+            rounds = asyncio.run(measure(url, args))
         finally:
-            proc.terminate()
-            proc.wait()
+            stop(procs)
     medians = {m: {"cpu_us_per_append": statistics.median(r[0] for r in v),
                    "ms_per_step": statistics.median(r[1] for r in v)} for m, v in rounds.items()}
     for m, v in medians.items():

@@ -79,12 +79,12 @@ def breakdown(report: dict, finished: dict, prefilled: dict, run: int = -1) -> d
     if not done_at:
         raise ValueError("no request of the run is in the log (wrong log or run?)")
     return {"requests": len(done_at),
-            "ms": {k: {"p50": round(1e3 * statistics.median(v), 1), "p90": _q(v, 0.9)}
+            "ms": {k: {"p50": round(1e3 * statistics.median(v), 1), "p90": quantile_ms(v, 0.9)}
                    for k, v in parts.items()},
             "prefill_steps": _steps(sorted(done_at))}
 
 
-def _q(values: list[float], q: float) -> float:
+def quantile_ms(values: list[float], q: float) -> float:
     """The nearest-rank quantile, in ms."""
     ordered = sorted(values)
     return round(1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
