@@ -4,17 +4,17 @@ NOTE: what is recorded, and when.
 
     outputs ──tap──▶ view.chunks ──▶ sse_stream ──record──▶ client  ("id: n" + event n)
                │                                    │
-               └─ outputs consumed since the        └─ event n, with those outputs ──▶ writer
-                  previous event                       task ──▶ Redis (EventLog)
+               └─ outputs consumed since the        └─ event n, with those outputs ──▶ the
+                  previous event                       gateway's log writer ──▶ Redis
 
 Every SSE event gets an id (0, 1, 2, ...) and goes into the log with the sequence outputs the
 view consumed to render it (their token ids, text and finish), so that a resume can render the
-same events again and knows each choice's tokens. One writer task per stream appends what
-accumulated since its last round trip (one decode step's events together) and renews the
-stream's lease while it is quiet; the stream never waits for it. [DONE] marks the log done; a
-stream cut short (client gone, error) just gives its lease up, for a resume to take over. A
-gateway that is killed loses the events of its last round trip at most: a resume generates them
-again (the same events for greedy or seeded sampling).
+same events again and knows each choice's tokens. The gateway's one log writer
+(pdserve/cluster/log_writer.py) sends every stream's new events in one script call per round
+trip and renews the leases of quiet streams; a stream never waits for it. [DONE] marks the log
+done; a stream cut short (client gone, error) just gives its lease up, for a resume to take
+over. A gateway that is killed loses the events of its last round trip at most: a resume
+generates them again (the same events for greedy or seeded sampling).
 """
 
 from __future__ import annotations
@@ -34,11 +34,9 @@ from engine.structured.params import StructuredOutputsParams
 from gateway.sequence import SequenceOutput
 from gateway.serving import sse_stream
 from pdserve.cluster.event_log import EventLog, LogEvent
-from pdserve.cluster.state import StateStoreError
 
 logger = logging.getLogger("pdserve.gateway")
 END_WAIT_S = 1.0  # how long a stream's end waits for its last events to be written
-_WRITERS: set[asyncio.Task[None]] = set()  # writer tasks finishing after their stream ended
 
 
 class StreamView(Protocol):
@@ -146,15 +144,13 @@ class StreamRecorder:
 
     def __init__(self, log: EventLog, request_id: str, spec: str | None = None,
                  owner: str | None = None, next_id: int = 0) -> None:
-        self.log, self.request_id, self.spec = log, request_id, spec
+        self.log, self.request_id, self.spec = log, request_id, spec or ""
         self.owner = owner or new_owner()
         self.next_id = next_id
         self.started = False  # record() has begun: the log's end is its to write
         self._outputs: list[SequenceOutput] = []  # consumed since the last event
-        self._batch: list[LogEvent] = []  # not yet written
-        self._end = ""  # "done" | "release" once the stream is over
-        self._wake = asyncio.Event()
-        self._writer: asyncio.Task[None] | None = None
+        self._written: asyncio.Future[bool] | None = None  # the last submit's
+        self._recording = True  # until Redis failed or the lease was lost
 
     async def tap(
         self, outputs: AsyncGenerator[SequenceOutput, None]
@@ -170,11 +166,9 @@ class StreamRecorder:
     ) -> AsyncGenerator[str, None]:
         """`events` with ids from `next_id`, each recorded; ids up to `after` are recorded but
         not yielded (the client has them). Ends the log: done after the last event, or, when
-        left early, the lease given up (after `events` is closed: generation is aborted first)."""
+        left early, the lease given up (after `events` is closed: generation is aborted first).
+        The stream never waits for Redis, but at its end (END_WAIT_S at most)."""
         self.started = True
-        self._writer = asyncio.create_task(self._write())
-        _WRITERS.add(self._writer)
-        self._writer.add_done_callback(_WRITERS.discard)
         finished = False
         try:
             async with contextlib.aclosing(events):
@@ -184,37 +178,39 @@ class StreamRecorder:
                         yield sse_event(event_id, text)
             finished = True
         finally:
-            self._end = "done" if finished else "release"
-            self._wake.set()
-            await asyncio.wait({self._writer}, timeout=END_WAIT_S)  # it goes on if cancelled
+            if self._still_recording():
+                end = self.log.submit(self.request_id, self.owner, [],
+                                      "done" if finished else "release", self.spec)
+                await asyncio.wait({end}, timeout=END_WAIT_S)  # it goes on if cancelled
+                self._written = end
+                self._still_recording()
 
     def _add(self, text: str) -> int:
+        """Number the event and submit it with the outputs it rendered."""
         event = LogEvent(self.next_id, text, encode_outputs(self._outputs))
         self._outputs = []
         self.next_id += 1
-        if self._writer is not None and not self._writer.done():
-            self._batch.append(event)
-            self._wake.set()
+        if self._still_recording():
+            self._written = self.log.submit(self.request_id, self.owner, [event],
+                                            spec=self.spec)
+            self.spec = ""  # the first write opens the log
         return event.id
 
-    async def _write(self) -> None:
-        """Append what accumulated, one round trip at a time; renew the lease while quiet.
-        Stops at the end, or for good when Redis fails or the lease was lost (the stream
-        goes on unrecorded: it can no longer be resumed)."""
-        renew_s = self.log.lease_ms / 3000
-        try:
-            if self.spec is not None:
-                await self.log.open(self.request_id, self.owner, self.spec)
-            while True:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), renew_s)
-                self._wake.clear()
-                end, batch, self._batch = self._end, self._batch, []
-                if not await self.log.append(self.request_id, self.owner, batch, end):
-                    logger.warning("%s: stream lease lost, no longer recorded", self.request_id)
-                    return
-                if end:
-                    return
-        except StateStoreError as exc:
+    def _still_recording(self) -> bool:
+        """Whether to go on: not once a write failed or found the lease taken (the stream goes
+        on unrecorded: it can no longer be resumed)."""
+        written = self._written
+        if not self._recording or written is None or not written.done():
+            return self._recording
+        self._written = None
+        if written.cancelled():
+            return self._recording
+        exc = written.exception()
+        if exc is not None:
             logger.warning("%s: stream no longer recorded (not resumable): %s",
                            self.request_id, exc)
+            self._recording = False
+        elif not written.result():
+            logger.warning("%s: stream lease lost, no longer recorded", self.request_id)
+            self._recording = False
+        return self._recording

@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,6 +33,7 @@ from engine.sampling_params import SamplingParams
 from gateway.app import build_app
 from gateway.backend import TokenDelta, resumed_request_id, state_request_id
 from gateway.local_backend import LocalBackend
+from gateway.recorder import StreamRecorder
 from gateway.sequence import SequenceDecoder, SequenceSpec
 from pdserve.cluster.event_log import EventLog, LogEvent, StreamMeta
 from pdserve.cluster.state import (
@@ -106,13 +107,13 @@ async def test_event_log_appends_made_meanwhile_go_in_one_call(redis_url: str) -
     client = connect(redis_url)
     log = EventLog(client, PREFIX, ttl_s=60, lease_ms=2000)
     calls: list[int] = []
-    script = log._append
+    script = log.writer._script
 
-    async def counted(keys: list[str], args: list) -> Any:
-        calls.append(len(keys) // 3)
-        return await script(keys=keys, args=args)
+    async def counted(args: list) -> Any:
+        calls.append(len(json.loads(args[2])))  # streams in the call
+        return await script(args=args)
 
-    log._append = counted  # type: ignore[assignment]
+    log.writer._script = counted  # type: ignore[assignment]
     try:
         for i in range(5):
             await log.open(f"g{i}", "me", "{}")
@@ -142,6 +143,59 @@ async def test_event_log_appends_made_meanwhile_go_in_one_call(redis_url: str) -
     results = await asyncio.gather(*(broken.append(f"x{i}", "me", []) for i in range(3)),
                                    return_exceptions=True)
     assert all(isinstance(r, StateStoreError) for r in results)
+
+
+async def test_log_writer_opens_joins_and_renews(redis_url: str) -> None:
+    """A stream's submits before the next call join one entry (the first opens the log); a
+    quiet stream keeps its lease (renewed by the writer) until its end drops it; another
+    owner's submit never joins."""
+    client = connect(redis_url)
+    log, keys = EventLog(client, PREFIX, ttl_s=60, lease_ms=300), Keys(PREFIX)
+    events = [LogEvent(i, f"data: {i}\n\n", f"[{i}]") for i in range(3)]
+    try:
+        first = log.submit("w1", "me", events[:1], spec='{"k": 1}')
+        assert log.submit("w1", "me", events[1:2]) is first
+        assert await first
+        assert await log.meta("w1") == StreamMeta('{"k": 1}', False)
+        assert await log.read("w1") == events[:2]
+        await asyncio.sleep(0.5)  # longer than the lease: renewed meanwhile
+        assert await client.get(keys.owner("w1")) == "me"
+        assert await log.append("w1", "me", events[2:], end="done")
+        assert await log.read("w1") == events and (await log.meta("w1")).done
+        assert not await client.exists(keys.owner("w1"))
+        await asyncio.sleep(0.05)
+        assert log.writer._task is not None and log.writer._task.done()  # nothing held
+        mine = log.submit("w2", "a", events[:1], spec="{}")
+        theirs = log.submit("w2", "b", events[1:2])
+        assert theirs is not mine and await mine and not await theirs
+        assert await log.read("w2") == events[:1]
+        assert await log.append("w2", "a", [], end="release")
+    finally:
+        await client.aclose()
+
+
+async def test_a_recorder_whose_lease_is_taken_stops_recording(redis_url: str) -> None:
+    """Another gateway took the stream over: this one's stream goes on to its client, and
+    nothing more of it reaches the log (not even its end)."""
+    client = connect(redis_url)
+    log, keys = EventLog(client, PREFIX, ttl_s=60, lease_ms=3000), Keys(PREFIX)
+
+    async def events() -> AsyncGenerator[str, None]:
+        for i in range(4):
+            yield f"data: {i}\n\n"
+            await asyncio.sleep(0.05)  # each event's write is back before the next
+            if i == 0:
+                await client.set(keys.owner("t1"), "thief")
+
+    try:
+        recorder = StreamRecorder(log, "t1", spec="{}")
+        sent = [text async for text in recorder.record(events())]
+        assert sent == [f"id: {i}\ndata: {i}\n\n" for i in range(4)]
+        assert [e.id for e in await log.read("t1")] == [0]
+        assert not (await log.meta("t1")).done
+        assert await client.get(keys.owner("t1")) == "thief"
+    finally:
+        await client.aclose()
 
 
 async def test_request_state_resume(redis_url: str) -> None:

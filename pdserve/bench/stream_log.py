@@ -1,16 +1,17 @@
-"""A gateway's cost of recording its streams in Redis (pdserve/cluster/event_log.py).
+"""A gateway's cost of recording its streams in Redis (gateway/recorder.py,
+pdserve/cluster/log_writer.py).
 
-    python -m pdserve.bench.stream_log [--streams 24] [--steps 200] [--rounds 3]
+    python -m pdserve.bench.stream_log [--streams 32] [--steps 300] [--step-ms 5] [--rounds 5]
         [--redis-server redis-server]
 
-NOTE: a gateway records every streamed SSE event for resuming: each stream's writer appends
-what a decode step gave it. Here `--streams` writers append one ~300-byte event each per step,
-all at once, for `--steps` steps, against a Redis of --redis-server on a free port, with the
-appends of a gateway grouped into one script call per round trip (`grouped`, EventLog's way)
-and with one call per append, all at once (`apart`: each stream's round trip its own, as before
-the grouping: every append gets its connection from the client's pool). Reported per
-mode and round (alternating, after a warm-up round of each): this process's CPU microseconds
-per append (user + system) and the wall time per step.
+NOTE: a gateway records every streamed SSE event for resuming. Here `--streams` streams get an
+output each per step, every `--step-ms` (a decode step), for `--steps` steps; each renders it
+as a ~300-byte SSE event the way the gateway's stream does (`tap` -> view -> `record`), either
+recorded (`recorded`: the gateway's StreamRecorder and its log writer, against a Redis of
+--redis-server on a free port) or only numbered (`unrecorded`: a gateway without a log). The
+difference is what recording costs. Reported per mode and round (alternating, after a warm-up
+round of each): this process's CPU microseconds per event (user + system, the pacing's idle
+loop included in both) and the wall time per step.
 """
 
 from __future__ import annotations
@@ -21,37 +22,64 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
+from gateway.recorder import StreamRecorder, numbered
+from gateway.sequence import SequenceOutput
 from pdserve.bench.report import bench_main, config_of, write_report
-from pdserve.cluster.event_log import EventLog, LogEvent
+from pdserve.cluster.event_log import EventLog
 from pdserve.cluster.state import connect
 
-MODES = ("grouped", "apart")
+MODES = ("recorded", "unrecorded")
 EVENT = "data: " + "x" * 290 + "\n\n"
 
 
-async def apart(log: EventLog, rid: str, event: LogEvent) -> bool:
-    """One append in a script call of its own (EventLog's call for a batch of one)."""
-    return bool((await log._append_many([(rid, "me", [event], "", None)]))[0])
+async def _outputs(queue: asyncio.Queue) -> AsyncGenerator[SequenceOutput, None]:
+    while (out := await queue.get()) is not None:
+        yield out
 
 
-async def one_round(log: EventLog, streams: int, steps: int, tag: str,
+async def _view(outputs: AsyncGenerator[SequenceOutput, None]) -> AsyncGenerator[str, None]:
+    async for _ in outputs:
+        yield EVENT
+
+
+def _stream(log: EventLog, request_id: str, queue: asyncio.Queue,
+            mode: str) -> AsyncGenerator[str, None]:
+    if mode == "unrecorded":
+        return numbered(_view(_outputs(queue)))
+    recorder = StreamRecorder(log, request_id, spec="{}")
+    return recorder.record(_view(recorder.tap(_outputs(queue))))
+
+
+async def one_round(log: EventLog, args: argparse.Namespace, tag: str,
                     mode: str) -> tuple[float, float]:
-    """(CPU us per append, wall ms per step)."""
-    ids = [f"{tag}-{i}" for i in range(streams)]
-    for rid in ids:
-        await log.open(rid, "me", "{}")
+    """(CPU us per event, wall ms per step)."""
+    queues = [asyncio.Queue() for _ in range(args.streams)]
+    sent, step_sent = [0], asyncio.Event()
+
+    async def client(i: int) -> None:
+        async for _ in _stream(log, f"{tag}-{i}", queues[i], mode):
+            sent[0] += 1
+            if sent[0] == args.streams:
+                step_sent.set()
+
+    clients = [asyncio.create_task(client(i)) for i in range(args.streams)]
     cpu, wall = time.process_time(), time.perf_counter()
-    for step in range(steps):
-        events = [LogEvent(step, EVENT, "[]")]
-        ok = await asyncio.gather(*(log.append(rid, "me", events) if mode == "grouped" else
-                                    apart(log, rid, events[0]) for rid in ids))
-        if not all(ok):
-            raise RuntimeError("an append lost its lease")
+    for step in range(args.steps):
+        sent[0] = 0
+        step_sent.clear()
+        for q in queues:
+            q.put_nowait(SequenceOutput(0, " tok", [step]))
+        await step_sent.wait()
+        await asyncio.sleep(args.step_ms / 1e3)
+    for q in queues:
+        q.put_nowait(None)
+    await asyncio.gather(*clients)
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-    return 1e6 * cpu / (streams * steps), 1e3 * wall / steps
+    return 1e6 * cpu / (args.streams * args.steps), 1e3 * wall / args.steps
 
 
 async def measure(url: str, args: argparse.Namespace) -> dict[str, list[list[float]]]:
@@ -61,10 +89,10 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, list[list[flo
     try:
         for r in range(args.rounds + 1):
             for mode in MODES:
-                got = await one_round(log, args.streams, args.steps, f"{mode}{r}", mode)
+                got = await one_round(log, args, f"{mode}{r}", mode)
                 if r:  # round 0 warms up
                     results[mode].append([round(x, 2) for x in got])
-                    print(f"round {r}  {mode:8s} {got[0]:7.1f} CPU us an append, "
+                    print(f"round {r}  {mode:10s} {got[0]:7.1f} CPU us an event, "
                           f"{got[1]:6.2f} ms a step")
     finally:
         await client.aclose()
@@ -72,9 +100,10 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, list[list[flo
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--streams", type=int, default=24, help="writers appending at once")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--rounds", type=int, default=3, help="per mode, after a warm-up")
+    p.add_argument("--streams", type=int, default=32, help="streams sending at once")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--step-ms", type=float, default=5.0, help="pause between steps")
+    p.add_argument("--rounds", type=int, default=5, help="per mode, after a warm-up")
     p.add_argument("--redis-server", default="redis-server", help="the binary")
     p.add_argument("--output-json", default=None)
 
@@ -84,8 +113,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from pdserve.bench.gpu_serve import start_redis, stop
 
-    if min(args.streams, args.steps, args.rounds) < 1:
-        raise ValueError("--streams, --steps and --rounds must be >= 1")
+    if min(args.streams, args.steps, args.rounds) < 1 or args.step_ms < 0:
+        raise ValueError("--streams, --steps and --rounds must be >= 1, --step-ms >= 0")
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -93,12 +122,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rounds = asyncio.run(measure(url, args))
         finally:
             stop(procs)
-    medians = {m: {"cpu_us_per_append": statistics.median(r[0] for r in v),
+    medians = {m: {"cpu_us_per_event": statistics.median(r[0] for r in v),
                    "ms_per_step": statistics.median(r[1] for r in v)} for m, v in rounds.items()}
     for m, v in medians.items():
-        print(f"median   {m:8s} {v['cpu_us_per_append']:7.1f} CPU us an append, "
+        print(f"median   {m:10s} {v['cpu_us_per_event']:7.1f} CPU us an event, "
               f"{v['ms_per_step']:6.2f} ms a step")
-    report = {"config": config_of(args), "rounds": rounds, "medians": medians}
+    cost = medians["recorded"]["cpu_us_per_event"] - medians["unrecorded"]["cpu_us_per_event"]
+    print(f"recording: {cost:.1f} CPU us an event")
+    report = {"config": config_of(args), "rounds": rounds, "medians": medians,
+              "recording_cpu_us_per_event": round(cost, 2)}
     if args.output_json:
         write_report(report, args.output_json)
     return report
