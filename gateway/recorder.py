@@ -94,9 +94,12 @@ def _constraint(fields: dict[str, Any]) -> StructuredOutputsParams | None:
     return None if recorded is None else StructuredOutputsParams.from_spec(*recorded)
 
 
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps builds one a call
+
+
 def encode_outputs(outputs: list[SequenceOutput]) -> str:
-    return json.dumps([[o.index, o.token_ids, o.text, o.finish_reason, o.stop_reason,
-                        o.num_cached_tokens] for o in outputs], separators=(",", ":"))
+    return _ENCODE([[o.index, o.token_ids, o.text, o.finish_reason, o.stop_reason,
+                     o.num_cached_tokens] for o in outputs])
 
 
 def decode_outputs(text: str) -> list[SequenceOutput]:

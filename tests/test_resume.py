@@ -174,6 +174,31 @@ async def test_log_writer_opens_joins_and_renews(redis_url: str) -> None:
         await client.aclose()
 
 
+async def test_log_writer_calls_an_interval_apart(redis_url: str) -> None:
+    """With an interval, what is submitted meanwhile waits for it and goes in one call."""
+    client = connect(redis_url)
+    log = EventLog(client, PREFIX, ttl_s=60, lease_ms=3000, write_interval_s=0.2)
+    starts: list[tuple[float, int]] = []
+    script = log.writer._script
+
+    async def timed(args: list) -> Any:
+        starts.append((time.monotonic(), len(json.loads(args[2]))))
+        return await script(args=args)
+
+    log.writer._script = timed  # type: ignore[assignment]
+    try:
+        assert await log.submit("i0", "me", [LogEvent(0, "data: 0\n\n")], spec="{}")
+        later = [log.submit(f"i{i}", "me", [LogEvent(0, f"data: {i}\n\n")], spec="{}")
+                 for i in (1, 2)]
+        assert await asyncio.gather(*later) == [True, True]
+        assert [n for _, n in starts] == [1, 2]
+        assert starts[1][0] - starts[0][0] >= 0.19
+        for i in range(3):
+            assert await log.append(f"i{i}", "me", [], end="done")
+    finally:
+        await client.aclose()
+
+
 async def test_a_recorder_whose_lease_is_taken_stops_recording(redis_url: str) -> None:
     """Another gateway took the stream over: this one's stream goes on to its client, and
     nothing more of it reaches the log (not even its end)."""
@@ -617,7 +642,9 @@ def test_a_finished_stream_replays_the_rest(cluster, expected) -> None:
 
 
 def test_a_gateway_with_resume_ttl_zero_records_no_stream() -> None:
-    """--resume-ttl-seconds 0: no EventLog (no Redis write per step); negative: refused."""
+    """--resume-ttl-seconds 0: no EventLog (no Redis write per step); negative: refused; the
+    writes' interval reaches the log's writer, and one that would starve the leases is
+    refused."""
     import argparse
 
     from gateway.server import add_arguments, stream_log
@@ -628,7 +655,12 @@ def test_a_gateway_with_resume_ttl_zero_records_no_stream() -> None:
     add_arguments(parser)
     client = connect("redis://127.0.0.1:1/0")  # lazy: no I/O here
     log = stream_log(client, parser.parse_args([]))
-    assert isinstance(log, EventLog) and log.ttl_s == 300
+    assert isinstance(log, EventLog) and log.ttl_s == 300 and log.writer.interval_s == 0.01
+    log = stream_log(client, parser.parse_args(["--resume-write-interval-ms", "0"]))
+    assert log.writer.interval_s == 0
+    for bad in ("-1", "1000"):  # 1 s: a third of the 3 s lease
+        with pytest.raises(ValueError, match="interval"):
+            stream_log(client, parser.parse_args(["--resume-write-interval-ms", bad]))
     assert stream_log(client, parser.parse_args(["--resume-ttl-seconds", "0"])) is None
     with pytest.raises(ValueError, match="--resume-ttl-seconds"):
         stream_log(client, parser.parse_args(["--resume-ttl-seconds", "-1"]))

@@ -43,14 +43,18 @@ class EventLog:
     Raises ``StateStoreError`` when Redis fails."""
 
     def __init__(self, client: Redis, prefix: str = DEFAULT_PREFIX, ttl_s: int = 300,
-                 lease_ms: int = 3000) -> None:
+                 lease_ms: int = 3000, write_interval_s: float = 0.0) -> None:
         if ttl_s <= 0 or lease_ms <= 0:
             raise ValueError(f"ttl_s and lease_ms must be > 0, got {ttl_s}, {lease_ms}")
+        if not 0 <= write_interval_s < lease_ms / 3000:
+            raise ValueError(f"write_interval_s must be >= 0 and under a third of the lease "
+                             f"({lease_ms / 3000} s), got {write_interval_s}")
         self.client = client
         self.keys = Keys(prefix)
         self.ttl_s = int(ttl_s)  # how long a log outlives its last write
         self.lease_ms = int(lease_ms)  # how long an owner that stops renewing keeps a stream
-        self.writer = LogWriter(client, self.keys, self.ttl_s, self.lease_ms)
+        # a gateway's writes: one script call per round trip, write_interval_s apart at least
+        self.writer = LogWriter(client, self.keys, self.ttl_s, self.lease_ms, write_interval_s)
         self._release = client.register_script(_RELEASE_LUA)
 
     @wrap_redis_errors

@@ -8,13 +8,16 @@ every decode step. A writer task per stream (wake, call, wait) cost a gateway mo
     submit(stream, events) ──▶ pending[stream] ──┐   (a stream's submits while a call is in
                                                  │    flight join one entry)
     the writer task: while anything is pending or held
+        (interval_s after the last call's start at the earliest)
         take every pending entry (and the held streams quiet for lease/3: empty entries)
         one script call ──▶ per stream: written, or not the lease holder's (nothing written)
         resolve each entry's future; a stream that ended or lost its lease is no longer held
         nothing pending: sleep until woken or until the oldest held stream is due
 
 A stream's entries go in submit order, so its events land in order without its submitter
-waiting for anything. A gateway that dies loses what was pending at most.
+waiting for anything. A gateway that dies loses what was pending at most: the events of its
+last interval_s and round trip. The interval bounds the calls (a call's client work costs
+about as much as 20 events: docs/loadtest.md, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -93,15 +96,18 @@ class _Entry:
 class LogWriter:
     """The writes of one event loop's streams (EventLog.submit); one task sends them."""
 
-    def __init__(self, client: Redis, keys: Keys, ttl_s: int, lease_ms: int) -> None:
+    def __init__(self, client: Redis, keys: Keys, ttl_s: int, lease_ms: int,
+                 interval_s: float = 0.0) -> None:
         self.keys, self.ttl_s, self.lease_ms = keys, ttl_s, lease_ms
         self.renew_s = lease_ms / 3000  # a quiet stream's lease is renewed this often
+        self.interval_s = interval_s  # the least time from one call's start to the next's
         self._script = client.register_script(_WRITE_LUA)
         self._pending: list[_Entry] = []  # in submit order
         self._open: dict[str, _Entry] = {}  # the pending entry a stream's submits join
         self._held: dict[str, tuple[str, float]] = {}  # streams to renew: owner, last call
         # (oldest first)
         self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
 
     def submit(self, request_id: str, owner: str, events: list[LogEvent], end: str = "",
@@ -111,6 +117,9 @@ class LogWriter:
         StateStoreError. A stream's submits before that call join one entry, up to its end."""
         if end not in ("", "done", "release"):
             raise ValueError(f"end must be '', 'done' or 'release', got {end!r}")
+        idle = self._task is None or self._task.done()
+        if idle:
+            self._loop = asyncio.get_running_loop()
         entry = self._open.get(request_id)
         if entry is None or entry.owner != owner:
             entry = self._queue(request_id, owner)
@@ -121,12 +130,12 @@ class LogWriter:
             del self._open[request_id]  # nothing joins an ended stream's entry
         if not self._wake.is_set():
             self._wake.set()
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run())
+        if idle:
+            self._task = self._loop.create_task(self._run())
         return entry.done
 
     def _queue(self, request_id: str, owner: str) -> _Entry:
-        entry = _Entry(request_id, owner, asyncio.get_running_loop().create_future())
+        entry = _Entry(request_id, owner, self._loop.create_future())
         self._pending.append(entry)
         self._open[request_id] = entry
         return entry
@@ -136,6 +145,7 @@ class LogWriter:
         is left."""
         loop = asyncio.get_running_loop()
         batch: list[_Entry] = []
+        sent_at = -self.interval_s
         try:
             while self._pending or self._held:
                 if not self._pending:
@@ -144,13 +154,16 @@ class LogWriter:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout_at(oldest + self.renew_s):
                             await self._wake.wait()
+                if loop.time() < sent_at + self.interval_s:
+                    await asyncio.sleep(sent_at + self.interval_s - loop.time())  # gather more
                 self._renew_due(loop.time())
                 batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
                 for entry in batch:
                     if self._open.get(entry.request_id) is entry:
                         del self._open[entry.request_id]
                 if batch:
-                    await self._send(batch, loop.time())
+                    sent_at = loop.time()
+                    await self._send(batch, sent_at)
                 batch = []
         except BaseException as exc:  # cancelled (the loop ends) or a bug: nobody hangs
             _fail(batch + self._pending, StateStoreError(f"stream log writer: {exc!r}"))

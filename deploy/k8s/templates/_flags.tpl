@@ -6,7 +6,7 @@ parsers, so a new flag fails CI until it is added here. */}}
 {{- define "pdserve.knownFlags" -}}
 gateway: [port, log-level, drain-timeout, served-model-name, local-prefill-max-tokens,
   max-concurrent-requests, max-body-bytes, trust-request-chat-template, redis-namespace,
-  max-migrations, resume-ttl-seconds, response-ttl-seconds, keep-alive-seconds, tls-cert,
+  max-migrations, resume-ttl-seconds, resume-write-interval-ms, response-ttl-seconds, keep-alive-seconds, tls-cert,
   tls-key, tls-ca, tls-server-name, enable-auto-tool-choice, tool-call-parser, routing,
   enable-lora, lora-modules, reuse-port, generate-streams]
 tokenizer: [port, log-level, drain-timeout, model, served-model-name, max-model-len,
