@@ -2,13 +2,14 @@
 pdserve/cluster/log_writer.py).
 
     python -m pdserve.bench.stream_log [--streams 32] [--steps 300] [--step-ms 5] [--rounds 5]
-        [--redis-server redis-server]
+        [--write-interval-ms 10] [--redis-server redis-server]
 
 NOTE: a gateway records every streamed SSE event for resuming. Here `--streams` streams get an
 output each per step, every `--step-ms` (a decode step), for `--steps` steps; each renders it
 as a ~300-byte SSE event the way the gateway's stream does (`tap` -> view -> `record`), either
-recorded (`recorded`: the gateway's StreamRecorder and its log writer, against a Redis of
---redis-server on a free port) or only numbered (`unrecorded`: a gateway without a log). The
+recorded (`recorded`: the gateway's StreamRecorder and its log writer, its calls
+--write-interval-ms apart at least as the gateway's --resume-write-interval-ms, against a Redis
+of --redis-server on a free port) or only numbered (`unrecorded`: a gateway without a log). The
 difference is what recording costs. Reported per mode and round (alternating, after a warm-up
 round of each): this process's CPU microseconds per event (user + system, the pacing's idle
 loop included in both) and the wall time per step.
@@ -84,7 +85,8 @@ async def one_round(log: EventLog, args: argparse.Namespace, tag: str,
 
 async def measure(url: str, args: argparse.Namespace) -> dict[str, list[list[float]]]:
     client = connect(url)
-    log = EventLog(client, "stream-log-bench", ttl_s=60, lease_ms=30000)
+    log = EventLog(client, "stream-log-bench", ttl_s=60, lease_ms=30000,
+                   write_interval_s=args.write_interval_ms / 1e3)
     results: dict[str, list[list[float]]] = {m: [] for m in MODES}
     try:
         for r in range(args.rounds + 1):
@@ -104,6 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--step-ms", type=float, default=5.0, help="pause between steps")
     p.add_argument("--rounds", type=int, default=5, help="per mode, after a warm-up")
+    p.add_argument("--write-interval-ms", type=float, default=10.0,
+                   help="the log writer's least time between calls (the gateway's default)")
     p.add_argument("--redis-server", default="redis-server", help="the binary")
     p.add_argument("--output-json", default=None)
 
