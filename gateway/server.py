@@ -89,6 +89,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              help="how long a streamed response's events stay in Redis after its last one, "
                   "for a client to resume it (GET /v1/streams/{id}, Last-Event-ID); 0: streams "
                   "are not recorded (no Redis writes per token; none can be resumed)")
+    add_flag(p, "--resume-write-interval-ms", 10.0, type=float,
+             help="a recorded stream's events go to Redis in one call per this interval (and "
+                  "round trip) for all the gateway's streams: longer, fewer calls; a gateway "
+                  "that dies loses this much of its streams' recording (a resume generates "
+                  "it again)")
     add_flag(p, "--response-ttl-seconds", 3600, type=int,
              help="how long a stored /v1/responses response stays in Redis (for "
                   "previous_response_id and GET /v1/responses/{id})")
@@ -134,7 +139,11 @@ def stream_log(client: Any, args: argparse.Namespace) -> Any:
         raise ValueError(f"--resume-ttl-seconds must be >= 0, got {args.resume_ttl_seconds}")
     if not args.resume_ttl_seconds:
         return None
-    return EventLog(client, prefix=args.redis_namespace, ttl_s=args.resume_ttl_seconds)
+    if args.resume_write_interval_ms < 0:
+        raise ValueError("--resume-write-interval-ms must be >= 0, got "
+                         f"{args.resume_write_interval_ms}")
+    return EventLog(client, prefix=args.redis_namespace, ttl_s=args.resume_ttl_seconds,
+                    write_interval_s=args.resume_write_interval_ms / 1e3)
 
 
 async def serve_disaggregated(args: argparse.Namespace) -> None:

@@ -8,7 +8,8 @@ every decode step. A writer task per stream (wake, call, wait) cost a gateway mo
     submit(stream, events) ──▶ pending[stream] ──┐   (a stream's submits while a call is in
                                                  │    flight join one entry)
     the writer task: while anything is pending or held
-        (interval_s after the last call's start at the earliest)
+        (interval_s after the last call's start at the earliest, unless a stream ended:
+         its client's response waits for that write)
         take every pending entry (and the held streams quiet for lease/3: empty entries)
         one script call ──▶ per stream: written, or not the lease holder's (nothing written)
         resolve each entry's future; a stream that ended or lost its lease is no longer held
@@ -106,7 +107,8 @@ class LogWriter:
         self._open: dict[str, _Entry] = {}  # the pending entry a stream's submits join
         self._held: dict[str, tuple[str, float]] = {}  # streams to renew: owner, last call
         # (oldest first)
-        self._wake = asyncio.Event()
+        self._wake = asyncio.Event()  # something was submitted
+        self._ended = asyncio.Event()  # a stream's end was: no interval for it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -128,6 +130,7 @@ class LogWriter:
         if end:
             entry.end = end
             del self._open[request_id]  # nothing joins an ended stream's entry
+            self._ended.set()
         if not self._wake.is_set():
             self._wake.set()
         if idle:
@@ -154,8 +157,11 @@ class LogWriter:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout_at(oldest + self.renew_s):
                             await self._wake.wait()
-                if loop.time() < sent_at + self.interval_s:
-                    await asyncio.sleep(sent_at + self.interval_s - loop.time())  # gather more
+                if loop.time() < sent_at + self.interval_s and not self._ended.is_set():
+                    with contextlib.suppress(TimeoutError):  # gather more
+                        async with asyncio.timeout_at(sent_at + self.interval_s):
+                            await self._ended.wait()
+                self._ended.clear()
                 self._renew_due(loop.time())
                 batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
                 for entry in batch:
