@@ -27,11 +27,11 @@ LIMIT_MIB=40
 # read its block formats whatever the checkpoint. peft: the LoRA tests' oracle (pure Python).
 # Carried although the image may hold them: grpcio and protobuf (protos/*_pb2*.py refuse a
 # runtime older than 1.85.1 / 7.35.1), typing-extensions (anyio needs >= 4.16), and the small
-# HTTP stack (httpx, httpcore, anyio, h11, httptools, idna, certifi, click, prometheus-client).
+# HTTP stack (httpx, httpcore, anyio, h11, idna, certifi, click, prometheus-client).
 WHEELS=(
     fastapi starlette annotated-doc opentelemetry-api
     pydantic pydantic-core annotated-types typing-inspection typing-extensions
-    uvicorn h11 httptools click redis prometheus-client
+    uvicorn h11 click redis prometheus-client
     httpx httpcore anyio idna certifi
     grpcio grpcio-health-checking protobuf
     xgrammar apache-tvm-ffi
