@@ -151,12 +151,14 @@ async def test_log_writer_opens_joins_and_renews(redis_url: str) -> None:
     owner's submit never joins."""
     client = connect(redis_url)
     log, keys = EventLog(client, PREFIX, ttl_s=60, lease_ms=300), Keys(PREFIX)
-    events = [LogEvent(i, f"data: {i}\n\n", f"[{i}]") for i in range(3)]
+    # the writes travel as one JSON argument: text beyond ASCII and quotes come back as sent
+    events = [LogEvent(i, f'data: {{"text": "é 😀 中 \\"{i}\\""}}\n\n', f'[[0, [{i}], "😀"]]')
+              for i in range(3)]
     try:
-        first = log.submit("w1", "me", events[:1], spec='{"k": 1}')
+        first = log.submit("w1", "me", events[:1], spec='{"k": "😀"}')
         assert log.submit("w1", "me", events[1:2]) is first
         assert await first
-        assert await log.meta("w1") == StreamMeta('{"k": 1}', False)
+        assert await log.meta("w1") == StreamMeta('{"k": "😀"}', False)
         assert await log.read("w1") == events[:2]
         await asyncio.sleep(0.5)  # longer than the lease: renewed meanwhile
         assert await client.get(keys.owner("w1")) == "me"
