@@ -42,9 +42,9 @@ def test_policy_modules_do_not_load_torch(module):
 
 def test_only_the_state_modules_import_redis():
     """The Redis stores of pdserve.cluster, every key from `state.Keys`: state (the key schema,
-    request state), cancel_listener (its pub/sub channel), registry (workers), event_log
-    (resumable streams' events), prefix_index (the workers' cached prefix blocks),
-    response_store (stored Responses API responses)."""
+    request state), cancel_listener (its pub/sub channel), registry (workers), event_log and
+    log_writer (resumable streams' events, and a gateway's writes of them), prefix_index (the
+    workers' cached prefix blocks), response_store (stored Responses API responses)."""
     users = {
         str(p.relative_to(ROOT))
         for p in ROOT.rglob("*.py")
@@ -52,7 +52,8 @@ def test_only_the_state_modules_import_redis():
     }
     assert users == {"pdserve/cluster/state.py", "pdserve/cluster/cancel_listener.py",
                      "pdserve/cluster/registry.py", "pdserve/cluster/event_log.py",
-                     "pdserve/cluster/prefix_index.py", "pdserve/cluster/response_store.py"}
+                     "pdserve/cluster/log_writer.py", "pdserve/cluster/prefix_index.py",
+                     "pdserve/cluster/response_store.py"}
 
 
 def test_protobuf_stays_at_the_service_edge():
