@@ -2,8 +2,8 @@
 in one script call per Redis round trip, and the leases of quiet streams renewed.
 
 NOTE: why one writer. A busy gateway streams to hundreds of clients, each getting an event
-every decode step. A writer task per stream (wake, call, wait) cost a gateway more than its SSE
-(docs/loadtest.md, 2026-12-05/06); here a stream's event costs a list append:
+every decode step. A writer task per stream (wake, call, wait) cost a gateway about as much as
+rendering its SSE (docs/loadtest.md, 2026-12-05); here a stream's event costs a list append:
 
     submit(stream, events) ──▶ pending[stream] ──┐   (a stream's submits while a call is in
                                                  │    flight join one entry)
@@ -17,8 +17,8 @@ every decode step. A writer task per stream (wake, call, wait) cost a gateway mo
 
 A stream's entries go in submit order, so its events land in order without its submitter
 waiting for anything. A gateway that dies loses what was pending at most: the events of its
-last interval_s and round trip. The interval bounds the calls (a call's client work costs
-about as much as 20 events: docs/loadtest.md, 2026-12-05).
+last interval_s and round trip. The interval bounds the calls: a call's client work (redis-py's
+path, the socket write) costs far more than an event's share of it.
 """
 
 from __future__ import annotations
