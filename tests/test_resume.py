@@ -57,7 +57,7 @@ async def test_event_log_round_trip(redis_url: str) -> None:
     client = connect(redis_url)
     log, keys = EventLog(client, PREFIX, ttl_s=60, lease_ms=2000), Keys(PREFIX)
     try:
-        await log.open("r1", "me", '{"kind": "x"}')
+        assert await log.append("r1", "me", [], spec='{"kind": "x"}')  # opens the log
         assert await log.meta("r1") == StreamMeta('{"kind": "x"}', False)
         events = [LogEvent(i, f"data: {i}\n\n", f"[{i}]") for i in range(3)]
         assert await log.append("r1", "me", events[:2])
@@ -89,7 +89,7 @@ async def test_event_log_lease(redis_url: str) -> None:
     client = connect(redis_url)
     log = EventLog(client, PREFIX, ttl_s=60, lease_ms=300)
     try:
-        await log.open("r2", "a", "{}")
+        assert await log.append("r2", "a", [], spec="{}")
         await log.release("r2", "b")  # not b's to give up
         assert not await log.acquire("r2", "c")
         assert await log.append("r2", "a", [], end="release")
@@ -113,10 +113,9 @@ async def test_event_log_appends_made_meanwhile_go_in_one_call(redis_url: str) -
         calls.append(len(json.loads(args[2])))  # streams in the call
         return await script(args=args)
 
-    log.writer._script = counted  # type: ignore[assignment]
     try:
-        for i in range(5):
-            await log.open(f"g{i}", "me", "{}")
+        await asyncio.gather(*(log.append(f"g{i}", "me", [], spec="{}") for i in range(5)))
+        log.writer._script = counted  # type: ignore[assignment]  # the calls after the opens
         first = asyncio.create_task(log.append("g0", "me", [LogEvent(0, "data: a\n\n")]))
         await asyncio.sleep(0)  # its call is in flight: the next ones wait for it
         rest = [log.append(f"g{i}", "me" if i != 3 else "thief", [LogEvent(0, f"data: {i}\n\n")],

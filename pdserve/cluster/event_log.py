@@ -57,29 +57,20 @@ class EventLog:
         self.writer = LogWriter(client, self.keys, self.ttl_s, self.lease_ms, write_interval_s)
         self._release = client.register_script(_RELEASE_LUA)
 
-    @wrap_redis_errors
-    async def open(self, request_id: str, owner: str, spec: str) -> None:
-        """Start a log: store `spec`, make `owner` the lease holder (replacing any)."""
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.stream(request_id), "spec", spec)
-            pipe.expire(self.keys.stream(request_id), self.ttl_s)
-            pipe.set(self.keys.owner(request_id), owner, px=self.lease_ms)
-            await pipe.execute()
-
     def submit(self, request_id: str, owner: str, events: list[LogEvent], end: str = "",
                spec: str = "") -> asyncio.Future[bool]:
         """Queue `events` (ids following the log's last) for this loop's next write, without
         waiting (log_writer.py: one script call per round trip for every stream); with `spec`,
-        the write opens the log as `open` does. `end` "" keeps the lease (renewed while the
-        stream is quiet), "done" marks the log done and drops it, "release" only drops it. The
-        future: False (nothing written) when `owner` does not hold the lease; StateStoreError
-        when Redis fails."""
+        the write opens the log: stores `spec` and makes `owner` the lease holder (replacing
+        any). `end` "" keeps the lease (renewed while the stream is quiet), "done" marks the
+        log done and drops it, "release" only drops it. The future: False (nothing written)
+        when `owner` does not hold the lease; StateStoreError when Redis fails."""
         return self.writer.submit(request_id, owner, events, end, spec)
 
     async def append(self, request_id: str, owner: str, events: list[LogEvent],
-                     end: str = "") -> bool:
+                     end: str = "", spec: str = "") -> bool:
         """`submit`, waiting for the write."""
-        return await self.submit(request_id, owner, events, end)
+        return await self.submit(request_id, owner, events, end, spec)
 
     @wrap_redis_errors
     async def acquire(self, request_id: str, owner: str) -> bool:
