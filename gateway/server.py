@@ -139,11 +139,12 @@ def stream_log(client: Any, args: argparse.Namespace) -> Any:
         raise ValueError(f"--resume-ttl-seconds must be >= 0, got {args.resume_ttl_seconds}")
     if not args.resume_ttl_seconds:
         return None
-    if args.resume_write_interval_ms < 0:
-        raise ValueError("--resume-write-interval-ms must be >= 0, got "
-                         f"{args.resume_write_interval_ms}")
-    return EventLog(client, prefix=args.redis_namespace, ttl_s=args.resume_ttl_seconds,
-                    write_interval_s=args.resume_write_interval_ms / 1e3)
+    try:
+        return EventLog(client, prefix=args.redis_namespace, ttl_s=args.resume_ttl_seconds,
+                        write_interval_s=args.resume_write_interval_ms / 1e3)
+    except ValueError as exc:  # EventLog's bounds, named as the flag
+        raise ValueError(f"--resume-write-interval-ms {args.resume_write_interval_ms}: "
+                         f"{exc}") from exc
 
 
 async def serve_disaggregated(args: argparse.Namespace) -> None:
