@@ -31,7 +31,7 @@ from gateway.protocol import (
     random_id,
 )
 from gateway.recorder import StreamRecord, recorded_stream
-from gateway.sequence import SequenceOutput, SequenceResult
+from gateway.sequence import JoinGate, SequenceOutput, SequenceResult
 from gateway.serving import (
     ServingContext,
     UsageCount,
@@ -78,14 +78,16 @@ class ChatServing:
         view = _ChatView(request_id, model, req, prompt, self.ctx.backend.get_tokenizer(),
                          tools)
         field = "tools" if tools is not None and tools.constrained else constraint_field(req)
-        events = generate_outputs(self.ctx, tracker, specs, field)
+        gate = JoinGate()  # the stream's recorder decides
+        events = generate_outputs(self.ctx, tracker, specs, field, gate)
         if req.stream:
             record = StreamRecord.of(KIND, request_id, model, view.created,
                                      req.model_dump(mode="json"), [prompt], [None], [params],
                                      tool_parser=tools.parser if tools is not None else None)
             outputs = await start_stream(events)
             return stream_response(request_id,
-                                   recorded_stream(self.ctx.events, record, view, outputs))
+                                   recorded_stream(self.ctx.events, record, view, outputs,
+                                                   gate))
         return await view.response(events)
 
     async def _render(self, req: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:

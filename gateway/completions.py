@@ -24,7 +24,7 @@ from gateway.protocol import (
     random_id,
 )
 from gateway.recorder import StreamRecord, recorded_stream
-from gateway.sequence import SequenceOutput, SequenceResult
+from gateway.sequence import JoinGate, SequenceOutput, SequenceResult
 from gateway.serving import (
     ServingContext,
     UsageCount,
@@ -72,7 +72,8 @@ class CompletionServing:
         num_prompt = sum(len(p.token_ids) for p in prompts)
         tracker = self.ctx.tracker(request_id, model, arrival, num_prompt, len(specs), req.stream)
         view = _CompletionView(request_id, model, req, prompts, self.ctx.backend.get_tokenizer())
-        events = generate_outputs(self.ctx, tracker, specs, constraint_field(req))
+        gate = JoinGate()  # the stream's recorder decides
+        events = generate_outputs(self.ctx, tracker, specs, constraint_field(req), gate)
         if req.stream:
             record = StreamRecord.of(
                 KIND, request_id, model, view.created, req.model_dump(mode="json"),
@@ -80,7 +81,8 @@ class CompletionServing:
             )
             outputs = await start_stream(events)
             return stream_response(request_id,
-                                   recorded_stream(self.ctx.events, record, view, outputs))
+                                   recorded_stream(self.ctx.events, record, view, outputs,
+                                                   gate))
         return await view.response(events)
 
     async def _prompts(self, req: CompletionRequest, facts: ModelFacts) -> list[Prompt]:

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
-from gateway.sequence import SequenceOutput
+from gateway.sequence import JoinGate, SequenceOutput
 from gateway.serving import sse_stream
 from pdserve.cluster.event_log import EventLog, LogEvent
 
@@ -132,18 +132,28 @@ async def numbered(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, Non
 
 def recorded_stream(
     log: EventLog | None, record: StreamRecord, view: StreamView,
-    outputs: AsyncGenerator[SequenceOutput, None],
+    outputs: AsyncGenerator[SequenceOutput, None], gate: JoinGate | None = None,
 ) -> AsyncGenerator[str, None]:
-    """The SSE events of a new stream (chunks, then [DONE]), numbered, and recorded in `log`."""
+    """The SSE events of a new stream (chunks, then [DONE]), numbered, and recorded in `log`;
+    `gate`, the outputs' join gate, then asks the recorder."""
     if log is None:
         return numbered(sse_stream(record.request_id, view.chunks(outputs)))
     recorder = StreamRecorder(log, record.request_id, spec=record.to_json())
+    if gate is not None:
+        gate.check = recorder.may_join
     return recorder.record(sse_stream(record.request_id, view.chunks(recorder.tap(outputs))))
 
 
 class StreamRecorder:
     """One stream's recording: new (`spec` given: the log opens with it and this gateway's
-    lease) or taken over (`owner` already holds the lease; events go on from `next_id`)."""
+    lease) or taken over (`owner` already holds the lease; events go on from `next_id`).
+
+    NOTE: joined outputs (merge_sequences joins a sequence's outputs that wait together) make
+    an event's bounds depend on timing, and a take-over generates again the events its client
+    got beyond the log (a dead gateway's last writes), each from one output. So an event that
+    rendered a joined output leaves only once logged (the writer goes at once for it, about a
+    round trip), and no output joins into an event the client has already (`may_join`); once
+    recording stopped, nothing joins."""
 
     def __init__(self, log: EventLog, request_id: str, spec: str | None = None,
                  owner: str | None = None, next_id: int = 0) -> None:
@@ -154,6 +164,12 @@ class StreamRecorder:
         self._outputs: list[SequenceOutput] = []  # consumed since the last event
         self._written: asyncio.Future[bool] | None = None  # the last submit's
         self._recording = True  # until Redis failed or the lease was lost
+        self._after = -1  # the last event id the client has (record's `after`)
+
+    def may_join(self) -> bool:
+        """Whether outputs may join into the next event: one the client gets from here, and
+        only while recording."""
+        return self._recording and self.next_id > self._after
 
     async def tap(
         self, outputs: AsyncGenerator[SequenceOutput, None]
@@ -172,11 +188,16 @@ class StreamRecorder:
         left early, the lease given up (after `events` is closed: generation is aborted first).
         The stream never waits for Redis, but at its end (END_WAIT_S at most)."""
         self.started = True
+        self._after = after
         finished = False
         try:
             async with contextlib.aclosing(events):
                 async for text in events:
-                    event_id = self._add(text)
+                    joined = any(out.parts > 1 for out in self._outputs)
+                    event_id = self._add(text, joined)
+                    if joined and self._recording and self._written is not None:  # NOTE
+                        await asyncio.wait({self._written})
+                        self._still_recording()
                     if event_id > after:
                         yield sse_event(event_id, text)
             finished = True
@@ -188,14 +209,15 @@ class StreamRecorder:
                 self._written = end
                 self._still_recording()
 
-    def _add(self, text: str) -> int:
-        """Number the event and submit it with the outputs it rendered."""
+    def _add(self, text: str, urgent: bool = False) -> int:
+        """Number the event and submit it with the outputs it rendered (`urgent`: the stream
+        waits for its write)."""
         event = LogEvent(self.next_id, text, encode_outputs(self._outputs))
         self._outputs = []
         self.next_id += 1
         if self._still_recording():
             self._written = self.log.submit(self.request_id, self.owner, [event],
-                                            spec=self.spec)
+                                            spec=self.spec, urgent=urgent)
             self.spec = ""  # the first write opens the log
         return event.id
 

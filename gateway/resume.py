@@ -144,7 +144,8 @@ class StreamResumer:
                                    sum(len(p) for p in record.prompts), len(specs), True)
         tracker.resume_after(replayed)
         self.ctx.metrics.stream_resumes.inc()
-        new = generate_outputs(self.ctx, tracker, _unfinished(specs, replayed))
+        new = generate_outputs(self.ctx, tracker, _unfinished(specs, replayed),
+                               may_join=recorder.may_join)
         outputs = _chain(replayed, recorder.tap(new))
         return sse_stream(record.request_id, _drop(view.chunks(outputs), len(logged)))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,10 +52,24 @@ class SequenceOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id
     prompt_logprobs: list[PromptTokenLogprobs] | None = None  # first output only (TokenDelta)
     num_cached_tokens: int | None = None  # first output only
+    parts: int = 1  # the backend's outputs it joins (merge_sequences)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def joined(self, later: SequenceOutput) -> SequenceOutput:
+        """This output and the same sequence's next one as one output."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or []) + (later.logprobs or [])
+        first = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
+        cached = self.num_cached_tokens
+        return SequenceOutput(
+            self.index, self.text + later.text, self.token_ids + later.token_ids, logprobs,
+            later.finish_reason, later.stop_reason, first,
+            cached if cached is not None else later.num_cached_tokens, self.parts + later.parts,
+        )
 
 
 @dataclass
@@ -174,10 +188,27 @@ async def generate_sequence(
 _DONE = object()
 
 
+class JoinGate:
+    """`merge_sequences`' `may_join` for a stream whose recorder comes after its generation
+    starts: joins go until `check` (the recorder's) says no."""
+
+    def __init__(self) -> None:
+        self.check: Callable[[], bool] | None = None
+
+    def __call__(self) -> bool:
+        return self.check is None or self.check()
+
+
 async def merge_sequences(
     streams: list[AsyncGenerator[SequenceOutput, None]],
+    may_join: Callable[[], bool] | None = None,
 ) -> AsyncGenerator[SequenceOutput, None]:
-    """Outputs of all `streams` as they come, generated concurrently.
+    """Outputs of all `streams` as they come, generated concurrently. A sequence's outputs that
+    wait here together (its stream got ahead of the client's writes: a busy event loop) leave
+    as one, as vLLM's output collector merges a request's deltas: a gateway that falls behind
+    sends fewer, larger chunks rather than falling further behind. Nothing ever waits to be
+    joined: an output leaves as soon as the queue holds nothing more. `may_join()` false: each
+    output leaves alone (a resumed stream's events must fall as the first stream's did).
 
     The first error of any stream is raised here; leaving early or failing cancels every stream
     and waits for their cleanup (their backend requests are aborted).
@@ -195,16 +226,29 @@ async def merge_sequences(
             queue.put_nowait(_DONE)
 
     tasks = [asyncio.create_task(drain(s)) for s in streams]
+    held: dict[int, SequenceOutput] = {}  # by choice index: outputs taken, not yet yielded
     try:
         remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
+        while remaining or held:
+            if held and (queue.empty() or not remaining):
+                for out in held.values():
+                    yield out
+                held.clear()
+                continue
+            item = await queue.get()  # at once while the queue holds items
             if item is _DONE:
                 remaining -= 1
             elif isinstance(item, Exception):
+                for out in held.values():
+                    yield out
+                held.clear()
                 raise item
             else:
-                yield item
+                before = held.get(item.index)
+                if before is not None and may_join is not None and not may_join():
+                    yield before
+                    before = None
+                held[item.index] = item if before is None else before.joined(item)
     finally:
         for task in tasks:
             task.cancel()

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -276,16 +276,17 @@ def _asks_nothing(name: str, value: Any) -> bool:
 
 async def generate_outputs(
     ctx: ServingContext, tracker: RequestTracker, specs: list[SequenceSpec],
-    constraint_field: str | None = None,
+    constraint_field: str | None = None, may_join: Callable[[], bool] | None = None,
 ) -> AsyncGenerator[SequenceOutput, None]:
-    """Every sequence's outputs, generated concurrently and accounted for by `tracker`. The
-    engine refusing the request (RequestRejected: the constraint does not compile) is a 400
-    naming `constraint_field`, the request field the constraint came from."""
+    """Every sequence's outputs, generated concurrently and accounted for by `tracker`; a
+    sequence's outputs waiting together join unless `may_join()` says no (merge_sequences).
+    The engine refusing the request (RequestRejected: the constraint does not compile) is a
+    400 naming `constraint_field`, the request field the constraint came from."""
     tokenizer = ctx.backend.get_tokenizer()
     try:
         async with tracker:
             streams = [generate_sequence(ctx.backend, tokenizer, spec) for spec in specs]
-            async with contextlib.aclosing(merge_sequences(streams)) as merged:
+            async with contextlib.aclosing(merge_sequences(streams, may_join)) as merged:
                 async for out in merged:
                     tracker.observe(out)
                     yield out

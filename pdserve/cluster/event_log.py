@@ -58,14 +58,15 @@ class EventLog:
         self._release = client.register_script(_RELEASE_LUA)
 
     def submit(self, request_id: str, owner: str, events: list[LogEvent], end: str = "",
-               spec: str = "") -> asyncio.Future[bool]:
+               spec: str = "", urgent: bool = False) -> asyncio.Future[bool]:
         """Queue `events` (ids following the log's last) for this loop's next write, without
         waiting (log_writer.py: one script call per round trip for every stream); with `spec`,
         the write opens the log: stores `spec` and makes `owner` the lease holder (replacing
         any). `end` "" keeps the lease (renewed while the stream is quiet), "done" marks the
         log done and drops it, "release" only drops it. The future: False (nothing written)
-        when `owner` does not hold the lease; StateStoreError when Redis fails."""
-        return self.writer.submit(request_id, owner, events, end, spec)
+        when `owner` does not hold the lease; StateStoreError when Redis fails. `urgent`: the
+        caller waits for this write (it goes without the writer's interval)."""
+        return self.writer.submit(request_id, owner, events, end, spec, urgent)
 
     async def append(self, request_id: str, owner: str, events: list[LogEvent],
                      end: str = "", spec: str = "") -> bool:

@@ -8,8 +8,8 @@ rendering its SSE (docs/loadtest.md, 2026-12-05); here a stream's event costs a 
     submit(stream, events) ──▶ pending[stream] ──┐   (a stream's submits while a call is in
                                                  │    flight join one entry)
     the writer task: while anything is pending or held
-        (interval_s after the last call's start at the earliest, unless a stream ended:
-         its client's response waits for that write)
+        (interval_s after the last call's start at the earliest, unless a submitter waits
+         for its write: a stream's end, an event sent only once logged)
         take every pending entry (and the held streams quiet for lease/3: empty entries)
         one script call ──▶ per stream: written, or not the lease holder's (nothing written)
         resolve each entry's future; a stream that ended or lost its lease is no longer held
@@ -108,15 +108,17 @@ class LogWriter:
         self._held: dict[str, tuple[str, float]] = {}  # streams to renew: owner, last call
         # (oldest first)
         self._wake = asyncio.Event()  # something was submitted
-        self._ended = asyncio.Event()  # a stream's end was: no interval for it
+        self._urgent = asyncio.Event()  # a submitter waits for its write: no interval
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
 
     def submit(self, request_id: str, owner: str, events: list[LogEvent], end: str = "",
-               spec: str = "") -> asyncio.Future[bool]:
+               spec: str = "", urgent: bool = False) -> asyncio.Future[bool]:
         """Queue `events` (and `end`; `spec` for a new stream) for the next call; its future says
         whether they were written (False: `owner` does not hold the lease) or raises
-        StateStoreError. A stream's submits before that call join one entry, up to its end."""
+        StateStoreError. A stream's submits before that call join one entry, up to its end.
+        `urgent` (and any `end`): the submitter waits for the write, so the next call goes
+        without waiting out the interval."""
         if end not in ("", "done", "release"):
             raise ValueError(f"end must be '', 'done' or 'release', got {end!r}")
         idle = self._task is None or self._task.done()
@@ -130,7 +132,8 @@ class LogWriter:
         if end:
             entry.end = end
             del self._open[request_id]  # nothing joins an ended stream's entry
-            self._ended.set()
+        if end or urgent:
+            self._urgent.set()
         if not self._wake.is_set():
             self._wake.set()
         if idle:
@@ -157,11 +160,11 @@ class LogWriter:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout_at(oldest + self.renew_s):
                             await self._wake.wait()
-                if loop.time() < sent_at + self.interval_s and not self._ended.is_set():
+                if loop.time() < sent_at + self.interval_s and not self._urgent.is_set():
                     with contextlib.suppress(TimeoutError):  # gather more
                         async with asyncio.timeout_at(sent_at + self.interval_s):
-                            await self._ended.wait()
-                self._ended.clear()
+                            await self._urgent.wait()
+                self._urgent.clear()
                 self._renew_due(loop.time())
                 batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
                 for entry in batch:
