@@ -32,3 +32,11 @@ def test_variants_and_bad_arguments() -> None:
         with pytest.raises(ValueError, match="NAME=ENV=VALUE"):
             gateway_cpu.parse_variant(bad)
     assert gateway_cpu.main(["--rounds", "0"]) == 2
+
+
+def test_tokens_per_chunk_is_the_usage_over_the_chunks() -> None:
+    run = {"requests": [{"completion_tokens": 8, "chunk_at": [0.1, 0.2, 0.4]},
+                        {"completion_tokens": 4, "chunk_at": [0.3, 0.5]},
+                        {"completion_tokens": None, "chunk_at": []}]}
+    assert gateway_cpu.tokens_per_chunk(run) == pytest.approx(12 / 5)
+    assert gateway_cpu.tokens_per_chunk({"requests": []}) == 0.0

@@ -10,8 +10,9 @@ with the servers' stack samplers gated on the load (PDSERVE_STACK_SAMPLES and
 PDSERVE_STACK_SAMPLE_WHILE: engine/stack_sampler.py writes each thread's CPU seconds from /proc).
 Reported: the event-loop thread's (MainThread's) CPU microseconds per output token of the HTTP
 processes, summed over them: `gateway-*` for a split system, `serve-*` for colocated; the rest
-of their threads (gRPC's, the sampler's own) is left out. A variant is the same run with an
-environment variable set (every flag of pdserve's services reads PDSERVE_<FLAG>), e.g.
+of their threads (gRPC's, the sampler's own) is left out. Beside it, the tokens a streamed chunk
+carried (a gateway behind its streams joins a choice's waiting outputs). A variant is the same
+run with an environment variable set (every flag of pdserve's services reads PDSERVE_<FLAG>), e.g.
 `--variant unrecorded=PDSERVE_RESUME_TTL_SECONDS=0`.
 """
 
@@ -44,7 +45,15 @@ def loop_cpu_us_per_token(samples: Path, role: str, output_tokens: int) -> float
     return 1e6 * cpu / output_tokens
 
 
-def one_run(system: str, env: dict[str, str], args: argparse.Namespace, work: Path) -> float:
+def tokens_per_chunk(run: dict[str, Any]) -> float:
+    """A load test run's output tokens (the usage) over its chunks that carried text."""
+    tokens = sum(r.get("completion_tokens") or 0 for r in run["requests"])
+    chunks = sum(len(r.get("chunk_at") or []) for r in run["requests"])
+    return tokens / chunks if chunks else 0.0
+
+
+def one_run(system: str, env: dict[str, str], args: argparse.Namespace, work: Path
+            ) -> tuple[float, float]:
     samples, out = work / "samples", work / "out"
     argv = [sys.executable, "-m", "pdserve.bench.gpu_serve", "--shape", "tiny", "--systems",
             system, "--num-prompts", str(args.num_prompts), "--input-len", args.input_len,
@@ -54,9 +63,9 @@ def one_run(system: str, env: dict[str, str], args: argparse.Namespace, work: Pa
                "PDSERVE_STACK_SAMPLE_WHILE": str(work / "gate")}
     subprocess.run(argv, env=run_env, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.STDOUT)
-    report = json.loads((out / f"loadtest_{system}.json").read_text())
-    tokens = report["runs"][-1]["output_tokens"]
-    return loop_cpu_us_per_token(samples, HTTP_ROLES.get(system, "gateway"), tokens)
+    run = json.loads((out / f"loadtest_{system}.json").read_text())["runs"][-1]
+    us = loop_cpu_us_per_token(samples, HTTP_ROLES.get(system, "gateway"), run["output_tokens"])
+    return us, tokens_per_chunk(run)
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -87,17 +96,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cases = [(s, "", {}) for s in systems]
     cases += [(s, name, env) for name, env in variants for s in systems if s != "colocated"]
     results: dict[str, list[float]] = {}
+    per_chunk: dict[str, list[float]] = {}
     for r in range(args.rounds):
         for system, name, env in cases:
             label = f"{system}+{name}" if name else system
             with tempfile.TemporaryDirectory() as tmp:
-                us = one_run(system, env, args, Path(tmp))
+                us, tpc = one_run(system, env, args, Path(tmp))
             results.setdefault(label, []).append(round(us, 1))
-            print(f"round {r + 1}  {label:24s} {us:7.1f} CPU us a token", flush=True)
+            per_chunk.setdefault(label, []).append(round(tpc, 3))
+            print(f"round {r + 1}  {label:24s} {us:7.1f} CPU us a token, {tpc:.2f} tokens a "
+                  "chunk", flush=True)
     medians = {k: statistics.median(v) for k, v in results.items()}
     for k, v in medians.items():
         print(f"median   {k:24s} {v:7.1f} CPU us a token")
-    report = {"config": config_of(args), "rounds": results, "medians": medians}
+    report = {"config": config_of(args), "rounds": results, "tokens_per_chunk": per_chunk,
+              "medians": medians}
     if args.output_json:
         write_report(report, args.output_json)
     return report
