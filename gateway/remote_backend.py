@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import aclosing
 from dataclasses import asdict
 from typing import Any
@@ -195,6 +195,7 @@ class RemoteBackend:
             prefill_done = local
             finished = False  # the request ended: at its first token or on the decode worker
             decode_ended = False  # the decode worker ended its stream itself
+            notes = _Notes(self._transition, request_id)  # its phases, off the token path
             try:
                 if not local:
                     reserved = await self._read(call, decode)  # blocks reserved there
@@ -210,8 +211,8 @@ class RemoteBackend:
                     yield first
                     if finished:
                         return
-                    await self._transition(request_id, "transferring")
-                async for delta in self._decode_stream(call, decode, request_id, local,
+                    notes.add("transferring")
+                async for delta in self._decode_stream(call, decode, notes, local,
                                                        hits=not prior):
                     finished = decode_ended = delta.finish_reason is not None
                     yield delta
@@ -220,6 +221,7 @@ class RemoteBackend:
                     call.cancel()     # the request: the decode worker frees its reservation
                 if not finished and not prefill_done and prefill is not None:
                     await self._abort(prefill, request_id)
+                await notes.landed()  # before the request's end is recorded
 
     async def _prefill_retrying(
         self, request_id: str, prompt: list[int], pb_params: Any, prior: list[int],
@@ -298,10 +300,11 @@ class RemoteBackend:
                           prompt_logprobs=prompt_logprobs, num_cached_tokens=r.num_cached_tokens)
 
     async def _decode_stream(
-        self, call: Any, decode: WorkerInfo, request_id: str, local: bool, hits: bool = True,
+        self, call: Any, decode: WorkerInfo, notes: _Notes, local: bool, hits: bool = True,
     ) -> AsyncIterator[TokenDelta]:
-        """The decode worker's deltas; with `hits`, the prefix-cache hits of a prompt it
-        prefilled itself (not those of a migration's re-prefill)."""
+        """The decode worker's deltas (its first noted as the request's `decoding` phase); with
+        `hits`, the prefix-cache hits of a prompt it prefilled itself (not those of a
+        migration's re-prefill)."""
         first = True
         while True:
             msg = await self._read(call, decode)
@@ -309,7 +312,7 @@ class RemoteBackend:
                 raise BackendError(f"decode worker {decode.address} ended the stream early")
             if first and (msg.token_ids or local):
                 first = False
-                await self._transition(request_id, "decoding")
+                notes.add("decoding")
             if not msg.token_ids and not msg.finish_reason:
                 continue
             logprobs = [logprobs_from_pb(lp) for lp in msg.logprobs] or None
@@ -365,6 +368,28 @@ class RemoteBackend:
             await self.store.transition(state_id, status, **fields)
         except Exception as exc:  # noqa: BLE001 - state tracking must not fail a generation
             logger.warning("[%s] state %s not recorded: %s", request_id, status, exc)
+
+
+class _Notes:
+    """One attempt's phase records, each written after the one before without the stream
+    waiting for them (two Redis round trips less between a request's first and second token);
+    `landed()` waits for the last, so the request's end is recorded after them."""
+
+    def __init__(self, write: Callable[..., Awaitable[None]], request_id: str) -> None:
+        self._write, self._request_id = write, request_id
+        self._last: asyncio.Future[None] | None = None
+
+    def add(self, status: str) -> None:
+        self._last = asyncio.ensure_future(self._after(self._last, status))
+
+    async def _after(self, before: asyncio.Future[None] | None, status: str) -> None:
+        if before is not None:
+            await asyncio.wait({before})
+        await self._write(self._request_id, status)  # never raises: a failure is logged
+
+    async def landed(self) -> None:
+        if self._last is not None:
+            await asyncio.wait({self._last})  # a cancelled caller leaves it to land alone
 
 
 def first_token_stop_reason(
