@@ -40,6 +40,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SchedulerStats
 from engine.step_budget import with_server_budget
 from engine.step_profiler import StepProfiler
+from engine.step_timeline import StepTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -267,6 +268,8 @@ class AsyncLLMEngine:
             self.engine = engine() if callable(engine) else engine
             # PDSERVE_TORCH_PROFILER_DIR: a torch.profiler window over the steps
             self._profiler = StepProfiler.from_env(self.engine.config.role)
+            # PDSERVE_STEP_TIMELINE: every step and collection in time order
+            self._timeline = StepTimeline.from_env(self.engine.config.role)
             self.engine.runner.on_rank_failure(lambda exc: self._commands.put(_Failed(exc)))
         except BaseException as exc:  # noqa: BLE001 - raised by the constructor
             failed.append(exc)
@@ -286,8 +289,9 @@ class AsyncLLMEngine:
                 outputs = []
                 if not self._stopping and self.engine.has_work():
                     handover_trace.mark_all("step")
-                    outputs = (self.engine.step() if self._profiler is None
-                               else self._profiler.step(self.engine.step))
+                    step = (self.engine.step if self._profiler is None
+                            else lambda: self._profiler.step(self.engine.step))
+                    outputs = step() if self._timeline is None else self._timeline.step(step)
                 self._grant_reservations()  # blocks freed by the commands or the step
             except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
                 self._error = exc

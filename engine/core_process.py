@@ -60,6 +60,7 @@ from engine.output_wire import Wire, encode
 from engine.outputs import RequestOutput
 from engine.stack_sampler import start_from_env
 from engine.step_budget import with_server_budget
+from engine.step_timeline import StepTimeline
 
 logger = logging.getLogger(__name__)
 NO_REPLY = 0  # a command's call id when nobody waits for its answer
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None, core_class: type[Core] | None = None) ->
         engine.shutdown()
         return
     core.profile = loop_profile.from_env(role)
+    core.timeline = StepTimeline.from_env(role)
     try:
         conn.send(("ready", core.facts))
         core.started()
@@ -125,6 +127,8 @@ def main(argv: list[str] | None = None, core_class: type[Core] | None = None) ->
     finally:
         if core.profile is not None:
             core.profile.close()
+        if core.timeline is not None:
+            core.timeline.close()
         core.close()
         engine.shutdown()
         if listener is not None:
@@ -175,6 +179,7 @@ class Core:
         self.loras = tuple(engine.list_loras())
         self.stopping_at = 0.0  # when the parent said stop (0: it has not)
         self.profile: LoopProfile | None = None  # PDSERVE_CPROFILE_DIR (engine/loop_profile.py)
+        self.timeline: StepTimeline | None = None  # PDSERVE_STEP_TIMELINE (step_timeline.py)
 
     @staticmethod
     def engine_config(model: str | None, kwargs: dict, options: dict) -> Any:
@@ -197,7 +202,8 @@ class Core:
             if self.engine.has_work():
                 handover_trace.mark_all("step")
                 try:
-                    outputs = self.engine.step()
+                    outputs = (self.engine.step() if self.timeline is None
+                               else self.timeline.step(self.engine.step))
                 except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
                     logger.exception("the engine's step failed")
                     for conn in list(self.conns):

@@ -1,0 +1,64 @@
+"""Where engine processes stalled: the longest steps, the longest gaps between steps and the
+garbage collections of each process's step timeline (engine/step_timeline.py).
+
+    PDSERVE_STEP_TIMELINE=DIR bash pdserve/bench/gpu_kit_run.sh ...   # then:
+    python -m pdserve.bench.step_gaps DIR [--top 5] [--min-gc-ms 1]
+
+A gap is the time from one step's end to the next one's start: the process was doing something
+else (its commands, outputs, a collection) or had nothing to do. Times are in milliseconds from
+the first step of any process in DIR (one clock for every process of a host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def summarize(timeline: dict[str, Any], origin: float, top: int, min_gc_ms: float
+              ) -> dict[str, Any]:
+    steps = timeline["steps"]
+    ms = lambda t: round(1e3 * (t - origin), 1)  # noqa: E731
+    longest = sorted(steps, key=lambda s: -s[1])[:top]
+    gaps = [(a[0] + a[1], b[0] - (a[0] + a[1])) for a, b in zip(steps, steps[1:])]
+    widest = sorted(gaps, key=lambda g: -g[1])[:top]
+    return {
+        "role": timeline["role"], "pid": timeline["pid"], "steps": len(steps),
+        "span_ms": [ms(steps[0][0]), ms(steps[-1][0] + steps[-1][1])] if steps else None,
+        "longest_steps": [{"at_ms": ms(t), "ms": round(1e3 * s, 2), "outputs": n}
+                          for t, s, n in longest],
+        "widest_gaps": [{"at_ms": ms(t), "ms": round(1e3 * g, 2)} for t, g in widest],
+        "collections": [{"at_ms": ms(t), "ms": round(1e3 * s, 2), "generation": g}
+                        for t, s, g in timeline["gc"] if 1e3 * s >= min_gc_ms],
+    }
+
+
+def report(folder: Path, top: int = 5, min_gc_ms: float = 1.0) -> list[dict[str, Any]]:
+    timelines = [json.loads(p.read_text()) for p in sorted(folder.glob("*.timeline.json"))]
+    starts = [t["steps"][0][0] for t in timelines if t["steps"]]
+    if not starts:
+        raise ValueError(f"no steps in {folder}/*.timeline.json")
+    origin = min(starts)
+    return [summarize(t, origin, top, min_gc_ms) for t in timelines]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.step_gaps", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", type=Path)
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--min-gc-ms", type=float, default=1.0)
+    args = p.parse_args(argv)
+    try:
+        print(json.dumps(report(args.folder, args.top, args.min_gc_ms), indent=1))
+    except ValueError as exc:
+        print(f"step_gaps: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
