@@ -254,12 +254,13 @@ async def test_a_joined_output_is_sent_once_logged(redis_url: str) -> None:
             logged_when_sent.append(len(await log.read("j1")))
             if text.startswith("id: 2"):
                 waited = asyncio.get_running_loop().time() - start
-        # events 0 and 1 left before their writes (the first call may have written event 0
-        # by the time event 1 left), 2 once it and those before it were logged, 3 without
-        # waiting (the writer's next call is an interval away)
-        assert logged_when_sent[0] == 0 and logged_when_sent[1] <= 1
+        # events 0 and 1 went without waiting for their writes (the writer's first call, at
+        # once, may have logged event 0 by the time the log is read; event 1's is an interval
+        # away), 2 once it and those before it were logged, 3 without waiting (not logged:
+        # the writer's next call is an interval away)
+        assert max(logged_when_sent[:2]) <= 1
         assert logged_when_sent[2:] == [3, 3]
-        assert waited < 0.5  # not the writer's 1 s interval
+        assert waited < 0.9  # not the writer's 1 s interval
         assert [e.id for e in await log.read("j1")] == [0, 1, 2, 3]  # the end is written
     finally:
         await client.aclose()
