@@ -19,6 +19,7 @@ import gc
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ class StepTimeline:
         out_dir = os.environ.get(ENV_DIR)
         return cls(out_dir, role) if out_dir else None
 
-    def step(self, fn: Any) -> Any:
+    def step(self, fn: Callable[[], list[Any]]) -> list[Any]:
         """Run one engine step (`fn()`, returning its outputs) and note it."""
         start = time.perf_counter()
         outputs = fn()
