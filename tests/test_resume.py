@@ -391,34 +391,50 @@ def _without_hits(usage: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
 
 
-def assert_same_events(got: Events, want: Events) -> None:
-    assert [i for i, _ in got] == [i for i, _ in want]
-    for (i, a), (_, b) in zip(got, want):
-        assert a == b or same(json.loads(a), json.loads(b)), (i, a, b)
-
-
-def choices_content(events: Events) -> tuple[dict[int, list[Any]], Any]:
-    """Each choice's text (completions) or role and content (chat) and finish, and the usage:
-    what a stream says, whatever the order its choices' chunks came in."""
+def choices_content(events: Events) -> list[Any]:
+    """Each choice's text (completions) or role and content (chat), finish and logprobs (one
+    record a token), and the usage: what a stream says, whatever the order its choices' chunks
+    came in and however its tokens fell into chunks. Compare two with `same`."""
     chunks = [json.loads(d) for _, d in events if d != "[DONE]"]
     content: dict[int, list[Any]] = {}
     for chunk in chunks:
         for c in chunk["choices"]:
-            entry = content.setdefault(c["index"], ["", None, None, None])
+            entry = content.setdefault(c["index"], ["", None, None, None, []])
             entry[0] += c["text"] if "text" in c else c["delta"].get("content") or ""
             entry[1] = entry[1] or c.get("delta", {}).get("role")
             if c["finish_reason"]:
-                entry[2:] = [c["finish_reason"], c["stop_reason"]]
+                entry[2:4] = [c["finish_reason"], c["stop_reason"]]
+            entry[4] += _token_logprobs(c.get("logprobs"))
     usage = chunks[-1].get("usage")
-    return content, usage if usage is None else _without_hits(usage)
+    return [content, usage if usage is None else _without_hits(usage)]
 
 
-def logged_events(redis_url: str, request_id: str) -> Events:
-    """The stream's events as its log holds them: (id, data) as `parse_sse` gives them."""
+def _token_logprobs(logprobs: dict[str, Any] | None) -> list[Any]:
+    """A chunk's logprobs, one record a token: chat's `content` entries, or the completions
+    shape's parallel lists zipped."""
+    if not logprobs:
+        return []
+    if "content" in logprobs:
+        return list(logprobs["content"] or [])
+    return [list(t) for t in zip(logprobs["tokens"], logprobs["token_logprobs"],
+                                 logprobs["top_logprobs"], logprobs["text_offset"], strict=True)]
+
+
+def log_entries(redis_url: str, request_id: str) -> list[LogEvent]:
+    """The stream's log as it is now."""
     async def read(client: Any, keys: Keys) -> list[LogEvent]:
         return await EventLog(client, PREFIX).read(request_id)
 
-    return parse_sse("".join(f"id: {e.id}\n{e.data}" for e in redis_run(redis_url, read)))
+    return redis_run(redis_url, read)
+
+
+def logged_events(redis_url: str, request_id: str, entries: list[LogEvent] | None = None
+                  ) -> Events:
+    """The stream's events as its log holds them (or `entries` read from it): (id, data) as
+    `parse_sse` gives them."""
+    if entries is None:
+        entries = log_entries(redis_url, request_id)
+    return parse_sse("".join(f"id: {e.id}\n{e.data}" for e in entries))
 
 
 def redis_run(redis_url: str, fn: Any) -> Any:
@@ -432,14 +448,11 @@ def redis_run(redis_url: str, fn: Any) -> Any:
     return asyncio.run(go())
 
 
-def unjoined_run(redis_url: str, request_id: str, length: int) -> int:
-    """The first event id from which `length` logged events each rendered one output of one
-    token (none joined: the only events a dead gateway may have sent and not logged)."""
-    async def read(client: Any, keys: Keys) -> list[LogEvent]:
-        return await EventLog(client, PREFIX).read(request_id)
-
+def unjoined_run(entries: list[LogEvent], length: int) -> int:
+    """The first event id from which `length` of a log's `entries` each rendered one output of
+    one token (none joined: the only events a dead gateway may have sent and not logged)."""
     single = [len(outs) == 1 and len(outs[0].token_ids) == 1
-              for outs in (decode_outputs(e.out) for e in redis_run(redis_url, read))]
+              for outs in (decode_outputs(e.out) for e in entries)]
     for start in range(1, len(single) - length):
         if all(single[start:start + length]):
             return start
@@ -498,7 +511,7 @@ def test_a_log_cut_short_resumes_as_the_stream_went(local_url: str, redis_url: s
         # its own events, so the kept events are those of the log, not of the first stream.
         assert [i for i, _ in got] == list(range(keep, keep + len(got)))
         assert got[-1][1] == "[DONE]"
-        assert choices_content(sent + got) == choices_content(full)
+        assert same(choices_content(sent + got), choices_content(full))
         state = redis_run(redis_url, lambda c, k: c.hgetall(k.request(request_id)))
         assert (state["status"], state["resumes"]) == ("finished", str(n))
     # the client got more than the dead gateway logged (events of one output each: a joined
@@ -506,14 +519,15 @@ def test_a_log_cut_short_resumes_as_the_stream_went(local_url: str, redis_url: s
     # several choices, how their events interleave is not generated again.)
     if len(choices_content(full)[0]) > 1:
         return
-    logged = logged_events(redis_url, request_id)
-    cut = unjoined_run(redis_url, request_id, 3)
+    entries = log_entries(redis_url, request_id)
+    logged = logged_events(redis_url, request_id, entries)
+    cut = unjoined_run(entries, 3)
     cut_log(redis_url, request_id, cut)
     last = cut + 2
     resumed = httpx.get(f"{local_url}/v1/streams/{request_id}?last_event_id={last}", timeout=60)
     got = parse_sse(resumed.text)
     assert got[0][0] == last + 1 and got[-1][1] == "[DONE]"
-    assert choices_content(logged[:last + 1] + got) == choices_content(full)
+    assert same(choices_content(logged[:last + 1] + got), choices_content(full))
 
 
 def test_a_live_stream_is_tailed(local_url: str) -> None:
