@@ -269,12 +269,7 @@ class AsyncLLMEngine:
             # PDSERVE_TORCH_PROFILER_DIR: a torch.profiler window over the steps
             self._profiler = StepProfiler.from_env(self.engine.config.role)
             # PDSERVE_STEP_TIMELINE: every step and collection in time order
-            timeline = StepTimeline.from_env(self.engine.config.role)
-            self._step = self.engine.step  # the loop's step, inside the windows asked for
-            if self._profiler is not None:
-                self._step = functools.partial(self._profiler.step, self._step)
-            if timeline is not None:
-                self._step = functools.partial(timeline.step, self._step)
+            self._timeline = StepTimeline.from_env(self.engine.config.role)
             self.engine.runner.on_rank_failure(lambda exc: self._commands.put(_Failed(exc)))
         except BaseException as exc:  # noqa: BLE001 - raised by the constructor
             failed.append(exc)
@@ -294,7 +289,9 @@ class AsyncLLMEngine:
                 outputs = []
                 if not self._stopping and self.engine.has_work():
                     handover_trace.mark_all("step")
-                    outputs = self._step()
+                    step = (self.engine.step if self._profiler is None
+                            else lambda: self._profiler.step(self.engine.step))
+                    outputs = step() if self._timeline is None else self._timeline.step(step)
                 self._grant_reservations()  # blocks freed by the commands or the step
             except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
                 self._error = exc

@@ -19,7 +19,6 @@ import gc
 import json
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,7 @@ class StepTimeline:
         out_dir = os.environ.get(ENV_DIR)
         return cls(out_dir, role) if out_dir else None
 
-    def step(self, fn: Callable[[], list[Any]]) -> list[Any]:
+    def step(self, fn: Any) -> Any:
         """Run one engine step (`fn()`, returning its outputs) and note it."""
         start = time.perf_counter()
         outputs = fn()
