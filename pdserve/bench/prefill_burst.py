@@ -13,6 +13,11 @@ Prefill rpc) is most of the figure. Per round: `--prompts` requests reserved on 
 worker (Generate up to its first message, as the gateway does), then their Prefill rpcs all at
 once; reported: the round's wall time to the last first token and the prefill worker's CPU
 seconds (user + system, /proc) per prompt. The first round warms up and is left out.
+
+With PDSERVE_STACK_SAMPLES=DIR and PDSERVE_STACK_SAMPLE_WHILE=PATH set (engine/stack_sampler.py)
+both workers sample their threads' stacks and CPU during the measured bursts only (PATH exists
+while their Prefill rpcs run): DIR/prefill-PID.cpu.json says which of the prefill worker's
+threads spent that CPU, DIR/prefill-PID.txt where.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import grpc
 import torch
 
 from pdserve.bench.gpu_model import ModelShape, save_random_model
+from pdserve.bench.gpu_serve import sampling_window
 from pdserve.bench.report import bench_main, config_of, write_report
 from pdserve.bench.throughput import parse_range
 from pdserve.bench.transfer import child, cpu_seconds, wait_serving
@@ -64,9 +70,10 @@ def _worker(role: str, model: Path, port: int, args: argparse.Namespace, blocks:
 
 
 async def _burst(prefill: Any, decode: Any, decode_address: str, prompts: list[list[int]],
-                 pid: int, tag: str) -> tuple[float, float]:
+                 pid: int, tag: str, sampled: bool) -> tuple[float, float]:
     """Reserve every prompt on the decode worker, then prefill them all at once: (wall
-    seconds to the last Prefill reply, the prefill worker's CPU seconds per prompt)."""
+    seconds to the last Prefill reply, the prefill worker's CPU seconds per prompt). `sampled`:
+    the stack samplers' gate is open while the Prefill rpcs run."""
     params = sampling_params_to_pb(_greedy(), 2)
     opened = []
     for i, prompt in enumerate(prompts):
@@ -76,11 +83,12 @@ async def _burst(prefill: Any, decode: Any, decode_address: str, prompts: list[l
         first = await call.read()
         opened.append((rid, prompt, call, first))
     cpu, start = cpu_seconds(pid), time.perf_counter()
-    await asyncio.gather(*(prefill.Prefill(prefill_pb2.PrefillRequest(
-        request_id=rid, prompt_token_ids=prompt, params=params, decode_address=decode_address,
-        decode_cached_blocks=first.cached_blocks,
-        decode_kv_target=first.kv_target if first.HasField("kv_target") else None),
-        timeout=300) for rid, prompt, _, first in opened))
+    with sampling_window(sampled):
+        await asyncio.gather(*(prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, params=params,
+            decode_address=decode_address, decode_cached_blocks=first.cached_blocks,
+            decode_kv_target=first.kv_target if first.HasField("kv_target") else None),
+            timeout=300) for rid, prompt, _, first in opened))
     wall, used = time.perf_counter() - start, cpu_seconds(pid) - cpu
     for _, _, call, _ in opened:  # the second token: every push committed
         while (msg := await call.read()) is not grpc.aio.EOF and not msg.finish_reason:
@@ -110,7 +118,8 @@ async def measure(args: argparse.Namespace, model: Path, logs: Path) -> list[dic
             for r in range(args.rounds):
                 prompts = [[rng.randrange(10, VOCAB - 10) for _ in range(rng.randint(low, high))]
                            for _ in range(args.prompts)]
-                wall, cpu = await _burst(prefill, decode, daddr, prompts, pproc.pid, f"b{r}")
+                wall, cpu = await _burst(prefill, decode, daddr, prompts, pproc.pid, f"b{r}",
+                                         sampled=r > 0)
                 print(f"round {r}: {args.prompts} prompts in {wall * 1e3:.0f} ms, prefill "
                       f"worker CPU {cpu * 1e3:.2f} ms a prompt", flush=True)
                 rounds.append({"wall_s": wall, "cpu_s_per_prompt": cpu})
