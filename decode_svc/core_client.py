@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
-import threading
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import recvfds
 from typing import Any
 
 import torch
 
 from decode_svc.engine_core import DecodeFacts
-from engine import zero_pages
 from engine.config import NO_KV_WAIT, KVWaitConfig
 from engine.core_client import EngineCoreClient
+from engine.core_pool import MappedPool
 from engine.core_process import NO_REPLY
 from engine.kv_events import KVEventBatch
 from engine.kv_handoff import Reservation
@@ -59,16 +55,7 @@ class DecodeCoreClient(EngineCoreClient):
 
     def __init__(self, conn: Connection, facts: DecodeFacts, proc: Any = None) -> None:
         self.facts = facts
-        self._pool: torch.Tensor | None = None
-        self._pool_lock = threading.Lock()
-        if facts.pool[0] == "memfd":  # sent right after "ready", before any other message
-            with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-                fd = recvfds(sock, 1)[0]
-            try:
-                _, shape, dtype = facts.pool
-                self._pool = zero_pages.map_shared(fd, shape, getattr(torch, dtype))
-            finally:
-                os.close(fd)
+        self.pool = MappedPool(conn, facts.pool)  # sent right after "ready", if a memfd
         self._granted: dict[str, asyncio.Future] = {}  # reservations queued for blocks
         super().__init__(conn, facts, proc)
 
@@ -103,8 +90,9 @@ class DecodeCoreClient(EngineCoreClient):
         """The commit from any thread (the doorbell's): the request's KV is in place. Slabs
         this process wrote into a GPU pool are on the device before the engine reads them."""
         if self._error is None and not self._stopping:
-            if self._pool is not None and self._pool.device.type == "cuda":
-                torch.cuda.synchronize(self._pool.device)
+            pool = self.pool.opened
+            if pool is not None and pool.device.type == "cuda":
+                torch.cuda.synchronize(pool.device)
             self._send("commit", NO_REPLY, request_id, first_token_id, logprobs)
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
@@ -122,11 +110,7 @@ class DecodeCoreClient(EngineCoreClient):
         """Per layer, the engine core's KV cache mapped here (a GPU pool by its CUDA IPC
         handle, at the first call: a server whose pushes all come over a data plane never
         opens it)."""
-        with self._pool_lock:
-            if self._pool is None:
-                rebuild, args = self.facts.pool[1]
-                self._pool = rebuild(*args)
-        return list(self._pool.unbind(0))
+        return list(self.pool.tensor().unbind(0))
 
     # ---- the reader thread ---------------------------------------------------------------
     def _role_message(self, message: tuple) -> None:

@@ -30,15 +30,13 @@ rank 0, which is this process.
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import sendfds
 from typing import Any
 
 from decode_svc.pool import PoolExporter
 from engine import core_process, handover_trace
 from engine.config import EngineConfig
+from engine.core_pool import pool_spec, send_pool_fd
 from engine.core_process import Core, CoreFacts, portable
 from engine.kv_events import KVEventBatch, prefix_events
 from engine.kv_handoff import Reservation
@@ -68,16 +66,10 @@ class DecodeCore(Core):
         self.queued: dict[str, Connection] = {}  # reservations waiting for blocks -> server
         self.handlers.update(reserve=self._reserve, commit=self._commit,
                              describe=self._describe, prefix_events=self._prefix_events)
-        if pool.device.type == "cpu":
-            spec: tuple = ("memfd", tuple(pool.shape), str(pool.dtype).removeprefix("torch."))
-        else:
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            spec = ("cuda", reduce_tensor(pool))
         base = {f.name: getattr(self.facts, f.name) for f in dataclasses.fields(CoreFacts)}
         self.facts = DecodeFacts(**base, pool_id=self.exporter.pool_id,
                                  offered=tuple(self.exporter.offered),
-                                 layout=self.exporter.layout, pool=spec)
+                                 layout=self.exporter.layout, pool=pool_spec(pool))
 
     @staticmethod
     def engine_config(model: str | None, kwargs: dict, options: dict) -> EngineConfig:
@@ -89,13 +81,7 @@ class DecodeCore(Core):
 
     def started(self) -> None:
         """The CPU pool's memfd to the parent, right after "ready" (it reads it there)."""
-        fd = getattr(self.engine.runner, "kv_pool_fd", None)
-        if self.facts.pool[0] != "memfd" or fd is None:
-            return
-        with socket.socket(fileno=os.dup(self.parent.fileno())) as sock:
-            sendfds(sock, [fd])
-        os.close(fd)  # the mapping stays
-        self.engine.runner.kv_pool_fd = None
+        send_pool_fd(self.engine.runner, self.parent, self.facts.pool)
 
     def after_round(self) -> None:
         """Hand the blocks freed since to the reservations queued for them, in order."""

@@ -128,6 +128,15 @@ class AsyncLLMEngine:
         KV progress notes to `on_progress` on the calling event loop, in order."""
         return KVWatch(on_progress, layers_per_group, asyncio.get_running_loop())
 
+    async def release(self, request_id: str) -> bool:
+        """Prefill role: free a finished request's held blocks (`LLMEngine.release`); False if
+        it held none."""
+        return await self.call(self.engine.release, request_id)
+
+    async def held_requests(self) -> list[str]:
+        """Prefill role: the finished requests holding blocks now."""
+        return await self.call(_held_ids, self.engine)
+
     async def reserve_remote(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
         prior_output_token_ids: list[int] | None = None, wait: KVWaitConfig = NO_KV_WAIT,
@@ -397,3 +406,8 @@ def _hand_over(loop: asyncio.AbstractEventLoop) -> None:
     except RuntimeError:  # closed meanwhile
         return
     done.wait(HANDOVER_S)
+
+
+def _held_ids(engine: LLMEngine) -> list[str]:
+    """The requests holding blocks for export (on the engine thread)."""
+    return list(engine.scheduler.held)

@@ -163,11 +163,18 @@ class EngineCoreClient:
         """`AsyncLLMEngine.generate`: outputs until the request finishes; leaving early aborts
         it; bad input raises ValueError (from the engine's own checks) before anything runs."""
         if kv_watch is not None:
-            raise ValueError("kv_watch: the engine core process serves the colocated role only")
+            raise ValueError("kv_watch: only a prefill worker's engine core process watches KV")
+        async with aclosing(self._added("add", request_id, prompt, sampling_params,
+                                        prior_output_token_ids, lora_request)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def _added(self, op: str, request_id: str, *args: Any
+                     ) -> AsyncIterator[RequestOutput]:
+        """The request added by the command `op` (`args` after its id), then its outputs."""
         self._open(request_id)
         try:
-            await self._call("add", request_id, prompt, sampling_params, prior_output_token_ids,
-                             lora_request)
+            await self._call(op, request_id, *args)
         except asyncio.CancelledError:
             self._streams.discard(request_id)
             self._send("abort", NO_REPLY, request_id)  # after the add, whatever it did

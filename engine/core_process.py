@@ -156,10 +156,10 @@ class Core:
     outputs go to the connection that added it; a server that goes away has its requests
     aborted; the parent going away ends the loop.
 
-    A role's subclass (decode_svc/engine_core.py) adds commands to `handlers` (those in
-    `per_server` are called with the asking connection first), builds its engine's config
-    (`engine_config`), adds to the facts, and acts after every round of commands and step
-    (`after_round`)."""
+    A role's subclass (decode_svc/engine_core.py, prefill_svc/engine_core.py) adds commands to
+    `handlers` (those in `per_server` are called with the asking connection first), builds its
+    engine's config (`engine_config`), adds to the facts, and acts after every round of
+    commands and step (`after_round`) or before a step's outputs leave (`before_outputs`)."""
 
     per_server = frozenset({"add", "abort"})
 
@@ -192,6 +192,10 @@ class Core:
     def after_round(self) -> None:
         """After each round of commands and each step (the moments blocks are freed)."""
 
+    def before_outputs(self, outputs: list[RequestOutput]) -> None:
+        """After a step, before its outputs go to their servers (a role's messages about
+        that step go first)."""
+
     def close(self) -> None:
         """The loop ended (before the engine shuts down)."""
 
@@ -209,6 +213,7 @@ class Core:
                     for conn in list(self.conns):
                         self._send(conn, ("dead", portable(exc)))
                     return
+                self.before_outputs(outputs)
                 by_conn: dict[Connection, list[Wire]] = {}
                 for out, wire in zip(outputs, self._wire(outputs), strict=True):
                     conn = self.owner.get(out.request_id)

@@ -119,7 +119,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the engine loop runs: with --colocated the server's (pdserve "
                         "serve's --engine-core; default process), else every decode worker's "
                         "(pdserve decode's --engine-core; default auto: a process on a GPU, a "
-                        "thread on the CPU); prefill workers run theirs in a thread")
+                        "thread on the CPU); prefill workers: --prefill-engine-core")
+    p.add_argument("--prefill-engine-core", default=None, choices=["thread", "process"],
+                   help="where every prefill worker's engine loop runs (pdserve prefill's "
+                        "--engine-core; default thread)")
     add_generate_streams_flag(p)  # handed to every gateway
     add_chat_template_flag(p)  # handed to the tokenizer (with --colocated, to the engine's)
     add_flag(p, "--tool-call-parser", "hermes",
@@ -184,6 +187,8 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
                     argv += ["--engine-core", args.engine_core]
             else:
                 argv += ["--kv-push-streams", args.kv_push_streams]
+                if args.prefill_engine_core is not None:
+                    argv += ["--engine-core", args.prefill_engine_core]
             services.append(Service(f"{role}-{i}", argv, f"grpc:127.0.0.1:{port}", env=env))
     argv = [*py, "gateway", *cluster, "--host", args.host, "--port", str(args.port),
             "--redis-url", redis_url, "--tokenizer-address", f"127.0.0.1:{tok_port}", "--log-level",

@@ -21,16 +21,17 @@ import time
 from collections.abc import Awaitable, Callable
 
 from engine.async_engine import AsyncLLMEngine
-from engine.llm_engine import LLMEngine
 from pdserve.cluster.worker import TransferStats
+from prefill_svc.core_client import PrefillCoreClient
 
 logger = logging.getLogger(__name__)
 
 
 class KVLeases:
     def __init__(
-        self, engine: AsyncLLMEngine, lease_s: float, expire: Callable[[str], Awaitable[bool]],
-        stats: TransferStats, interval_s: float | None = None,
+        self, engine: AsyncLLMEngine | PrefillCoreClient, lease_s: float,
+        expire: Callable[[str], Awaitable[bool]], stats: TransferStats,
+        interval_s: float | None = None,
     ):
         """`expire(request_id)` ends the request's push and frees its blocks; True if it held
         any. `interval_s` defaults to a quarter of the lease, at most one second."""
@@ -56,7 +57,7 @@ class KVLeases:
     async def sweep(self) -> list[str]:
         """Expire every request held past its lease; returns their ids."""
         now = time.monotonic()
-        held = await self.engine.call(_held_ids, self.engine.engine)
+        held = await self.engine.held_requests()
         self._since = {rid: self._since.get(rid, now) for rid in held}
         expired = [rid for rid, since in self._since.items() if now - since >= self.lease_s]
         for rid in expired:
@@ -75,7 +76,3 @@ class KVLeases:
             except Exception:  # noqa: BLE001 - a failed sweep is retried at the next tick
                 logger.exception("KV lease sweep failed")
 
-
-def _held_ids(engine: LLMEngine) -> list[str]:
-    """Ids of the requests holding blocks for export; runs on the engine thread."""
-    return list(engine.scheduler.held)

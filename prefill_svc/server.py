@@ -15,6 +15,7 @@ from pdserve.cluster.worker import (
     serial_host_threads,
     watch_cancellations,
 )
+from prefill_svc.core_client import PrefillCoreClient
 from prefill_svc.lease import KVLeases
 from prefill_svc.planes import PeerPlanes
 from prefill_svc.sender import PushKVSender
@@ -29,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--kv-slab-bytes", 2 << 20, type=int, help="bytes per KV transfer message")
     add_kv_transport_flag(parser)
     add_kv_push_streams_flag(parser)
+    add_flag(parser, "--engine-core", "thread", choices=["thread", "process"],
+             help="where the prefill engine's step loop runs: a thread of the worker's process "
+                  "(sharing its interpreter lock with the gRPC server and the pushes), or a "
+                  "process of its own (not with --tensor-parallel-size > 1; a push then starts "
+                  "at the request's first token, not while its prompt is computed)")
     add_flag(parser, "--kv-lease-seconds", 30.0, type=float,
              help="seconds a prefilled request's KV waits for its decode worker to take it "
                   "before it is freed")
@@ -38,12 +44,17 @@ async def serve(args: argparse.Namespace) -> None:
     serial_host_threads(args)
     engine = await asyncio.to_thread(build_engine, args, "prefill")
     args.kv_transport = kv_transport_for(args)
-    planes = PeerPlanes(engine.engine.runner.kv_pool, args.kv_transport)
-    kv_view = await asyncio.to_thread(engine.engine.runner.kv_view)
+    if isinstance(engine, PrefillCoreClient):  # the engine in a process of its own
+        pool = await asyncio.to_thread(engine.kv_pool)  # mapped here: the pushes read it
+        kv_view = list(pool.unbind(0))
+    else:
+        pool = engine.engine.runner.kv_pool
+        kv_view = await asyncio.to_thread(engine.engine.runner.kv_view)  # every rank's
+    planes = PeerPlanes(pool, args.kv_transport)
     sender = PushKVSender(kv_view, args.kv_slab_bytes, tls=tls_from_args(args), planes=planes,
                           shared_streams=args.kv_push_streams == "shared")
     cancels = watch_cancellations(args, lambda request_id: servicer.abort(request_id))
-    servicer = PrefillServicer(engine, sender, cancels)
+    servicer = PrefillServicer(engine, sender, cancels, len(kv_view))
     leases = KVLeases(engine, args.kv_lease_seconds, servicer.expire, sender.stats)
     leases.start()
 

@@ -25,6 +25,7 @@ from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
 from pdserve.cluster.convert import load_to_pb, request_lora, sampling_params_from_pb
 from pdserve.cluster.lora_service import LoRARpcs
 from prefill_svc.convert import first_logprobs, response_to_pb
+from prefill_svc.core_client import PrefillCoreClient
 from prefill_svc.push import KVPush
 from prefill_svc.sender import KVSender
 from protos import common_pb2, prefill_pb2_grpc
@@ -35,13 +36,14 @@ NOTES_PER_STEP = 8  # KV progress notes per step and request: layer groups of L 
 
 class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
     def __init__(
-        self, engine: AsyncLLMEngine, sender: KVSender, cancels: CancelWatch | NoCancelWatch
+        self, engine: AsyncLLMEngine | PrefillCoreClient, sender: KVSender,
+        cancels: CancelWatch | NoCancelWatch, num_layers: int,
     ):
         self.engine = engine
         self.sender = sender
         self.cancels = cancels
         self.pushes: dict[str, asyncio.Task] = {}
-        self.num_layers = len(engine.engine.runner.kv_caches)
+        self.num_layers = num_layers
         self.layers_per_group = max(1, -(-self.num_layers // NOTES_PER_STEP))
 
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -71,7 +73,7 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
             push.commit(c.token_ids[0], first_logprobs(c))
         else:  # nothing (more) to ship: end the push, free the blocks
             self._stop_push(request_id)
-            await self.engine.call(self.engine.engine.release, request_id)
+            await self.engine.release(request_id)
         return response_to_pb(out, finish, params.prompt_logprobs)
 
     def _start_push(
@@ -129,7 +131,7 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
             push.ended = True
             if self.pushes.get(rid) is asyncio.current_task():
                 del self.pushes[rid]
-            await self.engine.call(self.engine.engine.release, rid)
+            await self.engine.release(rid)
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return common_pb2.AbortResponse(found=await self.abort(request.request_id))
@@ -149,7 +151,7 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)  # its `finally` frees the blocks
-        released = await self.engine.call(self.engine.engine.release, request_id)
+        released = await self.engine.release(request_id)
         return released or task is not None
 
     async def GetLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

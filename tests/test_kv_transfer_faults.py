@@ -112,24 +112,32 @@ def _nixl_installed() -> bool:
     pytest.param("nixl, decode engine core process",
                  marks=pytest.mark.skipif(not _nixl_installed(),
                                           reason="NIXL not installed (pdserve[nixl])")),
+    pytest.param("nixl, prefill engine core process",
+                 marks=pytest.mark.skipif(not _nixl_installed(),
+                                          reason="NIXL not installed (pdserve[nixl])")),
 ])
 def workers(request: pytest.FixtureRequest, model_dir: str) -> Iterator[Workers]:
     """Both workers, started together; the reference runs in this process while they load.
-    The last two rounds: the decode engine's step loop in a process of its own (`--engine-core
-    process`, decode_svc/engine_core.py): the grpc push writes into its pool mapped in the
-    worker's process, NIXL's agent and the pool's export live in the engine core process."""
+    The "decode engine core process" rounds: the decode engine's step loop in a process of its
+    own (`--engine-core process`, decode_svc/engine_core.py): the grpc push writes into its pool
+    mapped in the worker's process, NIXL's agent and the pool's export live in the engine core
+    process. The "prefill engine core process" round: the prefill engine's (prefill_svc/
+    engine_core.py): the pushes read its pool mapped in the worker's process, from the first
+    token on (its grpc push: tests/test_bench_prefill_burst.py)."""
     transport, _, core = request.param.partition(", ")
+    where = core.split(" ")[0]  # whose engine core runs in a process of its own
     pport, dport, mport, pmport = free_port(), free_port(), free_port(), free_port()
     common = ["--num-kv-blocks", str(NUM_BLOCKS), "--dtype", "float32",
               "--kv-transport", transport]
     prefill = spawn_worker("prefill", model_dir, pport, *common,
-                           "--kv-slab-bytes", str(SLAB_BYTES), "--metrics-port", str(pmport))
+                           "--kv-slab-bytes", str(SLAB_BYTES), "--metrics-port", str(pmport),
+                           *(["--engine-core", "process"] if where == "prefill" else []))
     # no prefix caching on the decode worker: the cases resend the same prompts, and each push
     # must carry all of it (decode-side reuse: test_kv_receiver, test_cluster_kv_routing)
     decode = spawn_worker("decode", model_dir, dport, *common, "--no-prefix-caching",
                           "--kv-timeout", str(KV_TIMEOUT_S), "--metrics-port", str(mport),
                           "--kv-write-grace-seconds", str(WRITE_GRACE_S),
-                          *(["--engine-core", "process"] if core else []))
+                          *(["--engine-core", "process"] if where == "decode" else []))
     try:
         layout, short, long = _reference(model_dir)
         paddr, daddr = f"127.0.0.1:{pport}", f"127.0.0.1:{dport}"

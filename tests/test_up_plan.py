@@ -122,6 +122,19 @@ def test_the_engine_core_reaches_the_colocated_server(argv: list[str], expected:
     assert all("--engine-core" not in s.argv for s in plan(_up([], monkeypatch), "", None))
 
 
+@pytest.mark.parametrize("argv, decode, prefill", [
+    ([], "auto", "thread"), (["--engine-core", "thread"], "thread", "thread"),
+    (["--prefill-engine-core", "process"], "auto", "process")])
+def test_each_role_gets_its_own_engine_core_flag(argv: list[str], decode: str, prefill: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+    for s in plan(_up(["--prefill", "2", *argv], monkeypatch), "", None):
+        role = s.name.split("-")[0]
+        if role in ("prefill", "decode"):
+            seen[s.name] = build_parser().parse_args(s.argv[3:]).engine_core
+    assert seen == {"prefill-0": prefill, "prefill-1": prefill, "decode-0": decode}
+
+
 def test_colocated_api_servers_share_one_engine_core(monkeypatch: pytest.MonkeyPatch) -> None:
     servers = plan(_up(["--colocated", "--api-server-count", "3"], monkeypatch), "", None)
     assert [s.name for s in servers] == ["gateway", "gateway-1", "gateway-2"]

@@ -1,41 +1,68 @@
 #!/usr/bin/env bash
-# Where a split cluster's prefill worker spends a burst, in one device call (docs/loadtest.md):
+# Where a split cluster's prefill worker spends a burst, and what its engine core process
+# changes, in one device call (docs/loadtest.md):
 #
 #   run(carry=[".gpu-kit"], command="bash pdserve/bench/gpu_prefill_where.sh")
 #
-# 1. the one-GPU load test, colocated against the split over cuda_ipc (four gateways, 96
-#    requests at 16 req/s and twice as a burst), every engine process's step timeline
-#    (PDSERVE_STEP_TIMELINE) and every process's stack samples and thread CPU during the
-#    bursts only (PDSERVE_STACK_SAMPLES, gated);
-# 2. prefill_burst over cuda_ipc: the prefill worker's host time a prompt when the model costs
-#    nothing (hidden 64), its threads' CPU and stacks during the bursts.
-# Everything lands in $OUT: gpu_serve.json, prefill_burst.json and runs.tgz (the load tests'
-# reports and logs, the timelines, the samples). Read them with
-#   python -m pdserve.bench.step_gaps o/tl
+# PARTS (default "serve core"), each into $OUT:
+#   serve  the one-GPU load test, colocated against the split over cuda_ipc (four gateways, 96
+#          requests at 16 req/s and twice as a burst) with every engine process's step
+#          timeline (PDSERVE_STEP_TIMELINE) and every process's stack samples and thread CPU
+#          during the bursts only (PDSERVE_STACK_SAMPLES, gated): a_gpu_serve.json
+#   core   the split again, its prefill engine in a process of its own (pdserve up
+#          --prefill-engine-core process), timelines too: b_gpu_serve.json
+#   burst  prefill_burst over cuda_ipc, the prefill engine in a thread and in a process: the
+#          prefill worker's host time a prompt when the model costs nothing (hidden 64), its
+#          threads' CPU and stacks during the bursts: burst_thread.json, burst_process.json
+# and runs.tgz (the load tests' reports and logs, the timelines, the samples). Read them with
+#   python -m pdserve.bench.step_gaps o/tl_a
 #   python -m pdserve.bench.burst_timeline o/a/loadtest_cuda_ipc.json o/a/cluster_cuda_ipc.log
 #   python -m pdserve.bench.pyspy_summary o/stacks/prefill-*.txt "_run_once"
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+source pdserve/bench/gpu_kit_env.sh || exit 1  # the kit's wheels, for prefill_burst too
 R=${OUT:-bench_results/gpu_prefill_where}
 W=/tmp/o
-mkdir -p "$R" "$W/tl" "$W/stacks" "$W/pb_stacks"
-(
-    export PDSERVE_STEP_TIMELINE=$W/tl PDSERVE_STACK_SAMPLES=$W/stacks \
-        PDSERVE_STACK_SAMPLE_WHILE=$W/gate PDSERVE_STACK_SAMPLE_HZ=${HZ:-400}
-    OUT=$W/a timeout "${SERVE_S:-420}" bash pdserve/bench/gpu_kit_run.sh \
-        --systems colocated,cuda_ipc --api-server-count 4 --colocated-api-servers 4 \
-        --request-rate 16,inf,inf --sample-rates inf
-) > "$W/serve.txt" 2>&1
-tail -25 "$W/serve.txt"
-cp "$W/a/gpu_serve.json" "$R/" 2>/dev/null
-(
-    export PYTHONPATH="${SITE:-/tmp/site}:$PWD" PDSERVE_STACK_SAMPLES=$W/pb_stacks \
-        PDSERVE_STACK_SAMPLE_WHILE=$W/pb_gate PDSERVE_STACK_SAMPLE_HZ=${HZ:-400}
-    timeout "${BURST_S:-150}" python3 -m pdserve.bench.prefill_burst --device cuda \
-        --transport cuda_ipc --rounds 6 --prompts 96 --output-json "$R/prefill_burst.json"
-) > "$W/burst.txt" 2>&1
-tail -8 "$W/burst.txt"
-for f in "$W"/pb_stacks/prefill-*.cpu.json "$W"/stacks/prefill-*.cpu.json; do
-    echo "== $f"; head -12 "$f"
+PARTS=${PARTS:-serve core}
+SERVE=(--api-server-count 4 --colocated-api-servers 4 --request-rate 16,inf,inf)
+mkdir -p "$R" "$W"
+for part in $PARTS; do
+    case $part in
+    serve)
+        mkdir -p "$W/tl_a" "$W/stacks"
+        (
+            export PDSERVE_STEP_TIMELINE=$W/tl_a PDSERVE_STACK_SAMPLES=$W/stacks \
+                PDSERVE_STACK_SAMPLE_WHILE=$W/gate PDSERVE_STACK_SAMPLE_HZ=${HZ:-400}
+            OUT=$W/a timeout "${SERVE_S:-330}" bash pdserve/bench/gpu_kit_run.sh \
+                --systems colocated,cuda_ipc "${SERVE[@]}" --sample-rates inf
+        ) > "$W/serve_a.txt" 2>&1
+        tail -12 "$W/serve_a.txt"
+        cp "$W/a/gpu_serve.json" "$R/a_gpu_serve.json"
+        ;;
+    core)
+        mkdir -p "$W/tl_b"
+        (
+            export PDSERVE_STEP_TIMELINE=$W/tl_b
+            OUT=$W/b timeout "${CORE_S:-200}" bash pdserve/bench/gpu_kit_run.sh \
+                --systems cuda_ipc --prefill-engine-core process "${SERVE[@]}"
+        ) > "$W/serve_b.txt" 2>&1
+        tail -8 "$W/serve_b.txt"
+        cp "$W/b/gpu_serve.json" "$R/b_gpu_serve.json"
+        ;;
+    burst)
+        for core in thread process; do
+            mkdir -p "$W/pb_$core"
+            (
+                export PDSERVE_STACK_SAMPLES=$W/pb_$core PDSERVE_STACK_SAMPLE_WHILE=$W/pb_gate \
+                    PDSERVE_STACK_SAMPLE_HZ=${HZ:-400}
+                timeout "${BURST_S:-120}" python3 -m pdserve.bench.prefill_burst --device cuda \
+                    --transport cuda_ipc --rounds 6 --prompts 96 --engine-core $core \
+                    --output-json "$R/burst_$core.json"
+            ) > "$W/burst_$core.txt" 2>&1
+            tail -3 "$W/burst_$core.txt"
+            for f in "$W"/pb_$core/prefill-*.cpu.json; do echo "== $f"; head -8 "$f"; done
+        done
+        ;;
+    esac
 done
 tar czf "$R/runs.tgz" -C /tmp o

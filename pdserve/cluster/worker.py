@@ -134,8 +134,8 @@ def serial_host_threads(args: argparse.Namespace) -> None:
 
 def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
     """The serving engine of `role` from the engine flags; with `--engine-core process` (the
-    colocated server's, a decode worker's) its step loop runs in a process of its own
-    (engine/core_client.py, decode_svc/core_client.py)."""
+    colocated server's, a decode or prefill worker's) its step loop runs in a process of its
+    own (engine/core_client.py, decode_svc/core_client.py, prefill_svc/core_client.py)."""
     from engine.async_engine import AsyncLLMEngine
 
     engine_class: Any = AsyncLLMEngine
@@ -148,6 +148,10 @@ def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
         from decode_svc.core_client import DecodeCoreClient
 
         engine_class, extra = DecodeCoreClient, {"options": {"kv_transport": args.kv_transport}}
+    elif role == "prefill" and getattr(args, "engine_core", "thread") == "process":
+        from prefill_svc.core_client import PrefillCoreClient
+
+        engine_class = PrefillCoreClient
     elif getattr(args, "engine_core", "thread") == "process" or getattr(
             args, "engine_core_address", ""):
         from engine.core_client import EngineCoreClient
