@@ -18,8 +18,8 @@ prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tl
   max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, stream-interval,
   distributed-timeout-seconds,
   speculative-config, kv-slab-bytes, kv-lease-seconds, kv-transport, kv-push-streams,
-  enable-lora, lora-modules, max-loras, max-lora-rank, max-cpu-loras, enable-expert-parallel,
-  enforce-eager, disable-log-stats, log-stats-interval]
+  engine-core, enable-lora, lora-modules, max-loras, max-lora-rank, max-cpu-loras,
+  enable-expert-parallel, enforce-eager, disable-log-stats, log-stats-interval]
 decode: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
   tls-server-name, metrics-port, model, served-model-name, max-model-len,
   dtype, kv-cache-dtype, quantization, device, block-size, kv-cache-memory, num-kv-blocks,
