@@ -87,8 +87,11 @@ class PrefillCore(Core):
         for conn, blocks in by_conn.items():
             self._send(conn, ("kv", blocks))
 
-    def _add_watched(self, conn: Connection, request_id: str, *args: Any) -> None:
-        self._add(conn, request_id, *args)
+    def _add_watched(self, conn: Connection, request_id: str, prompt: Any, params: Any,
+                     *args: Any) -> None:
+        if params is not None and params.n != 1:  # as the engine refuses a watch
+            raise ValueError("only a prefill-role request with n = 1 can have its KV watched")
+        self._add(conn, request_id, prompt, params, *args)
         self.watched.add(request_id)
 
     def _abort(self, conn: Connection, request_id: str) -> bool:

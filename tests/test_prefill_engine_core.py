@@ -77,6 +77,10 @@ def test_the_note_names_the_held_blocks_before_the_first_token_then_the_child_di
             assert await client.release("a") and await client.release("b")
             assert not await client.release("a")
             assert await client.held_requests() == []
+            with pytest.raises(ValueError, match="n = 1"):
+                async for _ in client.generate(prompt, SamplingParams(n=2, max_tokens=2), "c",
+                                               kv_watch=client.watch_kv(events.append)):
+                    pass
             kept = pool[:, :, note.block_ids[0]].clone()
             os.kill(client._proc.pid, signal.SIGKILL)
             with pytest.raises(EngineDeadError):
