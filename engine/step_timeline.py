@@ -25,6 +25,7 @@ from typing import Any
 ENV_DIR = "PDSERVE_STEP_TIMELINE"
 MAX_ENTRIES = 200_000
 DUMP_EVERY_S = 5.0
+_timelines: list[StepTimeline] = []  # this process's, newest last
 
 
 class StepTimeline:
@@ -37,6 +38,7 @@ class StepTimeline:
         self._dumped_at = time.perf_counter()
         gc.callbacks.append(self._on_gc)
         atexit.register(self.dump)
+        _timelines.append(self)
 
     @classmethod
     def from_env(cls, role: str) -> StepTimeline | None:
@@ -77,4 +79,15 @@ class StepTimeline:
         """Stop noting collections and write what was noted."""
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
+        if self in _timelines:
+            _timelines.remove(self)
         self.dump()
+
+
+def watch_collections(role: str) -> StepTimeline | None:
+    """A process without an engine step loop (a server whose engine runs in another process,
+    a gateway): its collections noted, as a timeline without steps, when PDSERVE_STEP_TIMELINE
+    is set and no timeline of this process notes them already."""
+    if _timelines:
+        return None
+    return StepTimeline.from_env(role)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import uvicorn
 
+from engine.gc_heap import serving_process_ready
 from pdserve.cluster.flags import (
     add_chat_template_flag,
     add_engine_core_flag,
@@ -113,6 +114,7 @@ async def _serve_app(app: object, args: argparse.Namespace) -> None:
     # handler it found and raises the signal again, which with the default handler would kill
     # the drained process (exit -15). Found here instead: a stop request, nothing more.
     previous = signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+    serving_process_ready("http")
     try:
         await (server.serve() if sockets is None else server.serve(sockets=sockets))
     finally:

@@ -7,7 +7,11 @@ import gc
 import json
 import time
 
-from engine.step_timeline import StepTimeline
+import pytest
+
+from engine import step_timeline
+from engine.gc_heap import serving_process_ready, unfreeze_heap
+from engine.step_timeline import ENV_DIR, StepTimeline, watch_collections
 from pdserve.bench import step_gaps
 
 
@@ -32,3 +36,26 @@ def test_steps_and_collections_are_noted_and_written(tmp_path) -> None:
 
 def test_no_timeline_is_an_error(tmp_path) -> None:
     assert step_gaps.main([str(tmp_path)]) == 2
+
+
+def test_a_serving_process_freezes_its_heap_and_notes_its_collections(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server without a step loop (a gateway, a worker whose engine runs in a process of its
+    own) freezes what it built before serving, and with PDSERVE_STEP_TIMELINE set notes its
+    collections as a timeline without steps (one per process)."""
+    monkeypatch.setenv(ENV_DIR, str(tmp_path))
+    built = [[i] for i in range(5000)]  # the start-up heap
+    assert not step_timeline._timelines
+    try:
+        serving_process_ready("decode-server")
+        assert gc.get_freeze_count() >= len(built)
+        (timeline,) = step_timeline._timelines
+        assert watch_collections("again") is None  # one timeline notes this process's
+        gc.collect()
+        timeline.close()
+    finally:
+        unfreeze_heap()
+    assert not step_timeline._timelines
+    data = json.loads(timeline.path.read_text())
+    assert data["role"] == "decode-server" and data["steps"] == []
+    assert any(g == 2 for _, _, g in data["gc"])

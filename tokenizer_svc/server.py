@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 
+from engine.gc_heap import serving_process_ready
 from pdserve.cluster.flags import add_chat_template_flag, add_common_flags, add_model_flags
 from pdserve.cluster.grpc_server import make_server, serve_until_signal, set_serving
 from pdserve.cluster.registry import Heartbeat, WorkerInfo, WorkerRegistry
@@ -45,6 +46,7 @@ async def serve(args: argparse.Namespace) -> None:
     )
     listen(server, f"{args.host}:{args.port}", tls_from_args(args))
     await server.start()
+    serving_process_ready("tokenizer")
     await set_serving(health, SERVICE)
     logging.getLogger(__name__).info("tokenizer serving %s on %s:%d", path, args.host, args.port)
     heartbeat = _heartbeat(args)

@@ -24,6 +24,7 @@ from engine.config import (
     QUANTIZATION_CHOICES,
     QUANTIZATION_HELP,
 )
+from engine.gc_heap import serving_process_ready
 from engine.kv_events import KVEventBatch
 from engine.scheduler_output import SchedulerStats
 from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
@@ -407,6 +408,7 @@ async def run_worker(
                             loras=lambda: [r.lora_name for r in engine.list_loras()])
     heartbeat = await start_monitoring(args, monitor)
     stats_log = start_stats_log(args, engine.stats)
+    serving_process_ready(f"{role}-server")
     await set_serving(health, service)
     logger.info("%s worker serving on %s", role, monitor.address)
 
