@@ -6,9 +6,10 @@
 #
 # PARTS (default "serve core"), each into $OUT:
 #   serve  the one-GPU load test, colocated against the split over cuda_ipc (four gateways, 96
-#          requests at 16 req/s and twice as a burst) with every engine process's step
-#          timeline (PDSERVE_STEP_TIMELINE) and every process's stack samples and thread CPU
-#          during the bursts only (PDSERVE_STACK_SAMPLES, gated): a_gpu_serve.json
+#          requests at 16 req/s and twice as a burst) with every process's step timeline or
+#          collections (PDSERVE_STEP_TIMELINE); with STACKS=1 also every process's stack
+#          samples and thread CPU during the bursts only (PDSERVE_STACK_SAMPLES, gated; the
+#          load generator then runs once per rate): a_gpu_serve.json
 #   core   the split again, its prefill engine in a process of its own (pdserve up
 #          --prefill-engine-core process), timelines too: b_gpu_serve.json
 #   burst  prefill_burst over cuda_ipc, the prefill engine in a thread and in a process: the
@@ -30,11 +31,16 @@ for part in $PARTS; do
     case $part in
     serve)
         mkdir -p "$W/tl_a" "$W/stacks"
+        sampling=()  # STACKS=1: stack samples and thread CPU during the bursts
+        [ "${STACKS:-0}" = 1 ] && sampling=(--sample-rates inf)
         (
-            export PDSERVE_STEP_TIMELINE=$W/tl_a PDSERVE_STACK_SAMPLES=$W/stacks \
-                PDSERVE_STACK_SAMPLE_WHILE=$W/gate PDSERVE_STACK_SAMPLE_HZ=${HZ:-400}
+            export PDSERVE_STEP_TIMELINE=$W/tl_a
+            if [ "${STACKS:-0}" = 1 ]; then
+                export PDSERVE_STACK_SAMPLES=$W/stacks PDSERVE_STACK_SAMPLE_WHILE=$W/gate \
+                    PDSERVE_STACK_SAMPLE_HZ=${HZ:-400}
+            fi
             OUT=$W/a timeout "${SERVE_S:-330}" bash pdserve/bench/gpu_kit_run.sh \
-                --systems colocated,cuda_ipc "${SERVE[@]}" --sample-rates inf
+                --systems colocated,cuda_ipc "${SERVE[@]}" "${sampling[@]}"
         ) > "$W/serve_a.txt" 2>&1
         tail -12 "$W/serve_a.txt"
         cp "$W/a/gpu_serve.json" "$R/a_gpu_serve.json"

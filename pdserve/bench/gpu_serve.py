@@ -156,8 +156,9 @@ def run_system(cfg: ServeConfig, system: str) -> dict[str, Any]:
 def run_load(cfg: ServeConfig, system: str, base_url: str, metrics_urls: list[str],
              report: Path) -> int:
     """The load generator against `base_url`, its report into `report`; its exit code. With
-    --sample-rates a subset of the rates, one run per rate, the samplers' gate open only in
-    the chosen ones, and the runs' reports merged into one."""
+    --sample-rates a subset of the rates, one run per rate (the i-th seeded seed + i: one
+    seed would send every run the same prompts, which the prefix caches then serve), the
+    samplers' gate open only in the chosen ones, and the runs' reports merged into one."""
     load = cfg.load
     if cfg.sample_rates is None or set(cfg.sample_rates) == set(load.request_rates):
         with sampling_window():
@@ -166,7 +167,9 @@ def run_load(cfg: ServeConfig, system: str, base_url: str, metrics_urls: list[st
     parts = []
     for rate in load.request_rates:
         part = report.with_name(f"{report.stem}.rate{len(parts)}.json")
-        argv = loadtest_argv(dataclasses.replace(load, request_rates=(rate,)), system,
+        # its own seed: the same prompts again would be served from the prefix caches
+        argv = loadtest_argv(dataclasses.replace(load, request_rates=(rate,),
+                                                 seed=load.seed + len(parts)), system,
                              base_url, metrics_urls, part)
         with sampling_window(rate in cfg.sample_rates):
             code = subprocess.run(argv).returncode
