@@ -4,7 +4,7 @@
 #
 #   run(carry=[".gpu-kit"], command="bash pdserve/bench/gpu_prefill_where.sh")
 #
-# PARTS (default "serve core"), each into $OUT:
+# PARTS (default "serve core"), each into $OUT (RATES: the load's rates, default 16,inf,inf):
 #   serve  the one-GPU load test, colocated against the split over cuda_ipc (four gateways, 96
 #          requests at 16 req/s and twice as a burst) with every process's step timeline or
 #          collections (PDSERVE_STEP_TIMELINE); with STACKS=1 also every process's stack
@@ -25,7 +25,7 @@ source pdserve/bench/gpu_kit_env.sh || exit 1  # the kit's wheels, for prefill_b
 R=${OUT:-bench_results/gpu_prefill_where}
 W=/tmp/o
 PARTS=${PARTS:-serve core}
-SERVE=(--api-server-count 4 --colocated-api-servers 4 --request-rate 16,inf,inf)
+SERVE=(--api-server-count 4 --colocated-api-servers 4 --request-rate "${RATES:-16,inf,inf}")
 mkdir -p "$R" "$W"
 for part in $PARTS; do
     case $part in
