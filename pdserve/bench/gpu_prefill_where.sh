@@ -11,7 +11,8 @@
 #          samples and thread CPU during the bursts only (PDSERVE_STACK_SAMPLES, gated; the
 #          load generator then runs once per rate): a_gpu_serve.json
 #   core   the split again, its prefill engine in a process of its own (pdserve up
-#          --prefill-engine-core process), timelines too: b_gpu_serve.json
+#          --prefill-engine-core process; CORES="thread process": each, in turn), timelines
+#          too: b_process_gpu_serve.json
 #   burst  prefill_burst over cuda_ipc, the prefill engine in a thread and in a process: the
 #          prefill worker's host time a prompt when the model costs nothing (hidden 64), its
 #          threads' CPU and stacks during the bursts: burst_thread.json, burst_process.json
@@ -46,14 +47,16 @@ for part in $PARTS; do
         cp "$W/a/gpu_serve.json" "$R/a_gpu_serve.json"
         ;;
     core)
-        mkdir -p "$W/tl_b"
-        (
-            export PDSERVE_STEP_TIMELINE=$W/tl_b
-            OUT=$W/b timeout "${CORE_S:-200}" bash pdserve/bench/gpu_kit_run.sh \
-                --systems cuda_ipc --prefill-engine-core process "${SERVE[@]}"
-        ) > "$W/serve_b.txt" 2>&1
-        tail -8 "$W/serve_b.txt"
-        cp "$W/b/gpu_serve.json" "$R/b_gpu_serve.json"
+        for core in ${CORES:-process}; do
+            mkdir -p "$W/tl_b_$core"
+            (
+                export PDSERVE_STEP_TIMELINE=$W/tl_b_$core
+                OUT=$W/b_$core timeout "${CORE_S:-200}" bash pdserve/bench/gpu_kit_run.sh \
+                    --systems cuda_ipc --prefill-engine-core "$core" "${SERVE[@]}"
+            ) > "$W/serve_b_$core.txt" 2>&1
+            tail -8 "$W/serve_b_$core.txt"
+            cp "$W/b_$core/gpu_serve.json" "$R/b_${core}_gpu_serve.json"
+        done
         ;;
     burst)
         for core in thread process; do
