@@ -5,6 +5,7 @@ parse back to those figures; and the summary's rows and ratios from two fake rep
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -213,3 +214,32 @@ def test_split_rows_report_the_handover_against_the_replicas() -> None:
     assert row["handover_ms"] == pytest.approx(2.0) and row["kv_share"] == pytest.approx(0.1)
     assert summary["ratios"]["split_cuda_ipc"]["baseline"] == "replicas"
     assert summary["ratios"]["split_cuda_ipc"]["goodput"] == 2.0
+
+
+def test_sampled_rates_run_apart_with_their_own_seeds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--sample-rates: one load-generator run per rate, each seeded apart (one seed sent every
+    run the same prompts, which the prefix caches then served), the gate open only in the
+    sampled ones, the reports merged in rate order."""
+    from pdserve.bench import gpu_serve
+
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("PDSERVE_STACK_SAMPLE_WHILE", str(gate))
+    calls = []
+
+    def fake_run(argv: list[str]) -> object:
+        parser = argparse.ArgumentParser()
+        loadtest.cli.add_arguments(parser)
+        lt = parser.parse_args(argv[3:])
+        calls.append((lt.request_rate, lt.seed, gate.exists()))
+        Path(lt.output_json).write_text(json.dumps({"runs": [{"rate": lt.request_rate}]}))
+        return argparse.Namespace(returncode=0)
+
+    monkeypatch.setattr(gpu_serve.subprocess, "run", fake_run)
+    cfg = _config("--request-rate", "16,inf,inf", "--sample-rates", "inf", "--seed", "7")
+    report = tmp_path / "loadtest.json"
+    assert gpu_serve.run_load(cfg, "grpc", "http://x", [], report) == 0
+    assert [(seed, sampled) for _, seed, sampled in calls] == [(7, False), (8, True), (9, True)]
+    assert [r["rate"] for r in json.loads(report.read_text())["runs"]] == [
+        [16.0], [math.inf], [math.inf]]
+    assert not gate.exists()
