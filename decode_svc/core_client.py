@@ -1,11 +1,11 @@
 """`DecodeCoreClient`: the decode role's `AsyncLLMEngine` API over an engine core process
 (decode_svc/engine_core.py says why and what crosses the socket).
 
-It adds to `EngineCoreClient` what `KVReceiver` and the Decode service call: reserve_remote
-(a reservation queued for free blocks waits here for its "granted" message), commit_remote /
-commit_here (a command nobody waits for), stream, prefix_events, the pool's description for
-DescribeKV (`CorePoolExporter`), and the pool itself mapped here for the grpc push's slabs
-(`kv_caches`).
+It adds to `PoolCoreClient` (engine/core_pool.py: the pool mapped here, `prefix_events`) what
+`KVReceiver` and the Decode service call: reserve_remote (a reservation queued for free blocks
+waits here for its "granted" message), commit_remote / commit_here (a command nobody waits
+for), stream, the pool's description for DescribeKV (`CorePoolExporter`), and the pool's
+layers for the grpc push's slabs (`kv_caches`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ import torch
 
 from decode_svc.engine_core import DecodeFacts
 from engine.config import NO_KV_WAIT, KVWaitConfig
-from engine.core_client import EngineCoreClient
-from engine.core_pool import MappedPool
+from engine.core_pool import PoolCoreClient
 from engine.core_process import NO_REPLY
-from engine.kv_events import KVEventBatch
 from engine.kv_handoff import Reservation
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
@@ -36,26 +34,11 @@ from pdserve.transport.base import GRPC, PoolInfo
 logger = logging.getLogger(__name__)
 
 
-class DecodeCoreClient(EngineCoreClient):
+class DecodeCoreClient(PoolCoreClient):
     CORE_MODULE = "decode_svc.engine_core"
     ROLES = ("decode",)
 
-    @classmethod
-    def from_args(cls, model: str | None = None, listen: str = "", options: dict | None = None,
-                  **kwargs: Any) -> DecodeCoreClient:
-        """`EngineCoreClient.from_args` for the decode role (`options`: {"kv_transport": ...});
-        ValueError at once for tensor parallelism."""
-        if kwargs.get("tensor_parallel_size", 1) > 1:
-            raise ValueError("tensor_parallel_size: a decode worker's engine core process runs "
-                             "one rank (every rank's KV pool is mapped in rank 0); use "
-                             "--engine-core thread with tensor parallelism")
-        client = super().from_args(model, listen, options, **kwargs)
-        assert isinstance(client, DecodeCoreClient)
-        return client
-
     def __init__(self, conn: Connection, facts: DecodeFacts, proc: Any = None) -> None:
-        self.facts = facts
-        self.pool = MappedPool(conn, facts.pool)  # sent right after "ready", if a memfd
         self._granted: dict[str, asyncio.Future] = {}  # reservations queued for blocks
         super().__init__(conn, facts, proc)
 
@@ -102,9 +85,6 @@ class DecodeCoreClient(EngineCoreClient):
         async with aclosing(self._consume(request_id)) as outputs:  # closed with us: aborts first
             async for out in outputs:
                 yield out
-
-    async def prefix_events(self, full: bool) -> KVEventBatch:
-        return await self._call("prefix_events", full)
 
     def kv_caches(self) -> list[torch.Tensor]:
         """Per layer, the engine core's KV cache mapped here (a GPU pool by its CUDA IPC

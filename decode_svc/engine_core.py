@@ -35,10 +35,8 @@ from typing import Any
 
 from decode_svc.pool import PoolExporter
 from engine import core_process, handover_trace
-from engine.config import EngineConfig
-from engine.core_pool import pool_spec, send_pool_fd
-from engine.core_process import Core, CoreFacts, portable
-from engine.kv_events import KVEventBatch, prefix_events
+from engine.core_pool import PoolCore, PoolFacts
+from engine.core_process import Core, portable
 from engine.kv_handoff import Reservation
 from engine.kv_transfer import KVLayout
 from engine.llm_engine import LLMEngine
@@ -46,16 +44,14 @@ from pdserve.transport.base import PoolInfo
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeFacts(CoreFacts):
+class DecodeFacts(PoolFacts):
     pool_id: str = ""
     offered: tuple[str, ...] = ()  # the KV transports this worker offers
     layout: KVLayout | None = None
-    # how the server maps the pool: ("memfd", shape, dtype) (the memfd follows "ready") or
-    # ("cuda", torch's (rebuild, args) of the pool: its CUDA IPC handle)
-    pool: tuple = ()
 
 
-class DecodeCore(Core):
+class DecodeCore(PoolCore):
+    ROLE = "decode"
     per_server = Core.per_server | {"reserve", "commit"}
 
     def __init__(self, engine: LLMEngine, conn: Connection, listener: Any = None,
@@ -65,23 +61,10 @@ class DecodeCore(Core):
         self.exporter = PoolExporter(pool, (options or {}).get("kv_transport", "grpc"))
         self.queued: dict[str, Connection] = {}  # reservations waiting for blocks -> server
         self.handlers.update(reserve=self._reserve, commit=self._commit,
-                             describe=self._describe, prefix_events=self._prefix_events)
-        base = {f.name: getattr(self.facts, f.name) for f in dataclasses.fields(CoreFacts)}
-        self.facts = DecodeFacts(**base, pool_id=self.exporter.pool_id,
-                                 offered=tuple(self.exporter.offered),
-                                 layout=self.exporter.layout, pool=pool_spec(pool))
-
-    @staticmethod
-    def engine_config(model: str | None, kwargs: dict, options: dict) -> EngineConfig:
-        config = Core.engine_config(model, kwargs, options)
-        if config.parallel.tensor_parallel_size > 1:  # DecodeCoreClient says so first
-            raise ValueError("tensor_parallel_size: a decode engine core process runs one rank")
-        return dataclasses.replace(config,
-                                   cache=dataclasses.replace(config.cache, shared_pool=True))
-
-    def started(self) -> None:
-        """The CPU pool's memfd to the parent, right after "ready" (it reads it there)."""
-        send_pool_fd(self.engine.runner, self.parent, self.facts.pool)
+                             describe=self._describe)
+        self.facts = self.pool_facts(DecodeFacts, pool_id=self.exporter.pool_id,
+                                     offered=tuple(self.exporter.offered),
+                                     layout=self.exporter.layout)
 
     def after_round(self) -> None:
         """Hand the blocks freed since to the reservations queued for them, in order."""
@@ -129,8 +112,6 @@ class DecodeCore(Core):
         self.exporter.doorbell = doorbell
         return self.exporter.describe(wanted)
 
-    def _prefix_events(self, full: bool) -> KVEventBatch:
-        return prefix_events(self.engine.block_manager, full)
 
 
 def main(argv: list[str] | None = None) -> None:

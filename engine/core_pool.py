@@ -14,10 +14,15 @@ read it). The core describes the pool in its facts (`pool_spec`) and the server 
                                         process)
 
 The mapping outlives the core: a server whose core died still holds valid memory.
+
+`PoolCore` and `PoolCoreClient` are both sides of such a role: one rank (tensor parallelism
+refused: only that rank's pool would be mapped), the pool allocated to be shared, described in
+the facts and mapped, and the prefix cache's events on request (KV-aware routing).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import threading
@@ -28,6 +33,11 @@ from typing import Any
 import torch
 
 from engine import zero_pages
+from engine.config import EngineConfig
+from engine.core_client import EngineCoreClient
+from engine.core_process import Core, CoreFacts
+from engine.kv_events import KVEventBatch, prefix_events
+from engine.llm_engine import LLMEngine
 
 
 def pool_spec(pool: torch.Tensor) -> tuple:
@@ -80,3 +90,65 @@ class MappedPool:
                 rebuild, args = self.spec[1]
                 self._pool = rebuild(*args)
         return self._pool
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolFacts(CoreFacts):
+    pool: tuple = ()  # how the server maps the pool (`pool_spec`)
+
+
+class PoolCore(Core):
+    """The child's side of a role whose server maps the engine's pool (decode_svc/engine_core.py,
+    prefill_svc/engine_core.py). `ROLE` names it in errors; `pool_facts` builds its facts."""
+
+    ROLE = ""
+
+    def __init__(self, engine: LLMEngine, conn: Connection, listener: Any = None,
+                 options: dict | None = None) -> None:
+        super().__init__(engine, conn, listener, options)
+        self.handlers["prefix_events"] = self._prefix_events
+
+    @classmethod
+    def engine_config(cls, model: str | None, kwargs: dict, options: dict) -> EngineConfig:
+        config = Core.engine_config(model, kwargs, options)
+        if config.parallel.tensor_parallel_size > 1:  # PoolCoreClient says so first
+            raise ValueError(f"tensor_parallel_size: a {cls.ROLE} engine core process runs one "
+                             "rank")
+        return dataclasses.replace(config,
+                                   cache=dataclasses.replace(config.cache, shared_pool=True))
+
+    def pool_facts(self, facts_class: type[PoolFacts], **extra: Any) -> PoolFacts:
+        """`Core`'s facts as `facts_class`, with the pool's spec and the role's `extra`."""
+        base = {f.name: getattr(self.facts, f.name) for f in dataclasses.fields(CoreFacts)}
+        return facts_class(**base, pool=pool_spec(self.engine.runner.kv_pool), **extra)
+
+    def started(self) -> None:
+        """The CPU pool's memfd to the parent, right after "ready" (it reads it there)."""
+        send_pool_fd(self.engine.runner, self.parent, self.facts.pool)
+
+    def _prefix_events(self, full: bool) -> KVEventBatch:
+        return prefix_events(self.engine.block_manager, full)
+
+
+class PoolCoreClient(EngineCoreClient):
+    """The server's side: the pool mapped here (`pool`), tensor parallelism refused before a
+    process starts, `prefix_events`."""
+
+    @classmethod
+    def from_args(cls, model: str | None = None, listen: str = "", options: dict | None = None,
+                  **kwargs: Any) -> Any:
+        """`EngineCoreClient.from_args` for the role; ValueError at once for tensor
+        parallelism."""
+        if kwargs.get("tensor_parallel_size", 1) > 1:
+            raise ValueError(f"tensor_parallel_size: a {cls.ROLES[0]} worker's engine core "
+                             "process runs one rank (its server maps that rank's KV pool); use "
+                             "--engine-core thread with tensor parallelism")
+        return super().from_args(model, listen, options, **kwargs)
+
+    def __init__(self, conn: Connection, facts: PoolFacts, proc: Any = None) -> None:
+        self.facts = facts
+        self.pool = MappedPool(conn, facts.pool)  # sent right after "ready", if a memfd
+        super().__init__(conn, facts, proc)
+
+    async def prefix_events(self, full: bool) -> KVEventBatch:
+        return await self._call("prefix_events", full)

@@ -1,10 +1,10 @@
 """`PrefillCoreClient`: the prefill role's `AsyncLLMEngine` API over an engine core process
 (prefill_svc/engine_core.py says why and what crosses the socket).
 
-It adds to `EngineCoreClient` what the Prefill service, its KV sender and its leases call:
-`watch_kv` and `generate(..., kv_watch=)` (the request's KV noted final once, when its first
-token is sampled), `release`, `held_requests`, `prefix_events`, and the pool mapped here
-(`kv_pool`) for the pushes to read.
+It adds to `PoolCoreClient` (engine/core_pool.py: the pool mapped here, `prefix_events`) what
+the Prefill service, its KV sender and its leases call: `watch_kv` and `generate(...,
+kv_watch=)` (the request's KV noted final once, when its first token is sampled), `release`,
+`held_requests`, and the pool as a tensor (`kv_pool`) for the pushes to read.
 """
 
 from __future__ import annotations
@@ -17,16 +17,13 @@ from typing import Any
 
 import torch
 
-from engine.core_client import EngineCoreClient
-from engine.core_pool import MappedPool
-from engine.kv_events import KVEventBatch
+from engine.core_pool import PoolCoreClient, PoolFacts
 from engine.kv_progress import KVProgress
 from engine.llm_engine import PromptInput
 from engine.loop_hops import call_on_loops
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from prefill_svc.engine_core import PrefillFacts
 
 
 class CoreKVWatch:
@@ -51,26 +48,11 @@ class CoreKVWatch:
         return KVProgress(self.num_layers, n, n, tuple(block_ids), self.epoch)
 
 
-class PrefillCoreClient(EngineCoreClient):
+class PrefillCoreClient(PoolCoreClient):
     CORE_MODULE = "prefill_svc.engine_core"
     ROLES = ("prefill",)
 
-    @classmethod
-    def from_args(cls, model: str | None = None, listen: str = "", options: dict | None = None,
-                  **kwargs: Any) -> PrefillCoreClient:
-        """`EngineCoreClient.from_args` for the prefill role; ValueError at once for tensor
-        parallelism."""
-        if kwargs.get("tensor_parallel_size", 1) > 1:
-            raise ValueError("tensor_parallel_size: a prefill worker's engine core process runs "
-                             "one rank (the pushes read its pool from the worker's process); "
-                             "use --engine-core thread with tensor parallelism")
-        client = super().from_args(model, listen, options, **kwargs)
-        assert isinstance(client, PrefillCoreClient)
-        return client
-
-    def __init__(self, conn: Connection, facts: PrefillFacts, proc: Any = None) -> None:
-        self.facts = facts
-        self.pool = MappedPool(conn, facts.pool)  # sent right after "ready", if a memfd
+    def __init__(self, conn: Connection, facts: PoolFacts, proc: Any = None) -> None:
         self._watches: dict[str, CoreKVWatch] = {}  # watched requests until their note
         super().__init__(conn, facts, proc)
 
@@ -117,9 +99,6 @@ class PrefillCoreClient(EngineCoreClient):
     async def held_requests(self) -> list[str]:
         """The finished requests holding blocks now."""
         return await self._call("held")
-
-    async def prefix_events(self, full: bool) -> KVEventBatch:
-        return await self._call("prefix_events", full)
 
     # ---- the reader thread ---------------------------------------------------------------
     def _role_message(self, message: tuple) -> None:

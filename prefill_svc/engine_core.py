@@ -27,26 +27,18 @@ first token. Tensor parallelism is refused: the pool of every rank would have to
 
 from __future__ import annotations
 
-import dataclasses
 from multiprocessing.connection import Connection
 from typing import Any
 
 from engine import core_process
-from engine.config import EngineConfig
-from engine.core_pool import pool_spec, send_pool_fd
-from engine.core_process import Core, CoreFacts
-from engine.kv_events import KVEventBatch, prefix_events
+from engine.core_pool import PoolCore, PoolFacts
+from engine.core_process import Core
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
 
-@dataclasses.dataclass(frozen=True)
-class PrefillFacts(CoreFacts):
-    # how the server maps the pool (engine/core_pool.py's `pool_spec`)
-    pool: tuple = ()
-
-
-class PrefillCore(Core):
+class PrefillCore(PoolCore):
+    ROLE = "prefill"
     per_server = Core.per_server | {"add_watched"}
 
     def __init__(self, engine: LLMEngine, conn: Connection, listener: Any = None,
@@ -54,22 +46,8 @@ class PrefillCore(Core):
         super().__init__(engine, conn, listener, options)
         self.watched: set[str] = set()  # requests whose blocks go to their server when final
         self.handlers.update(add_watched=self._add_watched, release=engine.release,
-                             held=lambda: list(engine.scheduler.held),
-                             prefix_events=lambda full: self._prefix_events(full))
-        base = {f.name: getattr(self.facts, f.name) for f in dataclasses.fields(CoreFacts)}
-        self.facts = PrefillFacts(**base, pool=pool_spec(engine.runner.kv_pool))
-
-    @staticmethod
-    def engine_config(model: str | None, kwargs: dict, options: dict) -> EngineConfig:
-        config = Core.engine_config(model, kwargs, options)
-        if config.parallel.tensor_parallel_size > 1:  # PrefillCoreClient says so first
-            raise ValueError("tensor_parallel_size: a prefill engine core process runs one rank")
-        return dataclasses.replace(config,
-                                   cache=dataclasses.replace(config.cache, shared_pool=True))
-
-    def started(self) -> None:
-        """The CPU pool's memfd to the parent, right after "ready" (it reads it there)."""
-        send_pool_fd(self.engine.runner, self.parent, self.facts.pool)
+                             held=lambda: list(engine.scheduler.held))
+        self.facts = self.pool_facts(PoolFacts)
 
     def before_outputs(self, outputs: list[RequestOutput]) -> None:
         """The blocks of each watched request whose first token this step sampled, to its
@@ -103,8 +81,6 @@ class PrefillCore(Core):
         super()._drop(conn)
         self.watched -= gone
 
-    def _prefix_events(self, full: bool) -> KVEventBatch:
-        return prefix_events(self.engine.block_manager, full)
 
 
 def main(argv: list[str] | None = None) -> None:
