@@ -12,10 +12,10 @@ from decode_svc.service import DecodeServicer, add_to_server
 from engine.config import KVWaitConfig
 from pdserve.cluster.drain import DrainGate
 from pdserve.cluster.flags import (
-    add_decode_engine_core_flag,
     add_flag,
     add_kv_doorbell_flag,
     add_kv_transport_flag,
+    add_worker_engine_core_flag,
 )
 from pdserve.cluster.worker import (
     add_worker_flags,
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "seconds its blocks stay reserved once the writing pushes ended (a cancelled "
                   "sender's last write may still land)")
     add_kv_doorbell_flag(parser)
-    add_decode_engine_core_flag(parser)
+    add_worker_engine_core_flag(parser, "decode")
     add_flag(parser, "--kv-wait-max-requests", 64, type=int,
              help="Generates that may wait for free KV blocks at a time; more get "
                   "RESOURCE_EXHAUSTED at once")

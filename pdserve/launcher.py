@@ -120,9 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "serve's --engine-core; default process), else every decode worker's "
                         "(pdserve decode's --engine-core; default auto: a process on a GPU, a "
                         "thread on the CPU); prefill workers: --prefill-engine-core")
-    p.add_argument("--prefill-engine-core", default=None, choices=["thread", "process"],
+    p.add_argument("--prefill-engine-core", default=None,
+                   choices=["auto", "thread", "process"],
                    help="where every prefill worker's engine loop runs (pdserve prefill's "
-                        "--engine-core; default thread)")
+                        "--engine-core; default auto: a process on a GPU, a thread on the CPU)")
     add_generate_streams_flag(p)  # handed to every gateway
     add_chat_template_flag(p)  # handed to the tokenizer (with --colocated, to the engine's)
     add_flag(p, "--tool-call-parser", "hermes",

@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from pdserve.cluster.flags import add_flag, add_kv_push_streams_flag, add_kv_transport_flag
+from pdserve.cluster.flags import (
+    add_flag,
+    add_kv_push_streams_flag,
+    add_kv_transport_flag,
+    add_worker_engine_core_flag,
+)
 from pdserve.cluster.tls import tls_from_args
 from pdserve.cluster.worker import (
     add_worker_flags,
@@ -30,11 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--kv-slab-bytes", 2 << 20, type=int, help="bytes per KV transfer message")
     add_kv_transport_flag(parser)
     add_kv_push_streams_flag(parser)
-    add_flag(parser, "--engine-core", "thread", choices=["thread", "process"],
-             help="where the prefill engine's step loop runs: a thread of the worker's process "
-                  "(sharing its interpreter lock with the gRPC server and the pushes), or a "
-                  "process of its own (not with --tensor-parallel-size > 1; a push then starts "
-                  "at the request's first token, not while its prompt is computed)")
+    add_worker_engine_core_flag(parser, "prefill")
     add_flag(parser, "--kv-lease-seconds", 30.0, type=float,
              help="seconds a prefilled request's KV waits for its decode worker to take it "
                   "before it is freed")

@@ -122,13 +122,17 @@ def test_an_engine_core_listen_socket_needs_the_engine_core_process() -> None:
     (["decode", "--device", "cpu"], True, "thread"),
     (["decode", "--engine-core", "process"], False, "process"),  # as asked
     (["decode", "--engine-core", "thread"], True, "thread"),
+    (["prefill"], True, "process"),  # the prefill worker's auto is the decode worker's
+    (["prefill"], False, "thread"),
+    (["prefill", "--tensor-parallel-size", "2"], True, "thread"),
+    (["prefill", "--engine-core", "thread"], True, "thread"),
 ])
-def test_a_decode_worker_resolves_its_engine_core(argv: list[str], cuda: bool, expected: str,
+def test_a_worker_resolves_its_engine_core(argv: list[str], cuda: bool, expected: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from pdserve.cluster.worker import decode_engine_core
+    from pdserve.cluster.worker import worker_engine_core
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     args = build_parser().parse_args(argv)
-    assert decode_engine_core(args) == expected
+    assert worker_engine_core(args) == expected

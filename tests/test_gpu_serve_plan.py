@@ -96,6 +96,9 @@ def test_each_system_s_pdserve_up(system: str) -> None:
     else:
         assert (up.redis_url, up.kv_transport) == ("redis://127.0.0.1:7000/0", system)
         assert up.generate_streams == "shared"
+        assert (up.engine_core, up.prefill_engine_core) == (None, None)  # the workers' auto
+        argv = up_argv(_config("--prefill-engine-core", "thread"), system, 1, "redis://r")
+        assert build_parser().parse_args(argv[3:]).prefill_engine_core == "thread"
         argv = up_argv(_config("--generate-streams", "per-request"), system, 1, "redis://r")
         assert build_parser().parse_args(argv[3:]).generate_streams == "per-request"
         assert up.engine_core is None  # auto: the decode workers resolve their default

@@ -9,9 +9,11 @@ and the commit.
     restart     a decode worker restarted on the same port has a new pool: the prefill worker's
                 cached handle is refused (KVTarget FAILED_PRECONDITION) before it writes, that
                 push goes over grpc, and the next one maps the new pool
-    engine core the decode worker's engine in a process of its own (--engine-core process):
-                tokens equal colocated over cuda_ipc (the pool exported by that process) and
-                over grpc (its server writes the pool opened by the handle)
+    engine core each worker's engine in a process of its own (--engine-core auto, the
+                default on a GPU, as the other tests run): tokens equal colocated over cuda_ipc
+                (the pool exported by the decode core, written from the pool the prefill core
+                shares) and over grpc (the decode worker's server writes the pool opened by the
+                handle); both engines in their worker's thread (--engine-core thread) too
     kills       a prefill worker killed while it pushes, a decode worker killed while it
                 receives: the survivor ends with every block free (SIGKILL lands wherever the
                 push is by then; on a GPU the whole push takes a few ms, so "mid-write" is not
@@ -109,19 +111,20 @@ class Worker:
 
 
 def _pair(model: str, dtype: str, gpus: tuple[str, str] | None = None,
-          decode_flags: tuple[str, ...] = ()) -> tuple[Worker, Worker]:
+          decode_flags: tuple[str, ...] = (),
+          prefill_flags: tuple[str, ...] = ()) -> tuple[Worker, Worker]:
     """A prefill and a decode worker over cuda_ipc; `gpus`: (prefill's, decode's) GPU, each
     worker seeing its own first and the other's after it, as `pdserve up --prefill-gpus
-    --decode-gpus` starts them (None: both on the test's first GPU); `decode_flags` last on the
-    decode worker's command line."""
+    --decode-gpus` starts them (None: both on the test's first GPU); `decode_flags` and
+    `prefill_flags` last on each worker's command line."""
     common = ("--device", "cuda", "--dtype", dtype, "--num-kv-blocks", str(NUM_BLOCKS),
               "--kv-transport", "cuda_ipc")
     envs: list[dict[str, str] | None] = [None, None]
     if gpus is not None:
         envs = [{"CUDA_VISIBLE_DEVICES": f"{gpus[0]},{gpus[1]}"},
                 {"CUDA_VISIBLE_DEVICES": f"{gpus[1]},{gpus[0]}"}]
-    prefill = Worker("prefill", model, (*common, "--max-num-batched-tokens", str(PREFILL_CHUNK)),
-                     free_port(), free_port(), env=envs[0])
+    prefill = Worker("prefill", model, (*common, "--max-num-batched-tokens", str(PREFILL_CHUNK),
+                                        *prefill_flags), free_port(), free_port(), env=envs[0])
     decode = Worker("decode", model, (*common, "--kv-write-grace-seconds", str(GRACE_S),
                                       "--kv-timeout", "10", *decode_flags), free_port(),
                     free_port(), env=envs[1])
@@ -259,17 +262,20 @@ def test_a_restarted_decode_worker_refuses_the_stale_handle_then_maps_anew(pair)
     decode.wait_idle()
 
 
-@pytest.mark.parametrize("transport", ["cuda_ipc", "grpc"])
-def test_a_decode_engine_core_process_equals_colocated(model_dir: str, transport: str) -> None:
-    """`pdserve decode --engine-core process` (decode_svc/engine_core.py): over cuda_ipc the
-    prefill worker writes the pool the engine core process allocated and exported; over grpc
+@pytest.mark.parametrize(("core", "transport"), [
+    ("process", "cuda_ipc"), ("process", "grpc"), ("thread", "cuda_ipc")])
+def test_each_engine_core_placement_equals_colocated(model_dir: str, core: str,
+                                                     transport: str) -> None:
+    """Both workers' `--engine-core process` (decode_svc/engine_core.py,
+    prefill_svc/engine_core.py): over cuda_ipc the prefill worker pushes from the pool its
+    engine core process shares into the pool the decode core allocated and exported; over grpc
     (the decode worker offering nothing else) the decode worker's server writes the slabs into
-    that pool opened by its CUDA IPC handle. Tokens equal colocated, bytes under the transport,
-    every block free afterwards."""
+    that pool opened by its CUDA IPC handle. `thread`: both engines in their worker's process.
+    Tokens equal colocated, bytes under the transport, every block free afterwards."""
     prompts = _prompts(49152)
     ref = _reference(model_dir, "float32", prompts)
     prefill, decode = _pair(model_dir, "float32", decode_flags=(
-        "--engine-core", "process", "--kv-transport", transport))
+        "--engine-core", core, "--kv-transport", transport), prefill_flags=("--engine-core", core))
     try:
         prefill.ready(), decode.ready()
         for i, (prompt, expected) in enumerate(zip(prompts, ref)):

@@ -123,7 +123,7 @@ def test_the_engine_core_reaches_the_colocated_server(argv: list[str], expected:
 
 
 @pytest.mark.parametrize("argv, decode, prefill", [
-    ([], "auto", "thread"), (["--engine-core", "thread"], "thread", "thread"),
+    ([], "auto", "auto"), (["--engine-core", "thread"], "thread", "auto"),
     (["--prefill-engine-core", "process"], "auto", "process")])
 def test_each_role_gets_its_own_engine_core_flag(argv: list[str], decode: str, prefill: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:

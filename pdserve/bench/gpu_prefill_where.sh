@@ -5,14 +5,17 @@
 #   run(carry=[".gpu-kit"], command="bash pdserve/bench/gpu_prefill_where.sh")
 #
 # PARTS (default "serve core"), each into $OUT (RATES: the load's rates, default 16,inf,inf):
+#   tests  the repository's GPU test file of the two worker processes sharing the GPU
+#          (tests/test_kv_cuda_ipc.py; GPU_TESTS to name others): gpu_tests.log
 #   serve  the one-GPU load test, colocated against the split over cuda_ipc (four gateways, 96
-#          requests at 16 req/s and twice as a burst) with every process's step timeline or
+#          requests at 16 req/s and twice as a burst; each worker's engine where `auto` puts it
+#          on a GPU: in a process of its own) with every process's step timeline or
 #          collections (PDSERVE_STEP_TIMELINE); with STACKS=1 also every process's stack
 #          samples and thread CPU during the bursts only (PDSERVE_STACK_SAMPLES, gated; the
 #          load generator then runs once per rate): a_gpu_serve.json
-#   core   the split again, its prefill engine in a process of its own (pdserve up
-#          --prefill-engine-core process; CORES="thread process": each, in turn), timelines
-#          too: b_process_gpu_serve.json
+#   core   the split again, its prefill engine in its worker's thread (pdserve up
+#          --prefill-engine-core thread; CORES="thread process": each, in turn), timelines
+#          too: b_thread_gpu_serve.json
 #   burst  prefill_burst over cuda_ipc, the prefill engine in a thread and in a process: the
 #          prefill worker's host time a prompt when the model costs nothing (hidden 64), its
 #          threads' CPU and stacks during the bursts: burst_thread.json, burst_process.json
@@ -28,8 +31,15 @@ W=/tmp/o
 PARTS=${PARTS:-serve core}
 SERVE=(--api-server-count 4 --colocated-api-servers 4 --request-rate "${RATES:-16,inf,inf}")
 mkdir -p "$R" "$W"
+status=0
 for part in $PARTS; do
     case $part in
+    tests)
+        timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider \
+            ${GPU_TESTS:-tests/test_kv_cuda_ipc.py} 2>&1 \
+            | tee "$R/gpu_tests.log" | tail -15
+        status=${PIPESTATUS[0]}
+        ;;
     serve)
         mkdir -p "$W/tl_a" "$W/stacks"
         sampling=()  # STACKS=1: stack samples and thread CPU during the bursts
@@ -47,7 +57,7 @@ for part in $PARTS; do
         cp "$W/a/gpu_serve.json" "$R/a_gpu_serve.json"
         ;;
     core)
-        for core in ${CORES:-process}; do
+        for core in ${CORES:-thread}; do
             mkdir -p "$W/tl_b_$core"
             (
                 export PDSERVE_STEP_TIMELINE=$W/tl_b_$core
@@ -75,3 +85,4 @@ for part in $PARTS; do
     esac
 done
 tar czf "$R/runs.tgz" -C /tmp o
+exit $status

@@ -79,7 +79,7 @@ class ServeConfig:
     # the rates whose runs open the servers' stack samplers' gate (None: the whole load); when
     # a subset, the load generator runs once per rate (each after its own warm-ups)
     sample_rates: tuple[float, ...] | None = None
-    prefill_engine_core: str = "thread"  # a split system's prefill worker's engine loop
+    prefill_engine_core: str = "auto"  # a split system's prefill worker's engine loop
 
     def __post_init__(self) -> None:
         if not self.systems or set(self.systems) - set(SYSTEMS):
@@ -136,9 +136,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "process or a process of its own (pdserve up --engine-core without "
                         "--colocated); auto: the worker's default (a process on a GPU without "
                         "tensor parallelism)")
-    m.add_argument("--prefill-engine-core", default="thread", choices=["thread", "process"],
+    m.add_argument("--prefill-engine-core", default="auto",
+                   choices=["auto", "thread", "process"],
                    help="the split systems' prefill worker's engine loop: a thread of its "
-                        "process or a process of its own (pdserve up --prefill-engine-core)")
+                        "process or a process of its own (pdserve up --prefill-engine-core); "
+                        "auto: the worker's default (a process on a GPU without tensor "
+                        "parallelism)")
     m.add_argument("--colocated-api-servers", type=int, default=1,
                    help="the colocated systems' HTTP servers sharing one engine core (pdserve up "
                         "--colocated --api-server-count)")
@@ -199,7 +202,9 @@ def up_argv(cfg: ServeConfig, system: str, port: int, redis_url: str) -> list[st
     gpus = ["--prefill-gpus", "0", "--decode-gpus", "1"] if system.startswith("split_") else []
     return [*argv, "--redis-url", redis_url, "--kv-transport", transport, *gpus,
             "--api-server-count", str(cfg.api_server_count), "--generate-streams",
-            cfg.generate_streams, "--prefill-engine-core", cfg.prefill_engine_core,
+            cfg.generate_streams,
+            *([] if cfg.prefill_engine_core == "auto" else
+              ["--prefill-engine-core", cfg.prefill_engine_core]),
             *([] if cfg.decode_engine_core == "auto" else
               ["--engine-core", cfg.decode_engine_core])]
 

@@ -106,15 +106,21 @@ def add_engine_core_flag(parser: argparse.ArgumentParser) -> None:
                   "unused)")
 
 
-def add_decode_engine_core_flag(parser: argparse.ArgumentParser) -> None:
-    """--engine-core, a decode worker's (decode_svc/engine_core.py)."""
+def add_worker_engine_core_flag(parser: argparse.ArgumentParser, role: str) -> None:
+    """--engine-core, a decode or prefill worker's (decode_svc/engine_core.py,
+    prefill_svc/engine_core.py), resolved by pdserve.cluster.worker.worker_engine_core."""
+    shares = {"decode": "the gRPC server and the token streams",
+              "prefill": "the gRPC server and the KV pushes"}[role]
+    measured = {"decode": "1.25x the output tokens/s at saturation on an H200",
+                "prefill": "the split's output tokens/s at saturation 1.19x the thread's on an "
+                           "H100; a push then starts at the request's first token, not while "
+                           "its prompt is computed"}[role]
     add_flag(parser, "--engine-core", "auto", choices=["auto", "thread", "process"],
-             help="where the decode engine's step loop runs: a thread of the worker's process "
-                  "(sharing its interpreter lock with the gRPC server), or a process of its own "
-                  "(not with --tensor-parallel-size > 1); auto: a process on a GPU without "
-                  "tensor parallelism (1.25x the output tokens/s at saturation on an H200, "
-                  "docs/loadtest.md), a thread on the CPU (where the process cost 4-5%% on 2 "
-                  "cores)")
+             help=f"where the {role} engine's step loop runs: a thread of the worker's process "
+                  f"(sharing its interpreter lock with {shares}), or a process of its own "
+                  f"(not with --tensor-parallel-size > 1); auto: a process on a GPU without "
+                  f"tensor parallelism ({measured}; docs/loadtest.md), a thread on the CPU "
+                  f"(where the decode core cost 4-5%% on 2 cores)")
 
 
 def add_kv_push_streams_flag(parser: argparse.ArgumentParser) -> None:

@@ -108,9 +108,10 @@ def speculative_config(text: str) -> dict | None:
     return value
 
 
-def decode_engine_core(args: argparse.Namespace) -> str:
-    """A decode worker's --engine-core with auto resolved: process where the engine runs on a
-    GPU without tensor parallelism (its step is host-bound there), else thread."""
+def worker_engine_core(args: argparse.Namespace) -> str:
+    """A decode or prefill worker's --engine-core with auto resolved: process where the engine
+    runs on a GPU without tensor parallelism (its step is host-bound there, and the worker's
+    server, pushes and streams would share its interpreter lock), else thread."""
     choice = getattr(args, "engine_core", "thread")
     if choice != "auto":
         return choice
@@ -145,11 +146,11 @@ def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
         # else the servers joining it would wait for a socket nobody opens
         raise ValueError("--engine-core-listen: only with --engine-core process (is "
                          "PDSERVE_ENGINE_CORE=thread set?)")
-    if role == "decode" and decode_engine_core(args) == "process":
+    if role == "decode" and worker_engine_core(args) == "process":
         from decode_svc.core_client import DecodeCoreClient
 
         engine_class, extra = DecodeCoreClient, {"options": {"kv_transport": args.kv_transport}}
-    elif role == "prefill" and getattr(args, "engine_core", "thread") == "process":
+    elif role == "prefill" and worker_engine_core(args) == "process":
         from prefill_svc.core_client import PrefillCoreClient
 
         engine_class = PrefillCoreClient
