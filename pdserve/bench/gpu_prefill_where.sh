@@ -12,7 +12,9 @@
 #          on a GPU: in a process of its own) with every process's step timeline or
 #          collections (PDSERVE_STEP_TIMELINE); with STACKS=1 also every process's stack
 #          samples and thread CPU during the bursts only (PDSERVE_STACK_SAMPLES, gated; the
-#          load generator then runs once per rate): a_gpu_serve.json
+#          load generator then runs once per rate); with PROC_CPU=1 every process's CPU and
+#          the machine's busy and stolen cores each 0.1 s (pdserve.bench.proc_cpu):
+#          a_gpu_serve.json, cpu_a.json
 #   core   the split again, its prefill engine in its worker's thread (pdserve up
 #          --prefill-engine-core thread; CORES="thread process": each, in turn), timelines
 #          too: b_thread_gpu_serve.json
@@ -31,6 +33,7 @@ W=/tmp/o
 PARTS=${PARTS:-serve core}
 SERVE=(--api-server-count 4 --colocated-api-servers 4 --request-rate "${RATES:-16,inf,inf}")
 mkdir -p "$R" "$W"
+lscpu | grep -E "^(Model name|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|CPU\(s\)):"
 status=0
 for part in $PARTS; do
     case $part in
@@ -44,6 +47,12 @@ for part in $PARTS; do
         mkdir -p "$W/tl_a" "$W/stacks"
         sampling=()  # STACKS=1: stack samples and thread CPU during the bursts
         [ "${STACKS:-0}" = 1 ] && sampling=(--sample-rates inf)
+        cpu=""
+        if [ "${PROC_CPU:-0}" = 1 ]; then
+            python3 -m pdserve.bench.proc_cpu --interval 0.1 --out "$R/cpu_a.json" --match \
+                pdserve,engine_core,engine.core_process,loadtest,redis-server &
+            cpu=$!
+        fi
         (
             export PDSERVE_STEP_TIMELINE=$W/tl_a
             if [ "${STACKS:-0}" = 1 ]; then
@@ -53,6 +62,7 @@ for part in $PARTS; do
             OUT=$W/a timeout "${SERVE_S:-330}" bash pdserve/bench/gpu_kit_run.sh \
                 --systems colocated,cuda_ipc "${SERVE[@]}" "${sampling[@]}"
         ) > "$W/serve_a.txt" 2>&1
+        [ -n "$cpu" ] && kill -TERM "$cpu" && wait "$cpu"
         tail -12 "$W/serve_a.txt"
         cp "$W/a/gpu_serve.json" "$R/a_gpu_serve.json"
         ;;

@@ -7,10 +7,13 @@ sampled from /proc every interval until SIGTERM / SIGINT (Linux).
 Every interval it reads utime + stime of each process whose command line contains --match (or
 one of its comma-separated parts: `pdserve,engine.core_process` takes the engine core too)
 (`/proc/PID/stat`, `/proc/PID/cmdline`) and records the CPU share since the previous sample
-(1.0 = one core busy the whole interval). The JSON: `processes` {pid: command line} and
-`samples` [{t, cpu: {pid: share}}]; `busiest` lists, per process, its samples' 90th percentile
-and maximum: a process near 1.0 for a stretch (one Python thread holds the GIL; its other
-threads barely add) is what bounds the cluster then.
+(1.0 = one core busy the whole interval), and the whole machine's busy and stolen cores
+(`/proc/stat`'s first line: every process, matching or not; steal is time a virtual machine's
+CPUs waited for the host). The JSON: `processes` {pid: command line}, `cpus`
+(os.cpu_count()), `started_unix` and `samples` [{t, cpu: {pid: share}, machine: {busy,
+steal}}] (t: seconds since `started_unix`); `busiest` lists, per process, its samples' 90th
+percentile and maximum: a process near 1.0 for a stretch (one Python thread holds the GIL; its
+other threads barely add) is what bounds the cluster then.
 """
 
 from __future__ import annotations
@@ -51,6 +54,17 @@ def matching(pattern: str) -> dict[str, str]:
     return found
 
 
+def machine_ticks() -> tuple[int, int]:
+    """(busy, steal) clock ticks of all CPUs since boot (/proc/stat's `cpu` line: user
+    nice system idle iowait irq softirq steal ...; idle and iowait are not busy)."""
+    try:
+        fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    steal = fields[7] if len(fields) > 7 else 0
+    return sum(fields[:8]) - fields[3] - fields[4] - steal, steal
+
+
 def children(pid: int, pattern: str) -> list[int]:
     """The processes whose parent is `pid` and whose command line contains `pattern` (an
     engine core process of a server)."""
@@ -72,7 +86,8 @@ def sample(pattern: str, interval: float) -> dict[str, Any]:
     processes: dict[str, str] = {}
     samples: list[dict[str, Any]] = []
     last: dict[str, float] = {}
-    last_t, start = time.monotonic(), time.monotonic()
+    last_t, start, started_unix = time.monotonic(), time.monotonic(), time.time()
+    last_machine = machine_ticks()
     while not stop:
         time.sleep(interval)
         now = time.monotonic()
@@ -86,10 +101,14 @@ def sample(pattern: str, interval: float) -> dict[str, Any]:
             if pid in last:
                 shares[pid] = round((secs - last[pid]) / (now - last_t), 3)
             last[pid] = secs
-        samples.append({"t": round(now - start, 3), "cpu": shares})
-        last_t = now
-    return {"interval_s": interval, "processes": processes, "samples": samples,
-            "busiest": busiest(samples)}
+        machine = machine_ticks()
+        busy, steal = ((m - p) / TICKS / (now - last_t)
+                       for m, p in zip(machine, last_machine, strict=True))
+        samples.append({"t": round(now - start, 3), "cpu": shares,
+                        "machine": {"busy": round(busy, 2), "steal": round(steal, 2)}})
+        last_t, last_machine = now, machine
+    return {"interval_s": interval, "started_unix": started_unix, "cpus": os.cpu_count(),
+            "processes": processes, "samples": samples, "busiest": busiest(samples)}
 
 
 def busiest(samples: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
