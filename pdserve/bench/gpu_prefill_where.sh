@@ -15,6 +15,9 @@
 #          load generator then runs once per rate); with PROC_CPU=1 every process's CPU and
 #          the machine's busy and stolen cores each 0.1 s (pdserve.bench.proc_cpu):
 #          a_gpu_serve.json, cpu_a.json
+#   abba   the serve part's comparison twice, colocated then split, then split then colocated
+#          (what drifts during a call, such as a step's host time, weighs on both sides
+#          alike), timelines too: abba_1_gpu_serve.json, abba_2_gpu_serve.json
 #   core   the split again, its prefill engine in its worker's thread (pdserve up
 #          --prefill-engine-core thread; CORES="thread process": each, in turn), timelines
 #          too: b_thread_gpu_serve.json
@@ -65,6 +68,17 @@ for part in $PARTS; do
         [ -n "$cpu" ] && kill -TERM "$cpu" && wait "$cpu"
         tail -12 "$W/serve_a.txt"
         cp "$W/a/gpu_serve.json" "$R/a_gpu_serve.json"
+        ;;
+    abba)
+        n=0
+        for order in colocated,cuda_ipc cuda_ipc,colocated; do
+            n=$((n + 1))
+            mkdir -p "$W/tl_abba_$n"
+            PDSERVE_STEP_TIMELINE=$W/tl_abba_$n OUT=$W/abba_$n timeout "${SERVE_S:-330}" bash pdserve/bench/gpu_kit_run.sh \
+                --systems "$order" "${SERVE[@]}" > "$W/abba_$n.txt" 2>&1
+            tail -10 "$W/abba_$n.txt"
+            cp "$W/abba_$n/gpu_serve.json" "$R/abba_${n}_gpu_serve.json"
+        done
         ;;
     core)
         for core in ${CORES:-thread}; do
