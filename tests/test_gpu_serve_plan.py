@@ -175,6 +175,39 @@ def test_rows_and_ratios_over_colocated() -> None:
                          "(log: /o/cluster_cuda_ipc.log)")
 
 
+def test_repeated_rates_are_averaged_and_reports_pool(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """Three bursts a side: the ratio of the means, not of the last bursts; two reports (run
+    in turns) pool each system's rows; FILE#SYSTEM takes that system's alone."""
+    from pdserve.bench.gpu_serve_table import main, pooled
+
+    colocated = {"system": "colocated", "runs": [
+        _run(16.0, 13.0, 13.0, 1600.0, 0.020), *(_run(math.inf, 50.0, 50.0, t, 0.2)
+                                                 for t in (6000.0, 8000.0, 7000.0))]}
+    split = {"system": "cuda_ipc", "runs": [
+        _run(16.0, 13.0, 13.0, 1600.0, 0.030), *(_run(math.inf, 40.0, 40.0, t, 0.3)
+                                                 for t in (7000.0, 5000.0, 9000.0))]}
+    first = summarize([colocated, split])
+    assert first["ratios"]["cuda_ipc"]["out_tok_s"] == pytest.approx(1.0)  # 7000 / 7000
+    assert first["ratios"]["cuda_ipc"]["ttft_p50"] == pytest.approx(1.5)
+    later = summarize([{**split, "runs": [_run(16.0, 13.0, 13.0, 1600.0, 0.030),
+                                          _run(math.inf, 1.0, 1.0, 1000.0, 0.3)]},
+                       {**colocated, "runs": [_run(math.inf, 1.0, 1.0, 3000.0, 0.2)]}])
+    both = pooled([first, later])
+    assert [s["system"] for s in both] == ["colocated", "cuda_ipc"]
+    assert [len(s["rows"]) for s in both] == [5, 6]
+    # means over four bursts a side: colocated 6000, split 5500
+    assert ratios(both)["cuda_ipc"]["out_tok_s"] == pytest.approx(5500 / 6000)
+    paths = []
+    for name, report in (("a", first), ("b", later)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(report, default=str).replace("Infinity", "1e999"))
+    assert main([str(p) for p in paths]) == 0
+    assert "cuda_ipc over colocated: out tok/s at inf 0.92x" in capsys.readouterr().out
+    assert main([f"{paths[0]}#colocated", f"{paths[1]}#cuda_ipc"]) == 0  # 7000 vs 1000
+    assert "cuda_ipc over colocated: out tok/s at inf 0.14x" in capsys.readouterr().out
+
+
 def test_no_ratios_without_the_colocated_server() -> None:
     systems = summarize([{"system": "grpc", "runs": [_run(16.0, 13.0, 13.0, 1.0, 0.01)]}])
     assert systems["ratios"] == {} and ratios(systems["systems"]) == {}

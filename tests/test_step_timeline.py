@@ -38,6 +38,22 @@ def test_no_timeline_is_an_error(tmp_path) -> None:
     assert step_gaps.main([str(tmp_path)]) == 2
 
 
+def test_steps_by_outputs_give_the_median_step_and_period() -> None:
+    # [start s, duration s, outputs]: three steps of 96 outputs 3 ms apart, one of 50, one of 2
+    steps = [[0.000, 0.002, 96], [0.003, 0.002, 96], [0.006, 0.0025, 96], [0.010, 0.001, 50],
+             [0.020, 0.004, 2]]
+    assert step_gaps.by_outputs(steps, 90, 1000) == {
+        "outputs": [90, 1000], "steps": 3, "step_ms_p50": 2.0, "period_ms_p50": 3.0}
+    assert step_gaps.by_outputs(steps, 40, 60)["period_ms_p50"] == 10.0
+    assert step_gaps.by_outputs(steps, 1, 8) == {  # the last step: no period
+        "outputs": [1, 8], "steps": 1, "step_ms_p50": 4.0, "period_ms_p50": None}
+    assert step_gaps.by_outputs(steps, 200, 300)["steps"] == 0
+    assert step_gaps.parse_buckets("1-8,90-1000") == ((1, 8), (90, 1000))
+    for bad in ("8-1", "90", "a-b"):
+        with pytest.raises(ValueError, match="--buckets"):
+            step_gaps.parse_buckets(bad)
+
+
 def test_a_serving_process_freezes_its_heap_and_notes_its_collections(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A server without a step loop (a gateway, a worker whose engine runs in a process of its

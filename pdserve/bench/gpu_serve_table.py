@@ -5,7 +5,15 @@ runs (loadtest's report, `runs`), so they are tested without a server.
 Ratios are disaggregated / the baseline (the colocated server on one GPU; the two colocated
 replicas when the run has them): output tokens/s and goodput at the highest request rate
 (saturation, `inf` by default; above 1 the split serves more) and the median TTFT at the lowest
-(16 req/s by default; above 1 the split answers later), TPOT p99 at the highest.
+(16 req/s by default; above 1 the split answers later), TPOT p99 at the highest; where a rate
+was run several times (`--request-rate 16,inf,inf,inf`: three bursts), each side's mean over
+them. Several calls' reports pooled (the same systems run in turns, colocated then split then
+split then colocated, so that what drifts during a call weighs on both alike):
+
+    python -m pdserve.bench.gpu_serve_table A/gpu_serve.json B/gpu_serve.json
+    python -m pdserve.bench.gpu_serve_table A/gpu_serve.json#colocated C/gpu_serve.json
+
+(`#SYSTEM` after a file: only that system's rows of it.)
 
 A split's KV handover: the prefill worker's seconds from the first token to its push's commit
 (`kv_transfer_first_token_to_commit_seconds`) per completed request, and its share of the
@@ -68,7 +76,15 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
 def ratios(systems: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """system -> its figures over the colocated server's (see the module docstring); {} when
     the colocated server has no rows."""
-    rows = {s["system"]: {r["rate"]: r for r in s["rows"]} for s in systems if s["rows"]}
+    rows: dict[str, dict[float, dict[str, Any]]] = {}
+    for s in systems:
+        by_rate: dict[float, list[dict[str, Any]]] = {}
+        for r in s["rows"]:
+            by_rate.setdefault(r["rate"], []).append(r)
+        if by_rate:
+            mine = rows.setdefault(s["system"], {})
+            for rate, runs in by_rate.items():
+                mine[rate] = _mean_row(runs)
     baseline = baseline_of(rows)
     if baseline is None:
         return {}
@@ -86,6 +102,27 @@ def ratios(systems: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "tpot_p99": _ratio(mine[high]["tpot_p99_ms"], base[high]["tpot_p99_ms"]),
         }
     return out
+
+
+def _mean_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ratios' figures averaged over runs at one rate (None if any run lacks one)."""
+    keys = ("out_tok_s", "goodput", "ttft_p50_ms", "tpot_p99_ms")
+    return {k: None if any(r.get(k) is None for r in runs) else
+            sum(r[k] for r in runs) / len(runs) for k in keys}
+
+
+def pooled(reports: list[dict[str, Any]], only: list[str | None] | None = None
+           ) -> list[dict[str, Any]]:
+    """The systems of several gpu_serve.json reports, each system's rows of every report
+    together (in the reports' order); `only[i]`: report i's rows of that system alone."""
+    systems: dict[str, dict[str, Any]] = {}
+    for report, keep in zip(reports, only or [None] * len(reports), strict=True):
+        for s in report["systems"]:
+            if keep is not None and s["system"] != keep:
+                continue
+            entry = systems.setdefault(s["system"], {"system": s["system"], "rows": []})
+            entry["rows"] += s.get("rows", [])
+    return list(systems.values())
 
 
 def baseline_of(rows: dict[str, Any]) -> str | None:
@@ -146,3 +183,25 @@ def _num(value: float | None, spec: str) -> str:
 
 def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Pool the gpu_serve.json reports named and print their rows and ratios."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.gpu_serve_table",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("reports", nargs="+", help="gpu_serve.json files, each FILE or FILE#SYSTEM")
+    args = p.parse_args(argv)
+    named = [(path, keep or None) for path, _, keep in (r.partition("#") for r in args.reports)]
+    systems = pooled([json.loads(Path(path).read_text()) for path, _ in named],
+                     [keep for _, keep in named])
+    print(format_table({"systems": systems, "ratios": ratios(systems)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,24 +2,40 @@
 garbage collections of each process's step timeline (engine/step_timeline.py).
 
     PDSERVE_STEP_TIMELINE=DIR bash pdserve/bench/gpu_kit_run.sh ...   # then:
-    python -m pdserve.bench.step_gaps DIR [--top 5] [--min-gc-ms 1]
+    python -m pdserve.bench.step_gaps DIR [--top 5] [--min-gc-ms 1] [--buckets 40-60,90-1000]
 
 A gap is the time from one step's end to the next one's start: the process was doing something
-else (its commands, outputs, a collection) or had nothing to do. Times are in milliseconds from
-the first step of any process in DIR (one clock for every process of a host).
+else (its commands, outputs, a collection) or had nothing to do. Per bucket of a step's outputs
+(a decode step's: its running streams), the median step and the median period (one step's
+start to the next one's): how fast the process stepped at that batch, to set beside another
+process's at the same batch (a colocated engine's against the split's decode worker's). Times
+are in milliseconds from the first step of any process in DIR (one clock for every process of a
+host).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 
-def summarize(timeline: dict[str, Any], origin: float, top: int, min_gc_ms: float
-              ) -> dict[str, Any]:
+def by_outputs(steps: list[list[float]], lo: int, hi: int) -> dict[str, Any]:
+    """The steps with lo <= outputs <= hi: how many, their median duration and period (ms;
+    a period only where a step follows)."""
+    picked = [i for i, s in enumerate(steps) if lo <= s[2] <= hi]
+    periods = [steps[i + 1][0] - steps[i][0] for i in picked if i + 1 < len(steps)]
+    return {"outputs": [lo, hi], "steps": len(picked),
+            "step_ms_p50": round(1e3 * statistics.median(steps[i][1] for i in picked), 2)
+            if picked else None,
+            "period_ms_p50": round(1e3 * statistics.median(periods), 2) if periods else None}
+
+
+def summarize(timeline: dict[str, Any], origin: float, top: int, min_gc_ms: float,
+              buckets: tuple[tuple[int, int], ...] = ()) -> dict[str, Any]:
     steps = timeline["steps"]
     ms = lambda t: round(1e3 * (t - origin), 1)  # noqa: E731
     longest = sorted(steps, key=lambda s: -s[1])[:top]
@@ -33,16 +49,29 @@ def summarize(timeline: dict[str, Any], origin: float, top: int, min_gc_ms: floa
         "widest_gaps": [{"at_ms": ms(t), "ms": round(1e3 * g, 2)} for t, g in widest],
         "collections": [{"at_ms": ms(t), "ms": round(1e3 * s, 2), "generation": g}
                         for t, s, g in timeline["gc"] if 1e3 * s >= min_gc_ms],
+        "by_outputs": [by_outputs(steps, lo, hi) for lo, hi in buckets],
     }
 
 
-def report(folder: Path, top: int = 5, min_gc_ms: float = 1.0) -> list[dict[str, Any]]:
+def parse_buckets(text: str) -> tuple[tuple[int, int], ...]:
+    """"40-60,90-1000" -> ((40, 60), (90, 1000)). Raises ValueError."""
+    buckets = []
+    for part in filter(None, text.split(",")):
+        lo, sep, hi = part.partition("-")
+        if not sep or not lo.isdigit() or not hi.isdigit() or int(lo) > int(hi):
+            raise ValueError(f"--buckets: {part!r} is not LO-HI (outputs, LO <= HI)")
+        buckets.append((int(lo), int(hi)))
+    return tuple(buckets)
+
+
+def report(folder: Path, top: int = 5, min_gc_ms: float = 1.0,
+           buckets: tuple[tuple[int, int], ...] = ()) -> list[dict[str, Any]]:
     timelines = [json.loads(p.read_text()) for p in sorted(folder.glob("*.timeline.json"))]
     starts = [t["steps"][0][0] for t in timelines if t["steps"]]
     if not starts:
         raise ValueError(f"no steps in {folder}/*.timeline.json")
     origin = min(starts)
-    return [summarize(t, origin, top, min_gc_ms) for t in timelines]
+    return [summarize(t, origin, top, min_gc_ms, buckets) for t in timelines]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,9 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("folder", type=Path)
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--min-gc-ms", type=float, default=1.0)
+    p.add_argument("--buckets", default="1-8,40-60,90-1000",
+                   help="ranges of a step's outputs, LO-HI, comma-separated")
     args = p.parse_args(argv)
     try:
-        print(json.dumps(report(args.folder, args.top, args.min_gc_ms), indent=1))
+        buckets = parse_buckets(args.buckets)
+        print(json.dumps(report(args.folder, args.top, args.min_gc_ms, buckets), indent=1))
     except ValueError as exc:
         print(f"step_gaps: {exc}", file=sys.stderr)
         return 2
