@@ -71,6 +71,7 @@ class AsyncLLMEngine:
         # (or None: aborted while queued) are handed to.
         self._granted: dict[str, asyncio.Future] = {}
         self._polls: list[Callable[[], None]] = []  # `between_steps`
+        self._timeline: StepTimeline | None = None  # PDSERVE_STEP_TIMELINE, set by the thread
         failed: list[BaseException] = []  # what building the engine raised
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(engine, failed, ready),
@@ -251,6 +252,8 @@ class AsyncLLMEngine:
         self._stopping = True
         self._commands.put(None)
         self._thread.join(timeout=30)
+        if self._timeline is not None:  # its collections no longer noted; its file written
+            self._timeline.close()
         self.engine.shutdown()
 
     # ---- event-loop side helpers ---------------------------------------------------------

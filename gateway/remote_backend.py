@@ -203,8 +203,8 @@ class RemoteBackend:
                     grant = (reserved.kv_target if reserved is not None
                              and reserved.HasField("kv_target") else None)
                     first = await self._prefill_retrying(request_id, prompt, pb_params, prior,
-                                                         decode, prefill, lost, cached, lora_pb,
-                                                         grant)
+                                                         decode, prefill, lost, cached, notes,
+                                                         lora_pb, grant)
                     claim.release()
                     prefill_done = True
                     finished = bool(first.finish_reason)
@@ -226,7 +226,7 @@ class RemoteBackend:
     async def _prefill_retrying(
         self, request_id: str, prompt: list[int], pb_params: Any, prior: list[int],
         decode: WorkerInfo, prefill: WorkerInfo | None, lost: set[str], decode_cached: int,
-        lora: common_pb2.LoRAAdapter | None = None,
+        notes: _Notes, lora: common_pb2.LoRAAdapter | None = None,
         grant: common_pb2.KVTargetGrant | None = None,
     ) -> TokenDelta:
         """Prefill on `prefill`; if it dies, on another one, while the request's move budget
@@ -234,21 +234,16 @@ class RemoteBackend:
         the blocks reserved, and the new prefill worker pushes into them. `decode_cached`: the
         leading blocks the decode worker holds already (not pushed). `grant`: the decode
         worker's blocks granted to the first data-plane push: the first attempt's alone (a
-        retry asks KVTarget, which supersedes the dead worker's push)."""
+        retry asks KVTarget, which supersedes the dead worker's push). Each attempt's
+        "prefilling" goes to `notes`: recorded while the prefill runs, before any later phase."""
         while True:
             assert prefill is not None
-            # recorded while the prefill runs (one Redis round trip less before the first
-            # token), and before any later phase
-            noted = asyncio.ensure_future(self._transition(
-                request_id, "prefilling", prefill_worker=prefill.address,
-                decode_worker=decode.address))
+            notes.add("prefilling", prefill_worker=prefill.address, decode_worker=decode.address)
             try:
                 return await self._prefill(prefill, request_id, prompt, pb_params, prior,
                                            decode.address, decode_cached, lora, grant)
             except WorkerLost as exc:
                 self._count_move(request_id, exc, lost)
-            finally:
-                await noted
             grant = None
             prefill = pick_prefill(await self.pool.list("prefill", lost),
                                    lora=lora.name if lora is not None else None,
@@ -379,13 +374,14 @@ class _Notes:
         self._write, self._request_id = write, request_id
         self._last: asyncio.Future[None] | None = None
 
-    def add(self, status: str) -> None:
-        self._last = asyncio.ensure_future(self._after(self._last, status))
+    def add(self, status: str, **fields: Any) -> None:
+        self._last = asyncio.ensure_future(self._after(self._last, status, fields))
 
-    async def _after(self, before: asyncio.Future[None] | None, status: str) -> None:
+    async def _after(self, before: asyncio.Future[None] | None, status: str,
+                     fields: dict[str, Any]) -> None:
         if before is not None:
             await asyncio.wait({before})
-        await self._write(self._request_id, status)  # never raises: a failure is logged
+        await self._write(self._request_id, status, **fields)  # never raises: logged
 
     async def landed(self) -> None:
         if self._last is not None:

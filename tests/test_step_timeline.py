@@ -75,3 +75,28 @@ def test_a_serving_process_freezes_its_heap_and_notes_its_collections(
     data = json.loads(timeline.path.read_text())
     assert data["role"] == "decode-server" and data["steps"] == []
     assert any(g == 2 for _, _, g in data["gc"])
+
+
+def test_an_async_engine_closes_its_timeline_at_shutdown(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: str) -> None:
+    import asyncio
+
+    from engine.async_engine import AsyncLLMEngine
+    from pdserve import SamplingParams
+
+    monkeypatch.setenv(ENV_DIR, str(tmp_path))
+    engine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", max_model_len=256,
+                                      kv_cache_memory=8 << 20)
+
+    async def one() -> None:
+        async for _ in engine.generate([5, 6, 7], SamplingParams(max_tokens=3), "r"):
+            pass
+
+    try:
+        asyncio.run(one())
+        assert len(step_timeline._timelines) == 1
+    finally:
+        engine.shutdown()
+    assert not step_timeline._timelines  # its gc callback removed
+    (path,) = tmp_path.glob("*.timeline.json")
+    assert len(json.loads(path.read_text())["steps"]) >= 3  # the prefill and the decodes
