@@ -21,9 +21,9 @@ call and the argmax's two passes: `python -m pdserve.bench.gpu_first_step`, 2026
 quarter of the GPU's step of a 4-bit 1B model. The step's tokens are the graph's static output,
 read by the next step's inputs and by the host copy, both queued before the next replay.
 
-Steps with prefills, or more decodes than the largest graph, run eagerly; with speculative
-decoding, verification steps replay these graphs too, one row per token, from extra sizes
-(engine/spec_graphs.py).
+Steps with more tokens than the largest graph run eagerly. Others with prompts' chunks replay
+these graphs too, one decode row per token, where their rows' keys stay under `row_keys_max`;
+with speculative decoding, verification steps do, from extra sizes (engine/spec_graphs.py).
 """
 
 from __future__ import annotations
@@ -53,6 +53,10 @@ class DecodeGraphs:
     # the largest size with an argmax graph (0: none); PDSERVE_ARGMAX_GRAPH_MAX_BATCH sets it
     # for every engine a process starts (benchmarks' A/B runs of whole workers)
     argmax_max_batch = int(os.environ.get("PDSERVE_ARGMAX_GRAPH_MAX_BATCH", "16"))
+    # the most keys a step run as decode rows may read in all (engine/spec_graphs.py,
+    # `prefill_rows_fit`; 0: prompts' chunks never run as rows); PDSERVE_GRAPH_ROW_KEYS sets it
+    # for every engine a process starts (A/B runs)
+    row_keys_max = int(os.environ.get("PDSERVE_GRAPH_ROW_KEYS", str(1 << 18)))
 
     def __init__(
         self,

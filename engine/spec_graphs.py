@@ -85,6 +85,33 @@ def fits_as_decode_rows(meta: AttentionMetadata, max_query_len: int, max_rows: i
     return all(starts[i + 1] - starts[i] <= max_query_len for i in range(meta.num_prefills))
 
 
+def row_keys(meta: AttentionMetadata) -> int:
+    """The keys a step's attention reads as decode rows: a chunk of q tokens ending at length
+    L has rows of lengths L - q + 1 .. L, q * L - q (q - 1) / 2 keys (host lists only)."""
+    starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    total = 0
+    for i in range(meta.num_seqs):
+        q = starts[i + 1] - starts[i]
+        total += q * lens[i] - q * (q - 1) // 2
+    return total
+
+
+def prefill_rows_fit(meta: AttentionMetadata, max_rows: int, max_keys: int) -> bool:
+    """Whether a step with prompts' chunks runs as decode rows from a graph (see the NOTE):
+    its tokens fill at most the largest graph, and its rows read at most `max_keys` keys.
+
+    NOTE: why. Run eagerly, a step with a prompt in it launches every layer's kernels one by
+    one: on an H100 a prompt of 128 tokens took 13.5 ms of which the GPU was busy 1.4 ms, 512
+    tokens 14.9 ms against 2.25 (the 1B shape, `python -m pdserve.bench.prefill_step`,
+    2026-12-06); that host time is the time to first token of a lightly loaded server. As rows
+    it is one replay. A row re-reads its sequence's keys where the chunked kernel reads them
+    once per block of queries, so the rows' keys are capped: 2^18 by default (a 512-token
+    prompt from scratch reads 131k; a few MiB a layer for the 1B shape, from L2)."""
+    if max_keys <= 0 or meta.query_start_loc_cpu[-1] > max_rows:
+        return False
+    return row_keys(meta) <= max_keys
+
+
 def as_decode_rows(positions: torch.Tensor, meta: AttentionMetadata) -> AttentionMetadata:
     """The step as a decode-only step with one row per token (see the NOTE): row t has context
     length positions[t] + 1 and its sequence's block table. `positions` [T] int64 are the
@@ -121,16 +148,18 @@ def forward_step(
     max_query_len: int = 1,
     on_layer: Callable[[int], None] | None = None,
 ) -> torch.Tensor:  # [T, hidden]
-    """One step's forward: replayed from `graphs` when one fits (a decode-only step; with
-    `max_query_len` > 1 also a step of chunks that short, as decode rows), else eagerly (with
-    `on_layer` called per layer; a replayed step calls nothing). Writes the step's K/V.
-    Tensor-parallel ranks other than 0 pass no `on_layer` (only a prefill worker's rank 0 does,
-    where `max_query_len` is 1): the choice then rests on `meta`, the same on every rank, so
-    every rank replays the same graph or none (their collectives stay in step)."""
+    """One step's forward: replayed from `graphs` when one fits (a decode-only step; as decode
+    rows, a step of chunks of at most `max_query_len` tokens, or one with prompts' chunks that
+    `prefill_rows_fit`), else eagerly (with `on_layer` called per layer). A replayed step calls
+    no `on_layer`: its caller's notes of the whole step, after it, stand for every layer
+    (engine/kv_progress.py's `StepNotes.end`). The choice rests on `meta` alone, the same on
+    every tensor-parallel rank (only rank 0 of a prefill worker passes `on_layer`), so every
+    rank replays the same graph or none (their collectives stay in step)."""
     if graphs is not None and graphs.can_run(meta):
         return graphs.run(input_ids, positions, meta)
-    if (graphs is not None and graphs.ready and max_query_len > 1 and on_layer is None
-            and fits_as_decode_rows(meta, max_query_len, graphs.max_batch)):
+    if graphs is not None and graphs.ready and (
+            (max_query_len > 1 and fits_as_decode_rows(meta, max_query_len, graphs.max_batch))
+            or prefill_rows_fit(meta, graphs.max_batch, graphs.row_keys_max)):
         graphs.row_replays += 1
         return graphs.run(input_ids, positions, as_decode_rows(positions, meta))
     backend.prepare(meta)

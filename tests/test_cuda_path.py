@@ -81,6 +81,20 @@ def test_fp32_greedy_identical_to_hf_with_cuda_graphs(model_dir):
     assert ours == theirs
 
 
+def test_fp32_prompts_replayed_as_decode_rows_identical_to_hf(model_dir):
+    """Graphs of up to 320 rows: every prompt (3-299 tokens, one at a time) is prefilled by a
+    replay, its tokens as decode rows (engine/spec_graphs.py, `prefill_rows_fit`)."""
+    batch = prompts(6, seed=3)
+    llm = LLM(model_dir, dtype="float32", max_num_seqs=320, gpu_memory_utilization=0.3)
+    runner = llm.llm_engine.runner
+    ours = [pdserve_run(llm, [p])[0][0] for p in batch]
+    assert runner.graphs.row_replays >= len(batch)
+    del llm
+    torch.cuda.empty_cache()
+    theirs, _ = hf_run(model_dir, torch.float32, batch)
+    assert ours == theirs
+
+
 def test_bf16_greedy_close_to_hf(model_dir):
     batch = prompts(seed=1)
     llm = LLM(model_dir, dtype="bfloat16", max_num_seqs=16, gpu_memory_utilization=0.3)

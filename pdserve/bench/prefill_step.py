@@ -1,7 +1,7 @@
 """One prompt's prefill step alone: its wall time against the GPU's busy time, by prompt length.
 
     python -m pdserve.bench.prefill_step [--shape full|tiny] [--lengths 128,320,512,2048,8192]
-        [--repeats 5] [--output-json PATH]
+        [--repeats 5] [--row-keys 0,262144] [--output-json PATH]
 
 NOTE: why. In the one-H100 load test at 16 req/s (docs/loadtest.md) a step that prefilled one
 prompt of 128-512 tokens took 8-19 ms, in the colocated engine and the split's prefill worker
@@ -18,7 +18,9 @@ of each length (the kernels' compilation), `--repeats` times; then twice under t
   top_self_cpu   the host's 12 busiest event names in a profiled call (self time)
 
 A step whose host_share is high at 128-512 tokens and low at 8192 is bound by launching its
-kernels one by one (eager), as a decode step was before its CUDA graphs.
+kernels one by one (eager), as a decode step was before its CUDA graphs. `--row-keys`: each
+length once per value of the cap on a step's keys read as decode rows (engine/spec_graphs.py's
+`prefill_rows_fit`; 0: prompts run eagerly), in one engine: the replay against the eager step.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 
 import torch
 
+from engine.cuda_graphs import DecodeGraphs
 from pdserve.bench.gpu_model import save_random_model
 from pdserve.bench.gpu_serve_plan import SHAPES
 from pdserve.bench.report import bench_main, config_of, write_report
@@ -44,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="128,320,512,2048,8192",
                         help="prompt lengths in tokens, comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--row-keys", default=None,
+                        help="comma list of DecodeGraphs.row_keys_max values to run each length "
+                             "with (default: the engine's own)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None)
 
@@ -135,9 +141,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   **({} if device.type == "cuda" else {"dtype": "float32",
                                                         "kv_cache_memory": 64 << 20}))
         rng = random.Random(args.seed)
-        for length in lengths:
-            rows.append(measure(llm, shape.vocab, length, args.repeats, rng))
-            print(_line(rows[-1]), flush=True)
+        caps = ([None] if args.row_keys is None else
+                [int(v) for v in args.row_keys.split(",") if v.strip()])
+        default = DecodeGraphs.row_keys_max
+        try:
+            for length in lengths:
+                for cap in caps:
+                    DecodeGraphs.row_keys_max = default if cap is None else cap
+                    row = measure(llm, shape.vocab, length, args.repeats, rng)
+                    rows.append({"row_keys_max": DecodeGraphs.row_keys_max, **row})
+                    print(_line(rows[-1]), flush=True)
+        finally:
+            DecodeGraphs.row_keys_max = default
         llm.llm_engine.shutdown()
     report = {"config": config_of(args), "device": str(device),
               "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
@@ -151,8 +166,8 @@ def _line(row: dict[str, Any]) -> str:
     gpu = "" if row["gpu_busy_ms"] is None else (
         f", GPU busy {row['gpu_busy_ms']:.2f} ms (host share {row['host_share']:.2f}), "
         f"{row['kernels']} kernels")
-    return (f"{row['length']:6d} tokens: {row['wall_ms']:.2f} ms{gpu}, "
-            f"{row['cpu_ops']} torch ops")
+    return (f"{row['length']:6d} tokens (row keys <= {row['row_keys_max']}): "
+            f"{row['wall_ms']:.2f} ms{gpu}, {row['cpu_ops']} torch ops")
 
 
 def main(argv: list[str] | None = None) -> int:
