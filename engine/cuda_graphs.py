@@ -21,9 +21,10 @@ call and the argmax's two passes: `python -m pdserve.bench.gpu_first_step`, 2026
 quarter of the GPU's step of a 4-bit 1B model. The step's tokens are the graph's static output,
 read by the next step's inputs and by the host copy, both queued before the next replay.
 
-Steps with more tokens than the largest graph run eagerly. Others with prompts' chunks replay
-these graphs too, one decode row per token, where their rows' keys stay under `row_keys_max`;
-with speculative decoding, verification steps do, from extra sizes (engine/spec_graphs.py).
+Steps with more tokens than the largest graph run eagerly. Others with prompts' chunks may
+replay these graphs too, one decode row per token, where their rows' keys stay under
+`row_keys_max` (off by default: not yet timed on a GPU); with speculative decoding,
+verification steps do, from extra sizes (engine/spec_graphs.py).
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ class DecodeGraphs:
     # for every engine a process starts (benchmarks' A/B runs of whole workers)
     argmax_max_batch = int(os.environ.get("PDSERVE_ARGMAX_GRAPH_MAX_BATCH", "16"))
     # the most keys a step run as decode rows may read in all (engine/spec_graphs.py,
-    # `prefill_rows_fit`; 0: prompts' chunks never run as rows); PDSERVE_GRAPH_ROW_KEYS sets it
-    # for every engine a process starts (A/B runs)
-    row_keys_max = int(os.environ.get("PDSERVE_GRAPH_ROW_KEYS", str(1 << 18)))
+    # `prefill_rows_fit`; 0, the default until a GPU has timed it: prompts' chunks never run
+    # as rows); PDSERVE_GRAPH_ROW_KEYS sets it for every engine a process starts (262144: the
+    # cap meant)
+    row_keys_max = int(os.environ.get("PDSERVE_GRAPH_ROW_KEYS", "0"))
 
     def __init__(
         self,

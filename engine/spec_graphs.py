@@ -105,8 +105,10 @@ def prefill_rows_fit(meta: AttentionMetadata, max_rows: int, max_keys: int) -> b
     tokens 14.9 ms against 2.25 (the 1B shape, `python -m pdserve.bench.prefill_step`,
     2026-12-06); that host time is the time to first token of a lightly loaded server. As rows
     it is one replay. A row re-reads its sequence's keys where the chunked kernel reads them
-    once per block of queries, so the rows' keys are capped: 2^18 by default (a 512-token
-    prompt from scratch reads 131k; a few MiB a layer for the 1B shape, from L2)."""
+    once per block of queries, so the rows' keys are capped (`DecodeGraphs.row_keys_max`, 2^18
+    meant: a 512-token prompt from scratch reads 131k, a few MiB a layer for the 1B shape, from
+    L2). The cap stays 0, rows off, until a GPU has run tests/test_cuda_path.py's rows test and
+    `prefill_step --row-keys 0,262144`."""
     if max_keys <= 0 or meta.query_start_loc_cpu[-1] > max_rows:
         return False
     return row_keys(meta) <= max_keys

@@ -81,9 +81,12 @@ def test_fp32_greedy_identical_to_hf_with_cuda_graphs(model_dir):
     assert ours == theirs
 
 
-def test_fp32_prompts_replayed_as_decode_rows_identical_to_hf(model_dir):
+def test_fp32_prompts_replayed_as_decode_rows_identical_to_hf(model_dir, monkeypatch):
     """Graphs of up to 320 rows: every prompt (3-299 tokens, one at a time) is prefilled by a
     replay, its tokens as decode rows (engine/spec_graphs.py, `prefill_rows_fit`)."""
+    from engine.cuda_graphs import DecodeGraphs
+
+    monkeypatch.setattr(DecodeGraphs, "row_keys_max", 1 << 18)
     batch = prompts(6, seed=3)
     llm = LLM(model_dir, dtype="float32", max_num_seqs=320, gpu_memory_utilization=0.3)
     runner = llm.llm_engine.runner

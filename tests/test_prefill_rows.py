@@ -1,10 +1,10 @@
 """Steps with prompts' chunks replayed from the decode graphs as decode rows
-(engine/spec_graphs.py, `prefill_rows_fit`).
+(engine/spec_graphs.py, `prefill_rows_fit`; off by default, turned on here).
 
 On the CPU no graph is captured: the padded static-buffer step a replay computes runs eagerly
-(`DecodeGraphs.run_eagerly`, the Triton kernels in the interpreter), and the greedy tokens must equal the eager
-engine's, prompts that share a cached prefix and a prompt too long for the largest graph
-included. On a GPU tests/test_cuda_path.py's engines capture the graphs for real."""
+(`DecodeGraphs.run_eagerly`, the Triton kernels in the interpreter), and the greedy tokens must
+equal the eager engine's, prompts that share a cached prefix and a prompt too long for the
+largest graph included. On a GPU tests/test_cuda_path.py captures the graphs for real."""
 
 from __future__ import annotations
 
@@ -84,6 +84,7 @@ def _stand_in(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> tuple[DecodeGraphs, 
 def test_prompts_replayed_as_rows_give_the_eager_tokens(
         copy_llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     want = _tokens(_llm(copy_llama_dir))
+    monkeypatch.setattr(DecodeGraphs, "row_keys_max", 1 << 18)
     llm = _llm(copy_llama_dir)
     graphs, rows = _stand_in(llm, monkeypatch)
     assert _tokens(llm) == want
@@ -94,7 +95,7 @@ def test_prompts_replayed_as_rows_give_the_eager_tokens(
 
 def test_no_rows_when_their_keys_are_capped_at_zero(
         copy_llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(DecodeGraphs, "row_keys_max", 0)
+    monkeypatch.setattr(DecodeGraphs, "row_keys_max", 0)  # the default for now
     llm = _llm(copy_llama_dir)
     graphs, rows = _stand_in(llm, monkeypatch)
     _tokens(llm)
