@@ -7,6 +7,8 @@
 # PARTS (default "serve core"), each into $OUT (RATES: the load's rates, default 16,inf,inf):
 #   tests  the repository's GPU test file of the two worker processes sharing the GPU
 #          (tests/test_kv_cuda_ipc.py; GPU_TESTS to name others): gpu_tests.log
+#   step   one prompt's prefill step alone (pdserve.bench.prefill_step, the 1B shape), eager
+#          against replayed as decode rows in one engine: prefill_step.json
 #   serve  the one-GPU load test, colocated against the split over cuda_ipc (four gateways, 96
 #          requests at 16 req/s and twice as a burst; each worker's engine where `auto` puts it
 #          on a GPU: in a process of its own) with every process's step timeline or
@@ -24,7 +26,9 @@
 #   burst  prefill_burst over cuda_ipc, the prefill engine in a thread and in a process: the
 #          prefill worker's host time a prompt when the model costs nothing (hidden 64), its
 #          threads' CPU and stacks during the bursts: burst_thread.json, burst_process.json
-# and runs.tgz (the load tests' reports and logs, the timelines, the samples). Read them with
+# ROWS=N exports PDSERVE_GRAPH_ROW_KEYS=N to every engine of the serve, abba and core parts
+# (prompts' chunks replayed as decode rows, engine/spec_graphs.py; 262144: the cap meant).
+# And runs.tgz (the load tests' reports and logs, the timelines, the samples). Read them with
 #   python -m pdserve.bench.step_gaps o/tl_a
 #   python -m pdserve.bench.burst_timeline o/a/loadtest_cuda_ipc.json o/a/cluster_cuda_ipc.log
 #   python -m pdserve.bench.pyspy_summary o/stacks/prefill-*.txt "_run_once"
@@ -37,6 +41,7 @@ PARTS=${PARTS:-serve core}
 SERVE=(--api-server-count 4 --colocated-api-servers 4 --request-rate "${RATES:-16,inf,inf}")
 mkdir -p "$R" "$W"
 lscpu | grep -E "^(Model name|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|CPU\(s\)):"
+[ -n "${ROWS:-}" ] && export PDSERVE_GRAPH_ROW_KEYS=$ROWS
 status=0
 for part in $PARTS; do
     case $part in
@@ -45,6 +50,11 @@ for part in $PARTS; do
             ${GPU_TESTS:-tests/test_kv_cuda_ipc.py} 2>&1 \
             | tee "$R/gpu_tests.log" | tail -15
         status=${PIPESTATUS[0]}
+        ;;
+    step)
+        timeout "${STEP_S:-150}" python3 -m pdserve.bench.prefill_step --lengths 128,512,2048 \
+            --repeats 5 --row-keys 0,262144 --output-json "$R/prefill_step.json" 2>&1 \
+            | grep -E "tokens|rror"
         ;;
     serve)
         mkdir -p "$W/tl_a" "$W/stacks"
