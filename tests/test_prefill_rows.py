@@ -54,10 +54,11 @@ def _llm(path: str) -> LLM:
                max_model_len=256, max_num_seqs=MAX_SEQS, kv_cache_memory=16 << 20, seed=0)
 
 
-def _tokens(llm: LLM) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+def _tokens(llm: LLM, prompts: list[list[int]] = PROMPTS, max_tokens: int = 6
+            ) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = []
-    for prompt in PROMPTS:  # one at a time: each prompt's chunk a step of its own
+    for prompt in prompts:  # one at a time: each prompt's chunk a step of its own
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         outs.append(list(out.outputs[0].token_ids))
     return outs
@@ -98,7 +99,7 @@ def test_no_rows_when_their_keys_are_capped_at_zero(
     monkeypatch.setattr(DecodeGraphs, "row_keys_max", 0)  # the default for now
     llm = _llm(copy_llama_dir)
     graphs, rows = _stand_in(llm, monkeypatch)
-    _tokens(llm)
+    _tokens(llm, PROMPTS[:1], max_tokens=2)  # 20 tokens would fit the largest graph
     assert rows == [] and graphs.row_replays == 0
     assert graphs.replays > 0  # the decode steps still replay
 
