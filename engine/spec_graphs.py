@@ -106,9 +106,9 @@ def prefill_rows_fit(meta: AttentionMetadata, max_rows: int, max_keys: int) -> b
     2026-12-06); that host time is the time to first token of a lightly loaded server. As rows
     it is one replay. A row re-reads its sequence's keys where the chunked kernel reads them
     once per block of queries, so the rows' keys are capped (`DecodeGraphs.row_keys_max`, 2^18
-    meant: a 512-token prompt from scratch reads 131k, a few MiB a layer for the 1B shape, from
-    L2). The cap stays 0, rows off, until a GPU has run tests/test_cuda_path.py's rows test and
-    `prefill_step --row-keys 0,262144`."""
+    meant: a 512-token prompt from scratch reads 131k keys, ~270 MB a layer of the 1B shape,
+    from a working set of 1 MiB that L2 holds). The cap stays 0, rows off, until a GPU has run
+    tests/test_cuda_path.py's rows test and `prefill_step --row-keys 0,262144`."""
     if max_keys <= 0 or meta.query_start_loc_cpu[-1] > max_rows:
         return False
     return row_keys(meta) <= max_keys
