@@ -26,7 +26,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -97,17 +97,23 @@ class StepProfiler:
         self._prof = None
 
 
+def covered(spans: Iterable[tuple[float, float]]) -> float:
+    """The length of the union of [start, stop) intervals (the GPU's busy time of kernels
+    that may overlap)."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
+
+
 def summarize(trace: Path, step_s: list[float]) -> dict[str, Any]:
     """The summary's GPU and step figures from a chrome trace (see the module docstring)."""
     events = json.loads(trace.read_text()).get("traceEvents", [])
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
            and "dur" in e]
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu)
-    busy, end = 0.0, float("-inf")
-    for start, stop in spans:  # union of [start, stop) intervals, microseconds
-        if stop > end:
-            busy += stop - max(start, end)
-            end = stop
+    busy = covered((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu)
     by_name: dict[str, list[float]] = {}
     for e in gpu:
         by_name.setdefault(e["name"], []).append(float(e["dur"]))

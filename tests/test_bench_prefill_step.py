@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.bench.prefill_step import lengths_of, profiled
+from pdserve.bench.prefill_step import lengths_of, profiled, row_keys_of
 
 
 def test_lengths_are_a_comma_list_in_range() -> None:
@@ -14,6 +14,13 @@ def test_lengths_are_a_comma_list_in_range() -> None:
     for bad in ("", "0", "12,x", "40000"):
         with pytest.raises(ValueError, match="--lengths"):
             lengths_of(bad)
+
+
+def test_row_keys_are_a_comma_list_of_caps() -> None:
+    assert row_keys_of("0, 262144") == [0, 262144]
+    for bad in ("", "-1", "x"):
+        with pytest.raises(ValueError, match="--row-keys"):
+            row_keys_of(bad)
 
 
 def test_the_probe_counts_the_torch_ops_of_a_call() -> None:

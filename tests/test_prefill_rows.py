@@ -9,6 +9,7 @@ largest graph included. On a GPU tests/test_cuda_path.py captures the graphs for
 from __future__ import annotations
 
 import pytest
+import test_spec_decode
 import torch
 
 from engine.attention.metadata import AttentionMetadata
@@ -19,6 +20,7 @@ from engine.spec_graphs import prefill_rows_fit, row_keys
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the CPU stand-in for graphs")
+copy_llama_dir = test_spec_decode.copy_llama_dir  # a fixture: a 64-token vocabulary repeats
 MAX_SEQS = 24  # the largest graph: 24 rows
 PROMPTS = [
     [1, *range(5, 24)],  # 20 tokens: 20 rows
@@ -103,9 +105,3 @@ def test_no_rows_when_their_keys_are_capped_at_zero(
     assert rows == [] and graphs.row_replays == 0
     assert graphs.replays > 0  # the decode steps still replay
 
-
-@pytest.fixture(scope="module")
-def copy_llama_dir(tmp_path_factory: pytest.TempPathFactory, bundled_tokenizer: str) -> str:
-    import test_spec_decode
-
-    return test_spec_decode.copy_llama_dir.__wrapped__(tmp_path_factory, bundled_tokenizer)

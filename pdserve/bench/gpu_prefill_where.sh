@@ -26,8 +26,9 @@
 #   burst  prefill_burst over cuda_ipc, the prefill engine in a thread and in a process: the
 #          prefill worker's host time a prompt when the model costs nothing (hidden 64), its
 #          threads' CPU and stacks during the bursts: burst_thread.json, burst_process.json
-# ROWS=N exports PDSERVE_GRAPH_ROW_KEYS=N to every engine of the serve, abba and core parts
-# (prompts' chunks replayed as decode rows, engine/spec_graphs.py; 262144: the cap meant).
+# ROWS=N exports PDSERVE_GRAPH_ROW_KEYS=N to every engine the parts start (prompts' chunks
+# replayed as decode rows, engine/spec_graphs.py; 262144: the cap meant; the step part sets
+# its own caps).
 # And runs.tgz (the load tests' reports and logs, the timelines, the samples). Read them with
 #   python -m pdserve.bench.step_gaps o/tl_a
 #   python -m pdserve.bench.burst_timeline o/a/loadtest_cuda_ipc.json o/a/cluster_cuda_ipc.log
@@ -84,8 +85,9 @@ for part in $PARTS; do
         for order in colocated,cuda_ipc cuda_ipc,colocated; do
             n=$((n + 1))
             mkdir -p "$W/tl_abba_$n"
-            PDSERVE_STEP_TIMELINE=$W/tl_abba_$n OUT=$W/abba_$n timeout "${SERVE_S:-330}" bash pdserve/bench/gpu_kit_run.sh \
-                --systems "$order" "${SERVE[@]}" > "$W/abba_$n.txt" 2>&1
+            PDSERVE_STEP_TIMELINE=$W/tl_abba_$n OUT=$W/abba_$n timeout "${SERVE_S:-330}" \
+                bash pdserve/bench/gpu_kit_run.sh --systems "$order" "${SERVE[@]}" \
+                > "$W/abba_$n.txt" 2>&1
             tail -10 "$W/abba_$n.txt"
             cp "$W/abba_$n/gpu_serve.json" "$R/abba_${n}_gpu_serve.json"
         done

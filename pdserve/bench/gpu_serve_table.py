@@ -23,8 +23,13 @@ KV on the decode worker).
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+from pathlib import Path
 from typing import Any
+
+from pdserve.bench.report import bench_main
 
 COLUMNS = ("system", "rate", "done", "fail", "req/s", "goodput", "out tok/s", "TTFT p50",
            "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99", "2nd tok p50",
@@ -185,22 +190,21 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Pool the gpu_serve.json reports named and print their rows and ratios."""
-    import argparse
-    import json
-    from pathlib import Path
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("reports", nargs="+",
+                        help="gpu_serve.json files, each FILE or FILE#SYSTEM")
 
-    p = argparse.ArgumentParser(prog="python -m pdserve.bench.gpu_serve_table",
-                                description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("reports", nargs="+", help="gpu_serve.json files, each FILE or FILE#SYSTEM")
-    args = p.parse_args(argv)
+
+def run(args: argparse.Namespace) -> None:
+    """Pool the gpu_serve.json reports named and print their rows and ratios."""
     named = [(path, keep or None) for path, _, keep in (r.partition("#") for r in args.reports)]
     systems = pooled([json.loads(Path(path).read_text()) for path, _ in named],
                      [keep for _, keep in named])
     print(format_table({"systems": systems, "ratios": ratios(systems)}))
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("gpu_serve_table", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
+from engine.spec_graphs import MAX_GRAPH_ROWS
+from engine.step_profiler import covered
 from pdserve.bench.gpu_model import save_random_model
 from pdserve.bench.gpu_serve_plan import SHAPES
 from pdserve.bench.report import bench_main, config_of, write_report
@@ -68,6 +70,17 @@ def lengths_of(text: str) -> list[int]:
     return lengths
 
 
+def row_keys_of(text: str) -> list[int]:
+    """"0,262144" -> [0, 262144]. Raises ValueError naming --row-keys."""
+    try:
+        caps = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--row-keys: {text!r} is not a comma list of integers") from None
+    if not caps or any(c < 0 for c in caps):
+        raise ValueError(f"--row-keys: each >= 0, got {text!r}")
+    return caps
+
+
 def profiled(call: Any) -> dict[str, Any]:
     """One call under torch.profiler: GPU busy ms (the union of kernel and copy intervals),
     kernels launched and torch ops dispatched."""
@@ -80,13 +93,9 @@ def profiled(call: Any) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
     events = prof.events()
-    gpu = sorted((e.time_range.start, e.time_range.end) for e in events
-                 if e.device_type == torch.autograd.DeviceType.CUDA)
-    busy, end = 0.0, float("-inf")
-    for start, stop in gpu:  # union of the intervals, microseconds
-        if stop > end:
-            busy += stop - max(start, end)
-            end = stop
+    gpu = [(e.time_range.start, e.time_range.end) for e in events
+           if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = covered(gpu)  # microseconds
     cpu_ops = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CPU
                   and e.name.startswith("aten::"))
     top = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:12]
@@ -136,13 +145,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdserve-prefill-step-") as folder:
         save_random_model(shape, Path(folder), args.seed, device)
+        # max_num_seqs: the decode graphs' largest size, which bounds a prompt run as rows
         llm = LLM(folder, enable_prefix_caching=False, max_model_len=shape.max_positions,
-                  max_num_batched_tokens=max(lengths), max_num_seqs=8,
+                  max_num_batched_tokens=max(lengths), max_num_seqs=MAX_GRAPH_ROWS,
                   **({} if device.type == "cuda" else {"dtype": "float32",
                                                         "kv_cache_memory": 64 << 20}))
         rng = random.Random(args.seed)
-        caps = ([None] if args.row_keys is None else
-                [int(v) for v in args.row_keys.split(",") if v.strip()])
+        caps = [None] if args.row_keys is None else row_keys_of(args.row_keys)
         default = DecodeGraphs.row_keys_max
         try:
             for length in lengths:
