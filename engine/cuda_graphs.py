@@ -23,8 +23,8 @@ read by the next step's inputs and by the host copy, both queued before the next
 
 Steps with more tokens than the largest graph run eagerly. Others with prompts' chunks may
 replay these graphs too, one decode row per token, where their rows' keys stay under
-`row_keys_max` (off by default: not yet timed on a GPU); with speculative decoding,
-verification steps do, from extra sizes (engine/spec_graphs.py).
+`row_keys_max`; with speculative decoding, verification steps do, from extra sizes
+(engine/spec_graphs.py).
 """
 
 from __future__ import annotations
@@ -55,10 +55,9 @@ class DecodeGraphs:
     # for every engine a process starts (benchmarks' A/B runs of whole workers)
     argmax_max_batch = int(os.environ.get("PDSERVE_ARGMAX_GRAPH_MAX_BATCH", "16"))
     # the most keys a step run as decode rows may read in all (engine/spec_graphs.py,
-    # `prefill_rows_fit`; 0, the default until a GPU has timed it: prompts' chunks never run
-    # as rows); PDSERVE_GRAPH_ROW_KEYS sets it for every engine a process starts (262144: the
-    # cap meant)
-    row_keys_max = int(os.environ.get("PDSERVE_GRAPH_ROW_KEYS", "0"))
+    # `prefill_rows_fit`); PDSERVE_GRAPH_ROW_KEYS sets it for every engine a process starts
+    # (0: prompts' chunks always run eagerly)
+    row_keys_max = int(os.environ.get("PDSERVE_GRAPH_ROW_KEYS", str(2**18)))
 
     def __init__(
         self,

@@ -101,14 +101,15 @@ def prefill_rows_fit(meta: AttentionMetadata, max_rows: int, max_keys: int) -> b
     its tokens fill at most the largest graph, and its rows read at most `max_keys` keys.
 
     NOTE: why. Run eagerly, a step with a prompt in it launches every layer's kernels one by
-    one: on an H100 a prompt of 128 tokens took 13.5 ms of which the GPU was busy 1.4 ms, 512
-    tokens 14.9 ms against 2.25 (the 1B shape, `python -m pdserve.bench.prefill_step`,
-    2026-12-06); that host time is the time to first token of a lightly loaded server. As rows
-    it is one replay. A row re-reads its sequence's keys where the chunked kernel reads them
-    once per block of queries, so the rows' keys are capped (`DecodeGraphs.row_keys_max`, 2^18
-    meant: a 512-token prompt from scratch reads 131k keys, ~270 MB a layer of the 1B shape,
-    from a working set of 1 MiB that L2 holds). The cap stays 0, rows off, until a GPU has run
-    tests/test_cuda_path.py's rows test and `prefill_step --row-keys 0,262144`."""
+    one: on an H100 a prompt of 128 tokens took 6.6-13.5 ms of which the GPU was busy 1.4 ms,
+    512 tokens 7.2-14.9 ms against 2.25 (the 1B shape, `python -m pdserve.bench.prefill_step`,
+    two machines, 2026-12-06); that host time is the time to first token of a lightly loaded
+    server. As rows it is one replay: 2.40 ms for 128 tokens, 4.31 for 512 (`--row-keys
+    0,262144`, the same run as the 6.6 and 7.2). A row re-reads its sequence's keys where the
+    chunked kernel reads them once per block of queries (the GPU's 2.25 ms became 3.08 at 512
+    tokens), so the rows' keys are capped (`DecodeGraphs.row_keys_max`, 2^18: a 512-token
+    prompt from scratch reads 131k keys, ~270 MB a layer of the 1B shape, from a working set
+    of 1 MiB that L2 holds)."""
     if max_keys <= 0 or meta.query_start_loc_cpu[-1] > max_rows:
         return False
     return row_keys(meta) <= max_keys

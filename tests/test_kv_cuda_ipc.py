@@ -50,6 +50,9 @@ from protos import (  # noqa: E402
 NUM_BLOCKS = 256
 MAX_TOKENS = 16
 PREFILL_CHUNK = 128  # the prefill worker's --max-num-batched-tokens, and the reference's
+# every engine's, so that each captures the same decode graphs and runs a chunk as decode rows
+# or eagerly alike (in bf16 the two part a random model's near-ties)
+MAX_NUM_SEQS = 256
 GRACE_S = 0.5
 
 
@@ -118,7 +121,7 @@ def _pair(model: str, dtype: str, gpus: tuple[str, str] | None = None,
     --decode-gpus` starts them (None: both on the test's first GPU); `decode_flags` and
     `prefill_flags` last on each worker's command line."""
     common = ("--device", "cuda", "--dtype", dtype, "--num-kv-blocks", str(NUM_BLOCKS),
-              "--kv-transport", "cuda_ipc")
+              "--max-num-seqs", str(MAX_NUM_SEQS), "--kv-transport", "cuda_ipc")
     envs: list[dict[str, str] | None] = [None, None]
     if gpus is not None:
         envs = [{"CUDA_VISIBLE_DEVICES": f"{gpus[0]},{gpus[1]}"},
@@ -141,11 +144,12 @@ def _reference(model: str, dtype: str, prompts: list[list[int]]) -> list[list[in
     pair serves them here (in bf16 a batch of three decodes, or a 700-token prompt in one
     chunk, goes through other GEMM tilings than a batch of one or 128-token chunks, and a
     random model's near-ties then split: on an H200 a 700-token prompt in one chunk parted
-    from the pair's at its third token)."""
+    from the pair's at its third token; on an H100, the chunks run eagerly here (graphs up to
+    LLM's 64 rows) and as decode rows in the workers (up to 512), at the eighth)."""
     from pdserve import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype, device="cuda", num_kv_blocks=NUM_BLOCKS,
-              max_num_batched_tokens=PREFILL_CHUNK)
+              max_num_batched_tokens=PREFILL_CHUNK, max_num_seqs=MAX_NUM_SEQS)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     tokens = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     del llm
@@ -326,8 +330,9 @@ def test_a_prefill_worker_killed_while_pushing_leaves_nothing_reserved(pair) -> 
     # the decode worker keeps the reservation for a retried prefill until Generate goes
     call.cancel()
     decode.wait_idle(timeout_s=20)
-    with pytest.raises(grpc.RpcError):
-        future.result()
+    with contextlib.suppress(grpc.RpcError):
+        future.result()  # the kill may land after the first token (a 700-token prompt's
+        # chunks replayed as decode rows took ~15 ms on an H100)
     prefill.start().ready()
     prefill.wait_idle()
 

@@ -98,7 +98,7 @@ def test_prompts_replayed_as_rows_give_the_eager_tokens(
 
 def test_no_rows_when_their_keys_are_capped_at_zero(
         copy_llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(DecodeGraphs, "row_keys_max", 0)  # the default for now
+    monkeypatch.setattr(DecodeGraphs, "row_keys_max", 0)  # PDSERVE_GRAPH_ROW_KEYS=0
     llm = _llm(copy_llama_dir)
     graphs, rows = _stand_in(llm, monkeypatch)
     _tokens(llm, PROMPTS[:1], max_tokens=2)  # 20 tokens would fit the largest graph

@@ -26,9 +26,9 @@
 #   burst  prefill_burst over cuda_ipc, the prefill engine in a thread and in a process: the
 #          prefill worker's host time a prompt when the model costs nothing (hidden 64), its
 #          threads' CPU and stacks during the bursts: burst_thread.json, burst_process.json
-# ROWS=N exports PDSERVE_GRAPH_ROW_KEYS=N to every engine the parts start (prompts' chunks
-# replayed as decode rows, engine/spec_graphs.py; 262144: the cap meant; the step part sets
-# its own caps).
+# ROWS=N exports PDSERVE_GRAPH_ROW_KEYS=N to every engine the parts start (the cap on
+# prompts' chunks replayed as decode rows, engine/spec_graphs.py; 262144 the default, 0 off;
+# the step part sets its own caps).
 # And runs.tgz (the load tests' reports and logs, the timelines, the samples). Read them with
 #   python -m pdserve.bench.step_gaps o/tl_a
 #   python -m pdserve.bench.burst_timeline o/a/loadtest_cuda_ipc.json o/a/cluster_cuda_ipc.log
