@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import aclosing
 from dataclasses import asdict
@@ -177,7 +178,9 @@ class RemoteBackend:
         wants_prompt = params.prompt_logprobs is not None
         local = len(prompt) + len(prior) <= self.local_prefill_max_tokens and not wants_prompt
         name = None if lora is None else lora.lora_name
+        clock = _FirstTokenClock()
         decode, prefill = await self.pool.route(local, lost, prompt + prior, name)
+        clock.routed = time.monotonic()
         lora_pb = None if lora is None else lora_to_pb(lora)
         pb_params = sampling_params_to_pb(params, params.max_tokens or 1)
         decode_params = pb_params
@@ -199,6 +202,7 @@ class RemoteBackend:
             try:
                 if not local:
                     reserved = await self._read(call, decode)  # blocks reserved there
+                    clock.reserved = time.monotonic()
                     cached = 0 if reserved is None else reserved.cached_blocks
                     grant = (reserved.kv_target if reserved is not None
                              and reserved.HasField("kv_target") else None)
@@ -206,6 +210,7 @@ class RemoteBackend:
                                                          decode, prefill, lost, cached, notes,
                                                          lora_pb, grant)
                     claim.release()
+                    clock.log(request_id)
                     prefill_done = True
                     finished = bool(first.finish_reason)
                     yield first
@@ -363,6 +368,23 @@ class RemoteBackend:
             await self.store.transition(state_id, status, **fields)
         except Exception as exc:  # noqa: BLE001 - state tracking must not fail a generation
             logger.warning("[%s] state %s not recorded: %s", request_id, status, exc)
+
+
+class _FirstTokenClock:
+    """Where one attempt's way to its first token went, logged with it (INFO; read by
+    `python -m pdserve.bench.ttft_breakdown`): routing (the registry's and the prefix index's
+    Redis reads), the decode worker's reservation (Generate's first message), the Prefill call
+    (the prefill worker's own part is on its "prefilled" line)."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.routed = self.reserved = self.start
+
+    def log(self, request_id: str) -> None:
+        now = time.monotonic()
+        logger.info("[%s] first token in %.1f ms: route %.1f, reserve %.1f, prefill %.1f",
+                    request_id, 1e3 * (now - self.start), 1e3 * (self.routed - self.start),
+                    1e3 * (self.reserved - self.routed), 1e3 * (now - self.reserved))
 
 
 class _Notes:

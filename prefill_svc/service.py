@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import aclosing
 from typing import Any
 
@@ -47,6 +48,7 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
         self.layers_per_group = max(1, -(-self.num_layers // NOTES_PER_STEP))
 
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        start = time.monotonic()
         params = sampling_params_from_pb(request.params)
         request_id, prompt = request.request_id, list(request.prompt_token_ids)
         prior = list(request.prior_output_token_ids)  # a migrated request's earlier outputs
@@ -66,8 +68,9 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
         finish = c.finish_reason if c.finish_reason == "stop" else ""
         if not finish and params.max_tokens == len(prior) + 1:
             finish = "length"
-        logger.info("[%s] prefilled %d tokens (%d cached), first token %d%s", request_id,
-                    len(prompt), out.num_cached_tokens, c.token_ids[0],
+        logger.info("[%s] prefilled %d tokens (%d cached) in %.1f ms, first token %d%s",
+                    request_id, len(prompt), out.num_cached_tokens,
+                    1e3 * (time.monotonic() - start), c.token_ids[0],
                     f", finished: {finish}" if finish else f", KV to {request.decode_address}")
         if push is not None and not finish and not push.ended:
             push.commit(c.token_ids[0], first_logprobs(c))

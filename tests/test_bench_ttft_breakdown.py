@@ -25,7 +25,8 @@ def test_parts_add_up_to_the_client_ttft(tmp_path) -> None:
     ]
     report = tmp_path / "r.json"
     report.write_text(json.dumps({"runs": [{"requests": requests}]}))
-    finished, prefilled = ttft_breakdown.read_log(log)
+    finished, prefilled, phases = ttft_breakdown.read_log(log)
+    assert phases == {}  # lines of a cluster that logged no parts
     result = ttft_breakdown.breakdown(json.loads(report.read_text()), finished, prefilled)
     assert result["requests"] == 2
     ms = result["ms"]
@@ -38,3 +39,34 @@ def test_parts_add_up_to_the_client_ttft(tmp_path) -> None:
     assert result["prefill_steps"]["prompts"] == [2]  # aa and bb 3 ms apart; cc not in the run
     assert ttft_breakdown.main([str(report), str(log)]) == 0
     assert ttft_breakdown.main([str(report), str(tmp_path / "r.json")]) == 2  # no log lines
+
+
+PARTS_LOG = """\
+[gateway-0] 2026-12-01 10:00:00,309 INFO gateway.remote_backend: [cmpl-aa] first token in \
+10.0 ms: route 0.5, reserve 2.5, prefill 7.0
+[prefill-0] 2026-12-01 10:00:00,308 INFO prefill_svc.service: [cmpl-aa] prefilled 10 tokens \
+(0 cached) in 4.5 ms, first token 7, KV to 127.0.0.1:1
+[gateway-0] 2026-12-01 10:00:01,300 INFO pdserve.gateway: cmpl-aa: finished in 1.100s, x
+[prefill-0] 2026-12-01 10:00:00,400 INFO prefill_svc.service: [cmpl-bb] prefilled 12 tokens \
+(0 cached) in 3.0 ms, first token 9, KV to 127.0.0.1:1
+[gateway-0] 2026-12-01 10:00:01,400 INFO pdserve.gateway: cmpl-bb: finished in 1.100s, x
+"""
+
+
+def test_the_attempts_logged_parts_split_the_handlers_time(tmp_path) -> None:
+    """aa: the handler at 10:00:00.200, its attempt from .299 (logged at .309, 10 ms long):
+    99 ms before it; route 0.5, reserve 2.5, the Prefill call 7.0 of which the worker's 4.5.
+    bb has no gateway line (a colocated-style log): its parts are not invented."""
+    log = tmp_path / "cluster.log"
+    log.write_text(PARTS_LOG)
+    requests = [{"request_id": "cmpl-aa", "sent_at": 0.0, "chunk_at": [0.32], "done_at": 1.2},
+                {"request_id": "cmpl-bb", "sent_at": 0.1, "chunk_at": [0.42], "done_at": 1.3}]
+    finished, prefilled, phases = ttft_breakdown.read_log(log)
+    assert phases["cmpl-bb"] == {"prefill_worker": 0.003}
+    result = ttft_breakdown.breakdown({"runs": [{"requests": requests}]}, finished, prefilled,
+                                      phases=phases)
+    ms = result["ms"]
+    assert result["requests"] == 2
+    assert ms["before_attempt"] == {"p50": 99.0, "p90": 99.0, "requests": 1}
+    assert (ms["route"]["p50"], ms["reserve"]["p50"]) == (0.5, 2.5)
+    assert (ms["prefill_worker"]["p50"], ms["prefill_call_rest"]["p50"]) == (4.5, 2.5)

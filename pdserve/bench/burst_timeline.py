@@ -62,7 +62,7 @@ def trips(report: dict, run: int, log: Path | None) -> list[Trip]:
            for r in requests]
     if log is None:
         return out
-    finished, prefilled = read_log(log)
+    finished, prefilled, _ = read_log(log)
     offsets = [finished[r["request_id"]][0] - r["done_at"]
                for r in requests if r.get("request_id") in finished]
     if not offsets:

@@ -15,8 +15,19 @@ split the client's time to first token into:
                        time minus S; both clocks are the host's)
   the rest             the first token's way back to the client
 
+Where the gateway logged the attempt's "first token in T ms: route R, reserve V, prefill P"
+(gateway/remote_backend.py) and the prefill worker its time on the "prefilled" line, the
+handler's part splits further:
+
+  before the attempt   tokenize (the tokenizer service), admission, the request's state record
+  route                the registry's and the prefix index's reads
+  reserve              the decode worker's reservation: Generate's first message
+  prefill worker       the Prefill handler's own time to the first token (engine and its step)
+  prefill call rest    the Prefill call's way there and back, around the worker's own time
+
 Prints the medians (and p90) of each part and the prefill worker's steps during the run
-(completions less than 5 ms apart are one step). The log's times have millisecond resolution.
+(completions less than 5 ms apart are one step). The log's times have millisecond resolution
+(the parts measured in-process, route to prefill call rest, have 0.1 ms).
 """
 
 from __future__ import annotations
@@ -32,7 +43,9 @@ from pdserve.bench.report import bench_main
 
 _TIME = re.compile(r"(\d\d):(\d\d):(\d\d),(\d\d\d)")
 _FINISHED = re.compile(r"(cmpl-[0-9a-f]+|chatcmpl-[0-9a-f]+): \w+ in ([0-9.]+)s")
-_PREFILLED = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] prefilled ")
+_PREFILLED = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] prefilled (?:.*? in ([0-9.]+) ms,)?")
+_FIRST = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] first token in ([0-9.]+) ms: route ([0-9.]+), "
+                    r"reserve ([0-9.]+), prefill ([0-9.]+)")
 STEP_GAP_S = 0.005
 
 
@@ -44,22 +57,33 @@ def _seconds(line: str) -> float | None:
     return h * 3600 + mi * 60 + s + ms / 1000
 
 
-def read_log(path: Path) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
-    """({request id: (gateway log time, its elapsed s)}, {request id: prefilled log time})."""
+def read_log(path: Path) -> tuple[dict[str, tuple[float, float]], dict[str, float],
+                                   dict[str, dict[str, float]]]:
+    """({request id: (gateway log time, its elapsed s)}, {request id: prefilled log time},
+    {request id: the attempt's parts in s, where logged: "attempt_at" (its start, log clock),
+    "route", "reserve", "prefill_call", "prefill_worker"})."""
     finished: dict[str, tuple[float, float]] = {}
     prefilled: dict[str, float] = {}
+    phases: dict[str, dict[str, float]] = {}
     for line in path.read_text(errors="replace").splitlines():
         t = _seconds(line)
         if t is None:
             continue
         if (m := _FINISHED.search(line)) and line.startswith("[gateway"):
             finished[m.group(1)] = (t, float(m.group(2)))
+        elif m := _FIRST.search(line):
+            total, route, reserve, call = (float(g) / 1e3 for g in m.groups()[1:])
+            phases.setdefault(m.group(1), {}).update(
+                attempt_at=t - total, route=route, reserve=reserve, prefill_call=call)
         elif m := _PREFILLED.search(line):
             prefilled[m.group(1)] = t
-    return finished, prefilled
+            if m.group(2) is not None:
+                phases.setdefault(m.group(1), {})["prefill_worker"] = float(m.group(2)) / 1e3
+    return finished, prefilled, phases
 
 
-def breakdown(report: dict, finished: dict, prefilled: dict, run: int = -1) -> dict:
+def breakdown(report: dict, finished: dict, prefilled: dict, run: int = -1,
+              phases: dict | None = None) -> dict:
     parts: dict[str, list[float]] = {"ttft": [], "before_handler": [], "handler_to_prefilled": [],
                                      "rest": []}
     done_at = []
@@ -71,15 +95,22 @@ def breakdown(report: dict, finished: dict, prefilled: dict, run: int = -1) -> d
         logged, elapsed = finished[rid]
         before = (req["done_at"] - req["sent_at"]) - elapsed
         to_prefilled = prefilled[rid] - (logged - elapsed)
-        for key, value in (("ttft", ttft), ("before_handler", before),
-                           ("handler_to_prefilled", to_prefilled),
-                           ("rest", ttft - before - to_prefilled)):
-            parts[key].append(value)
+        values = [("ttft", ttft), ("before_handler", before),
+                  ("handler_to_prefilled", to_prefilled), ("rest", ttft - before - to_prefilled)]
+        p = (phases or {}).get(rid, {})
+        if "attempt_at" in p and "prefill_worker" in p:
+            values += [("before_attempt", p["attempt_at"] - (logged - elapsed)),
+                       ("route", p["route"]), ("reserve", p["reserve"]),
+                       ("prefill_worker", p["prefill_worker"]),
+                       ("prefill_call_rest", p["prefill_call"] - p["prefill_worker"])]
+        for key, value in values:
+            parts.setdefault(key, []).append(value)
         done_at.append(prefilled[rid])
     if not done_at:
         raise ValueError("no request of the run is in the log (wrong log or run?)")
     return {"requests": len(done_at),
-            "ms": {k: {"p50": round(1e3 * statistics.median(v), 1), "p90": quantile_ms(v, 0.9)}
+            "ms": {k: {"p50": round(1e3 * statistics.median(v), 1), "p90": quantile_ms(v, 0.9),
+                       **({"requests": len(v)} if len(v) != len(done_at) else {})}
                    for k, v in parts.items()},
             "prefill_steps": _steps(sorted(done_at))}
 
@@ -112,9 +143,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    finished, prefilled = read_log(args.log)
+    finished, prefilled, phases = read_log(args.log)
     try:
-        result = breakdown(json.loads(args.report.read_text()), finished, prefilled, args.run)
+        result = breakdown(json.loads(args.report.read_text()), finished, prefilled, args.run,
+                           phases)
     except (IndexError, KeyError) as exc:
         raise ValueError(f"{args.report} is not a load test report with run {args.run}: "
                          f"{exc!r}") from exc
