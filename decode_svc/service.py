@@ -44,8 +44,9 @@ class DecodeServicer(LoRARpcs, decode_pb2_grpc.DecodeServicer):
         request_id, prompt = request.request_id, list(request.prompt_token_ids)
         prior = list(request.prior_output_token_ids)
         lora = request_lora(request)  # loaded on demand by the engine (ValueError: bad)
-        await self.cancels.check(request_id)
+        cancelled = self.cancels.check_soon(request_id)  # beside the reservation
         if request.prefill_locally:
+            await cancelled
             outputs = self.engine.generate(prompt, params, request_id, prior, lora_request=lora)
         else:
             if not await self.receiver.expect(request_id, prompt, params, prior, lora):
@@ -53,6 +54,7 @@ class DecodeServicer(LoRARpcs, decode_pb2_grpc.DecodeServicer):
                 yield decode_pb2.GenerateResponse(finish_reason="abort")
                 return
             try:
+                await cancelled  # RequestCancelled: its cancellation came before the request
                 # blocks reserved: the push may start, skipping those held here already,
                 # writing into them at once over a data plane (the grant)
                 grant = self.receiver.grant(request_id)

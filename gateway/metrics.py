@@ -79,7 +79,8 @@ class GatewayMetrics:
         self.routing_decisions = Counter(
             "pdserve:routing_decisions", "Workers picked, by role and reason: prefix_hit (its "
             "cached prefix won), lora_hit (it held the request's LoRA adapter), load, "
-            "round_robin (pdserve/cluster/routing.py).",
+            "round_robin (pdserve/cluster/routing.py), only (one worker of each role could "
+            "take the request).",
             ["role", "reason"], registry=r,
         )
         self.stream_resumes = Counter(

@@ -9,7 +9,9 @@ no call uses it: a draining worker's streams run to their end.
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -57,7 +59,8 @@ class PrefillClaim:
 class WorkerPool:
     def __init__(self, registry: Any, tls: TLSConfig = PLAINTEXT, routing: str = "kv_aware",
                  prefixes: PrefixIndex | None = None, metrics: Any = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, list_max_age_s: float = 0.1,
+                 list_stale_s: float = 2.0) -> None:
         if routing not in ROUTING:
             raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
         self.registry = registry  # pdserve.cluster.registry.WorkerRegistry
@@ -70,6 +73,11 @@ class WorkerPool:
         self._turn = 0
         self._channels: dict[str, _Channel] = {}
         self._claims: dict[str, int] = {}  # prefill address -> requests routed there, unfinished
+        # routing's registry read (`_recent`): again after list_max_age_s, in the background
+        # until list_stale_s (0, 0: on every request's way)
+        self.list_max_age_s, self.list_stale_s = list_max_age_s, list_stale_s
+        self._listed: tuple[float, list[WorkerInfo]] | None = None  # (when, workers)
+        self._listing: asyncio.Future[list[WorkerInfo]] | None = None
 
     async def list(self, role: str | None = None, lost: set[str] | None = None
                    ) -> list[WorkerInfo]:
@@ -94,18 +102,22 @@ class WorkerPool:
         scores prefill workers by the prompt's (`token_ids`) blocks they hold, hashed under the
         request's LoRA adapter `lora` as the workers hash them; kv_aware and load favour
         workers holding `lora`)."""
-        workers = await self.list(lost=lost)
+        workers = [w for w in await self._recent() if w.address not in lost]
         self._turn += 1
+        choice = any(sum(w.role == role for w in workers) > 1
+                     for role in ("decode",) + (() if local else ("prefill",)))
         if self.routing == "round_robin":
             decode = pick_round_robin(workers, "decode", self._turn)
             prefill = None if local else pick_round_robin(workers, "prefill", self._turn)
             reasons = ("round_robin", "round_robin")
-        else:
-            hits, blocks = await self._hits(workers, token_ids, lora)
+        else:  # the prefix index read only where there is a choice to make
+            hits, blocks = await self._hits(workers, token_ids, lora) if choice else ({}, 0)
             decode = pick_decode(workers, hits, blocks, lora, self.rng)
             prefill = None if local else pick_prefill(workers, hits, blocks, lora,
                                                       self.in_flight(), self.rng)
             reasons = (_reason(decode, hits, lora), _reason(prefill, hits, lora))
+        if not choice:
+            reasons = ("only", "only")
         if decode is None:
             raise BackendError("no decode worker is available", retryable=True)
         self._count("decode", reasons[0])
@@ -115,6 +127,32 @@ class WorkerPool:
             raise BackendError("no prefill worker is available", retryable=True)
         self._count("prefill", reasons[1])
         return decode, prefill
+
+    async def _recent(self) -> list[WorkerInfo]:
+        """The registered workers as `list()` last read them: read again in the background
+        once that read is `list_max_age_s` old, awaited only once it is `list_stale_s` old (or
+        there is none yet); one read at a time.
+
+        NOTE: why. Routing read the registry (two Redis round trips) on every request's way to
+        its first token, 1.6 ms of a split request's 22.5 at 16 req/s on an H100 (`python -m
+        pdserve.bench.ttft_breakdown`, 2026-12-06). The entries' load numbers are a heartbeat
+        old anyway (1 s); what a request routed meanwhile needs, this gateway's own requests
+        in flight, is counted here (`in_flight`), and a worker gone since is routed around as
+        on any failed call (the request's `lost`)."""
+        cached = self._listed
+        age = float("inf") if cached is None else time.monotonic() - cached[0]
+        if age > self.list_max_age_s and (self._listing is None or self._listing.done()):
+            self._listing = asyncio.ensure_future(self._read_list())
+            self._listing.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if cached is not None and age <= self.list_stale_s:
+            return cached[1]
+        assert self._listing is not None
+        return await asyncio.shield(self._listing)
+
+    async def _read_list(self) -> list[WorkerInfo]:
+        workers = await self.list()
+        self._listed = (time.monotonic(), workers)
+        return workers
 
     async def _hits(
         self, workers: list[WorkerInfo], token_ids: list[int] | None, lora: str | None = None,
@@ -188,7 +226,7 @@ class WorkerPool:
 
 def _reason(chosen: WorkerInfo | None, hits: dict[str, int], lora: str | None = None) -> str:
     """Why `chosen` was picked, for the routing metrics: its cached prefix, the request's LoRA
-    adapter it holds, or its load."""
+    adapter it holds, or its load (`route` says "only" where no role had a choice)."""
     if chosen is not None and hits.get(chosen.worker_id, 0) > 0:
         return "prefix_hit"
     if chosen is not None and lora is not None and lora in chosen.lora_adapters:

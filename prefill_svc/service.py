@@ -53,7 +53,7 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
         request_id, prompt = request.request_id, list(request.prompt_token_ids)
         prior = list(request.prior_output_token_ids)  # a migrated request's earlier outputs
         lora = request_lora(request)  # loaded on demand by the engine (ValueError: bad)
-        await self.cancels.check(request_id)
+        cancelled = self.cancels.check_soon(request_id)  # awaited before the first token leaves
         push = None
         if request.decode_address and params.max_tokens != len(prior) + 1:  # else: no KV to ship
             grant = request.decode_kv_target if request.HasField("decode_kv_target") else None
@@ -63,6 +63,12 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
             out = await self._first_token(request_id, prompt, params, prior, push, lora)
         except BaseException:
             self._stop_push(request_id)  # the engine freed the blocks
+            raise
+        try:
+            await cancelled  # RequestCancelled: its cancellation came before the request
+        except BaseException:
+            self._stop_push(request_id)
+            await self.engine.release(request_id)
             raise
         c = out.outputs[0]
         finish = c.finish_reason if c.finish_reason == "stop" else ""

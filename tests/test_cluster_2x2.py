@@ -108,7 +108,7 @@ def test_cancellation_in_redis_reaches_the_workers(cluster):
     from pdserve import SamplingParams
     from pdserve.cluster.convert import sampling_params_to_pb
     from pdserve.cluster.state import RequestStore, connect
-    from protos import decode_pb2, decode_pb2_grpc
+    from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
     async def cancel(request_id: str) -> None:
         client = connect(cluster.redis_url)
@@ -127,6 +127,13 @@ def test_cancellation_in_redis_reaches_the_workers(cluster):
                 request_id="cancelled-early", prompt_token_ids=[5, 6, 7], params=params,
                 prefill_locally=True), timeout=30))
         assert err.value.code() == grpc.StatusCode.CANCELLED
+        # a reservation for a split request: the flag, read beside it, frees what it reserved
+        asyncio.run(cancel("cancelled-early-split"))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(decode_pb2.GenerateRequest(
+                request_id="cancelled-early-split", prompt_token_ids=[5, 6, 7] * 20,
+                params=params), timeout=30))
+        assert err.value.code() == grpc.StatusCode.CANCELLED
         stream = stub.Generate(decode_pb2.GenerateRequest(
             request_id="cancelled-later", prompt_token_ids=[5, 6, 7], params=params,
             prefill_locally=True), timeout=60)
@@ -135,8 +142,16 @@ def test_cancellation_in_redis_reaches_the_workers(cluster):
         rest = list(stream)
         assert sum(len(m.token_ids) for m in rest) < 399
         assert rest[-1].finish_reason == "abort"
+    prefill = cluster.workers("prefill")[0]
+    with grpc.insecure_channel(prefill.address) as ch:  # a prefill: computed, then undone
+        asyncio.run(cancel("cancelled-early-prefill"))
+        with pytest.raises(grpc.RpcError) as err:
+            prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+                request_id="cancelled-early-prefill", prompt_token_ids=[5, 6, 7] * 20,
+                params=params, decode_address=decode.address), timeout=30)
+        assert err.value.code() == grpc.StatusCode.CANCELLED
     deadline = time.monotonic() + 10
-    while cluster.loads()[decode.address].num_free_blocks != cluster.loads()[
-            decode.address].num_total_blocks:
+    while any(cluster.loads()[w.address].num_free_blocks != cluster.loads()[
+            w.address].num_total_blocks for w in (decode, prefill)):
         assert time.monotonic() < deadline
         time.sleep(0.2)

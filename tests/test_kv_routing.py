@@ -180,7 +180,8 @@ async def test_worker_pool_routes_a_second_turn_to_the_holder(redis_url):
 
     history = list(range(2000, 2100))
     await index.publish("p1", KVEventBatch(True, prefix_hashes(history, BS)))
-    pool = WorkerPool(Registry(), routing="kv_aware", prefixes=index)
+    pool = WorkerPool(Registry(), routing="kv_aware", prefixes=index, list_max_age_s=0,
+                      list_stale_s=0)
     assert (await pool.route(False, set(), history + [7, 8, 9]))[1] == p1
     assert (await pool.route(False, set(), list(range(50))))[1] in (p0, p1)  # no hits: either
     assert pool.decisions == {"decode:load": 2, "prefill:prefix_hit": 1, "prefill:load": 1}

@@ -148,7 +148,8 @@ async def test_kv_aware_routing_hashes_the_prompt_under_the_adapter():
     class Registry:
         async def list_workers(self, role=None):
             return [WorkerInfo("decode-0", "decode", "h:0", block_size=4),
-                    WorkerInfo("prefill-0", "prefill", "h:1", block_size=4)]
+                    WorkerInfo("prefill-0", "prefill", "h:1", block_size=4),
+                    WorkerInfo("prefill-1", "prefill", "h:2", block_size=4)]  # a choice
 
     class Prefixes:
         async def leading_hits(self, ids, hashes):

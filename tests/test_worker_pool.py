@@ -3,6 +3,8 @@ once the worker has left the registry (or failed a call with UNAVAILABLE) and no
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -63,3 +65,54 @@ async def test_route_avoids_lost_workers_and_says_when_none_is_left() -> None:
     with pytest.raises(BackendError, match="registry unreachable") as failed:
         await WorkerPool(DownRegistry()).list()
     assert failed.value.retryable
+
+
+class CountingRegistry(FakeRegistry):
+    def __init__(self, workers: list[WorkerInfo]) -> None:
+        super().__init__(workers)
+        self.reads = 0
+
+    async def list_workers(self, role: str | None = None) -> list[WorkerInfo]:
+        self.reads += 1
+        await asyncio.sleep(0.01)  # a Redis round trip
+        return await super().list_workers(role)
+
+
+
+class Prefixes:
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def leading_hits(self, ids: list[str], hashes: list[bytes]) -> dict[str, int]:
+        self.asked += 1
+        return dict.fromkeys(ids, 0)
+
+
+async def test_routing_reads_the_registry_in_the_background_and_the_index_only_to_choose(
+        ) -> None:
+    d0 = WorkerInfo("d0", "decode", "127.0.0.1:1", block_size=4)
+    p0 = WorkerInfo("p0", "prefill", "127.0.0.1:2", block_size=4)
+    registry, prefixes = CountingRegistry([d0, p0]), Prefixes()
+    pool = WorkerPool(registry, prefixes=prefixes, list_max_age_s=0.1, list_stale_s=0.5)
+    picks = await asyncio.gather(*(pool.route(False, set(), list(range(40))) for _ in range(8)))
+    assert picks == [(d0, p0)] * 8 and registry.reads == 1  # one read, awaited by all eight
+    assert prefixes.asked == 0  # one worker of each role: nothing to choose
+    assert pool.decisions == {"decode:only": 8, "prefill:only": 8}
+    p1 = WorkerInfo("p1", "prefill", "127.0.0.1:3", block_size=4)
+    registry.workers = [d0, p0, p1]
+    with pytest.raises(BackendError, match="no prefill worker"):  # the list read before p1
+        await pool.route(False, {p0.address})
+    assert registry.reads == 1
+    await asyncio.sleep(0.15)  # past the max age: this route reads again, without waiting
+    with pytest.raises(BackendError, match="no prefill worker"):
+        await pool.route(False, {p0.address})
+    await asyncio.sleep(0.05)
+    assert registry.reads == 2
+    assert await pool.route(False, {p0.address}, list(range(40))) == (d0, p1)
+    await pool.route(False, set(), list(range(40)))  # p0 or p1: the index asked
+    assert prefixes.asked == 1
+    registry.workers = [d0, p0]
+    await asyncio.sleep(0.6)  # past the stale limit: this route waits for the read
+    with pytest.raises(BackendError, match="no prefill worker"):  # p1 gone
+        await pool.route(False, {p0.address})
+    assert registry.reads == 3

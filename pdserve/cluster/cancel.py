@@ -40,6 +40,13 @@ class CancelWatch:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
+    def check_soon(self, request_id: str) -> asyncio.Task[None]:
+        """`check` started now, awaited later, before the request's result leaves this worker:
+        its Redis round trip then runs beside the request's work instead of before it (a
+        request cancelled before it came here is rare; its work is then undone). The task's
+        error is consumed when nobody awaits it (the work failed first)."""
+        return _consumed(asyncio.ensure_future(self.check(request_id)))
+
     async def check(self, request_id: str) -> None:
         """Raise RequestCancelled if the request's cancellation is already recorded. Redis being
         unreachable never blocks a request: the gRPC cancellation still reaches this worker."""
@@ -65,8 +72,16 @@ class CancelWatch:
 class NoCancelWatch:
     """Stand-in when the worker runs without Redis: only gRPC cancellation applies."""
 
+    def check_soon(self, request_id: str) -> asyncio.Task[None]:
+        return _consumed(asyncio.ensure_future(self.check(request_id)))
+
     async def check(self, request_id: str) -> None:
         return None
+
+
+def _consumed(task: asyncio.Task[None]) -> asyncio.Task[None]:
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
 
     async def stop(self) -> None:
         return None
