@@ -74,9 +74,9 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
         finish = c.finish_reason if c.finish_reason == "stop" else ""
         if not finish and params.max_tokens == len(prior) + 1:
             finish = "length"
-        logger.info("[%s] prefilled %d tokens (%d cached) in %.1f ms, first token %d%s",
+        logger.info("[%s] prefilled %d tokens (%d cached) in %.1f ms%s, first token %d%s",
                     request_id, len(prompt), out.num_cached_tokens,
-                    1e3 * (time.monotonic() - start), c.token_ids[0],
+                    1e3 * (time.monotonic() - start), _engine_parts(start, out), c.token_ids[0],
                     f", finished: {finish}" if finish else f", KV to {request.decode_address}")
         if push is not None and not finish and not push.ended:
             push.commit(c.token_ids[0], first_logprobs(c))
@@ -165,3 +165,16 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
 
     async def GetLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return load_to_pb("prefill", await self.engine.stats())
+
+
+def _engine_parts(start: float, out: RequestOutput) -> str:
+    """Where a prefill's time went, from the engine's milestones (time.monotonic: one clock for
+    every process of the host): the request's way into the engine, its wait for a step, its
+    steps to the first token, the token's way back here."""
+    m, now = out.metrics, time.monotonic()
+    if m is None or m.first_scheduled_time is None or m.first_token_time is None:
+        return ""
+    return (f" (into the engine {1e3 * (m.arrival_time - start):.1f}, waiting "
+            f"{1e3 * (m.first_scheduled_time - m.arrival_time):.1f}, steps "
+            f"{1e3 * (m.first_token_time - m.first_scheduled_time):.1f}, back "
+            f"{1e3 * (now - m.first_token_time):.1f})")

@@ -45,7 +45,8 @@ PARTS_LOG = """\
 [gateway-0] 2026-12-01 10:00:00,309 INFO gateway.remote_backend: [cmpl-aa] first token in \
 10.0 ms: route 0.5, reserve 2.5, prefill 7.0
 [prefill-0] 2026-12-01 10:00:00,308 INFO prefill_svc.service: [cmpl-aa] prefilled 10 tokens \
-(0 cached) in 4.5 ms, first token 7, KV to 127.0.0.1:1
+(0 cached) in 4.5 ms (into the engine 0.5, waiting 0.2, steps 3.0, back 0.8), first token 7, \
+KV to 127.0.0.1:1
 [gateway-0] 2026-12-01 10:00:01,300 INFO pdserve.gateway: cmpl-aa: finished in 1.100s, x
 [prefill-0] 2026-12-01 10:00:00,400 INFO prefill_svc.service: [cmpl-bb] prefilled 12 tokens \
 (0 cached) in 3.0 ms, first token 9, KV to 127.0.0.1:1
@@ -70,3 +71,5 @@ def test_the_attempts_logged_parts_split_the_handlers_time(tmp_path) -> None:
     assert ms["before_attempt"] == {"p50": 99.0, "p90": 99.0, "requests": 1}
     assert (ms["route"]["p50"], ms["reserve"]["p50"]) == (0.5, 2.5)
     assert (ms["prefill_worker"]["p50"], ms["prefill_call_rest"]["p50"]) == (4.5, 2.5)
+    assert [ms[k]["p50"] for k in ("into_engine", "engine_waiting", "engine_steps",
+                                   "engine_back")] == [0.5, 0.2, 3.0, 0.8]

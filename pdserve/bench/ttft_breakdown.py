@@ -25,6 +25,11 @@ handler's part splits further:
   prefill worker       the Prefill handler's own time to the first token (engine and its step)
   prefill call rest    the Prefill call's way there and back, around the worker's own time
 
+and the prefill worker's time by its engine's milestones (same host, one clock): into the
+engine (the handler to the engine's arrival: in a process of its own, the pipe), engine
+waiting (for a step to take it), engine steps (scheduled to its first token), engine back
+(the token's way out of the engine and to the handler).
+
 Prints the medians (and p90) of each part and the prefill worker's steps during the run
 (completions less than 5 ms apart are one step). The log's times have millisecond resolution
 (the parts measured in-process, route to prefill call rest, have 0.1 ms).
@@ -43,7 +48,10 @@ from pdserve.bench.report import bench_main
 
 _TIME = re.compile(r"(\d\d):(\d\d):(\d\d),(\d\d\d)")
 _FINISHED = re.compile(r"(cmpl-[0-9a-f]+|chatcmpl-[0-9a-f]+): \w+ in ([0-9.]+)s")
-_PREFILLED = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] prefilled (?:.*? in ([0-9.]+) ms,)?")
+_PREFILLED = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] prefilled (?:.*? in ([0-9.]+) ms"
+                        r"(?: \(into the engine ([-0-9.]+), waiting ([0-9.]+), steps ([0-9.]+), "
+                        r"back ([-0-9.]+)\))?,)?")
+_ENGINE_PARTS = ("into_engine", "engine_waiting", "engine_steps", "engine_back")
 _FIRST = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] first token in ([0-9.]+) ms: route ([0-9.]+), "
                     r"reserve ([0-9.]+), prefill ([0-9.]+)")
 STEP_GAP_S = 0.005
@@ -79,6 +87,9 @@ def read_log(path: Path) -> tuple[dict[str, tuple[float, float]], dict[str, floa
             prefilled[m.group(1)] = t
             if m.group(2) is not None:
                 phases.setdefault(m.group(1), {})["prefill_worker"] = float(m.group(2)) / 1e3
+            if m.group(3) is not None:
+                phases[m.group(1)].update(
+                    {k: float(v) / 1e3 for k, v in zip(_ENGINE_PARTS, m.groups()[2:])})
     return finished, prefilled, phases
 
 
@@ -103,6 +114,7 @@ def breakdown(report: dict, finished: dict, prefilled: dict, run: int = -1,
                        ("route", p["route"]), ("reserve", p["reserve"]),
                        ("prefill_worker", p["prefill_worker"]),
                        ("prefill_call_rest", p["prefill_call"] - p["prefill_worker"])]
+            values += [(k, p[k]) for k in _ENGINE_PARTS if k in p]
         for key, value in values:
             parts.setdefault(key, []).append(value)
         done_at.append(prefilled[rid])
