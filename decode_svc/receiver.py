@@ -97,6 +97,7 @@ class Pending:
     # When KV last made progress (reserved, header, a slab): the push streams while the prompt
     # is computed, so the wait for the KV is bounded by idle time, not by the prefill's length.
     progress_at: float = field(default_factory=time.monotonic)
+    reserved_in: float = 0.0  # seconds from `expect` to its blocks reserved (the engine's part)
 
 
 class KVReceiver:
@@ -138,6 +139,7 @@ class KVReceiver:
         if request_id in self.pending:
             raise ValueError(f"request_id {request_id!r} is already in use")
         pending = self.pending[request_id] = Pending()
+        started = time.monotonic()
         try:
             reservation = await self.engine.reserve_remote(
                 request_id, prompt_token_ids, params, prior_output_token_ids, self.kv_wait,
@@ -152,6 +154,7 @@ class KVReceiver:
         pending.block_ids = reservation.block_ids
         pending.cached_blocks = reservation.num_cached_blocks
         pending.progress_at = time.monotonic()
+        pending.reserved_in = pending.progress_at - started
         return True
 
     async def wait(self, request_id: str, timeout_s: float) -> bool:
@@ -350,7 +353,8 @@ class KVReceiver:
         self.stats.record(received, seconds, transport)
         self.stats.skipped_blocks += header.skip_blocks
         self.stats.first_slab_to_commit_seconds += now - first_slab_at
-        logger.info("[%s] KV received: %d bytes in %.1f ms", request_id, received, seconds * 1e3)
+        logger.info("[%s] KV received: %d bytes in %.1f ms (reserved in %.1f ms)", request_id,
+                    received, seconds * 1e3, pending.reserved_in * 1e3)
         pending.done.set()
         return received
 

@@ -6,6 +6,7 @@ Torch-free: inputs are the request queues and the block manager; the output is a
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Mapping
 
@@ -231,6 +232,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.metrics.first_scheduled_time is None:
                 req.num_cached_tokens = num_cached
+                req.metrics.first_scheduled_time = time.monotonic()
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -47,6 +47,8 @@ PARTS_LOG = """\
 [prefill-0] 2026-12-01 10:00:00,308 INFO prefill_svc.service: [cmpl-aa] prefilled 10 tokens \
 (0 cached) in 4.5 ms (into the engine 0.5, waiting 0.2, steps 3.0, back 0.8), first token 7, \
 KV to 127.0.0.1:1
+[decode-0] 2026-12-01 10:00:00,320 INFO decode_svc.receiver: [cmpl-aa] KV received: 4096 \
+bytes in 3.0 ms (reserved in 1.5 ms)
 [gateway-0] 2026-12-01 10:00:01,300 INFO pdserve.gateway: cmpl-aa: finished in 1.100s, x
 [prefill-0] 2026-12-01 10:00:00,400 INFO prefill_svc.service: [cmpl-bb] prefilled 12 tokens \
 (0 cached) in 3.0 ms, first token 9, KV to 127.0.0.1:1
@@ -73,3 +75,4 @@ def test_the_attempts_logged_parts_split_the_handlers_time(tmp_path) -> None:
     assert (ms["prefill_worker"]["p50"], ms["prefill_call_rest"]["p50"]) == (4.5, 2.5)
     assert [ms[k]["p50"] for k in ("into_engine", "engine_waiting", "engine_steps",
                                    "engine_back")] == [0.5, 0.2, 3.0, 0.8]
+    assert (ms["decode_reserve"]["p50"], ms["reserve_call_rest"]["p50"]) == (1.5, 1.0)

@@ -25,7 +25,10 @@ handler's part splits further:
   prefill worker       the Prefill handler's own time to the first token (engine and its step)
   prefill call rest    the Prefill call's way there and back, around the worker's own time
 
-and the prefill worker's time by its engine's milestones (same host, one clock): into the
+the reservation by the decode worker's own time from its Generate to the blocks reserved
+(decode reserve, on its "KV received" line; reserve call rest: the call's way there, the
+stream's first message back), and the prefill worker's time by its engine's milestones (same
+host, one clock): into the
 engine (the handler to the engine's arrival: in a process of its own, the pipe), engine
 waiting (for a step to take it), engine steps (scheduled to its first token), engine back
 (the token's way out of the engine and to the handler).
@@ -52,6 +55,7 @@ _PREFILLED = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] prefilled (?:.*? in ([0-
                         r"(?: \(into the engine ([-0-9.]+), waiting ([0-9.]+), steps ([0-9.]+), "
                         r"back ([-0-9.]+)\))?,)?")
 _ENGINE_PARTS = ("into_engine", "engine_waiting", "engine_steps", "engine_back")
+_RESERVED = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] KV received: .*\(reserved in ([0-9.]+) ms\)")
 _FIRST = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] first token in ([0-9.]+) ms: route ([0-9.]+), "
                     r"reserve ([0-9.]+), prefill ([0-9.]+)")
 STEP_GAP_S = 0.005
@@ -83,6 +87,8 @@ def read_log(path: Path) -> tuple[dict[str, tuple[float, float]], dict[str, floa
             total, route, reserve, call = (float(g) / 1e3 for g in m.groups()[1:])
             phases.setdefault(m.group(1), {}).update(
                 attempt_at=t - total, route=route, reserve=reserve, prefill_call=call)
+        elif m := _RESERVED.search(line):
+            phases.setdefault(m.group(1), {})["decode_reserve"] = float(m.group(2)) / 1e3
         elif m := _PREFILLED.search(line):
             prefilled[m.group(1)] = t
             if m.group(2) is not None:
@@ -115,6 +121,9 @@ def breakdown(report: dict, finished: dict, prefilled: dict, run: int = -1,
                        ("prefill_worker", p["prefill_worker"]),
                        ("prefill_call_rest", p["prefill_call"] - p["prefill_worker"])]
             values += [(k, p[k]) for k in _ENGINE_PARTS if k in p]
+            if "decode_reserve" in p:
+                values += [("decode_reserve", p["decode_reserve"]),
+                           ("reserve_call_rest", p["reserve"] - p["decode_reserve"])]
         for key, value in values:
             parts.setdefault(key, []).append(value)
         done_at.append(prefilled[rid])
