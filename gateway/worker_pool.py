@@ -10,6 +10,7 @@ no call uses it: a draining worker's streams run to their end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import AsyncIterator
@@ -73,11 +74,12 @@ class WorkerPool:
         self._turn = 0
         self._channels: dict[str, _Channel] = {}
         self._claims: dict[str, int] = {}  # prefill address -> requests routed there, unfinished
-        # routing's registry read (`_recent`): again after list_max_age_s, in the background
-        # until list_stale_s (0, 0: on every request's way)
+        # routing's registry read (`_recent`): every list_max_age_s in the background, on a
+        # request's way where it is list_stale_s old (0, 0: on every request's way)
         self.list_max_age_s, self.list_stale_s = list_max_age_s, list_stale_s
         self._listed: tuple[float, list[WorkerInfo]] | None = None  # (when, workers)
         self._listing: asyncio.Future[list[WorkerInfo]] | None = None
+        self._refresher: asyncio.Task | None = None
 
     async def list(self, role: str | None = None, lost: set[str] | None = None
                    ) -> list[WorkerInfo]:
@@ -86,7 +88,9 @@ class WorkerPool:
         try:
             workers = await self.registry.list_workers(None)
         except Exception as exc:  # noqa: BLE001
+            self._listed = None  # routing fails too, until the registry is back
             raise BackendError(f"worker registry unreachable: {exc}", retryable=True) from exc
+        self._listed = (time.monotonic(), workers)  # routing's (`_recent`)
         live = {w.address for w in workers}
         for address in [a for a in self._channels if a not in live]:
             await self.retire(address)
@@ -103,9 +107,11 @@ class WorkerPool:
         request's LoRA adapter `lora` as the workers hash them; kv_aware and load favour
         workers holding `lora`)."""
         workers = [w for w in await self._recent() if w.address not in lost]
+        roles = ("decode",) + (() if local else ("prefill",))
+        if not all(any(w.role == role for w in workers) for role in roles):
+            workers = await self.list(lost=lost)  # none of a role: one may have just come
         self._turn += 1
-        choice = any(sum(w.role == role for w in workers) > 1
-                     for role in ("decode",) + (() if local else ("prefill",)))
+        choice = any(sum(w.role == role for w in workers) > 1 for role in roles)
         if self.routing == "round_robin":
             decode = pick_round_robin(workers, "decode", self._turn)
             prefill = None if local else pick_round_robin(workers, "prefill", self._turn)
@@ -129,30 +135,35 @@ class WorkerPool:
         return decode, prefill
 
     async def _recent(self) -> list[WorkerInfo]:
-        """The registered workers as `list()` last read them: read again in the background
-        once that read is `list_max_age_s` old, awaited only once it is `list_stale_s` old (or
-        there is none yet); one read at a time.
+        """The registered workers as `list()` last read them, read again every
+        `list_max_age_s` by a task of the pool's; awaited here only where that read is
+        `list_stale_s` old (or there is none yet), one read at a time.
 
         NOTE: why. Routing read the registry (two Redis round trips) on every request's way to
         its first token, 1.6 ms of a split request's 22.5 at 16 req/s on an H100 (`python -m
         pdserve.bench.ttft_breakdown`, 2026-12-06). The entries' load numbers are a heartbeat
         old anyway (1 s); what a request routed meanwhile needs, this gateway's own requests
-        in flight, is counted here (`in_flight`), and a worker gone since is routed around as
-        on any failed call (the request's `lost`)."""
+        in flight, is counted here (`in_flight`); a worker that deregistered (draining) is
+        out of the list a tenth of a second later, and one gone without a word is routed
+        around as on any failed call (the request's `lost`). Every `list()` (readiness,
+        retries) renews it; one that fails drops it: with the registry unreachable, requests
+        fail (503) as the gateway's readiness says."""
+        if self._refresher is None and self.list_max_age_s > 0:
+            self._refresher = asyncio.get_running_loop().create_task(
+                self._refresh(), name="registry-refresh")
         cached = self._listed
-        age = float("inf") if cached is None else time.monotonic() - cached[0]
-        if age > self.list_max_age_s and (self._listing is None or self._listing.done()):
-            self._listing = asyncio.ensure_future(self._read_list())
-            self._listing.add_done_callback(lambda f: f.cancelled() or f.exception())
-        if cached is not None and age <= self.list_stale_s:
+        if cached is not None and time.monotonic() - cached[0] <= self.list_stale_s:
             return cached[1]
-        assert self._listing is not None
+        if self._listing is None or self._listing.done():
+            self._listing = asyncio.ensure_future(self.list())
+            self._listing.add_done_callback(lambda f: f.cancelled() or f.exception())
         return await asyncio.shield(self._listing)
 
-    async def _read_list(self) -> list[WorkerInfo]:
-        workers = await self.list()
-        self._listed = (time.monotonic(), workers)
-        return workers
+    async def _refresh(self) -> None:
+        while True:
+            await asyncio.sleep(self.list_max_age_s)
+            with contextlib.suppress(BackendError):  # dropped the list: routing says so
+                await self.list()
 
     async def _hits(
         self, workers: list[WorkerInfo], token_ids: list[int] | None, lora: str | None = None,
@@ -220,6 +231,11 @@ class WorkerPool:
         return set(self._channels)
 
     async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+            self._refresher = None
         for address in list(self._channels):
             await self.retire(address)
 

@@ -35,6 +35,14 @@ class SlabFrontier:
         self.ready = [0] * self.num_layers  # leading final blocks, per layer
         self.sent = [skip_blocks] * self.num_layers  # leading sent blocks, per layer
 
+    def skip(self, skip_blocks: int) -> None:
+        """The receiver holds the first `skip_blocks` blocks (told before anything was sent)."""
+        if not 0 <= skip_blocks <= self.num_blocks:
+            raise ValueError(f"skip_blocks {skip_blocks} out of range [0, {self.num_blocks}]")
+        if any(self.sent):
+            raise RuntimeError("blocks to skip named after a slab was sent")
+        self.sent = [skip_blocks] * self.num_layers
+
     @property
     def complete(self) -> bool:
         """Every layer x block sent."""

@@ -45,10 +45,12 @@ class SlabTicket:
 class KVPush:
     def __init__(
         self, request_id: str, num_tokens: int, layout: KVLayout, slab_bytes: int,
-        skip_blocks: int = 0,
+        skip_blocks: int = 0, reserved: bool = True,
     ):
         """`skip_blocks`: the decode worker's prefix cache holds the first blocks (decode-side
-        reuse): they are never sent. ValueError if there are not that many blocks."""
+        reuse): they are never sent. ValueError if there are not that many blocks. Not
+        `reserved`: the decode worker is reserving the blocks still; `reserve` says what it
+        reserved, and the push sends nothing before (`reservation`)."""
         self.request_id = request_id
         self.num_tokens = num_tokens
         self.block_size = layout.block_size
@@ -66,8 +68,21 @@ class KVPush:
         self.bytes_sent = 0
         self.bytes_before_first_token = 0
         self.ended = False  # set by the servicer once the push stopped, however
+        self.reservation = asyncio.Event()  # set once the decode worker's blocks are reserved
+        if reserved:
+            self.reservation.set()
         self._flush = False
         self._changed = asyncio.Event()
+
+    def reserve(self, skip_blocks: int, grant: Any = None) -> None:
+        """The decode worker reserved the blocks (the push was opened before): the first
+        `skip_blocks` it holds are never sent, `grant` is its KVTargetGrant. Only once, before
+        the push sent anything (it waits for this): ValueError otherwise."""
+        if self.reservation.is_set():
+            raise ValueError(f"request {self.request_id!r}: its reservation was told already")
+        self.frontier.skip(skip_blocks)  # ValueError: out of range
+        self.skip_blocks, self.grant = skip_blocks, grant
+        self.reservation.set()
 
     def resize_slabs(self, max_bytes: int) -> None:
         """Cut slabs of at most `max_bytes` from now on (a data plane takes larger ones)."""

@@ -103,10 +103,13 @@ class PushKVSender:
         self._doorbell: DoorbellSender | None = None
         self._writes = WriteBatches(self.layout.cell_bytes(), self.stats)
 
-    def new_push(self, request_id: str, num_tokens: int, skip_blocks: int = 0) -> KVPush:
+    def new_push(self, request_id: str, num_tokens: int, skip_blocks: int = 0,
+                 reserved: bool = True) -> KVPush:
         """An empty push of this worker's layout and slab size, for the engine to fill; its
-        first `skip_blocks` blocks are held by the receiver already and never sent."""
-        return KVPush(request_id, num_tokens, self.layout, self.slab_bytes, skip_blocks)
+        first `skip_blocks` blocks are held by the receiver already and never sent (not
+        `reserved`: told by `KVPush.reserve`, which `send` waits for)."""
+        return KVPush(request_id, num_tokens, self.layout, self.slab_bytes, skip_blocks,
+                      reserved)
 
     def whole_steps(self, decode_address: str, num_tokens: int) -> bool:
         """A data plane towards the decode worker is open already and the push's KV fits one
@@ -120,6 +123,11 @@ class PushKVSender:
         return blocks * self.layout.num_layers * self.layout.cell_bytes() <= self.plane_slab_bytes
 
     async def send(self, decode_address: str, push: KVPush) -> int:
+        try:  # the decode worker's reservation, told by the gateway (PrefillServicer.Reserved)
+            await asyncio.wait_for(push.reservation.wait(), self.timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"no reservation of request {push.request_id!r} was told within "
+                               f"{self.timeout_s:g} s") from None
         channel = self._channel(decode_address)
         started = time.perf_counter()
         peer, target = await self._data_plane(decode_address, channel, push)

@@ -29,7 +29,7 @@ from prefill_svc.convert import first_logprobs, response_to_pb
 from prefill_svc.core_client import PrefillCoreClient
 from prefill_svc.push import KVPush
 from prefill_svc.sender import KVSender
-from protos import common_pb2, prefill_pb2_grpc
+from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 NOTES_PER_STEP = 8  # KV progress notes per step and request: layer groups of L / 8 layers
@@ -44,6 +44,8 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
         self.sender = sender
         self.cancels = cancels
         self.pushes: dict[str, asyncio.Task] = {}
+        self.waiting: dict[str, KVPush] = {}  # pushes opened before their decode reservation
+        self.early = EarlyReservations()  # reservations told before their Prefill came
         self.num_layers = num_layers
         self.layers_per_group = max(1, -(-self.num_layers // NOTES_PER_STEP))
 
@@ -55,10 +57,11 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
         lora = request_lora(request)  # loaded on demand by the engine (ValueError: bad)
         cancelled = self.cancels.check_soon(request_id)  # awaited before the first token leaves
         push = None
+        pending = request.decode_reservation_pending
         if request.decode_address and params.max_tokens != len(prior) + 1:  # else: no KV to ship
             grant = request.decode_kv_target if request.HasField("decode_kv_target") else None
             push = self._start_push(request_id, len(prompt) + len(prior), request.decode_address,
-                                    request.decode_cached_blocks, grant)
+                                    request.decode_cached_blocks, grant, pending)
         try:
             out = await self._first_token(request_id, prompt, params, prior, push, lora)
         except BaseException:
@@ -87,18 +90,30 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
 
     def _start_push(
         self, request_id: str, num_tokens: int, decode_address: str, skip_blocks: int,
-        grant: Any = None,
+        grant: Any = None, pending: bool = False,
     ) -> KVPush:
         """Open the request's push before the engine sees it, so no note is missed. The first
         `skip_blocks` blocks are not pushed: the decode worker holds them. `grant`: the decode
-        worker's KVTargetGrant (its reserved blocks for a data-plane push), if it gave one."""
+        worker's KVTargetGrant (its reserved blocks for a data-plane push), if it gave one.
+        `pending`: the decode worker is reserving still: both come in `Reserved` (maybe come
+        already), and the push sends nothing before."""
         if request_id in self.pushes:  # its push would free the other's blocks
             raise ValueError(f"request_id {request_id!r} is already in use")
         try:
-            push = self.sender.new_push(request_id, num_tokens, skip_blocks)
+            push = self.sender.new_push(request_id, num_tokens, skip_blocks,
+                                        reserved=not pending)
         except ValueError as exc:
             raise ValueError(f"decode_cached_blocks: {exc}") from None
         push.grant = grant
+        if pending:
+            told = self.early.pop(request_id)
+            if told is None:
+                self.waiting[request_id] = push
+            else:
+                try:
+                    push.reserve(*told)
+                except ValueError as exc:
+                    raise ValueError(f"decode_cached_blocks: {exc}") from None
         group = (self.num_layers if self.sender.whole_steps(decode_address, num_tokens)
                  else self.layers_per_group)  # a data plane writes a step's KV at its end
         push.watch = self.engine.watch_kv(push.on_progress, group)
@@ -140,13 +155,30 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
             push.ended = True
             if self.pushes.get(rid) is asyncio.current_task():
                 del self.pushes[rid]
+            if self.waiting.get(rid) is push:
+                del self.waiting[rid]
             await self.engine.release(rid)
+
+    async def Reserved(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        rid = request.request_id
+        grant = request.decode_kv_target if request.HasField("decode_kv_target") else None
+        told = (request.decode_cached_blocks, grant)
+        push = self.waiting.pop(rid, None)
+        if push is None:
+            self.early.add(rid, told)
+            return prefill_pb2.ReservedResponse(found=False)
+        try:
+            push.reserve(*told)
+        except ValueError as exc:
+            raise ValueError(f"decode_cached_blocks: {exc}") from None
+        return prefill_pb2.ReservedResponse(found=True)
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return common_pb2.AbortResponse(found=await self.abort(request.request_id))
 
     async def abort(self, request_id: str) -> bool:
         """Stop the request's prefill or push and free its blocks. True if it was here."""
+        self.early.pop(request_id)
         task = self.pushes.pop(request_id, None)
         if task is not None:
             task.cancel()
@@ -178,3 +210,26 @@ def _engine_parts(start: float, out: RequestOutput) -> str:
             f"{1e3 * (m.first_scheduled_time - m.arrival_time):.1f}, steps "
             f"{1e3 * (m.first_token_time - m.first_scheduled_time):.1f}, back "
             f"{1e3 * (now - m.first_token_time):.1f})")
+
+
+class EarlyReservations:
+    """Reservations told (`Reserved`) before their Prefill came: the gateway sends both at
+    once, and either may be handled first. Each is kept at most `keep_s`; a Prefill that never
+    comes (its gateway gave up) leaves nothing behind for longer."""
+
+    def __init__(self, keep_s: float = 60.0) -> None:
+        self.keep_s = keep_s
+        self._told: dict[str, tuple[float, tuple[int, Any]]] = {}
+
+    def add(self, request_id: str, told: tuple[int, Any]) -> None:
+        now = time.monotonic()
+        for rid in [r for r, (at, _) in self._told.items() if now - at > self.keep_s]:
+            del self._told[rid]
+        self._told[request_id] = (now, told)
+
+    def pop(self, request_id: str) -> tuple[int, Any] | None:
+        entry = self._told.pop(request_id, None)
+        return None if entry is None else entry[1]
+
+    def __len__(self) -> int:
+        return len(self._told)

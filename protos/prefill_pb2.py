@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/prefill.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"\xc4\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x1e\n\x16prior_output_token_ids\x18\x05 \x03(\r\x12\x1c\n\x14\x64\x65\x63ode_cached_blocks\x18\x06 \x01(\r\x12*\n\x04lora\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.LoRAAdapterH\x00\x88\x01\x01\x12\x38\n\x10\x64\x65\x63ode_kv_target\x18\x08 \x01(\x0b\x32\x19.pdserve.v1.KVTargetGrantH\x01\x88\x01\x01\x42\x07\n\x05_loraB\x13\n\x11_decode_kv_target\"\xdf\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x36\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobsH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x37\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1e.pdserve.v1.PromptTokenLogprobB\x11\n\x0f_first_logprobs\"r\n\x12PromptTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x32\xa8\x03\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoad\x12\x45\n\x08LoadLoRA\x12\x1b.pdserve.v1.LoadLoRARequest\x1a\x1c.pdserve.v1.LoadLoRAResponse\x12K\n\nUnloadLoRA\x12\x1d.pdserve.v1.UnloadLoRARequest\x1a\x1e.pdserve.v1.UnloadLoRAResponse\x12H\n\tListLoRAs\x12\x1c.pdserve.v1.ListLoRAsRequest\x1a\x1d.pdserve.v1.ListLoRAsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/prefill.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"\xe8\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x1e\n\x16prior_output_token_ids\x18\x05 \x03(\r\x12\x1c\n\x14\x64\x65\x63ode_cached_blocks\x18\x06 \x01(\r\x12*\n\x04lora\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.LoRAAdapterH\x00\x88\x01\x01\x12\x38\n\x10\x64\x65\x63ode_kv_target\x18\x08 \x01(\x0b\x32\x19.pdserve.v1.KVTargetGrantH\x01\x88\x01\x01\x12\"\n\x1a\x64\x65\x63ode_reservation_pending\x18\t \x01(\x08\x42\x07\n\x05_loraB\x13\n\x11_decode_kv_target\"\x92\x01\n\x0fReservedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x14\x64\x65\x63ode_cached_blocks\x18\x02 \x01(\r\x12\x38\n\x10\x64\x65\x63ode_kv_target\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.KVTargetGrantH\x00\x88\x01\x01\x42\x13\n\x11_decode_kv_target\"!\n\x10ReservedResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xdf\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x36\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobsH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x37\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1e.pdserve.v1.PromptTokenLogprobB\x11\n\x0f_first_logprobs\"r\n\x12PromptTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x32\xef\x03\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x45\n\x08Reserved\x12\x1b.pdserve.v1.ReservedRequest\x1a\x1c.pdserve.v1.ReservedResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoad\x12\x45\n\x08LoadLoRA\x12\x1b.pdserve.v1.LoadLoRARequest\x1a\x1c.pdserve.v1.LoadLoRAResponse\x12K\n\nUnloadLoRA\x12\x1d.pdserve.v1.UnloadLoRARequest\x1a\x1e.pdserve.v1.UnloadLoRAResponse\x12H\n\tListLoRAs\x12\x1c.pdserve.v1.ListLoRAsRequest\x1a\x1d.pdserve.v1.ListLoRAsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.prefill_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=58
-  _globals['_PREFILLREQUEST']._serialized_end=382
-  _globals['_PREFILLRESPONSE']._serialized_start=385
-  _globals['_PREFILLRESPONSE']._serialized_end=608
-  _globals['_PROMPTTOKENLOGPROB']._serialized_start=610
-  _globals['_PROMPTTOKENLOGPROB']._serialized_end=724
-  _globals['_PREFILL']._serialized_start=727
-  _globals['_PREFILL']._serialized_end=1151
+  _globals['_PREFILLREQUEST']._serialized_end=418
+  _globals['_RESERVEDREQUEST']._serialized_start=421
+  _globals['_RESERVEDREQUEST']._serialized_end=567
+  _globals['_RESERVEDRESPONSE']._serialized_start=569
+  _globals['_RESERVEDRESPONSE']._serialized_end=602
+  _globals['_PREFILLRESPONSE']._serialized_start=605
+  _globals['_PREFILLRESPONSE']._serialized_end=828
+  _globals['_PROMPTTOKENLOGPROB']._serialized_start=830
+  _globals['_PROMPTTOKENLOGPROB']._serialized_end=944
+  _globals['_PREFILL']._serialized_start=947
+  _globals['_PREFILL']._serialized_end=1442
 # @@protoc_insertion_point(module_scope)

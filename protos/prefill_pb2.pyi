@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "decode_address", "prior_output_token_ids", "decode_cached_blocks", "lora", "decode_kv_target")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "decode_address", "prior_output_token_ids", "decode_cached_blocks", "lora", "decode_kv_target", "decode_reservation_pending")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class PrefillRequest(_message.Message):
     DECODE_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     DECODE_KV_TARGET_FIELD_NUMBER: _ClassVar[int]
+    DECODE_RESERVATION_PENDING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -25,7 +26,24 @@ class PrefillRequest(_message.Message):
     decode_cached_blocks: int
     lora: _common_pb2.LoRAAdapter
     decode_kv_target: _common_pb2.KVTargetGrant
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., prior_output_token_ids: _Optional[_Iterable[int]] = ..., decode_cached_blocks: _Optional[int] = ..., lora: _Optional[_Union[_common_pb2.LoRAAdapter, _Mapping]] = ..., decode_kv_target: _Optional[_Union[_common_pb2.KVTargetGrant, _Mapping]] = ...) -> None: ...
+    decode_reservation_pending: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., prior_output_token_ids: _Optional[_Iterable[int]] = ..., decode_cached_blocks: _Optional[int] = ..., lora: _Optional[_Union[_common_pb2.LoRAAdapter, _Mapping]] = ..., decode_kv_target: _Optional[_Union[_common_pb2.KVTargetGrant, _Mapping]] = ..., decode_reservation_pending: _Optional[bool] = ...) -> None: ...
+
+class ReservedRequest(_message.Message):
+    __slots__ = ("request_id", "decode_cached_blocks", "decode_kv_target")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_KV_TARGET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    decode_cached_blocks: int
+    decode_kv_target: _common_pb2.KVTargetGrant
+    def __init__(self, request_id: _Optional[str] = ..., decode_cached_blocks: _Optional[int] = ..., decode_kv_target: _Optional[_Union[_common_pb2.KVTargetGrant, _Mapping]] = ...) -> None: ...
+
+class ReservedResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprobs", "num_cached_tokens", "finish_reason", "prompt_logprobs")

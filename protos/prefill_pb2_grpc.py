@@ -40,6 +40,11 @@ class PrefillStub:
                 request_serializer=protos_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=protos_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Reserved = channel.unary_unary(
+                '/pdserve.v1.Prefill/Reserved',
+                request_serializer=protos_dot_prefill__pb2.ReservedRequest.SerializeToString,
+                response_deserializer=protos_dot_prefill__pb2.ReservedResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Prefill/Abort',
                 request_serializer=protos_dot_common__pb2.AbortRequest.SerializeToString,
@@ -74,6 +79,15 @@ class PrefillServicer:
         """Compute the prompt's KV cache and sample the first token. Answers as soon as the token is
         sampled; the KV blocks then go to `decode_address` (Decode.PushKV, chunked) and are freed
         once that worker acknowledges, or at once if the transfer fails.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reserved(self, request, context):
+        """The decode worker reserved a request's blocks: what its Generate's first message said,
+        for a Prefill sent with decode_reservation_pending (which pushes nothing before it). May
+        come before that Prefill; kept for it a while.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -124,6 +138,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=protos_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=protos_dot_prefill__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Reserved': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserved,
+                    request_deserializer=protos_dot_prefill__pb2.ReservedRequest.FromString,
+                    response_serializer=protos_dot_prefill__pb2.ReservedResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -178,6 +197,33 @@ class Prefill:
             '/pdserve.v1.Prefill/Prefill',
             protos_dot_prefill__pb2.PrefillRequest.SerializeToString,
             protos_dot_prefill__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserved(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/Reserved',
+            protos_dot_prefill__pb2.ReservedRequest.SerializeToString,
+            protos_dot_prefill__pb2.ReservedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -76,3 +76,11 @@ def test_the_attempts_logged_parts_split_the_handlers_time(tmp_path) -> None:
     assert [ms[k]["p50"] for k in ("into_engine", "engine_waiting", "engine_steps",
                                    "engine_back")] == [0.5, 0.2, 3.0, 0.8]
     assert (ms["decode_reserve"]["p50"], ms["reserve_call_rest"]["p50"]) == (1.5, 1.0)
+
+
+def test_an_attempt_beside_its_reservation_is_read_too(tmp_path) -> None:
+    log = tmp_path / "cluster.log"
+    log.write_text("[gateway-0] 2026-12-01 10:00:00,309 INFO gateway.remote_backend: [cmpl-aa] "
+                   "first token in 10.0 ms: route 0.5, reserve 2.5 beside, prefill 9.5\n")
+    _, _, phases = ttft_breakdown.read_log(log)
+    assert phases["cmpl-aa"]["reserve"] == 0.0025 and phases["cmpl-aa"]["prefill_call"] == 0.0095

@@ -76,3 +76,25 @@ def test_kv_never_claimed_is_freed_when_its_lease_runs_out(prefill) -> None:
     finally:
         fake.popen.kill()
         fake.popen.wait()
+
+
+def test_a_push_whose_reservation_is_never_told_is_freed_when_its_lease_runs_out(
+        prefill) -> None:
+    """A Prefill sent beside the decode worker's reservation (decode_reservation_pending) whose
+    Reserved never comes (its gateway gave up): its push never starts, its blocks go with the
+    lease. A Reserved for a request that never came here is kept, and found by nobody."""
+    stub, metrics_url = prefill
+    expired = metric(metrics_url, "pdserve:kv_lease_expired_total")
+    told = stub.Reserved(prefill_pb2.ReservedRequest(request_id="never-prefilled"), timeout=5)
+    assert not told.found
+    params = sampling_params_to_pb(SamplingParams(temperature=0, max_tokens=8), 8)
+    started = time.monotonic()
+    reply = stub.Prefill(prefill_pb2.PrefillRequest(
+        request_id="never-told", prompt_token_ids=PROMPT, params=params,
+        decode_address=f"127.0.0.1:{free_port()}", decode_reservation_pending=True), timeout=30)
+    assert reply.finish_reason == ""
+    assert _blocks_in_use(stub) == 3
+    while _blocks_in_use(stub):
+        assert time.monotonic() - started < LEASE_S + 10, "the lease never expired"
+        time.sleep(0.1)
+    assert metric(metrics_url, "pdserve:kv_lease_expired_total") == expired + 1

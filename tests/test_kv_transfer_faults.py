@@ -579,6 +579,37 @@ def test_disaggregated_tokens_equal_colocated(workers: Workers, which: str) -> N
     assert _transport_bytes(w) - carried == kv_bytes  # over the module's transport, no other
 
 
+@pytest.mark.parametrize("order", ["prefill first", "reserved first"])
+def test_a_prefill_sent_beside_the_reservation_pushes_once_told(
+    workers: Workers, order: str
+) -> None:
+    """The gateway's order for a new request (gateway/remote_backend.py): the Prefill goes out
+    while the decode worker reserves (decode_reservation_pending), its first token comes back
+    at once, and its push waits for Reserved (what the reservation said), which may reach the
+    prefill worker before the Prefill does. Tokens equal colocated, every block free after."""
+    w, ref, rid = workers, workers.long, f"beside-{order.split()[0]}"
+    request = prefill_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=ref.prompt, params=_params(),
+        decode_address=w.decode_address, decode_reservation_pending=True)
+
+    def tell() -> prefill_pb2.ReservedResponse:
+        return w.prefill.Reserved(prefill_pb2.ReservedRequest(
+            request_id=rid, decode_kv_target=w.grants.get(rid)), timeout=10)
+
+    if order == "prefill first":
+        reply = w.prefill.Prefill(request, timeout=30)  # nothing reserved anywhere yet
+        assert _load(w.prefill) == (0, 0, NUM_BLOCKS - ref.num_blocks, NUM_BLOCKS)  # held
+        call = _open(w, rid, ref)
+        assert tell().found
+    else:
+        call = _open(w, rid, ref)
+        assert not tell().found  # kept for the Prefill to come
+        reply = w.prefill.Prefill(request, timeout=30)
+    assert [reply.first_token_id, *(t for msg in call for t in msg.token_ids)] == ref.tokens
+    _wait_idle(w.prefill)
+    _wait_idle(w.decode)
+
+
 def _transport_bytes(w: Workers) -> float:
     """KV bytes the decode worker received over `w.transport` (its labelled counter)."""
     return _counter(w.decode_metrics, "pdserve:kv_transfer_bytes_total", transport=w.transport)

@@ -21,7 +21,9 @@ handler's part splits further:
 
   before the attempt   tokenize (the tokenizer service), admission, the request's state record
   route                the registry's and the prefix index's reads
-  reserve              the decode worker's reservation: Generate's first message
+  reserve              the decode worker's reservation: Generate's first message (with
+                       "beside", the Prefill call went out at once, not after it: the parts
+                       overlap and no longer add up to the handler's time)
   prefill worker       the Prefill handler's own time to the first token (engine and its step)
   prefill call rest    the Prefill call's way there and back, around the worker's own time
 
@@ -57,7 +59,7 @@ _PREFILLED = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] prefilled (?:.*? in ([0-
 _ENGINE_PARTS = ("into_engine", "engine_waiting", "engine_steps", "engine_back")
 _RESERVED = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] KV received: .*\(reserved in ([0-9.]+) ms\)")
 _FIRST = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] first token in ([0-9.]+) ms: route ([0-9.]+), "
-                    r"reserve ([0-9.]+), prefill ([0-9.]+)")
+                    r"reserve ([0-9.]+)(?: beside)?, prefill ([0-9.]+)")
 STEP_GAP_S = 0.005
 
 

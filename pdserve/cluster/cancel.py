@@ -78,10 +78,10 @@ class NoCancelWatch:
     async def check(self, request_id: str) -> None:
         return None
 
+    async def stop(self) -> None:
+        return None
+
 
 def _consumed(task: asyncio.Task[None]) -> asyncio.Task[None]:
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
     return task
-
-    async def stop(self) -> None:
-        return None
