@@ -202,7 +202,7 @@ class RemoteBackend:
             decode_ended = False  # the decode worker ended its stream itself
             notes = _Notes(self._transition, request_id)  # its phases, off the token path
             try:
-                if not local and not prior:
+                if not local and not prior and _room_for(decode, len(prompt)):
                     first = await self._prefill_beside_reservation(
                         request_id, prompt, pb_params, call, decode, prefill, lost, notes,
                         lora_pb, clock)
@@ -214,7 +214,8 @@ class RemoteBackend:
                     if finished:
                         return
                     notes.add("transferring")
-                elif not local:  # a migration: its prefill after the reservation
+                elif not local:  # a migration, or a decode worker short of blocks: its
+                    # prefill after the reservation (which may wait for blocks to free)
                     reserved = await self._read(call, decode)  # blocks reserved there
                     clock.reserved = time.monotonic()
                     cached, grant = _reservation(reserved)
@@ -480,6 +481,17 @@ class _Notes:
     async def landed(self) -> None:
         if self._last is not None:
             await asyncio.wait({self._last})  # a cancelled caller leaves it to land alone
+
+
+def _room_for(decode: WorkerInfo, num_tokens: int) -> bool:
+    """Whether the decode worker had the blocks of a `num_tokens` prompt free at its last
+    heartbeat: its reservation then comes at once, and the prefill may go out beside it.
+    Otherwise the reservation may queue for blocks (up to its --kv-wait-seconds), while a
+    prefill sent beside it would hold the prefill worker's blocks that long (past their KV
+    lease, maybe): it goes after the reservation then, as a migration's does."""
+    if decode.block_size <= 0:  # its entry does not say (a worker of an earlier version)
+        return False
+    return decode.num_free_blocks >= -(-num_tokens // decode.block_size)
 
 
 def _reservation(reserved: Any) -> tuple[int, common_pb2.KVTargetGrant | None]:
