@@ -264,13 +264,18 @@ class RemoteBackend:
             prefill, request_id, prompt, pb_params, [], decode.address, lora=lora,
             pending=True))
         prefilling.add_done_callback(lambda f: f.cancelled() or f.exception())
+        telling: asyncio.Future[None] | None = None
         try:
             reserved = await self._read(call, decode)  # blocks reserved there
             clock.reserved = time.monotonic()
             cached, grant = _reservation(reserved)
+            telling = asyncio.ensure_future(self._tell_reserved(prefill, request_id, cached,
+                                                                grant))
+            telling.add_done_callback(lambda f: f.cancelled() or f.exception())
             try:
-                await self._tell_reserved(prefill, request_id, cached, grant)
-                return await prefilling
+                first = await prefilling
+                await telling  # told before the first token leaves: else it is prefilled anew
+                return first
             except WorkerLost as exc:
                 if exc.worker.address != prefill.address:
                     raise
@@ -284,6 +289,8 @@ class RemoteBackend:
                                                 prefill, lost, cached, notes, lora)
         finally:
             prefilling.cancel()  # done already unless this failed
+            if telling is not None:
+                telling.cancel()
 
     async def _tell_reserved(self, prefill: WorkerInfo, request_id: str, cached: int,
                              grant: common_pb2.KVTargetGrant | None) -> None:

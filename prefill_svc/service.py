@@ -105,19 +105,18 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
         except ValueError as exc:
             raise ValueError(f"decode_cached_blocks: {exc}") from None
         push.grant = grant
-        if pending:
-            told = self.early.pop(request_id)
-            if told is None:
-                self.waiting[request_id] = push
-            else:
-                try:
-                    push.reserve(*told)
-                except ValueError as exc:
-                    raise ValueError(f"decode_cached_blocks: {exc}") from None
+        told = self.early.pop(request_id) if pending else None
+        if told is not None:
+            try:
+                push.reserve(*told)
+            except ValueError as exc:
+                raise ValueError(f"decode_cached_blocks: {exc}") from None
         group = (self.num_layers if self.sender.whole_steps(decode_address, num_tokens)
                  else self.layers_per_group)  # a data plane writes a step's KV at its end
         push.watch = self.engine.watch_kv(push.on_progress, group)
         self.pushes[request_id] = asyncio.create_task(self._push(decode_address, push))
+        if not push.reservation.is_set():
+            self.waiting[request_id] = push  # until `Reserved`, or the push's end
         return push
 
     def _stop_push(self, request_id: str) -> None:
