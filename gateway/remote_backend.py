@@ -202,26 +202,19 @@ class RemoteBackend:
             decode_ended = False  # the decode worker ended its stream itself
             notes = _Notes(self._transition, request_id)  # its phases, off the token path
             try:
-                if not local and not prior and _room_for(decode, len(prompt)):
-                    first = await self._prefill_beside_reservation(
-                        request_id, prompt, pb_params, call, decode, prefill, lost, notes,
-                        lora_pb, clock)
-                    claim.release()
-                    clock.log(request_id)
-                    prefill_done = True
-                    finished = bool(first.finish_reason)
-                    yield first
-                    if finished:
-                        return
-                    notes.add("transferring")
-                elif not local:  # a migration, or a decode worker short of blocks: its
-                    # prefill after the reservation (which may wait for blocks to free)
-                    reserved = await self._read(call, decode)  # blocks reserved there
-                    clock.reserved = time.monotonic()
-                    cached, grant = _reservation(reserved)
-                    first = await self._prefill_retrying(request_id, prompt, pb_params, prior,
-                                                         decode, prefill, lost, cached, notes,
-                                                         lora_pb, grant)
+                if not local:
+                    if not prior and _room_for(decode, len(prompt)):
+                        first = await self._prefill_beside_reservation(
+                            request_id, prompt, pb_params, call, decode, prefill, lost, notes,
+                            lora_pb, clock)
+                    else:  # a migration, or a decode worker short of blocks: its prefill
+                        # after the reservation (which may wait for blocks to free)
+                        reserved = await self._read(call, decode)  # blocks reserved there
+                        clock.reserved = time.monotonic()
+                        cached, grant = _reservation(reserved)
+                        first = await self._prefill_retrying(
+                            request_id, prompt, pb_params, prior, decode, prefill, lost, cached,
+                            notes, lora_pb, grant)
                     claim.release()
                     clock.log(request_id)
                     prefill_done = True
@@ -280,13 +273,9 @@ class RemoteBackend:
                 if exc.worker.address != prefill.address:
                     raise
                 self._count_move(request_id, exc, lost)
-            prefill = pick_prefill(await self.pool.list("prefill", lost),
-                                   lora=lora.name if lora is not None else None,
-                                   in_flight=self.pool.in_flight(), rng=self.pool.rng)
-            if prefill is None:
-                raise BackendError("no prefill worker is available", retryable=True)
             return await self._prefill_retrying(request_id, prompt, pb_params, [], decode,
-                                                prefill, lost, cached, notes, lora)
+                                                await self._another_prefill(lost, lora), lost,
+                                                cached, notes, lora)
         finally:
             prefilling.cancel()  # done already unless this failed
             if telling is not None:
@@ -326,11 +315,17 @@ class RemoteBackend:
             except WorkerLost as exc:
                 self._count_move(request_id, exc, lost)
             grant = None
-            prefill = pick_prefill(await self.pool.list("prefill", lost),
-                                   lora=lora.name if lora is not None else None,
-                                   in_flight=self.pool.in_flight(), rng=self.pool.rng)
-            if prefill is None:
-                raise BackendError("no prefill worker is available", retryable=True)
+            prefill = await self._another_prefill(lost, lora)
+
+    async def _another_prefill(self, lost: set[str],
+                               lora: common_pb2.LoRAAdapter | None) -> WorkerInfo:
+        """A prefill worker to retry on, none of `lost`; BackendError (retryable) if none."""
+        prefill = pick_prefill(await self.pool.list("prefill", lost),
+                               lora=lora.name if lora is not None else None,
+                               in_flight=self.pool.in_flight(), rng=self.pool.rng)
+        if prefill is None:
+            raise BackendError("no prefill worker is available", retryable=True)
+        return prefill
 
     def _count_move(self, request_id: str, exc: WorkerLost, lost: set[str]) -> None:
         """Record a lost worker, or re-raise when the request has moved too often."""

@@ -229,6 +229,3 @@ class EarlyReservations:
     def pop(self, request_id: str) -> tuple[int, Any] | None:
         entry = self._told.pop(request_id, None)
         return None if entry is None else entry[1]
-
-    def __len__(self) -> int:
-        return len(self._told)
