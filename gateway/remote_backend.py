@@ -214,7 +214,7 @@ class RemoteBackend:
                         cached, grant = _reservation(reserved)
                         first = await self._prefill_retrying(
                             request_id, prompt, pb_params, prior, decode, prefill, lost, cached,
-                            notes, lora_pb, grant)
+                            notes, lora_pb, grant, clock)
                     claim.release()
                     clock.log(request_id)
                     prefill_done = True
@@ -255,7 +255,7 @@ class RemoteBackend:
         clock.beside = True
         prefilling = asyncio.ensure_future(self._prefill(
             prefill, request_id, prompt, pb_params, [], decode.address, lora=lora,
-            pending=True))
+            pending=True, clock=clock))
         prefilling.add_done_callback(lambda f: f.cancelled() or f.exception())
         telling: asyncio.Future[None] | None = None
         try:
@@ -275,7 +275,7 @@ class RemoteBackend:
                 self._count_move(request_id, exc, lost)
             return await self._prefill_retrying(request_id, prompt, pb_params, [], decode,
                                                 await self._another_prefill(lost, lora), lost,
-                                                cached, notes, lora)
+                                                cached, notes, lora, clock=clock)
         finally:
             prefilling.cancel()  # done already unless this failed
             if telling is not None:
@@ -297,7 +297,7 @@ class RemoteBackend:
         self, request_id: str, prompt: list[int], pb_params: Any, prior: list[int],
         decode: WorkerInfo, prefill: WorkerInfo | None, lost: set[str], decode_cached: int,
         notes: _Notes, lora: common_pb2.LoRAAdapter | None = None,
-        grant: common_pb2.KVTargetGrant | None = None,
+        grant: common_pb2.KVTargetGrant | None = None, clock: _FirstTokenClock | None = None,
     ) -> TokenDelta:
         """Prefill on `prefill`; if it dies, on another one, while the request's move budget
         lasts. The decode worker's reservation stays: a push cut off by the dead worker leaves
@@ -311,7 +311,8 @@ class RemoteBackend:
             notes.add("prefilling", prefill_worker=prefill.address, decode_worker=decode.address)
             try:
                 return await self._prefill(prefill, request_id, prompt, pb_params, prior,
-                                           decode.address, decode_cached, lora, grant)
+                                           decode.address, decode_cached, lora, grant,
+                                           clock=clock)
             except WorkerLost as exc:
                 self._count_move(request_id, exc, lost)
             grant = None
@@ -346,6 +347,7 @@ class RemoteBackend:
         params: Any, prior: list[int], decode_address: str, decode_cached: int = 0,
         lora: common_pb2.LoRAAdapter | None = None,
         grant: common_pb2.KVTargetGrant | None = None, pending: bool = False,
+        clock: _FirstTokenClock | None = None,
     ) -> TokenDelta:
         request = prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt,
                                              params=params, decode_address=decode_address,
@@ -355,8 +357,11 @@ class RemoteBackend:
                                              decode_reservation_pending=pending)
         async with self.pool.channel(prefill.address) as channel:
             try:
+                sent = time.monotonic()
                 r = await prefill_pb2_grpc.PrefillStub(channel).Prefill(request,
                                                                         timeout=self.timeout_s)
+                if clock is not None:
+                    clock.call = (sent, time.monotonic())
             except grpc.aio.AioRpcError as exc:
                 raise await self._error(exc, prefill) from exc
         logprobs = [logprobs_from_pb(r.first_logprobs)] if r.HasField("first_logprobs") else None
@@ -446,20 +451,23 @@ class _FirstTokenClock:
     """Where one attempt's way to its first token went, logged with it (INFO; read by
     `python -m pdserve.bench.ttft_breakdown`): routing (the registry's and the prefix index's
     Redis reads), the decode worker's reservation (Generate's first message), the Prefill call
-    (the prefill worker's own part is on its "prefilled" line)."""
+    (the prefill worker's own part is on its "prefilled" line, with its start: the call's
+    sent and answered times, on the host's monotonic clock, split the call's way there and
+    back)."""
 
     def __init__(self) -> None:
         self.start = time.monotonic()
         self.routed = self.reserved = self.start
         self.beside = False  # the Prefill call went out at `routed`, beside the reservation
+        self.call = (self.start, self.start)  # the (last) Prefill call: sent, answered
 
     def log(self, request_id: str) -> None:
         now = time.monotonic()
         sent = self.routed if self.beside else self.reserved
-        logger.info("[%s] first token in %.1f ms: route %.1f, reserve %.1f%s, prefill %.1f",
-                    request_id, 1e3 * (now - self.start), 1e3 * (self.routed - self.start),
-                    1e3 * (self.reserved - self.routed), " beside" if self.beside else "",
-                    1e3 * (now - sent))
+        logger.info("[%s] first token in %.1f ms: route %.1f, reserve %.1f%s, prefill %.1f "
+                    "(call at %.4f-%.4f)", request_id, 1e3 * (now - self.start),
+                    1e3 * (self.routed - self.start), 1e3 * (self.reserved - self.routed),
+                    " beside" if self.beside else "", 1e3 * (now - sent), *self.call)
 
 
 class _Notes:

@@ -77,9 +77,10 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
         finish = c.finish_reason if c.finish_reason == "stop" else ""
         if not finish and params.max_tokens == len(prior) + 1:
             finish = "length"
-        logger.info("[%s] prefilled %d tokens (%d cached) in %.1f ms%s, first token %d%s",
+        logger.info("[%s] prefilled %d tokens (%d cached) in %.1f ms%s at %.4f, first token %d%s",
                     request_id, len(prompt), out.num_cached_tokens,
-                    1e3 * (time.monotonic() - start), _engine_parts(start, out), c.token_ids[0],
+                    1e3 * (time.monotonic() - start), _engine_parts(start, out), start,
+                    c.token_ids[0],
                     f", finished: {finish}" if finish else f", KV to {request.decode_address}")
         if push is not None and not finish and not push.ended:
             push.commit(c.token_ids[0], first_logprobs(c))

@@ -43,10 +43,10 @@ def test_parts_add_up_to_the_client_ttft(tmp_path) -> None:
 
 PARTS_LOG = """\
 [gateway-0] 2026-12-01 10:00:00,309 INFO gateway.remote_backend: [cmpl-aa] first token in \
-10.0 ms: route 0.5, reserve 2.5, prefill 7.0
+10.0 ms: route 0.5, reserve 2.5, prefill 7.0 (call at 100.0020-100.0090)
 [prefill-0] 2026-12-01 10:00:00,308 INFO prefill_svc.service: [cmpl-aa] prefilled 10 tokens \
-(0 cached) in 4.5 ms (into the engine 0.5, waiting 0.2, steps 3.0, back 0.8), first token 7, \
-KV to 127.0.0.1:1
+(0 cached) in 4.5 ms (into the engine 0.5, waiting 0.2, steps 3.0, back 0.8) at 100.0035, \
+first token 7, KV to 127.0.0.1:1
 [decode-0] 2026-12-01 10:00:00,320 INFO decode_svc.receiver: [cmpl-aa] KV received: 4096 \
 bytes in 3.0 ms (reserved in 1.5 ms)
 [gateway-0] 2026-12-01 10:00:01,300 INFO pdserve.gateway: cmpl-aa: finished in 1.100s, x
@@ -58,7 +58,8 @@ bytes in 3.0 ms (reserved in 1.5 ms)
 
 def test_the_attempts_logged_parts_split_the_handlers_time(tmp_path) -> None:
     """aa: the handler at 10:00:00.200, its attempt from .299 (logged at .309, 10 ms long):
-    99 ms before it; route 0.5, reserve 2.5, the Prefill call 7.0 of which the worker's 4.5.
+    99 ms before it; route 0.5, reserve 2.5, the Prefill call 7.0 of which the worker's 4.5
+    (the way there 1.5, back 1.0).
     bb has no gateway line (a colocated-style log): its parts are not invented."""
     log = tmp_path / "cluster.log"
     log.write_text(PARTS_LOG)
@@ -76,6 +77,8 @@ def test_the_attempts_logged_parts_split_the_handlers_time(tmp_path) -> None:
     assert [ms[k]["p50"] for k in ("into_engine", "engine_waiting", "engine_steps",
                                    "engine_back")] == [0.5, 0.2, 3.0, 0.8]
     assert (ms["decode_reserve"]["p50"], ms["reserve_call_rest"]["p50"]) == (1.5, 1.0)
+    # sent at .0020, the handler from .0035 for 4.5 ms (to .0080), answered at .0090
+    assert (ms["prefill_call_there"]["p50"], ms["prefill_call_back"]["p50"]) == (1.5, 1.0)
 
 
 def test_an_attempt_beside_its_reservation_is_read_too(tmp_path) -> None:

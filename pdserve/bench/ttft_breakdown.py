@@ -25,7 +25,10 @@ handler's part splits further:
                        "beside", the Prefill call went out at once, not after it: the parts
                        overlap and no longer add up to the handler's time)
   prefill worker       the Prefill handler's own time to the first token (engine and its step)
-  prefill call rest    the Prefill call's way there and back, around the worker's own time
+  prefill call rest    the Prefill call's way there and back, around the worker's own time:
+                       there (the gateway's send to the handler's start) and back (the
+                       handler's "prefilled" line to the gateway's answer), where both logged
+                       their monotonic times (one clock for the host's processes)
 
 the reservation by the decode worker's own time from its Generate to the blocks reserved
 (decode reserve, on its "KV received" line; reserve call rest: the call's way there, the
@@ -55,11 +58,12 @@ _TIME = re.compile(r"(\d\d):(\d\d):(\d\d),(\d\d\d)")
 _FINISHED = re.compile(r"(cmpl-[0-9a-f]+|chatcmpl-[0-9a-f]+): \w+ in ([0-9.]+)s")
 _PREFILLED = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] prefilled (?:.*? in ([0-9.]+) ms"
                         r"(?: \(into the engine ([-0-9.]+), waiting ([0-9.]+), steps ([0-9.]+), "
-                        r"back ([-0-9.]+)\))?,)?")
+                        r"back ([-0-9.]+)\))?(?: at ([0-9.]+))?,)?")
 _ENGINE_PARTS = ("into_engine", "engine_waiting", "engine_steps", "engine_back")
 _RESERVED = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] KV received: .*\(reserved in ([0-9.]+) ms\)")
 _FIRST = re.compile(r"\[((?:chat)?cmpl-[0-9a-f]+)\] first token in ([0-9.]+) ms: route ([0-9.]+), "
-                    r"reserve ([0-9.]+)(?: beside)?, prefill ([0-9.]+)")
+                    r"reserve ([0-9.]+)(?: beside)?, prefill ([0-9.]+)"
+                    r"(?: \(call at ([0-9.]+)-([0-9.]+)\))?")
 STEP_GAP_S = 0.005
 
 
@@ -86,9 +90,12 @@ def read_log(path: Path) -> tuple[dict[str, tuple[float, float]], dict[str, floa
         if (m := _FINISHED.search(line)) and line.startswith("[gateway"):
             finished[m.group(1)] = (t, float(m.group(2)))
         elif m := _FIRST.search(line):
-            total, route, reserve, call = (float(g) / 1e3 for g in m.groups()[1:])
+            total, route, reserve, call = (float(g) / 1e3 for g in m.groups()[1:5])
             phases.setdefault(m.group(1), {}).update(
                 attempt_at=t - total, route=route, reserve=reserve, prefill_call=call)
+            if m.group(6) is not None:  # the call's sent and answered times (monotonic)
+                phases[m.group(1)].update(call_sent=float(m.group(6)),
+                                          call_answered=float(m.group(7)))
         elif m := _RESERVED.search(line):
             phases.setdefault(m.group(1), {})["decode_reserve"] = float(m.group(2)) / 1e3
         elif m := _PREFILLED.search(line):
@@ -97,7 +104,9 @@ def read_log(path: Path) -> tuple[dict[str, tuple[float, float]], dict[str, floa
                 phases.setdefault(m.group(1), {})["prefill_worker"] = float(m.group(2)) / 1e3
             if m.group(3) is not None:
                 phases[m.group(1)].update(
-                    {k: float(v) / 1e3 for k, v in zip(_ENGINE_PARTS, m.groups()[2:])})
+                    {k: float(v) / 1e3 for k, v in zip(_ENGINE_PARTS, m.groups()[2:6])})
+            if m.group(7) is not None:  # the handler's start (monotonic)
+                phases.setdefault(m.group(1), {})["handler_at"] = float(m.group(7))
     return finished, prefilled, phases
 
 
@@ -123,6 +132,10 @@ def breakdown(report: dict, finished: dict, prefilled: dict, run: int = -1,
                        ("prefill_worker", p["prefill_worker"]),
                        ("prefill_call_rest", p["prefill_call"] - p["prefill_worker"])]
             values += [(k, p[k]) for k in _ENGINE_PARTS if k in p]
+            if "call_sent" in p and "handler_at" in p:
+                values += [("prefill_call_there", p["handler_at"] - p["call_sent"]),
+                           ("prefill_call_back", p["call_answered"] - p["handler_at"]
+                            - p["prefill_worker"])]
             if "decode_reserve" in p:
                 values += [("decode_reserve", p["decode_reserve"]),
                            ("reserve_call_rest", p["reserve"] - p["decode_reserve"])]
