@@ -52,7 +52,7 @@ from pdserve.cluster.convert import (
     sampling_params_to_pb,
 )
 from pdserve.cluster.prefix_index import PrefixIndex
-from pdserve.cluster.registry import WorkerInfo, WorkerRegistry
+from pdserve.cluster.registry import PREFILL_BESIDE_RESERVATION, WorkerInfo, WorkerRegistry
 from pdserve.cluster.routing import pick_prefill
 from pdserve.cluster.tls import PLAINTEXT, TLSConfig
 from protos import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
@@ -203,7 +203,7 @@ class RemoteBackend:
             notes = _Notes(self._transition, request_id)  # its phases, off the token path
             try:
                 if not local:
-                    if not prior and _room_for(decode, len(prompt)):
+                    if not prior and _beside_possible(prefill, decode, len(prompt)):
                         first = await self._prefill_beside_reservation(
                             request_id, prompt, pb_params, call, decode, prefill, lost, notes,
                             lora_pb, clock)
@@ -491,6 +491,14 @@ class _Notes:
     async def landed(self) -> None:
         if self._last is not None:
             await asyncio.wait({self._last})  # a cancelled caller leaves it to land alone
+
+
+def _beside_possible(prefill: WorkerInfo | None, decode: WorkerInfo, num_tokens: int) -> bool:
+    """Whether a new request's Prefill may go out beside its reservation: the prefill worker
+    understands it (one of an earlier version would push before the blocks are reserved) and
+    the decode worker has room (`_room_for`)."""
+    return (prefill is not None and PREFILL_BESIDE_RESERVATION in prefill.features
+            and _room_for(decode, num_tokens))
 
 
 def _room_for(decode: WorkerInfo, num_tokens: int) -> bool:

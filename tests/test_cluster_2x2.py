@@ -12,6 +12,8 @@ import openai
 import pytest
 from cluster import extra_gateway, run_cluster
 
+from pdserve.cluster.registry import PREFILL_BESIDE_RESERVATION
+
 pytestmark = pytest.mark.slow
 
 TEXTS = [
@@ -52,6 +54,9 @@ def test_two_by_two_equals_colocated(cluster, expected):
         "decode", "decode", "prefill", "prefill"]
     got = asyncio.run(_complete_all(cluster.url, TEXTS * 4, max_tokens=20, temperature=0))
     assert got == expected * 4
+    # the prefill workers list the feature, so each Prefill went out beside its reservation
+    assert all(PREFILL_BESIDE_RESERVATION in w.features for w in cluster.workers("prefill"))
+    assert " beside, prefill " in cluster.log.read_text()
 
 
 def test_a_second_gateway_on_the_same_redis_serves_the_same_workers(cluster, expected):

@@ -34,6 +34,12 @@ logger = logging.getLogger(__name__)
 ROLES = ("tokenizer", "prefill", "decode", "gateway")
 MIN_BEATS_PER_TTL = 3  # heartbeats per TTL: an entry survives two missed beats
 PRUNE_AFTER_S = 60.0  # index members of entries expired this long ago are dropped
+# What a worker of this version offers beyond what every version does, listed in its entry
+# (`WorkerInfo.features`): a gateway asks it of a worker listing it only, so workers of an
+# earlier version keep working beside newer gateways during a rolling upgrade.
+PREFILL_BESIDE_RESERVATION = "prefill_beside_reservation"  # PrefillRequest's
+# decode_reservation_pending and the Reserved rpc
+FEATURES = {"prefill": [PREFILL_BESIDE_RESERVATION]}  # per role
 
 
 @dataclass
@@ -54,6 +60,7 @@ class WorkerInfo:
     num_cached_blocks: int = 0  # blocks in its prefix cache (what KV-aware routing can hit)
     # LoRA adapters in its host cache (routing prefers a worker holding a request's adapter)
     lora_adapters: list[str] = field(default_factory=list)
+    features: list[str] = field(default_factory=list)  # its role's FEATURES; [] for old workers
     updated_at: float = 0.0  # time.time() of the last registry write
 
     def __post_init__(self) -> None:

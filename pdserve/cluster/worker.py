@@ -40,7 +40,7 @@ from pdserve.cluster.lora import add_lora_flags, lora_engine_kwargs
 from pdserve.cluster.lora_metrics import lora_requests_info
 from pdserve.cluster.lora_service import preload_loras
 from pdserve.cluster.prefix_index import PrefixIndex
-from pdserve.cluster.registry import Heartbeat, WorkerInfo, WorkerRegistry
+from pdserve.cluster.registry import FEATURES, Heartbeat, WorkerInfo, WorkerRegistry
 from pdserve.cluster.state import connect
 from pdserve.cluster.stats_log import add_stats_log_flags, start_stats_log
 from pdserve.cluster.tls import listen, tls_from_args
@@ -305,7 +305,7 @@ class WorkerMonitor:
             metrics_address=self.metrics_address, kv_transport=self.kv_transport,
             tensor_parallel_size=self.tensor_parallel_size,
             block_size=self.block_size, num_cached_blocks=s.num_cached_blocks,
-            lora_adapters=self.loras(),
+            lora_adapters=self.loras(), features=list(FEATURES.get(self.role, [])),
         )
 
 
