@@ -48,6 +48,7 @@ class RequestTracker:
         self.output_tokens = 0
         self.finish_reasons: dict[int, str] = {}
         self._first_token: float | None = None
+        self._creating: asyncio.Future[None] | None = None  # the record's create, written
         self._last_token: dict[int, float] = {}
         self.resumed = False
 
@@ -68,9 +69,10 @@ class RequestTracker:
         try:
             if self.resumed:
                 await self._record("resume", self.request_id)
-            else:
+            else:  # not waited for: the store orders the request's later writes after it
+                # (each write is a task, and tasks start in order: the create registers first)
                 m.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
-                await self._record(
+                self._creating = self._start(
                     "create", self.request_id, model=self.model,
                     prompt_tokens=self.prompt_tokens, stream=self.stream, n=self.num_choices,
                 )
@@ -119,6 +121,8 @@ class RequestTracker:
             status, fields["error"] = "failed", str(exc) or type(exc).__name__
         self._log(status, elapsed, exc)
         await self._record("transition", self.request_id, status, **fields)
+        if self._creating is not None:
+            await asyncio.wait({self._creating})  # landed already, nothing left behind
 
     def _log(self, status: str, elapsed: float, exc: BaseException | None) -> None:
         summary = (f"{self.request_id}: {status} in {elapsed:.3f}s, "
@@ -137,14 +141,20 @@ class RequestTracker:
         away) never cuts it in half: a cancelled caller waits for it to land (at most
         STORE_TIMEOUT_S), then the cancellation goes on. (An anyio shield would not do: the
         gateway cancels request tasks with `Task.cancel()`, which anyio scopes do not stop.)"""
-        if self.store is None:
+        write = self._start(method, *args, **fields)
+        if write is None:
             return
-        write = asyncio.ensure_future(self._write(method, *args, **fields))
         try:
             await asyncio.shield(write)
         except asyncio.CancelledError:
             await asyncio.wait({write})
             raise
+
+    def _start(self, method: str, *args: Any, **fields: Any) -> asyncio.Future[None] | None:
+        """The store write as a task of its own (None without a store)."""
+        if self.store is None:
+            return None
+        return asyncio.ensure_future(self._write(method, *args, **fields))
 
     async def _write(self, method: str, *args: Any, **fields: Any) -> None:
         assert self.store is not None

@@ -121,6 +121,33 @@ async def test_transition_records_fields_and_refreshes_ttl(client) -> None:
     assert "ts_transferring" not in state and "ts_decoding" not in state
 
 
+async def test_a_request_s_writes_wait_for_its_create_in_flight(client) -> None:
+    """The gateway does not wait for a request's create: its transitions (and a resume) sent
+    before the create landed are written after it, whatever the create did."""
+    store = RequestStore(client)
+    script = store._create
+
+    async def slow_create(**kw: object) -> object:  # a create whose reply takes its time
+        await asyncio.sleep(0.05)
+        return await script(**kw)
+
+    store._create = slow_create
+    creating = asyncio.ensure_future(store.create("r1", model="m", prompt_tokens=1,
+                                                  stream=False))
+    moving = asyncio.ensure_future(store.transition("r1", "prefilling"))
+    await asyncio.gather(creating, moving)
+    assert (await store.get("r1"))["status"] == "prefilling"
+    # a create that fails (the id exists) still lets the writes after it go
+    again = asyncio.ensure_future(store.create("r1", model="m", prompt_tokens=1, stream=False))
+    resumed = asyncio.ensure_future(store.resume("r1"))
+    with pytest.raises(RequestExists):
+        await again
+    assert await resumed == 1
+    assert store._creating == {}
+    with pytest.raises(RequestNotFound):  # no create in flight: nothing to wait for
+        await store.transition("r2", "prefilling")
+
+
 async def test_transition_rejects_bad_input(client) -> None:
     store = RequestStore(client)
     with pytest.raises(RequestNotFound):

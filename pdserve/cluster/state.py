@@ -246,6 +246,9 @@ class RequestStore:
         self.keys = Keys(prefix)
         self.ttl_s = int(ttl_s)
         self._create = client.register_script(_CREATE_LUA)
+        # creates in flight: a request's later writes from this store wait for its create (the
+        # gateway does not wait for it on the request's way: RequestTracker)
+        self._creating: dict[str, asyncio.Future[None]] = {}
         self._transition = client.register_script(_TRANSITION_LUA)
         self._resume = client.register_script(_RESUME_LUA)
 
@@ -254,13 +257,27 @@ class RequestStore:
         self, request_id: str, *, model: str, prompt_tokens: int, stream: bool, n: int = 1
     ) -> None:
         """Write a new request in status ``queued`` with ``created_at``/``ts_queued`` and the
-        TTL. Raises ``RequestExists`` (and writes nothing) if the id already has state."""
+        TTL. Raises ``RequestExists`` (and writes nothing) if the id already has state. The
+        request's transitions and resumes through this store wait for it to land."""
         now = _to_str(time.time())
         fields = {"status": "queued", "created_at": now, "ts_queued": now, "model": model,
                   "prompt_tokens": prompt_tokens, "stream": stream, "n": n}
         args = [self.ttl_s, *(_to_str(x) for kv in fields.items() for x in kv)]
-        if not await self._create(keys=[self.keys.request(request_id)], args=args):
+        landed = self._creating[request_id] = asyncio.get_running_loop().create_future()
+        try:
+            created = await self._create(keys=[self.keys.request(request_id)], args=args)
+        finally:
+            landed.set_result(None)
+            if self._creating.get(request_id) is landed:
+                del self._creating[request_id]
+        if not created:
             raise RequestExists(request_id)
+
+    async def _after_create(self, request_id: str) -> None:
+        """Wait for the request's create, if this store is writing it now (whatever it did)."""
+        landed = self._creating.get(request_id)
+        if landed is not None:
+            await asyncio.shield(landed)
 
     @wrap_redis_errors
     async def transition(self, request_id: str, status: str, **fields: object) -> None:
@@ -277,6 +294,7 @@ class RequestStore:
         if bad:
             raise ValueError(f"reserved field names: {bad}")
         sources = " ".join(s for s in sorted(STATUSES) if allowed_transition(s, status))
+        await self._after_create(request_id)
         record = {f"ts_{status}": time.time(), **{k: v for k, v in fields.items() if v is not None}}
         args = [status, self.ttl_s, f" {sources} ", "1" if status in TERMINAL else "0"]
         args += [_to_str(x) for kv in record.items() for x in kv]
@@ -292,6 +310,7 @@ class RequestStore:
         recording ``ts_resumed`` and counting ``resumes``; returns that count. Raises
         ``InvalidTransition`` for a ``finished`` request and ``RequestNotFound`` (nothing
         written either way)."""
+        await self._after_create(request_id)
         args = [self.ttl_s, _to_str(time.time())]
         outcome, value = await self._resume(keys=[self.keys.request(request_id)], args=args)
         if outcome == "missing":
