@@ -2,13 +2,19 @@
 
 The step loop runs in a child process (engine/core_process.py says why and what crosses the
 pipe); this side keeps what `AsyncLLMEngine` keeps on the event loop: one output queue per
-request, callers' futures, abort on a stream closed early. A writer thread sends commands (a
-full pipe never blocks an event loop); a reader thread hands each step's outputs to their
-readers, one hop per event loop, and settles replies.
+request, callers' futures, abort on a stream closed early. A small command goes from the
+caller's thread when the socket has room and nothing is queued before it; any other goes to a
+writer thread (a full pipe never blocks an event loop); a reader thread hands each step's
+outputs to their readers, one hop per event loop, and settles replies.
 
-    event loop ──command──▶ writer thread ──pipe──▶ engine core process
-         ▲                                                 │
-         └── per-request asyncio.Queue ◀── reader thread ◀─┘
+    event loop ──command──(──▶ writer thread)──pipe──▶ engine core process
+         ▲                                                     │
+         └── per-request asyncio.Queue ◀── reader thread ◀─────┘
+
+NOTE: why inline. Through the writer thread a command waited for that thread to wake and take
+the interpreter lock from the event loop: a Prefill's way into an idle engine core took 1.1 ms
+on the 2-core box (its handler's own part 0.08 ms) and 0.7-0.8 ms on an H100 host
+(`python -m pdserve.bench.ttft_breakdown`'s into_engine, 2026-12-06).
 
 The child dying (killed, out of memory, a step that raised) ends every open stream and waiting
 call with `EngineDeadError`, as the engine thread failing does in-process.
@@ -22,6 +28,7 @@ import contextlib
 import itertools
 import logging
 import queue
+import select
 import socket
 import subprocess
 import sys
@@ -30,6 +37,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from engine.core_process import NO_REPLY, CoreFacts
@@ -44,6 +52,9 @@ from engine.scheduler_output import SchedulerStats
 
 logger = logging.getLogger(__name__)
 _STOP = object()  # ends the writer thread
+# A command this small (pickled) goes from the caller's thread when the socket is writable: a
+# Unix stream socket is writable with three quarters of its send buffer free, so it never blocks
+INLINE_SEND_MAX = 4096
 STOP_TIMEOUT_S = 30.0
 
 
@@ -84,7 +95,12 @@ class EngineCoreClient:
         self._prompts: dict[str, list[int]] = {}  # reader thread only: prompt ids, by request
         self._calls: dict[int, asyncio.Future | concurrent.futures.Future] = {}
         self._ids = itertools.count(1)
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # pickled commands, for the writer
+        self._queued = 0  # commands put in the outbox and not yet sent (under `_count`)
+        self._count = threading.Lock()  # held briefly, never across a blocking write
+        self._wire = threading.Lock()  # held by whoever writes to the socket
+        self._room = select.poll()
+        self._room.register(conn.fileno(), select.POLLOUT)
         self._writer = threading.Thread(target=self._write, name="pdserve-core-writer",
                                         daemon=True)
         self._reader = threading.Thread(target=self._read, name="pdserve-core-reader",
@@ -226,7 +242,7 @@ class EngineCoreClient:
         if self._stopping:
             return
         self._stopping = True
-        self._outbox.put(("stop", NO_REPLY, ()))
+        self._send("stop", NO_REPLY)
         self._outbox.put(_STOP)
         if self._proc is None:  # another server's engine core: only this connection ends
             self._writer.join(STOP_TIMEOUT_S)
@@ -277,7 +293,22 @@ class EngineCoreClient:
             self._calls.pop(call_id, None)
 
     def _send(self, op: str, call_id: int, *args: Any) -> None:
-        self._outbox.put((op, call_id, args))
+        """Send a command, in order with those before it: now, from this thread, when it is
+        small, nothing is queued and the socket is writable (so the write cannot block); else
+        through the writer thread."""
+        data = bytes(ForkingPickler.dumps((op, call_id, args)))
+        with self._count:
+            if (not self._queued and len(data) <= INLINE_SEND_MAX
+                    and self._wire.acquire(blocking=False)):
+                try:
+                    if self._room.poll(0):
+                        with contextlib.suppress(OSError, ValueError):  # the child is gone:
+                            self._conn.send_bytes(data)  # the reader says so
+                        return
+                finally:
+                    self._wire.release()
+            self._queued += 1
+            self._outbox.put(data)
 
     def _open(self, request_id: str) -> None:
         if self._error is not None:
@@ -294,11 +325,15 @@ class EngineCoreClient:
 
     # ---- the pipe's threads --------------------------------------------------------------
     def _write(self) -> None:
-        while (message := self._outbox.get()) is not _STOP:
+        while (data := self._outbox.get()) is not _STOP:
             try:
-                self._conn.send(message)
+                with self._wire:
+                    self._conn.send_bytes(data)
             except (OSError, ValueError):  # the child is gone: the reader says so
                 return
+            finally:
+                with self._count:
+                    self._queued -= 1
 
     def _read(self) -> None:
         while True:
