@@ -81,8 +81,9 @@ class StreamRecord:
         return [SamplingParams(**{**p, "structured_outputs": _constraint(p)})
                 for p in self.params]
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+    def to_json(self) -> str:  # its fields as they are (asdict would deep-copy the prompts)
+        return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                          separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> StreamRecord:

@@ -51,6 +51,9 @@ class RequestTracker:
         self._creating: asyncio.Future[None] | None = None  # the record's create, written
         self._last_token: dict[int, float] = {}
         self.resumed = False
+        # the per-token series, looked up once (a labels() call costs a lock and a dict lookup)
+        self._inter_token = metrics.inter_token_latency.labels(model)
+        self._generation_tokens = metrics.generation_tokens.labels(model)
 
     def resume_after(self, outputs: list[SequenceOutput]) -> None:
         """Make this the tracker of a resumed stream, whose `outputs` were generated before (by
@@ -91,10 +94,10 @@ class RequestTracker:
             last = self._last_token.get(out.index)
             if last is not None:
                 for _ in range(count):
-                    m.inter_token_latency.labels(self.model).observe((now - last) / count)
+                    self._inter_token.observe((now - last) / count)
             self._last_token[out.index] = now
             self.output_tokens += count
-            m.generation_tokens.labels(self.model).inc(count)
+            self._generation_tokens.inc(count)
         if out.finish_reason is not None:
             self.finish_reasons[out.index] = out.finish_reason
             m.request_success.labels(self.model, out.finish_reason).inc()
