@@ -20,6 +20,11 @@
 #   abba   the serve part's comparison twice, colocated then split, then split then colocated
 #          (what drifts during a call, such as a step's host time, weighs on both sides
 #          alike), timelines too: abba_1_gpu_serve.json, abba_2_gpu_serve.json
+#   parts  the split's first token, part by part: gRPC's own unary call between two processes
+#          (pdserve.bench.grpc_ping, 1, 20 and 60 ms between calls), then colocated against
+#          the split over cuda_ipc at RATES (default here 16,16) with timelines, and each
+#          run's parts (pdserve.bench.ttft_breakdown): grpc_ping.txt, parts_gpu_serve.json,
+#          parts_breakdown_<run>.json
 #   core   the split again, its prefill engine in its worker's thread (pdserve up
 #          --prefill-engine-core thread; CORES="thread process": each, in turn), timelines
 #          too: b_thread_gpu_serve.json
@@ -90,6 +95,27 @@ for part in $PARTS; do
                 > "$W/abba_$n.txt" 2>&1
             tail -10 "$W/abba_$n.txt"
             cp "$W/abba_$n/gpu_serve.json" "$R/abba_${n}_gpu_serve.json"
+        done
+        ;;
+    parts)
+        for gap in 1 20 60; do
+            python3 -m pdserve.bench.grpc_ping --calls 300 --gap-ms $gap
+        done | tee "$R/grpc_ping.txt"
+        mkdir -p "$W/tl_parts"
+        PDSERVE_STEP_TIMELINE=$W/tl_parts OUT=$W/parts timeout "${SERVE_S:-330}" \
+            bash pdserve/bench/gpu_kit_run.sh --systems colocated,cuda_ipc \
+            --api-server-count 4 --colocated-api-servers 4 --request-rate "${RATES:-16,16}" \
+            > "$W/parts.txt" 2>&1
+        tail -10 "$W/parts.txt"
+        cp "$W/parts/gpu_serve.json" "$R/parts_gpu_serve.json"
+        runs=$(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['runs']))" \
+            "$W/parts/loadtest_cuda_ipc.json")
+        for ((run = 0; run < runs; run++)); do
+            python3 -m pdserve.bench.ttft_breakdown "$W/parts/loadtest_cuda_ipc.json" \
+                "$W/parts/cluster_cuda_ipc.log" --run $run > "$R/parts_breakdown_$run.json"
+            python3 -c "import json,sys; d=json.load(open(sys.argv[1]))['ms']
+print('run', sys.argv[2], ', '.join(f'{k} {v[\"p50\"]}' for k, v in d.items()))" \
+                "$R/parts_breakdown_$run.json" $run
         done
         ;;
     core)
