@@ -22,7 +22,23 @@ class RequestCancelled(Exception):
     """The request was cancelled before this worker admitted it."""
 
 
-class CancelWatch:
+class _CheckSoon:
+    """What both watches share: a check started now and awaited later."""
+
+    async def check(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def check_soon(self, request_id: str) -> asyncio.Task[None]:
+        """`check` started now, awaited later, before the request's result leaves this worker:
+        its Redis round trip then runs beside the request's work instead of before it (a
+        request cancelled before it came here is rare; its work is then undone). The task's
+        error is consumed when nobody awaits it (the work failed first)."""
+        task = asyncio.ensure_future(self.check(request_id))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
+
+class CancelWatch(_CheckSoon):
     def __init__(
         self, redis_url: str, on_cancel: Callable[[str], Awaitable[object]],
         prefix: str = DEFAULT_PREFIX,
@@ -39,13 +55,6 @@ class CancelWatch:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-
-    def check_soon(self, request_id: str) -> asyncio.Task[None]:
-        """`check` started now, awaited later, before the request's result leaves this worker:
-        its Redis round trip then runs beside the request's work instead of before it (a
-        request cancelled before it came here is rare; its work is then undone). The task's
-        error is consumed when nobody awaits it (the work failed first)."""
-        return _consumed(asyncio.ensure_future(self.check(request_id)))
 
     async def check(self, request_id: str) -> None:
         """Raise RequestCancelled if the request's cancellation is already recorded. Redis being
@@ -69,19 +78,11 @@ class CancelWatch:
                 await asyncio.sleep(1.0)
 
 
-class NoCancelWatch:
+class NoCancelWatch(_CheckSoon):
     """Stand-in when the worker runs without Redis: only gRPC cancellation applies."""
-
-    def check_soon(self, request_id: str) -> asyncio.Task[None]:
-        return _consumed(asyncio.ensure_future(self.check(request_id)))
 
     async def check(self, request_id: str) -> None:
         return None
 
     async def stop(self) -> None:
         return None
-
-
-def _consumed(task: asyncio.Task[None]) -> asyncio.Task[None]:
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())
-    return task
