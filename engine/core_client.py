@@ -13,8 +13,8 @@ outputs to their readers, one hop per event loop, and settles replies.
 
 NOTE: why inline. Through the writer thread a command waited for that thread to wake and take
 the interpreter lock from the event loop: a Prefill's way into an idle engine core took 1.1 ms
-on the 2-core box (its handler's own part 0.08 ms) and 0.7-0.8 ms on an H100 host
-(`python -m pdserve.bench.ttft_breakdown`'s into_engine, 2026-12-06).
+on the 2-core box (its handler's own part 0.08 ms), 0.7 ms inline; 0.7-0.8 ms on an H100
+host, 0.6-0.7 inline (`python -m pdserve.bench.ttft_breakdown`'s into_engine, 2026-12-06).
 
 The child dying (killed, out of memory, a step that raised) ends every open stream and waiting
 call with `EngineDeadError`, as the engine thread failing does in-process.
