@@ -17,12 +17,12 @@ import argparse
 import asyncio
 import multiprocessing
 import multiprocessing.synchronize
-import statistics
 import sys
 import time
 
 import grpc
 
+from loadtest.metrics import percentile
 from pdserve.bench.report import bench_main
 from pdserve.cluster.drain import DrainGate
 from pdserve.cluster.grpc_server import make_server, open_channel
@@ -70,8 +70,7 @@ async def _calls(port: int, calls: int, payload: bytes, gap_s: float) -> dict:
         back.append(answered - handled)
         await asyncio.sleep(gap_s)
     await channel.close()
-    return {name: {"p50": round(1e3 * statistics.median(v), 3),
-                   "p90": round(1e3 * sorted(v)[int(0.9 * len(v))], 3)}
+    return {name: {f"p{q}": round(1e3 * percentile(v, q), 3) for q in (50, 90)}
             for name, v in (("there", there), ("back", back),
                             ("round_trip", [a + b for a, b in zip(there, back)]))}
 
