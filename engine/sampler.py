@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.device_wait import timed_wait
 from engine.host_copy import to_device
 from engine.sampling_params import SamplingParams
 from engine.structured.bitmask import mask_logits
@@ -124,7 +125,7 @@ class SampledTokens:
 
     def to_host(self) -> SamplerOutput:
         if self._ready is not None:
-            self._ready.synchronize()
+            timed_wait(self._ready.synchronize)
         token_ids = self._host.tolist()
         if self._raw is None:
             return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(token_ids))

@@ -2,13 +2,19 @@
 
 The stack sampler (engine/stack_sampler.py) and the step profiler (engine/step_profiler.py)
 add up where time went; a burst's stall of tens of milliseconds disappears in their sums. Here
-every engine step is kept as (start, seconds, outputs) and every collection as (start, seconds,
-generation), on `time.perf_counter()` (CLOCK_MONOTONIC: one clock for every process of a host),
-and written to DIR/<role>-<pid>.timeline.json every few seconds and at exit:
+every engine step is kept as (start, seconds, outputs, device wait, CPU) and every collection
+as (start, seconds, generation), on `time.perf_counter()` (CLOCK_MONOTONIC: one clock for
+every process of a host), and written to DIR/<role>-<pid>.timeline.json every few seconds and
+at exit:
 
-    {"role": ..., "pid": ..., "steps": [[t, s, n], ...], "gc": [[t, s, generation], ...]}
+    {"role": ..., "pid": ..., "steps": [[t, s, n, wait, cpu], ...],
+     "gc": [[t, s, generation], ...]}
 
-A step costs two clock reads and a list append; a collection two more. At most MAX_ENTRIES of
+`wait`: the seconds the step blocked on the device for sampled tokens (engine/device_wait.py);
+`cpu`: the loop thread's CPU seconds in the step (`time.thread_time()`: waits that spin count
+in it too). A step's wall time less its wait is the host's; where that grows at the same batch
+while its CPU grows with it, the host ran slower, not the GPU. A step costs five clock reads
+and a list append; a collection two more. At most MAX_ENTRIES of
 each are kept (the first ones).
 """
 
@@ -22,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.device_wait import waited_s
+
 ENV_DIR = "PDSERVE_STEP_TIMELINE"
 MAX_ENTRIES = 200_000
 DUMP_EVERY_S = 5.0
@@ -32,7 +40,7 @@ class StepTimeline:
     def __init__(self, out_dir: str, role: str) -> None:
         self.path = Path(out_dir) / f"{role}-{os.getpid()}.timeline.json"
         self.role = role
-        self.steps: list[tuple[float, float, int]] = []
+        self.steps: list[tuple[float, float, int, float, float]] = []
         self.collections: list[tuple[float, float, int]] = []
         self._gc_start = 0.0
         self._dumped_at = time.perf_counter()
@@ -47,11 +55,13 @@ class StepTimeline:
 
     def step(self, fn: Any) -> Any:
         """Run one engine step (`fn()`, returning its outputs) and note it."""
+        waited, cpu = waited_s(), time.thread_time()
         start = time.perf_counter()
         outputs = fn()
         end = time.perf_counter()
         if len(self.steps) < MAX_ENTRIES:
-            self.steps.append((start, end - start, len(outputs)))
+            self.steps.append((start, end - start, len(outputs), waited_s() - waited,
+                               time.thread_time() - cpu))
         if end - self._dumped_at > DUMP_EVERY_S:
             self.dump()
         return outputs
@@ -69,8 +79,8 @@ class StepTimeline:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"role": self.role, "pid": os.getpid(),
-                                   "steps": [[round(t, 6), round(s, 6), n]
-                                             for t, s, n in self.steps],
+                                   "steps": [[round(t, 6), round(s, 6), n, round(w, 6),
+                                              round(c, 6)] for t, s, n, w, c in self.steps],
                                    "gc": [[round(t, 6), round(s, 6), g]
                                           for t, s, g in self.collections]}))
         tmp.replace(self.path)

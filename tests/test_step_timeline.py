@@ -25,8 +25,10 @@ def test_steps_and_collections_are_noted_and_written(tmp_path) -> None:
     finally:
         timeline.close()
     data = json.loads(timeline.path.read_text())
-    assert data["role"] == "decode" and [n for _, _, n in data["steps"]] == [3, 0]
+    assert data["role"] == "decode" and [s[2] for s in data["steps"]] == [3, 0]
     assert data["steps"][1][1] >= 0.02
+    assert data["steps"][1][3] == 0.0  # no device wait: CPU steps
+    assert data["steps"][1][4] < 0.01  # asleep: the thread's CPU did not run
     assert any(g == 2 for _, _, g in data["gc"])
     summary = step_gaps.report(tmp_path, top=1, min_gc_ms=0.0)[0]
     assert summary["steps"] == 2 and summary["longest_steps"][0]["ms"] >= 20
@@ -48,6 +50,16 @@ def test_steps_by_outputs_give_the_median_step_and_period() -> None:
     assert step_gaps.by_outputs(steps, 1, 8) == {  # the last step: no period
         "outputs": [1, 8], "steps": 1, "step_ms_p50": 4.0, "period_ms_p50": None}
     assert step_gaps.by_outputs(steps, 200, 300)["steps"] == 0
+    # with the device wait and CPU: the host's part is the step less its wait
+    timed = [[0.000, 0.003, 96, 0.002, 0.003], [0.004, 0.005, 96, 0.001, 0.002]]
+    assert step_gaps.by_outputs(timed, 90, 1000) == {
+        "outputs": [90, 1000], "steps": 2, "step_ms_p50": 4.0, "period_ms_p50": 4.0,
+        "wait_ms_p50": 1.5, "host_ms_p50": 2.5, "cpu_ms_p50": 2.5}
+    summary = {"role": "decode", "pid": 7, "steps": 2,
+               "by_outputs": [step_gaps.by_outputs(timed, 90, 1000)]}
+    assert step_gaps.brief_lines([summary]) == [
+        "decode 7 outputs 90-1000: 2 steps step_ms 4.0 period_ms 4.0 wait_ms 1.5 host_ms 2.5 "
+        "cpu_ms 2.5"]
     assert step_gaps.parse_buckets("1-8,90-1000") == ((1, 8), (90, 1000))
     for bad in ("8-1", "90", "a-b"):
         with pytest.raises(ValueError, match="--buckets"):

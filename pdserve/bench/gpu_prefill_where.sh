@@ -19,7 +19,9 @@
 #          a_gpu_serve.json, cpu_a.json
 #   abba   the serve part's comparison twice, colocated then split, then split then colocated
 #          (what drifts during a call, such as a step's host time, weighs on both sides
-#          alike), timelines too: abba_1_gpu_serve.json, abba_2_gpu_serve.json
+#          alike), timelines too: abba_1_gpu_serve.json, abba_2_gpu_serve.json, and each
+#          engine's steps by batch (step_gaps --brief: period, device wait, host, CPU):
+#          abba_1_steps.txt, abba_2_steps.txt
 #   parts  the split's first token, part by part: gRPC's own unary call between two processes
 #          (pdserve.bench.grpc_ping, 1, 20 and 60 ms between calls), then colocated against
 #          the split over cuda_ipc at RATES (default here 16,16) with timelines, and each
@@ -95,6 +97,8 @@ for part in $PARTS; do
                 > "$W/abba_$n.txt" 2>&1
             tail -10 "$W/abba_$n.txt"
             cp "$W/abba_$n/gpu_serve.json" "$R/abba_${n}_gpu_serve.json"
+            python3 -m pdserve.bench.step_gaps "$W/tl_abba_$n" --brief \
+                --buckets 1-8,40-60,90-1000 | tee "$R/abba_${n}_steps.txt"
         done
         ;;
     parts)

@@ -8,7 +8,10 @@ A gap is the time from one step's end to the next one's start: the process was d
 else (its commands, outputs, a collection) or had nothing to do. Per bucket of a step's outputs
 (a decode step's: its running streams), the median step and the median period (one step's
 start to the next one's): how fast the process stepped at that batch, to set beside another
-process's at the same batch (a colocated engine's against the split's decode worker's). Times
+process's at the same batch (a colocated engine's against the split's decode worker's); and,
+where the timeline has them, the median of each step's device wait and of its host time (the
+step less that wait) and its loop thread's CPU: a slow period with a long wait is the GPU's,
+one with a long host time the host's (and its CPU says whether the host ran or was off). Times
 are in milliseconds from the first step of any process in DIR (one clock for every process of a
 host).
 """
@@ -25,13 +28,20 @@ from typing import Any
 
 def by_outputs(steps: list[list[float]], lo: int, hi: int) -> dict[str, Any]:
     """The steps with lo <= outputs <= hi: how many, their median duration and period (ms;
-    a period only where a step follows)."""
+    a period only where a step follows); with steps of five fields [start, s, outputs, wait,
+    cpu] also the medians of the wait, the host's part (s - wait) and the CPU."""
     picked = [i for i, s in enumerate(steps) if lo <= s[2] <= hi]
     periods = [steps[i + 1][0] - steps[i][0] for i in picked if i + 1 < len(steps)]
-    return {"outputs": [lo, hi], "steps": len(picked),
-            "step_ms_p50": round(1e3 * statistics.median(steps[i][1] for i in picked), 2)
-            if picked else None,
-            "period_ms_p50": round(1e3 * statistics.median(periods), 2) if periods else None}
+    p50 = lambda values: round(1e3 * statistics.median(values), 2)  # noqa: E731
+    result = {"outputs": [lo, hi], "steps": len(picked),
+              "step_ms_p50": p50(steps[i][1] for i in picked) if picked else None,
+              "period_ms_p50": p50(periods) if periods else None}
+    timed = [steps[i] for i in picked if len(steps[i]) >= 5]
+    if timed:
+        result.update(wait_ms_p50=p50(s[3] for s in timed),
+                      host_ms_p50=p50(s[1] - s[3] for s in timed),
+                      cpu_ms_p50=p50(s[4] for s in timed))
+    return result
 
 
 def summarize(timeline: dict[str, Any], origin: float, top: int, min_gc_ms: float,
@@ -44,13 +54,27 @@ def summarize(timeline: dict[str, Any], origin: float, top: int, min_gc_ms: floa
     return {
         "role": timeline["role"], "pid": timeline["pid"], "steps": len(steps),
         "span_ms": [ms(steps[0][0]), ms(steps[-1][0] + steps[-1][1])] if steps else None,
-        "longest_steps": [{"at_ms": ms(t), "ms": round(1e3 * s, 2), "outputs": n}
-                          for t, s, n in longest],
+        "longest_steps": [{"at_ms": ms(s[0]), "ms": round(1e3 * s[1], 2), "outputs": s[2],
+                           **({"wait_ms": round(1e3 * s[3], 2)} if len(s) >= 5 else {})}
+                          for s in longest],
         "widest_gaps": [{"at_ms": ms(t), "ms": round(1e3 * g, 2)} for t, g in widest],
         "collections": [{"at_ms": ms(t), "ms": round(1e3 * s, 2), "generation": g}
                         for t, s, g in timeline["gc"] if 1e3 * s >= min_gc_ms],
         "by_outputs": [by_outputs(steps, lo, hi) for lo, hi in buckets],
     }
+
+
+def brief_lines(summaries: list[dict[str, Any]]) -> list[str]:
+    """`role pid outputs LO-HI: N steps, key value ...` for every process with steps."""
+    lines = []
+    for summary in summaries:
+        for bucket in summary["by_outputs"] if summary["steps"] else ():
+            lo, hi = bucket["outputs"]
+            rest = " ".join(f"{k.removesuffix('_p50')} {v}" for k, v in bucket.items()
+                            if k not in ("outputs", "steps"))
+            lines.append(f"{summary['role']} {summary['pid']} outputs {lo}-{hi}: "
+                         f"{bucket['steps']} steps {rest}")
+    return lines
 
 
 def parse_buckets(text: str) -> tuple[tuple[int, int], ...]:
@@ -82,10 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-gc-ms", type=float, default=1.0)
     p.add_argument("--buckets", default="1-8,40-60,90-1000",
                    help="ranges of a step's outputs, LO-HI, comma-separated")
+    p.add_argument("--brief", action="store_true",
+                   help="one line per process and bucket (the by-outputs medians) instead of "
+                        "the JSON")
     args = p.parse_args(argv)
     try:
         buckets = parse_buckets(args.buckets)
-        print(json.dumps(report(args.folder, args.top, args.min_gc_ms, buckets), indent=1))
+        summaries = report(args.folder, args.top, args.min_gc_ms, buckets)
+        print("\n".join(brief_lines(summaries)) if args.brief
+              else json.dumps(summaries, indent=1))
     except ValueError as exc:
         print(f"step_gaps: {exc}", file=sys.stderr)
         return 2
