@@ -297,9 +297,10 @@ class AsyncLLMEngine:
                     self._profiler.idle()
                 for poll in self._polls:
                     poll()
-                self._run_commands(block=not self.engine.has_work())
+                self._run_commands(self.engine.step_delay_s() if self.engine.has_work() else None)
                 outputs = []
-                if not self._stopping and self.engine.has_work():
+                if (not self._stopping and self.engine.has_work()
+                        and not self.engine.step_delay_s()):
                     handover_trace.mark_all("step")
                     step = (self.engine.step if self._profiler is None
                             else lambda: self._profiler.step(self.engine.step))
@@ -347,17 +348,18 @@ class AsyncLLMEngine:
             future.get_loop().call_soon_threadsafe(settle, future, None, None)
         return self.engine.abort_request(request_id)
 
-    def _run_commands(self, block: bool) -> None:
-        """Run queued commands; with `block`, wait for at least one first (the engine is idle).
-        Then let the callers' event loops take their answers before the next step (below)."""
+    def _run_commands(self, timeout: float | None) -> None:
+        """Run queued commands, having waited up to `timeout` seconds for one (None: until one
+        comes, the engine idle; 0: not at all; more: its steps paced). Then let the callers'
+        event loops take their answers before the next step (below)."""
         loops: set[asyncio.AbstractEventLoop] = set()
         try:
             while True:
                 try:
-                    command = self._commands.get(block=block)
+                    command = self._commands.get(block=timeout != 0, timeout=timeout)
                 except queue.Empty:
                     return
-                block = False
+                timeout = 0
                 if command is None:
                     return
                 if isinstance(command, _Failed):

@@ -73,7 +73,14 @@ class SchedulerConfig:
     adapters among the running requests (None: no adapters). `stream_interval`: a streamed
     request's output goes out with its first token, then once every that many tokens, and when
     it finishes (vLLM's `--stream-interval`: fewer messages per token for every hop after the
-    engine; 1: every step)."""
+    engine; 1: every step).
+
+    `shared_gpu_pace_ms`, a decode worker's beside a prefill worker on the same GPU (two
+    processes time-slicing it): while the prompts reserved here and not yet arrived hold at
+    least `shared_gpu_pace_tokens` tokens (a burst being prefilled next door), a step starts at
+    most once every that many milliseconds (0: never held). Each decode step reads every weight,
+    GPU time the prefill waits for; fewer, fuller steps leave the GPU to it, as a colocated
+    engine's decodes ride inside its prefill steps."""
 
     max_model_len: int = 2048
     max_num_seqs: int = 64
@@ -81,12 +88,16 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_loras: int | None = None
     stream_interval: int = 1
+    shared_gpu_pace_ms: float = 0.0
+    shared_gpu_pace_tokens: int = 2048
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                     "stream_interval"):
+                     "stream_interval", "shared_gpu_pace_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.shared_gpu_pace_ms >= 0:
+            raise ValueError(f"shared_gpu_pace_ms must be >= 0, got {self.shared_gpu_pace_ms}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "max_num_batched_tokens must be >= max_model_len when chunked prefill is off "

@@ -200,10 +200,10 @@ class Core:
         """The loop ended (before the engine shuts down)."""
 
     def run(self) -> None:
-        while self._commands(block=not self.engine.has_work()) and not self._stopped():
+        while self._commands(self._wait_s()) and not self._stopped():
             if self.profile is not None:
                 self.profile.tick()
-            if self.engine.has_work():
+            if self.engine.has_work() and not self.engine.step_delay_s():
                 handover_trace.mark_all("step")
                 try:
                     outputs = (self.engine.step() if self.timeline is None
@@ -227,12 +227,19 @@ class Core:
                     handover_trace.mark(out.request_id, "yield")
             self.after_round()
 
-    def _commands(self, block: bool) -> bool:
-        """Run the commands waiting (with `block`, wait for one first: the engine is idle;
-        while stopping, at most STOP_POLL_S). False when the loop must end: the parent is
-        gone (its stop is `_stop`: the others' requests may still finish)."""
+    def _wait_s(self) -> float | None:
+        """How long the next round may wait for a command: until the engine's next step may
+        start (0 when it may now; later when its steps are paced, `step_delay_s`), or, idle,
+        until one comes (None; while stopping, at most STOP_POLL_S)."""
+        if self.engine.has_work():
+            return self.engine.step_delay_s()
+        return STOP_POLL_S if self.stopping_at else None
+
+    def _commands(self, timeout: float | None) -> bool:
+        """Run the commands waiting, having waited up to `timeout` seconds for one (None:
+        until one comes). False when the loop must end: the parent is gone (its stop is
+        `_stop`: the others' requests may still finish)."""
         waitables: list[Any] = [*self.conns, *([self.listener] if self.listener else [])]
-        timeout = (STOP_POLL_S if self.stopping_at else None) if block else 0
         for ready in wait(waitables, timeout):
             if ready is self.listener:
                 self._accept()

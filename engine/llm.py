@@ -58,6 +58,8 @@ def build_engine_config(
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
     stream_interval: int = 1,
+    shared_gpu_pace_ms: float = 0.0,
+    shared_gpu_pace_tokens: int = 2048,
 ) -> EngineConfig:
     """Resolve the model and turn user-facing arguments into an `EngineConfig` (ValueError on
     bad values). `max_model_len` defaults to the model's context length. `speculative_config`:
@@ -67,7 +69,9 @@ def build_engine_config(
     "fp8" / "fp8_e4m3" (kernels/kv_cache_fp8.py). `enable_lora`: serve PEFT LoRA adapters, up to
     `max_loras` in one batch, of rank <= `max_lora_rank`, `max_cpu_loras` loaded (`LoRAConfig`).
     `decode_gemv`: see `EngineConfig`. `stream_interval`: a streamed request's outputs go out
-    with its first token, then every that many tokens, and at its end (`SchedulerConfig`)."""
+    with its first token, then every that many tokens, and at its end (`SchedulerConfig`).
+    `shared_gpu_pace_ms` / `_tokens`: a decode worker's steps paced beside a prefill worker on
+    its GPU (`SchedulerConfig`)."""
     speculative = None if speculative_config is None else SpeculativeConfig.from_dict(
         speculative_config)
     path = resolve_model(model)
@@ -106,6 +110,8 @@ def build_engine_config(
             enable_chunked_prefill=enable_chunked_prefill,
             max_loras=None if lora is None else lora.max_loras,
             stream_interval=stream_interval,
+            shared_gpu_pace_ms=shared_gpu_pace_ms,
+            shared_gpu_pace_tokens=shared_gpu_pace_tokens,
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=tensor_parallel_size, timeout_s=distributed_timeout_s,

@@ -105,6 +105,8 @@ class LLMEngine(KVHandoffMixin):
         self._history_bound: set[str] = set()  # requests whose sampling reads every token
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._kv_watches: dict[str, KVWatch] = {}  # prefill role: requests whose KV is shipped
+        self._pace_s = config.scheduler.shared_gpu_pace_ms / 1e3
+        self._step_started_at = 0.0  # time.monotonic() of the last step's start
         freeze_startup_heap()  # the model, the block pool: out of full collections' walk
 
     # ---- requests ------------------------------------------------------------------------
@@ -272,6 +274,14 @@ class LLMEngine(KVHandoffMixin):
                 self._forget(s.req)
         return found
 
+    def step_delay_s(self) -> float:
+        """Seconds before the next step may start: 0 unless the scheduler paces the steps now
+        (`SchedulerConfig.shared_gpu_pace_ms`), then what is left of the period since the last
+        step started. The loop waits for commands meanwhile (arrivals join the paced step)."""
+        if not self._pace_s or not self.scheduler.paced():
+            return 0.0
+        return max(0.0, self._step_started_at + self._pace_s - time.monotonic())
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
@@ -307,6 +317,7 @@ class LLMEngine(KVHandoffMixin):
         if self._inflight is not None and not overlap:
             return self._complete(*self._take_inflight())
         started = time.perf_counter()
+        self._step_started_at = time.monotonic()
         if self.planner is not None:
             self.planner.propose(self.scheduler.running, len(self.scheduler.waiting))
         out = self.scheduler.schedule()

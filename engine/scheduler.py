@@ -135,6 +135,19 @@ class Scheduler:
         if self._leaders.get(req.parent_id) is req:
             del self._leaders[req.parent_id]
 
+    def paced(self) -> bool:
+        """Decode role: whether steps are paced now (`SchedulerConfig.shared_gpu_pace_ms`): the
+        prompts reserved here and not yet arrived hold at least `shared_gpu_pace_tokens` tokens
+        still to come (those the prefix cache held are not sent)."""
+        if not self.config.shared_gpu_pace_ms or not self.reserved:
+            return False
+        need = self.config.shared_gpu_pace_tokens
+        for req in self.reserved.values():
+            need -= req.num_tokens - req.num_cached_tokens
+            if need <= 0:
+                return True
+        return False
+
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
         return SchedulerStats(

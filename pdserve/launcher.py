@@ -45,6 +45,7 @@ from pdserve.cluster.flags import (
     add_kv_push_streams_flag,
     add_kv_transport_flag,
     add_redis_namespace_flag,
+    add_shared_gpu_pace_flags,
     add_stream_interval_flag,
     add_tls_flags,
 )
@@ -114,6 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_kv_transport_flag(p)  # handed to every prefill and decode worker
     add_kv_push_streams_flag(p)  # handed to every prefill worker
     add_kv_doorbell_flag(p)  # handed to every decode worker
+    add_shared_gpu_pace_flags(p)  # handed to every decode worker
     add_stream_interval_flag(p)  # handed to every decode worker (with --colocated, the engine)
     p.add_argument("--engine-core", default=None, choices=["thread", "process"],
                    help="where the engine loop runs: with --colocated the server's (pdserve "
@@ -183,7 +185,9 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
             argv = [*py, role, *common, *engine, *workers, *tp, *cluster, *internal, "--port",
                     str(port), "--redis-url", redis_url, "--metrics-port", str(free_port())]
             if role == "decode":
-                argv += [*decoding, "--kv-doorbell", args.kv_doorbell]
+                argv += [*decoding, "--kv-doorbell", args.kv_doorbell,
+                         "--shared-gpu-pace-ms", str(args.shared_gpu_pace_ms),
+                         "--shared-gpu-pace-tokens", str(args.shared_gpu_pace_tokens)]
                 if args.engine_core is not None:
                     argv += ["--engine-core", args.engine_core]
             else:

@@ -32,6 +32,9 @@ class _Engine:
     def has_work(self) -> bool:
         return self.work
 
+    def step_delay_s(self) -> float:
+        return 0.0
+
     def step(self) -> list:
         self.seen_at_step.append(self.caller_resumed)
         self.work = False

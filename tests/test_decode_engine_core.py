@@ -77,6 +77,41 @@ def test_the_pool_is_one_memory_in_both_processes_then_the_child_dies(
         client.shutdown()
 
 
+def test_steps_are_paced_while_a_burst_is_on_its_way(tiny_llama_dir: str) -> None:
+    """shared_gpu_pace_ms: while the prompts reserved and not yet arrived hold the threshold's
+    tokens, the engine core starts a step at most once a period (waiting for commands
+    meanwhile: a commit still lands); once they are in (here: aborted), at full speed."""
+    pace_s = 0.3
+    client = DecodeCoreClient.from_args(
+        tiny_llama_dir, dtype="float32", role="decode", device="cpu", num_kv_blocks=NUM_BLOCKS,
+        block_size=BS, max_model_len=NUM_BLOCKS * BS, shared_gpu_pace_ms=1e3 * pace_s,
+        shared_gpu_pace_tokens=3 * BS)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def decode(request_id: str) -> float:
+        """Seconds from its commit to its last token (3 decode steps after the first)."""
+        assert await client.reserve_remote(request_id, list(range(100, 116)), params)
+        start = time.monotonic()
+        await client.commit_remote(request_id, 7, None)
+        async for out in client.stream(request_id):
+            tokens = out.outputs[0].token_ids
+        assert len(tokens) == 4
+        return time.monotonic() - start
+
+    async def scenario() -> tuple[float, float]:
+        assert await client.reserve_remote("burst", list(range(10, 10 + 3 * BS)), PARAMS)
+        paced = await decode("paced")
+        assert await client.abort("burst")
+        return paced, await decode("free")
+
+    try:
+        paced, free = asyncio.run(scenario())
+    finally:
+        client.shutdown()
+    assert paced >= 2 * pace_s  # three steps: at least two periods between their starts
+    assert free < 2 * pace_s
+
+
 def test_a_decode_worker_exits_when_its_engine_core_dies(tiny_llama_dir: str) -> None:
     """`pdserve decode --engine-core process`: SIGKILL its engine core; the worker leaves
     (exit code 1) instead of serving nothing."""

@@ -73,6 +73,19 @@ def test_service_flags_reach_the_engine(command: str, monkeypatch: pytest.Monkey
     assert seen["stream_interval"] == 5
 
 
+@pytest.mark.parametrize("command", ["decode", "decode --engine-core process"])
+def test_a_decode_workers_pace_reaches_its_engine(command: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _engine_args(monkeypatch, build_parser().parse_args(command.split()))
+    assert (seen["shared_gpu_pace_ms"], seen["shared_gpu_pace_tokens"]) == (0.0, 2048)
+    args = build_parser().parse_args([*command.split(), "--shared-gpu-pace-ms", "10",
+                                      "--shared-gpu-pace-tokens", "512"])
+    seen = _engine_args(monkeypatch, args)
+    assert (seen["shared_gpu_pace_ms"], seen["shared_gpu_pace_tokens"]) == (10.0, 512)
+    assert "shared_gpu_pace_ms" not in _engine_args(
+        monkeypatch, build_parser().parse_args(["prefill"]))
+
+
 def test_service_defaults_and_env_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
     args = build_parser().parse_args(["decode"])
     assert (args.tensor_parallel_size, args.distributed_timeout_seconds) == (1, 60.0)

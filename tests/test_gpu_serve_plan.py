@@ -104,6 +104,11 @@ def test_each_system_s_pdserve_up(system: str) -> None:
         assert up.engine_core is None  # auto: the decode workers resolve their default
         argv = up_argv(_config("--decode-engine-core", "process"), system, 1, "redis://r")
         assert build_parser().parse_args(argv[3:]).engine_core == "process"
+        assert up.shared_gpu_pace_ms == 0.0
+        argv = up_argv(_config("--shared-gpu-pace-ms", "15"), system, 1, "redis://r")
+        assert build_parser().parse_args(argv[3:]).shared_gpu_pace_ms == 15.0
+        two = up_argv(_config("--shared-gpu-pace-ms", "15"), f"split_{system}", 1, "redis://r")
+        assert "--shared-gpu-pace-ms" not in two  # prefill and decode on GPUs of their own
     assert up.stream_interval == 1
     argv = up_argv(_config("--stream-interval", "4"), system, 8123, "redis://127.0.0.1:7000/0")
     assert build_parser().parse_args(argv[3:]).stream_interval == 4

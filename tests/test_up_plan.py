@@ -113,6 +113,18 @@ def test_the_stream_interval_reaches_the_engines_that_decode(
     assert build_parser().parse_args(serve.argv[3:]).stream_interval == interval
 
 
+def test_the_shared_gpu_pace_reaches_the_decode_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = ["--prefill", "1", "--decode", "2", "--shared-gpu-pace-ms", "12.5",
+            "--shared-gpu-pace-tokens", "4096"]
+    seen = {}
+    for s in plan(_up(argv, monkeypatch), "", None):
+        assert ("--shared-gpu-pace-ms" in s.argv) == s.name.startswith("decode"), s.name
+        if s.name.startswith("decode"):
+            parsed = build_parser().parse_args(s.argv[3:])
+            seen[s.name] = (parsed.shared_gpu_pace_ms, parsed.shared_gpu_pace_tokens)
+    assert seen == {"decode-0": (12.5, 4096), "decode-1": (12.5, 4096)}
+
+
 @pytest.mark.parametrize("argv, expected",
                          [([], "process"), (["--engine-core", "thread"], "thread")])
 def test_the_engine_core_reaches_the_colocated_server(argv: list[str], expected: str,

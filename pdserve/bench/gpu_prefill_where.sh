@@ -22,6 +22,10 @@
 #          alike), timelines too: abba_1_gpu_serve.json, abba_2_gpu_serve.json, and each
 #          engine's steps by batch (step_gaps --brief: period, device wait, host, CPU):
 #          abba_1_steps.txt, abba_2_steps.txt
+#   pace   the split's decode worker pacing its steps beside the prefill worker (pdserve up
+#          --shared-gpu-pace-ms P for each P of PACES, default "0 10 25"), between two
+#          colocated runs, each with timelines and its steps by batch: pace_<P>_gpu_serve.json,
+#          pace_<P>_steps.txt, pace_colocated_<n>_gpu_serve.json
 #   parts  the split's first token, part by part: gRPC's own unary call between two processes
 #          (pdserve.bench.grpc_ping, 1, 20 and 60 ms between calls), then colocated against
 #          the split over cuda_ipc at RATES (default here 16,16) with timelines, and each
@@ -99,6 +103,21 @@ for part in $PARTS; do
             cp "$W/abba_$n/gpu_serve.json" "$R/abba_${n}_gpu_serve.json"
             python3 -m pdserve.bench.step_gaps "$W/tl_abba_$n" --brief \
                 --buckets 1-8,40-60,90-1000 | tee "$R/abba_${n}_steps.txt"
+        done
+        ;;
+    pace)
+        for run in colocated_1 ${PACES:-0 10 25} colocated_2; do
+            mkdir -p "$W/tl_pace_$run"
+            flags=(--systems cuda_ipc --shared-gpu-pace-ms "$run")
+            [ "${run#colocated}" != "$run" ] && flags=(--systems colocated)
+            PDSERVE_STEP_TIMELINE=$W/tl_pace_$run OUT=$W/pace_$run timeout "${PACE_S:-150}" \
+                bash pdserve/bench/gpu_kit_run.sh "${flags[@]}" "${SERVE[@]}" \
+                > "$W/pace_$run.txt" 2>&1
+            grep -E "^\| (colocated|cuda_ipc) " "$W/pace_$run.txt"
+            cp "$W/pace_$run/gpu_serve.json" "$R/pace_${run}_gpu_serve.json"
+            python3 -m pdserve.bench.step_gaps "$W/tl_pace_$run" --brief \
+                --buckets 1-8,90-1000 | grep -E "^(core|decode_svc-core)" \
+                | tee "$R/pace_${run}_steps.txt"
         done
         ;;
     parts)

@@ -80,6 +80,7 @@ class ServeConfig:
     # a subset, the load generator runs once per rate (each after its own warm-ups)
     sample_rates: tuple[float, ...] | None = None
     prefill_engine_core: str = "auto"  # a split system's prefill worker's engine loop
+    shared_gpu_pace_ms: float = 0.0  # a one-GPU split system's decode worker's step pacing
 
     def __post_init__(self) -> None:
         if not self.systems or set(self.systems) - set(SYSTEMS):
@@ -88,6 +89,8 @@ class ServeConfig:
             raise ValueError("--api-server-count and --colocated-api-servers must be >= 1")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
+        if not self.shared_gpu_pace_ms >= 0:
+            raise ValueError("--shared-gpu-pace-ms must be >= 0")
         if self.kv_cache_memory < 1 or self.max_model_len < 1:
             raise ValueError("--kv-cache-memory and --max-model-len must be >= 1")
         if self.sample_rates is not None and set(self.sample_rates) - set(self.load.request_rates):
@@ -142,6 +145,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "process or a process of its own (pdserve up --prefill-engine-core); "
                         "auto: the worker's default (a process on a GPU without tensor "
                         "parallelism)")
+    m.add_argument("--shared-gpu-pace-ms", type=float, default=0.0,
+                   help="the one-GPU split systems' decode worker paces its steps this far "
+                        "apart while a burst's prompts are on their way from the prefill "
+                        "worker beside it (pdserve up's flag; 0: off)")
     m.add_argument("--colocated-api-servers", type=int, default=1,
                    help="the colocated systems' HTTP servers sharing one engine core (pdserve up "
                         "--colocated --api-server-count)")
@@ -178,7 +185,7 @@ def config_of(args: argparse.Namespace) -> ServeConfig:
                        Path(args.work_dir) if args.work_dir else None, args.api_server_count,
                        args.stream_interval, args.generate_streams, args.engine_core,
                        args.colocated_api_servers, args.decode_engine_core, args.sample_rates,
-                       args.prefill_engine_core)
+                       args.prefill_engine_core, args.shared_gpu_pace_ms)
 
 
 def shape_tag(shape: ModelShape) -> str:
@@ -206,7 +213,9 @@ def up_argv(cfg: ServeConfig, system: str, port: int, redis_url: str) -> list[st
             *([] if cfg.prefill_engine_core == "auto" else
               ["--prefill-engine-core", cfg.prefill_engine_core]),
             *([] if cfg.decode_engine_core == "auto" else
-              ["--engine-core", cfg.decode_engine_core])]
+              ["--engine-core", cfg.decode_engine_core]),
+            *(["--shared-gpu-pace-ms", str(cfg.shared_gpu_pace_ms)]
+              if cfg.shared_gpu_pace_ms and not gpus else [])]
 
 
 REPLICAS = 2  # "replicas": one colocated server per GPU

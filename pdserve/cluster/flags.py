@@ -130,6 +130,19 @@ def add_kv_push_streams_flag(parser: argparse.ArgumentParser) -> None:
                   "PushKVStreams call; per-request: a PushKV stream each (grpc pushes always)")
 
 
+def add_shared_gpu_pace_flags(parser: argparse.ArgumentParser) -> None:
+    """--shared-gpu-pace-ms and --shared-gpu-pace-tokens, a decode worker's (engine/config.py
+    SchedulerConfig.shared_gpu_pace_ms)."""
+    add_flag(parser, "--shared-gpu-pace-ms", 0.0, type=float,
+             help="a decode worker sharing its GPU with a prefill worker: while the prompts "
+                  "reserved here and not yet arrived hold --shared-gpu-pace-tokens tokens or "
+                  "more (a burst being prefilled), start a step at most once every this many "
+                  "milliseconds, leaving the GPU to the prefill (each decode step reads every "
+                  "weight); 0: never held")
+    add_flag(parser, "--shared-gpu-pace-tokens", 2048, type=int,
+             help="the prompt tokens on their way from which --shared-gpu-pace-ms holds")
+
+
 def add_kv_doorbell_flag(parser: argparse.ArgumentParser) -> None:
     """--kv-doorbell, a decode worker's (pdserve/transport/doorbell.py)."""
     add_flag(parser, "--kv-doorbell", "on", choices=["on", "off"],

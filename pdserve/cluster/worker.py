@@ -173,8 +173,17 @@ def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
         enforce_eager=args.enforce_eager,
         speculative_config=speculative_config(args.speculative_config),
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        stream_interval=args.stream_interval, **lora_engine_kwargs(args), **extra,
+        stream_interval=args.stream_interval, **lora_engine_kwargs(args),
+        **_pace_kwargs(args, role), **extra,
     )
+
+
+def _pace_kwargs(args: argparse.Namespace, role: str) -> dict[str, Any]:
+    """A decode worker's --shared-gpu-pace-* flags as engine arguments (none elsewhere)."""
+    if role != "decode":
+        return {}
+    return {"shared_gpu_pace_ms": args.shared_gpu_pace_ms,
+            "shared_gpu_pace_tokens": args.shared_gpu_pace_tokens}
 
 
 def kv_transport_for(args: argparse.Namespace) -> str:
