@@ -129,7 +129,7 @@ class RequestGroup:
             prompt_token_ids=self.prompt_token_ids,
             outputs=outputs,
             finished=finished,
-            metrics=self._metrics(),
+            metrics=self._metrics(finished),
             num_cached_tokens=first.num_cached_tokens,
             prompt_logprobs=self._prompt_logprobs(first, delta),
         )
@@ -205,7 +205,13 @@ class RequestGroup:
             return None
         return self.tokenizer.decode([token_id])
 
-    def _metrics(self) -> RequestMetrics:
+    def _metrics(self, finished: bool) -> RequestMetrics:
+        if len(self.seqs) == 1:  # every stream's every step: its request's own, no lists
+            req = self.seqs[0].req
+            m = req.metrics
+            return RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time,
+                                  m.finished_time if finished else None, req.num_cached_tokens,
+                                  req.num_preemptions)
         reqs = [s.req for s in self.seqs]
         first_token = [r.metrics.first_token_time for r in reqs if r.metrics.first_token_time]
         scheduled = [r.metrics.first_scheduled_time for r in reqs if r.metrics.first_scheduled_time]
@@ -214,7 +220,7 @@ class RequestGroup:
             arrival_time=reqs[0].metrics.arrival_time,
             first_scheduled_time=min(scheduled) if scheduled else None,
             first_token_time=min(first_token) if first_token else None,
-            finished_time=max(done) if self.finished and done else None,
+            finished_time=max(done) if finished and done else None,
             num_cached_tokens=reqs[0].num_cached_tokens,
             num_preemptions=sum(r.num_preemptions for r in reqs),
         )
