@@ -1,4 +1,5 @@
-"""pdserve.bench.schedule_step: schedules and updates its decodes and reports both per request."""
+"""pdserve.bench.schedule_step: schedules and updates its decodes, makes their outputs, and
+reports each per request."""
 
 import json
 
@@ -13,7 +14,7 @@ def test_reports_each_round_and_the_medians(tmp_path) -> None:
     assert schedule_step.main(args) == 0
     report = json.loads(out.read_text())
     assert len(report["rounds"]) == 2
-    for key in ("schedule_us_per_request", "update_us_per_request"):
+    for key in ("schedule_us_per_request", "update_us_per_request", "outputs_us_per_request"):
         assert report["medians"][key] > 0
 
 

@@ -1,12 +1,15 @@
-"""The scheduler's share of a decode step (engine/scheduler.py), alone: no model, no torch.
+"""The scheduler's share of a decode step (engine/scheduler.py) and its outputs', alone: no
+model, no torch.
 
     python -m pdserve.bench.schedule_step [--requests 256] [--steps 200] [--rounds 5]
 
 `--requests` plain requests (prompts of 16-48 random ids, greedy, no stop before `--steps`
 tokens) admitted and prefilled in a first step, then `--steps` decode steps of all of them at
-once: `Scheduler.schedule()`, then `update_from_output()` with a random token for each. Per
-round, the median microseconds a running request costs each of the two; reported, each round
-and the medians of the rounds. An A/B of two commits runs this module from each checkout in
+once: `Scheduler.schedule()`, then `update_from_output()` with a random token for each, then
+each request's streamed output as the engine makes it (`mark_progress`, the sequence's
+`absorb`, `RequestGroup.make_output` in delta mode, no detokenizer: a worker's requests). Per
+round, the median microseconds a running request costs each of the three; reported, each
+round and the medians of the rounds. An A/B of two commits runs this module from each checkout in
 turn, alternating (`python -m` puts the working directory first on the path).
 """
 
@@ -20,8 +23,9 @@ from typing import Any
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
+from engine.output_processor import RequestGroup, SequenceState, mark_progress
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler
 from pdserve.bench.report import bench_main, config_of, write_report
 
@@ -42,11 +46,16 @@ def _round(args: argparse.Namespace, rng: random.Random) -> dict[str, float]:
     scheduler = Scheduler(SchedulerConfig(max_model_len=4096, max_num_seqs=n,
                                           max_num_batched_tokens=max(2048, 48 * n)),
                           BlockManager(blocks, BLOCK_SIZE, True))
-    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA, detokenize=False)
+    groups = {}
     for i in range(n):
         prompt = [rng.randrange(5, 50_000) for _ in range(rng.randint(16, 48))]
-        scheduler.add_request(Request(f"r{i}", prompt, params, max_tokens=steps + 1))
-    schedule_s, update_s = [], []
+        req = Request(f"r{i}", prompt, params, max_tokens=steps + 1)
+        scheduler.add_request(req)
+        groups[req.request_id] = RequestGroup(req.request_id, None, prompt, params.output_kind,
+                                              [SequenceState(req, None, None)])
+    schedule_s, update_s, outputs_s = [], [], []
     for _ in range(steps + 1):  # the first step prefills every prompt
         start = time.perf_counter()
         out = scheduler.schedule()
@@ -54,10 +63,19 @@ def _round(args: argparse.Namespace, rng: random.Random) -> dict[str, float]:
         samples = {s.request.request_id: (rng.randrange(5, 50_000), None) for s in out.scheduled}
         sampled = time.perf_counter()
         scheduler.update_from_output(out, samples)
+        updated = time.perf_counter()
+        now = time.monotonic()
+        for s in out.scheduled:
+            mark_progress(s.request, now)
+            group = groups[s.request.request_id]
+            group.seqs[0].absorb()
+            group.make_output()
         schedule_s.append(scheduled - start)
-        update_s.append(time.perf_counter() - sampled)
+        update_s.append(updated - sampled)
+        outputs_s.append(time.perf_counter() - updated)
     return {"schedule_us_per_request": statistics.median(schedule_s[1:]) * 1e6 / n,
-            "update_us_per_request": statistics.median(update_s[1:]) * 1e6 / n}
+            "update_us_per_request": statistics.median(update_s[1:]) * 1e6 / n,
+            "outputs_us_per_request": statistics.median(outputs_s[1:]) * 1e6 / n}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -67,14 +85,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rounds = []
     for r in range(args.rounds):
         rounds.append(_round(args, rng))
-        print(f"round {r}: schedule {rounds[-1]['schedule_us_per_request']:.3f} us, update "
-              f"{rounds[-1]['update_us_per_request']:.3f} us a running request")
+        print(f"round {r}: {_line(rounds[-1])}")
     medians = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-    print(f"median: schedule {medians['schedule_us_per_request']:.3f} us, update "
-          f"{medians['update_us_per_request']:.3f} us a running request")
+    print(f"median: {_line(medians)}")
     report = {"config": config_of(args), "rounds": rounds, "medians": medians}
     write_report(report, args.output_json)
     return report
+
+
+def _line(figures: dict[str, float]) -> str:
+    return (f"schedule {figures['schedule_us_per_request']:.3f} us, update "
+            f"{figures['update_us_per_request']:.3f} us, outputs "
+            f"{figures['outputs_us_per_request']:.3f} us a running request")
 
 
 def main(argv: list[str] | None = None) -> int:
