@@ -27,7 +27,8 @@ decode: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls
   max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, stream-interval,
   distributed-timeout-seconds,
   speculative-config, kv-timeout, kv-wait-seconds, kv-wait-max-requests, kv-transport,
-  kv-write-grace-seconds, kv-doorbell, engine-core, enable-lora, lora-modules, max-loras,
+  kv-write-grace-seconds, kv-doorbell, shared-gpu-pace-ms, shared-gpu-pace-tokens,
+  engine-core, enable-lora, lora-modules, max-loras,
   max-lora-rank, max-cpu-loras, enable-expert-parallel, enforce-eager, disable-log-stats,
   log-stats-interval]
 {{- end }}
