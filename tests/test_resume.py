@@ -483,8 +483,8 @@ CASES = {
         "messages": CHAT, "n": 2, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
         "stream_options": {"include_usage": True}}),
     "chat-logprobs": ("/v1/chat/completions", {
-        "messages": CHAT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-        "logprobs": True, "top_logprobs": 2}),
+        "messages": CHAT, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+        "logprobs": True, "top_logprobs": 2}),  # long enough for 3 unjoined events under load
 }
 
 
