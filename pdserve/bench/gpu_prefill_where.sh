@@ -25,7 +25,8 @@
 #   pace   the split's decode worker pacing its steps beside the prefill worker (pdserve up
 #          --shared-gpu-pace-ms P for each P of PACES, default "0 10 25"), between two
 #          colocated runs, each with timelines and its steps by batch: pace_<P>_gpu_serve.json,
-#          pace_<P>_steps.txt, pace_colocated_<n>_gpu_serve.json
+#          pace_<P>_steps.txt, pace_colocated_<n>_gpu_serve.json (PACE_RUNS: the whole
+#          list of runs instead, e.g. "colocated_1 0 20")
 #   parts  the split's first token, part by part: gRPC's own unary call between two processes
 #          (pdserve.bench.grpc_ping, 1, 20 and 60 ms between calls), then colocated against
 #          the split over cuda_ipc at RATES (default here 16,16) with timelines, and each
@@ -106,7 +107,7 @@ for part in $PARTS; do
         done
         ;;
     pace)
-        for run in colocated_1 ${PACES:-0 10 25} colocated_2; do
+        for run in ${PACE_RUNS:-colocated_1 ${PACES:-0 10 25} colocated_2}; do
             mkdir -p "$W/tl_pace_$run"
             flags=(--systems cuda_ipc --shared-gpu-pace-ms "$run")
             [ "${run#colocated}" != "$run" ] && flags=(--systems colocated)
