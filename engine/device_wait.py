@@ -4,7 +4,10 @@ The step timeline (engine/step_timeline.py) reads the total before and after eac
 step whose wall time is mostly this waited for the GPU (device-bound, or its context
 time-sliced with another process's); one with little of it was paced by the host. CUDA's
 default synchronisation spins while a machine's cores outnumber its contexts, so the thread's
-CPU time cannot tell the two apart.
+CPU time cannot tell the two apart. Only the sampled tokens' wait is counted
+(`SampledTokens.to_host`, a step's one synchronisation on the plain path); a step that
+synchronises elsewhere too (speculative verification, raw logprobs' gathers) waits more than
+this says.
 """
 
 from __future__ import annotations
