@@ -36,6 +36,21 @@ def test_steps_and_collections_are_noted_and_written(tmp_path) -> None:
     assert summary["collections"]
 
 
+def test_a_window_keeps_its_steps_and_sums_them(tmp_path) -> None:
+    steps = [[10.000, 0.002, 5, 0.001, 0.002], [10.010, 0.003, 5, 0.002, 0.003],
+             [10.050, 0.004, 5, 0.003, 0.004]]
+    (tmp_path / "decode-1.timeline.json").write_text(json.dumps(
+        {"role": "decode", "pid": 1, "steps": steps, "gc": []}))
+    (summary,) = step_gaps.report(tmp_path, window=(5.0, 40.0))  # the second step only
+    assert (summary["steps"], summary["in_steps_ms"], summary["waiting_ms"]) == (1, 3.0, 2.0)
+    assert step_gaps.brief_lines([summary])[0] == (
+        "decode 1 window 5-40 ms: 1 steps, 3.0 ms in steps, 2.0 ms waiting")
+    assert step_gaps.parse_window("0-12.5") == (0.0, 12.5)
+    for bad in ("5-5", "a-b", "7"):
+        with pytest.raises(ValueError, match="--window"):
+            step_gaps.parse_window(bad)
+
+
 def test_no_timeline_is_an_error(tmp_path) -> None:
     assert step_gaps.main([str(tmp_path)]) == 2
 
