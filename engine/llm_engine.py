@@ -106,7 +106,7 @@ class LLMEngine(KVHandoffMixin):
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._kv_watches: dict[str, KVWatch] = {}  # prefill role: requests whose KV is shipped
         self._pace_s = config.scheduler.shared_gpu_pace_ms / 1e3
-        self._step_started_at = 0.0  # time.monotonic() of the last step's start
+        self._step_started_at = 0.0  # time.perf_counter() of the last step's start
         freeze_startup_heap()  # the model, the block pool: out of full collections' walk
 
     # ---- requests ------------------------------------------------------------------------
@@ -280,7 +280,7 @@ class LLMEngine(KVHandoffMixin):
         step started. The loop waits for commands meanwhile (arrivals join the paced step)."""
         if not self._pace_s or not self.scheduler.paced():
             return 0.0
-        return max(0.0, self._step_started_at + self._pace_s - time.monotonic())
+        return max(0.0, self._step_started_at + self._pace_s - time.perf_counter())
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -316,8 +316,7 @@ class LLMEngine(KVHandoffMixin):
         overlap = self._overlap and not self._history_bound
         if self._inflight is not None and not overlap:
             return self._complete(*self._take_inflight())
-        started = time.perf_counter()
-        self._step_started_at = time.monotonic()
+        started = self._step_started_at = time.perf_counter()
         if self.planner is not None:
             self.planner.propose(self.scheduler.running, len(self.scheduler.waiting))
         out = self.scheduler.schedule()

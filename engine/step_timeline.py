@@ -13,9 +13,9 @@ at exit:
 `wait`: the seconds the step blocked on the device for sampled tokens (engine/device_wait.py);
 `cpu`: the loop thread's CPU seconds in the step (`time.thread_time()`: waits that spin count
 in it too). A step's wall time less its wait is the host's; where that grows at the same batch
-while its CPU grows with it, the host ran slower, not the GPU. A step costs five clock reads
-and a list append; a collection two more. At most MAX_ENTRIES of
-each are kept (the first ones).
+while its CPU grows with it, the host ran slower, not the GPU. A step costs four clock reads,
+two reads of the wait's total and a list append; a collection two clock reads. At most
+MAX_ENTRIES of each are kept (the first ones).
 """
 
 from __future__ import annotations
