@@ -26,7 +26,9 @@
 #   trace     pdserve.bench.gpu_throughput_trace of W1 for each of TRACE_ORDER (default bf16 fp8
 #             bf16 fp8, each in a process of its own, TRACE_RUNS runs, default 3): the decode
 #             steps' host phases and waits for the device; the last process of each system
-#             also profiles its last run's decode steps with torch.profiler (GPU busy time)
+#             also profiles its last run's decode steps with torch.profiler (GPU busy time;
+#             TRACE_PROFILE=0: none). An entry SYSTEM:N runs with the argmax graphs up to
+#             batch N (PDSERVE_ARGMAX_GRAPH_MAX_BATCH; default 16)
 # Reports in $OUT; a fresh PDSERVE_CACHE_DIR, so every GEMV plan is timed, none recorded.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -100,15 +102,19 @@ for part in "${@:-tests kernels latency}"; do
         model=$(mktemp -d)/model
         i=0
         order=(${TRACE_ORDER:-bf16 fp8 bf16 fp8})
-        for system in "${order[@]}"; do
+        for entry in "${order[@]}"; do
           i=$((i + 1))
-          args=(--runs "${TRACE_RUNS:-3}" --model-dir "$model" --json "$OUT/trace_${i}_$system.json")
+          system=${entry%%:*}  # SYSTEM:N runs with PDSERVE_ARGMAX_GRAPH_MAX_BATCH=N
+          most=16; [ "$entry" = "$system" ] || most=${entry#*:}
+          name=$system; [ "$entry" = "$system" ] || name=${system}_argmax$most
+          args=(--runs "${TRACE_RUNS:-3}" --model-dir "$model" --json "$OUT/trace_${i}_$name.json")
           [ "$system" = bf16 ] || args+=(--quantization "$system")
-          later=$(printf '%s\n' "${order[@]:$i}" | grep -cx "$system")
-          [ "$later" = 0 ] && args+=(--torch-profile "$OUT/profile_$system")
-          echo "-- $i: $system"
-          python3 -m pdserve.bench.gpu_throughput_trace "${args[@]}" 2>&1 \
-              | grep -v "slow step" | tail -12
+          later=$(printf '%s\n' "${order[@]:$i}" | grep -cx "$entry")
+          [ "$later" = 0 ] && [ "${TRACE_PROFILE:-1}" = 1 ] \
+              && args+=(--torch-profile "$OUT/profile_$name")
+          echo "-- $i: $name"
+          PDSERVE_ARGMAX_GRAPH_MAX_BATCH=$most python3 -m pdserve.bench.gpu_throughput_trace \
+              "${args[@]}" 2>&1 | grep -v "slow step" | tail -12
           status=$((status | PIPESTATUS[0]))
         done ;;
       *) echo "unknown part $p"; status=1 ;;
