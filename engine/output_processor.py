@@ -115,23 +115,21 @@ class RequestGroup:
 
     def make_output(self) -> RequestOutput | None:
         """The group's output for this step, shaped by its output kind (None: nothing to send)."""
-        finished = self.finished
-        if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
+        seqs = self.seqs
+        # (every stream's every step: one sequence's status read directly, no property loop)
+        finished = seqs[0].req.status.finished if len(seqs) == 1 else self.finished
+        kind = self.kind
+        if not finished and (kind == RequestOutputKind.FINAL_ONLY
+                             or (self.stream_interval != 1 and not self._due())):
             return None
-        if not finished and not self._due():
-            return None
-        delta = self.kind == RequestOutputKind.DELTA
-        outputs = [self._completion(s, delta) for s in self.seqs]
-        first = self.seqs[0].req
+        delta = kind == RequestOutputKind.DELTA
+        outputs = [self._completion(s, delta) for s in seqs]
+        first = seqs[0].req
+        # positional: the fields' order (a keyword call costs more, every stream every step)
         return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=outputs,
-            finished=finished,
-            metrics=self._metrics(finished),
-            num_cached_tokens=first.num_cached_tokens,
-            prompt_logprobs=self._prompt_logprobs(first, delta),
+            self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
+            self._metrics(finished), first.num_cached_tokens,
+            self._prompt_logprobs(first, delta),
         )
 
     def _due(self) -> bool:
@@ -178,14 +176,9 @@ class RequestGroup:
             steps = range(max(tok_from, prior), len(req.output_token_ids))
             logprobs = [self._logprob_dict(req, i, prior) for i in steps]
             cumulative = sum(lp for lp, _ in req.output_logprobs)
-        return CompletionOutput(
-            index=req.index,
-            text=s.text[text_from:],
-            token_ids=req.output_token_ids[tok_from:],
-            finish_reason=req.status.finish_reason,
-            stop_reason=req.stop_reason,
-            logprobs=logprobs,
-            cumulative_logprob=cumulative,
+        return CompletionOutput(  # positional, in the fields' order (as RequestOutput above)
+            req.index, s.text[text_from:], req.output_token_ids[tok_from:],
+            req.status.finish_reason, req.stop_reason, logprobs, cumulative,
         )
 
     def _logprob_dict(self, req: Request, i: int, prior: int) -> dict[int, Logprob]:
