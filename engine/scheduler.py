@@ -210,7 +210,7 @@ class Scheduler:
             if (num_tokens + pending - computed == 1 and not req.spec_token_ids
                     and computed < len(req.block_ids) * block_size):
                 # NOTE: the common case, a plain decode whose slot its last block has: what
-                # allocate_slots and _take do for it, inline (a fifth of a 256-row step's
+                # allocate_slots and _take do for it, inline (a third of a 256-row step's
                 # scheduling); its newly full block, if any, is registered first as in _take
                 if computed // block_size > req.num_registered_blocks:
                     bm.cache_full_blocks(req)
