@@ -109,8 +109,41 @@ class KVCacheSizingMixin:
 
     @torch.inference_mode()
     def _profile_activation_bytes(self) -> int:
-        """Peak bytes allocated by a forward over a full token budget plus a full batch of
-        logits. The dummy step reads one zeroed KV block and writes none (slots -1)."""
+        """Peak bytes allocated by the largest step (`_largest_step`) over a one-block cache."""
+        cache = list(self._allocate_kv_pool(1, log=False).unbind(0))
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        tokens = self._largest_step(cache)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        logger.info("activation peak of a %d-token step: %.0f MiB", tokens, peak / 2**20)
+        return int(peak)
+
+    @torch.inference_mode()
+    def warm_allocator(self) -> None:
+        """Run the largest step once over the real cache (CUDA), so that the caching allocator
+        holds its activations' memory before the first burst of prompts needs it.
+
+        NOTE: why. The sizing above frees what its step allocated (`empty_cache`), and the
+        decode graphs draw on a pool of their own, so without this the first full-budget prefill
+        step of a server grows the allocator mid-serving: new device allocations inside the
+        step, which synchronise (on one H100, the first long prefill steps of a burst took 51-54
+        ms where later ones of the same size counted their time as waiting for the GPU
+        instead). vLLM warms the same way (a dummy run of the token budget after capturing)."""
+        if self.device.type != "cuda":
+            return
+        reserved = torch.cuda.memory_reserved(self.device)
+        tokens = self._largest_step(self.kv_caches)
+        torch.cuda.synchronize(self.device)
+        logger.info("allocator warmed by a %d-token step: %.0f MiB more reserved", tokens,
+                    (torch.cuda.memory_reserved(self.device) - reserved) / 2**20)
+
+    def _largest_step(self, cache: list[torch.Tensor]) -> int:
+        """Queue the largest step the scheduler can make over `cache`: a forward over the full
+        token budget (prompts of max_model_len) and a full batch of logits with the sampler's
+        largest temporaries. It reads block 0 and writes no KV (every slot -1); returns its
+        token count."""
         sched = self.config.scheduler
         tokens = sched.max_num_batched_tokens
         lens = [sched.max_model_len] * (tokens // sched.max_model_len)
@@ -128,10 +161,6 @@ class KVCacheSizingMixin:
             query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens),
             block_size=self.block_size,
         )
-        cache = list(self._allocate_kv_pool(1, log=False).unbind(0))
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
         self.backend.prepare(meta)
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, ids, cache, meta)
@@ -140,10 +169,7 @@ class KVCacheSizingMixin:
         rows = min(sched.max_num_seqs * per_seq, tokens)  # a verification samples 1 + k rows
         logits = self.model.compute_logits(hidden[:rows])
         torch.log_softmax(logits, dim=-1).exp_()  # the sampler's largest temporaries
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        logger.info("activation peak of a %d-token step: %.0f MiB", tokens, peak / 2**20)
-        return int(peak)
+        return tokens
 
     def _allocate_kv_pool(self, num_blocks: int, log: bool = True) -> torch.Tensor:
         kv_heads, head_dim = self.kv_shape_per_layer

@@ -140,6 +140,7 @@ class ModelRunner(KVCacheSizingMixin):
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, self.block_size)
         self.graphs = self._capture_graphs()
+        self.warm_allocator()
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._rows = SamplingRows(self.device)  # each sampling request's, until released
