@@ -41,6 +41,7 @@
 # ROWS=N exports PDSERVE_GRAPH_ROW_KEYS=N to every engine the parts start (the cap on
 # prompts' chunks replayed as decode rows, engine/spec_graphs.py; 262144 the default, 0 off;
 # the step part sets its own caps).
+# More than 7 files of results go as results.tgz (a device call brings back at most 8 files).
 # And runs.tgz (the load tests' reports and logs, the timelines, the samples). Read them with
 #   python -m pdserve.bench.step_gaps o/tl_a
 #   python -m pdserve.bench.burst_timeline o/a/loadtest_cuda_ipc.json o/a/cluster_cuda_ipc.log
@@ -170,5 +171,9 @@ print('run', sys.argv[2], ', '.join(f'{k} {v[\"p50\"]}' for k, v in d.items()))"
         ;;
     esac
 done
+# A device call brings back at most 8 files: past 7, the parts' results travel as one archive
+if [ "$(find "$R" -type f | wc -l)" -gt 7 ]; then
+    tar czf /tmp/results.tgz -C "$R" . && rm -rf "${R:?}"/* && mv /tmp/results.tgz "$R/"
+fi
 tar czf "$R/runs.tgz" -C /tmp o
 exit $status
