@@ -56,8 +56,7 @@ from engine import handover_trace, loop_profile
 from engine.llm import build_engine_config
 from engine.llm_engine import LLMEngine
 from engine.loop_profile import LoopProfile
-from engine.output_wire import Wire, encode
-from engine.outputs import RequestOutput
+from engine.output_wire import FINISHED, REQUEST_ID, Wire, without_prompt_ids
 from engine.stack_sampler import start_from_env
 from engine.step_budget import with_server_budget
 from engine.step_timeline import StepTimeline
@@ -192,7 +191,7 @@ class Core:
     def after_round(self) -> None:
         """After each round of commands and each step (the moments blocks are freed)."""
 
-    def before_outputs(self, outputs: list[RequestOutput]) -> None:
+    def before_outputs(self, outputs: list[Wire]) -> None:
         """After a step, before its outputs go to their servers (a role's messages about
         that step go first)."""
 
@@ -206,8 +205,8 @@ class Core:
             if self.engine.has_work() and not self.engine.step_delay_s():
                 handover_trace.mark_all("step")
                 try:
-                    outputs = (self.engine.step() if self.timeline is None
-                               else self.timeline.step(self.engine.step))
+                    outputs = (self.engine.step_wire() if self.timeline is None
+                               else self.timeline.step(self.engine.step_wire))
                 except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
                     logger.exception("the engine's step failed")
                     for conn in list(self.conns):
@@ -215,16 +214,17 @@ class Core:
                     return
                 self.before_outputs(outputs)
                 by_conn: dict[Connection, list[Wire]] = {}
-                for out, wire in zip(outputs, self._wire(outputs), strict=True):
-                    conn = self.owner.get(out.request_id)
-                    if out.finished:
-                        self.owner.pop(out.request_id, None)
+                for wire in self._wire(outputs):
+                    request_id = wire[REQUEST_ID]
+                    conn = self.owner.get(request_id)
+                    if wire[FINISHED]:
+                        self.owner.pop(request_id, None)
                     if conn is not None:
                         by_conn.setdefault(conn, []).append(wire)
                 for conn, batch in by_conn.items():
                     self._send(conn, ("outputs", batch))
-                for out in outputs:  # handed to its server (a handover's stamps end here)
-                    handover_trace.mark(out.request_id, "yield")
+                for wire in outputs:  # handed to its server (a handover's stamps end here)
+                    handover_trace.mark(wire[REQUEST_ID], "yield")
             self.after_round()
 
     def _wait_s(self) -> float | None:
@@ -335,17 +335,19 @@ class Core:
         self.owner.pop(request_id, None)
         return self.engine.abort_request(request_id)
 
-    def _wire(self, outputs: list[RequestOutput]) -> list[Wire]:
-        """The outputs as tuples (engine/output_wire.py); the prompt's token ids go with a
+    def _wire(self, outputs: list[Wire]) -> list[Wire]:
+        """The step's outputs as they go to the servers: the prompt's token ids with a
         request's first output only (None after)."""
+        sent_ids = self.prompt_sent
         wire = []
         for out in outputs:
-            sent = out.request_id in self.prompt_sent
-            if not sent and not out.finished:
-                self.prompt_sent.add(out.request_id)
-            if out.finished:
-                self.prompt_sent.discard(out.request_id)
-            wire.append(encode(out, prompt_ids=not sent))
+            request_id = out[REQUEST_ID]
+            sent = request_id in sent_ids
+            if out[FINISHED]:
+                sent_ids.discard(request_id)
+            elif not sent:
+                sent_ids.add(request_id)
+            wire.append(without_prompt_ids(out) if sent else out)
         return wire
 
     def _lora_changes(self) -> None:

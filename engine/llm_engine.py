@@ -45,6 +45,7 @@ from engine.lora.slots import LoRASlots
 from engine.model_loader import load_text_codec, load_tokenizer
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.output_processor import RequestGroup, SequenceState, mark_progress
+from engine.output_wire import Wire, decode
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.request_checks import (
@@ -313,6 +314,11 @@ class LLMEngine(KVHandoffMixin):
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration; return an output for every prompt that progressed. With
         overlapping steps these are the outputs of the step launched by the previous call."""
+        return [decode(w) for w in self.step_wire()]
+
+    def step_wire(self) -> list[Wire]:
+        """`step`, its outputs as the tuples the engine core process sends
+        (engine/output_wire.py): no dataclass made per stream per step."""
         overlap = self._overlap and not self._history_bound
         if self._inflight is not None and not overlap:
             return self._complete(*self._take_inflight())
@@ -363,7 +369,7 @@ class LLMEngine(KVHandoffMixin):
         assert inflight is not None
         return inflight
 
-    def _complete(self, out: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
+    def _complete(self, out: SchedulerOutput, launched: LaunchedStep) -> list[Wire]:
         """Wait for a launched step's tokens, append them, and make the outputs."""
         return self._outputs(self._land(out, launched))
 
@@ -373,7 +379,7 @@ class LLMEngine(KVHandoffMixin):
         self.scheduler.update_from_output(out, launched.result())
         return out
 
-    def _outputs(self, out: SchedulerOutput) -> list[RequestOutput]:
+    def _outputs(self, out: SchedulerOutput) -> list[Wire]:
         """The outputs of a landed step: text, stop strings, finished requests forgotten."""
         touched: dict[str, RequestGroup] = {}
         now = time.monotonic()
@@ -388,7 +394,7 @@ class LLMEngine(KVHandoffMixin):
         outputs = []
         for group in touched.values():
             self._process_text(group)
-            output = group.make_output()
+            output = group.make_wire()
             if output is not None:
                 outputs.append(output)
             if group.finished:

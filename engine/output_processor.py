@@ -1,4 +1,6 @@
 """From sampled tokens to `RequestOutput`s: incremental text, stop strings, `n` > 1 gathering.
+A step's outputs are built as the wire's tuples (engine/output_wire.py), which the engine core
+process sends as they are and everything else turns into the dataclasses.
 
 Each prompt is one `RequestGroup`; each of its `n` sequences is one `SequenceState` holding the
 detokenizer and stop-string matcher that turn its token ids into text as they arrive.
@@ -10,13 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import (
-    CompletionOutput,
-    Logprob,
-    PromptLogprobs,
-    RequestMetrics,
-    RequestOutput,
-)
+from engine.output_wire import Wire, decode
+from engine.outputs import Logprob, PromptLogprobs, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import RequestOutputKind
 from engine.stop_checker import StopStringMatcher
@@ -115,6 +112,12 @@ class RequestGroup:
 
     def make_output(self) -> RequestOutput | None:
         """The group's output for this step, shaped by its output kind (None: nothing to send)."""
+        wire = self.make_wire()
+        return None if wire is None else decode(wire)
+
+    def make_wire(self) -> Wire | None:
+        """`make_output` as the plain tuple the engine core process sends
+        (engine/output_wire.py), no dataclass made: what a served stream costs every step."""
         seqs = self.seqs
         # (every stream's every step: one sequence's status read directly, no property loop)
         finished = seqs[0].req.status.finished if len(seqs) == 1 else self.finished
@@ -123,14 +126,10 @@ class RequestGroup:
                              or (self.stream_interval != 1 and not self._due())):
             return None
         delta = kind == RequestOutputKind.DELTA
-        outputs = [self._completion(s, delta) for s in seqs]
         first = seqs[0].req
-        # positional: the fields' order (a keyword call costs more, every stream every step)
-        return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
-            self._metrics(finished), first.num_cached_tokens,
-            self._prompt_logprobs(first, delta),
-        )
+        return (self.request_id, self.prompt, self.prompt_token_ids,
+                [self._completion(s, delta) for s in seqs], finished, self._metrics(finished),
+                first.num_cached_tokens, self._prompt_logprobs(first, delta))
 
     def _due(self) -> bool:
         """`stream_interval`: outputs go at once until one carries text (tokens whose text is
@@ -161,7 +160,8 @@ class RequestGroup:
             out.append(d)
         return out
 
-    def _completion(self, s: SequenceState, delta: bool) -> CompletionOutput:
+    def _completion(self, s: SequenceState, delta: bool) -> tuple:
+        """A `CompletionOutput`'s fields, in order."""
         req = s.req
         tok_from = s.sent_tokens if delta else 0
         text_from = s.sent_text if delta else 0
@@ -176,10 +176,8 @@ class RequestGroup:
             steps = range(max(tok_from, prior), len(req.output_token_ids))
             logprobs = [self._logprob_dict(req, i, prior) for i in steps]
             cumulative = sum(lp for lp, _ in req.output_logprobs)
-        return CompletionOutput(  # positional, in the fields' order (as RequestOutput above)
-            req.index, s.text[text_from:], req.output_token_ids[tok_from:],
-            req.status.finish_reason, req.stop_reason, logprobs, cumulative,
-        )
+        return (req.index, s.text[text_from:], req.output_token_ids[tok_from:],
+                req.status.finish_reason, req.stop_reason, logprobs, cumulative)
 
     def _logprob_dict(self, req: Request, i: int, prior: int) -> dict[int, Logprob]:
         chosen_lp, top = req.output_logprobs[i - prior]
@@ -198,25 +196,24 @@ class RequestGroup:
             return None
         return self.tokenizer.decode([token_id])
 
-    def _metrics(self, finished: bool) -> RequestMetrics:
+    def _metrics(self, finished: bool) -> tuple:
+        """A `RequestMetrics`' fields, in order, over the group's sequences."""
         if len(self.seqs) == 1:  # every stream's every step: its request's own, no lists
             req = self.seqs[0].req
             m = req.metrics
-            return RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time,
-                                  m.finished_time if finished else None, req.num_cached_tokens,
-                                  req.num_preemptions)
+            return (m.arrival_time, m.first_scheduled_time, m.first_token_time,
+                    m.finished_time if finished else None, req.num_cached_tokens,
+                    req.num_preemptions)
         reqs = [s.req for s in self.seqs]
         first_token = [r.metrics.first_token_time for r in reqs if r.metrics.first_token_time]
         scheduled = [r.metrics.first_scheduled_time for r in reqs if r.metrics.first_scheduled_time]
         done = [r.metrics.finished_time for r in reqs if r.metrics.finished_time]
-        return RequestMetrics(
-            arrival_time=reqs[0].metrics.arrival_time,
-            first_scheduled_time=min(scheduled) if scheduled else None,
-            first_token_time=min(first_token) if first_token else None,
-            finished_time=max(done) if finished and done else None,
-            num_cached_tokens=reqs[0].num_cached_tokens,
-            num_preemptions=sum(r.num_preemptions for r in reqs),
-        )
+        return (reqs[0].metrics.arrival_time,
+                min(scheduled) if scheduled else None,
+                min(first_token) if first_token else None,
+                max(done) if finished and done else None,
+                reqs[0].num_cached_tokens,
+                sum(r.num_preemptions for r in reqs))
 
 
 def mark_progress(req: Request, now: float | None = None) -> None:

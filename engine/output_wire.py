@@ -6,6 +6,10 @@ goes through `__reduce_ex__` (its class and a field dict); as tuples of the fiel
 rebuild against 0.144, in 6.9 KB against 11.3 (the CPU box). The engine core runs at one CPU at
 saturation on a GPU host, so its per-step Python is its throughput.
 
+The engine builds a step's outputs in this shape (`LLMEngine.step_wire`,
+`RequestGroup.make_wire`): the engine core process sends them without making a dataclass, and
+`decode` makes the `RequestOutput` everyone else gets.
+
 A `Logprob` in a completion's or the prompt's logprobs crosses as itself (only requests that ask
 for logprobs carry them). `tests/test_output_wire.py` holds the field lists equal to the
 dataclasses', so a field added there fails until it is added here.
@@ -18,6 +22,12 @@ from typing import Any
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 Wire = tuple[Any, ...]
+REQUEST_ID, PROMPT_IDS, FINISHED = 0, 2, 4  # fields of a Wire read without decoding it
+
+
+def without_prompt_ids(wire: Wire) -> Wire:
+    """`wire` with its prompt's token ids left out (None): the reader has them already."""
+    return (*wire[:PROMPT_IDS], None, *wire[PROMPT_IDS + 1:])
 
 
 def encode(out: RequestOutput, prompt_ids: bool = True) -> Wire:

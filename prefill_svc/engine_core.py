@@ -34,7 +34,7 @@ from engine import core_process
 from engine.core_pool import PoolCore, PoolFacts
 from engine.core_process import Core
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.output_wire import FINISHED, REQUEST_ID, Wire
 
 
 class PrefillCore(PoolCore):
@@ -49,14 +49,14 @@ class PrefillCore(PoolCore):
                              held=lambda: list(engine.scheduler.held))
         self.facts = self.pool_facts(PoolFacts)
 
-    def before_outputs(self, outputs: list[RequestOutput]) -> None:
+    def before_outputs(self, outputs: list[Wire]) -> None:
         """The blocks of each watched request whose first token this step sampled, to its
         server ahead of that token (a request that finished without holding blocks, aborted
         or failed, sends none)."""
         by_conn: dict[Connection, list[tuple[str, list[int]]]] = {}
         for out in outputs:
-            rid = out.request_id
-            if not out.finished or rid not in self.watched:
+            rid = out[REQUEST_ID]
+            if not out[FINISHED] or rid not in self.watched:
                 continue
             self.watched.discard(rid)
             conn = self.owner.get(rid)

@@ -38,3 +38,34 @@ def test_the_tuples_hold_every_dataclass_field() -> None:
     assert len(wire) == len(dataclasses.fields(RequestOutput))
     assert len(wire[3][0]) == len(dataclasses.fields(CompletionOutput))
     assert len(wire[5]) == len(dataclasses.fields(RequestMetrics))
+
+
+def test_without_prompt_ids_matches_encoding_without_them() -> None:
+    wire = output_wire.encode(_full())
+    assert output_wire.without_prompt_ids(wire) == output_wire.encode(_full(), prompt_ids=False)
+    assert wire[output_wire.REQUEST_ID] == "r1" and wire[output_wire.FINISHED] is True
+
+
+def test_a_group_builds_the_tuple_its_output_encodes_to() -> None:
+    """RequestGroup.make_wire (what the engine core process sends) is make_output's encoding:
+    the tuple's fields in the dataclasses' order, for one sequence and for n > 1."""
+    from engine.output_processor import RequestGroup, SequenceState
+    from engine.request import Request, RequestStatus
+    from engine.sampling_params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(max_tokens=4, n=2, logprobs=1, output_kind=RequestOutputKind.DELTA)
+    reqs = [Request(f"r-{i}", [5, 6, 7], params, parent_id="r", index=i) for i in range(2)]
+    for i, req in enumerate(reqs):
+        req.append_token(9 + i, (-0.5, {9 + i: -0.5}))
+        req.metrics.first_token_time = 3.0 + i
+    reqs[1].status = RequestStatus.FINISHED_LENGTH
+    def group(seqs: list[Request]) -> RequestGroup:
+        return RequestGroup("r", "p", [5, 6, 7], RequestOutputKind.DELTA,
+                            [SequenceState(r, None, None) for r in seqs])
+
+    for seqs in ([reqs[0]], reqs):
+        wire, out = group(seqs).make_wire(), group(seqs).make_output()
+        assert out is not None and wire == output_wire.encode(out)
+        assert [c.index for c in out.outputs] == [r.index for r in seqs]
+        assert out.outputs[0].token_ids == [9] and out.outputs[0].logprobs[0][9].logprob == -0.5
+        assert out.metrics.first_token_time == 3.0

@@ -7,10 +7,11 @@ model, no torch.
 tokens) admitted and prefilled in a first step, then `--steps` decode steps of all of them at
 once: `Scheduler.schedule()`, then `update_from_output()` with a random token for each, then
 each request's streamed output as the engine makes it (`mark_progress`, the sequence's
-`absorb`, `RequestGroup.make_output` in delta mode, no detokenizer: a worker's requests). Per
-round, the median microseconds a running request costs each of the three; reported, each
-round and the medians of the rounds. An A/B of two commits runs this module from each checkout in
-turn, alternating (`python -m` puts the working directory first on the path).
+`absorb`, `RequestGroup.make_wire` in delta mode, no detokenizer: a worker's requests, in the
+shape its engine core process sends them). Per round, the median microseconds a running
+request costs each of the three; reported, each round and the medians of the rounds. An A/B
+of two commits runs this module from each checkout in turn, alternating (`python -m` puts the
+working directory first on the path).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _round(args: argparse.Namespace, rng: random.Random) -> dict[str, float]:
             mark_progress(s.request, now)
             group = groups[s.request.request_id]
             group.seqs[0].absorb()
-            group.make_output()
+            group.make_wire()
         schedule_s.append(scheduled - start)
         update_s.append(updated - sampled)
         outputs_s.append(time.perf_counter() - updated)
