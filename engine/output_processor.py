@@ -40,14 +40,16 @@ class SequenceState:
         When the request finished on a token (eos, length), flushes everything held back."""
         if self.closed or (self.lazy and not self.req.is_finished):
             return None
+        if self.detok is None:  # no text to make (a worker's requests): just keep count
+            self.seen_tokens = len(self.req.output_token_ids)
+            self.closed = self.req.is_finished
+            return None
         start = self.seen_tokens
         new = self.req.output_token_ids[start:]
         self.seen_tokens = len(self.req.output_token_ids)
         self.closed = self.req.is_finished
         if self.closed and new and self.req.stop_reason == new[-1]:
             new = new[:-1]  # a stop token ends the sequence; its text is not output (vLLM)
-        if self.detok is None:
-            return None
         if self.matcher is not None and len(new) > 1:  # several tokens in a step: spec decoding
             for i in range(len(new) - 1):  # token by token, as if each came in its own step
                 match = self._feed(self.detok.step(new[i : i + 1]))
@@ -127,9 +129,11 @@ class RequestGroup:
             return None
         delta = kind == RequestOutputKind.DELTA
         first = seqs[0].req
-        return (self.request_id, self.prompt, self.prompt_token_ids,
-                [self._completion(s, delta) for s in seqs], finished, self._metrics(finished),
-                first.num_cached_tokens, self._prompt_logprobs(first, delta))
+        completions = ([self._completion(seqs[0], delta)] if len(seqs) == 1
+                       else [self._completion(s, delta) for s in seqs])
+        return (self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
+                self._metrics(finished), first.num_cached_tokens,
+                self._prompt_logprobs(first, delta))
 
     def _due(self) -> bool:
         """`stream_interval`: outputs go at once until one carries text (tokens whose text is
