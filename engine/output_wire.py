@@ -30,11 +30,11 @@ def without_prompt_ids(wire: Wire) -> Wire:
     return (*wire[:PROMPT_IDS], None, *wire[PROMPT_IDS + 1:])
 
 
-def encode(out: RequestOutput, prompt_ids: bool = True) -> Wire:
-    """`out` as a tuple; without `prompt_ids` its prompt_token_ids cross as None (the reader
-    has them from the request's first output)."""
+def encode(out: RequestOutput) -> Wire:
+    """`out` as a tuple: `decode`'s inverse, the layout `RequestGroup.make_wire` builds
+    directly (`without_prompt_ids` leaves the prompt's ids out)."""
     m = out.metrics
-    return (out.request_id, out.prompt, out.prompt_token_ids if prompt_ids else None,
+    return (out.request_id, out.prompt, out.prompt_token_ids,
             [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs,
               c.cumulative_logprob) for c in out.outputs],
             out.finished,

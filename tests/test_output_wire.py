@@ -28,7 +28,7 @@ def test_every_field_crosses_and_comes_back_equal() -> None:
 
 
 def test_without_prompt_ids_they_cross_as_none() -> None:
-    back = output_wire.decode(output_wire.encode(_full(), prompt_ids=False))
+    back = output_wire.decode(output_wire.without_prompt_ids(output_wire.encode(_full())))
     assert back.prompt_token_ids is None
     assert dataclasses.replace(back, prompt_token_ids=[5, 6, 7]) == _full()
 
@@ -40,9 +40,12 @@ def test_the_tuples_hold_every_dataclass_field() -> None:
     assert len(wire[5]) == len(dataclasses.fields(RequestMetrics))
 
 
-def test_without_prompt_ids_matches_encoding_without_them() -> None:
+def test_without_prompt_ids_leaves_only_them_out() -> None:
     wire = output_wire.encode(_full())
-    assert output_wire.without_prompt_ids(wire) == output_wire.encode(_full(), prompt_ids=False)
+    bare = output_wire.without_prompt_ids(wire)
+    assert bare[output_wire.PROMPT_IDS] is None and wire[output_wire.PROMPT_IDS] == [5, 6, 7]
+    assert bare[:output_wire.PROMPT_IDS] + bare[output_wire.PROMPT_IDS + 1:] == (
+        wire[:output_wire.PROMPT_IDS] + wire[output_wire.PROMPT_IDS + 1:])
     assert wire[output_wire.REQUEST_ID] == "r1" and wire[output_wire.FINISHED] is True
 
 
