@@ -107,6 +107,10 @@ def test_each_system_s_pdserve_up(system: str) -> None:
         assert up.shared_gpu_pace_ms == 0.0
         argv = up_argv(_config("--shared-gpu-pace-ms", "15"), system, 1, "redis://r")
         assert build_parser().parse_args(argv[3:]).shared_gpu_pace_ms == 15.0
+        argv = up_argv(_config("--shared-gpu-pace-ms", "4", "--shared-gpu-pace-tokens", "1"),
+                       system, 1, "redis://r")
+        paced = build_parser().parse_args(argv[3:])
+        assert (paced.shared_gpu_pace_ms, paced.shared_gpu_pace_tokens) == (4.0, 1)
         two = up_argv(_config("--shared-gpu-pace-ms", "15"), f"split_{system}", 1, "redis://r")
         assert "--shared-gpu-pace-ms" not in two  # prefill and decode on GPUs of their own
     assert up.stream_interval == 1

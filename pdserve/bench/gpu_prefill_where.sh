@@ -26,7 +26,8 @@
 #          --shared-gpu-pace-ms P for each P of PACES, default "0 10 25"), between two
 #          colocated runs, each with timelines and its steps by batch: pace_<P>_gpu_serve.json,
 #          pace_<P>_steps.txt, pace_colocated_<n>_gpu_serve.json (PACE_RUNS: the whole
-#          list of runs instead, e.g. "colocated_1 0 20")
+#          list of runs instead, e.g. "colocated_1 0 20"; PACE_TOKENS: the prompt tokens on
+#          their way from which the pacing holds, default 2048)
 #   parts  the split's first token, part by part: gRPC's own unary call between two processes
 #          (pdserve.bench.grpc_ping, 1, 20 and 60 ms between calls), then colocated against
 #          the split over cuda_ipc at RATES (default here 16,16) with timelines, and each
@@ -110,7 +111,8 @@ for part in $PARTS; do
     pace)
         for run in ${PACE_RUNS:-colocated_1 ${PACES:-0 10 25} colocated_2}; do
             mkdir -p "$W/tl_pace_$run"
-            flags=(--systems cuda_ipc --shared-gpu-pace-ms "$run")
+            flags=(--systems cuda_ipc --shared-gpu-pace-ms "$run"
+                   --shared-gpu-pace-tokens "${PACE_TOKENS:-2048}")
             [ "${run#colocated}" != "$run" ] && flags=(--systems colocated)
             PDSERVE_STEP_TIMELINE=$W/tl_pace_$run OUT=$W/pace_$run timeout "${PACE_S:-150}" \
                 bash pdserve/bench/gpu_kit_run.sh "${flags[@]}" "${SERVE[@]}" \

@@ -81,6 +81,7 @@ class ServeConfig:
     sample_rates: tuple[float, ...] | None = None
     prefill_engine_core: str = "auto"  # a split system's prefill worker's engine loop
     shared_gpu_pace_ms: float = 0.0  # a one-GPU split system's decode worker's step pacing
+    shared_gpu_pace_tokens: int = 2048  # ... while this many prompt tokens are on their way
 
     def __post_init__(self) -> None:
         if not self.systems or set(self.systems) - set(SYSTEMS):
@@ -91,6 +92,8 @@ class ServeConfig:
             raise ValueError("--stream-interval must be >= 1")
         if not self.shared_gpu_pace_ms >= 0:
             raise ValueError("--shared-gpu-pace-ms must be >= 0")
+        if self.shared_gpu_pace_tokens < 1:
+            raise ValueError("--shared-gpu-pace-tokens must be >= 1")
         if self.kv_cache_memory < 1 or self.max_model_len < 1:
             raise ValueError("--kv-cache-memory and --max-model-len must be >= 1")
         if self.sample_rates is not None and set(self.sample_rates) - set(self.load.request_rates):
@@ -149,6 +152,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the one-GPU split systems' decode worker paces its steps this far "
                         "apart while a burst's prompts are on their way from the prefill "
                         "worker beside it (pdserve up's flag; 0: off)")
+    m.add_argument("--shared-gpu-pace-tokens", type=int, default=2048,
+                   help="the prompt tokens on their way from which --shared-gpu-pace-ms holds "
+                        "(pdserve up's flag)")
     m.add_argument("--colocated-api-servers", type=int, default=1,
                    help="the colocated systems' HTTP servers sharing one engine core (pdserve up "
                         "--colocated --api-server-count)")
@@ -185,7 +191,8 @@ def config_of(args: argparse.Namespace) -> ServeConfig:
                        Path(args.work_dir) if args.work_dir else None, args.api_server_count,
                        args.stream_interval, args.generate_streams, args.engine_core,
                        args.colocated_api_servers, args.decode_engine_core, args.sample_rates,
-                       args.prefill_engine_core, args.shared_gpu_pace_ms)
+                       args.prefill_engine_core, args.shared_gpu_pace_ms,
+                       args.shared_gpu_pace_tokens)
 
 
 def shape_tag(shape: ModelShape) -> str:
@@ -214,7 +221,8 @@ def up_argv(cfg: ServeConfig, system: str, port: int, redis_url: str) -> list[st
               ["--prefill-engine-core", cfg.prefill_engine_core]),
             *([] if cfg.decode_engine_core == "auto" else
               ["--engine-core", cfg.decode_engine_core]),
-            *(["--shared-gpu-pace-ms", str(cfg.shared_gpu_pace_ms)]
+            *(["--shared-gpu-pace-ms", str(cfg.shared_gpu_pace_ms),
+               "--shared-gpu-pace-tokens", str(cfg.shared_gpu_pace_tokens)]
               if cfg.shared_gpu_pace_ms and not gpus else [])]
 
 
