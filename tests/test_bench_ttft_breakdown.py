@@ -87,3 +87,18 @@ def test_an_attempt_beside_its_reservation_is_read_too(tmp_path) -> None:
                    "first token in 10.0 ms: route 0.5, reserve 2.5 beside, prefill 9.5\n")
     _, _, phases = ttft_breakdown.read_log(log)
     assert phases["cmpl-aa"]["reserve"] == 0.0025 and phases["cmpl-aa"]["prefill_call"] == 0.0095
+
+
+def test_a_colocated_servers_log_splits_at_the_handler(tmp_path) -> None:
+    """No prefill worker logged: the client's time before the handler and the handler's to
+    the first token, and no prefill steps."""
+    log = tmp_path / "cluster.log"
+    log.write_text("[gateway-1] 2026-12-01 10:00:01,600 INFO pdserve.gateway: cmpl-aa: "
+                   "finished in 1.400s, x\n")
+    report = {"runs": [{"requests": [
+        {"request_id": "cmpl-aa", "sent_at": 0.0, "chunk_at": [0.25], "done_at": 1.6}]}]}
+    result = ttft_breakdown.breakdown(report, *ttft_breakdown.read_log(log)[:2])
+    assert result["requests"] == 1 and "prefill_steps" not in result
+    assert result["ms"] == {"ttft": {"p50": 250.0, "p90": 250.0},
+                            "before_handler": {"p50": 200.0, "p90": 200.0},
+                            "handler_to_first_token": {"p50": 50.0, "p90": 50.0}}

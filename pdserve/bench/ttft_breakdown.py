@@ -15,6 +15,9 @@ split the client's time to first token into:
                        time minus S; both clocks are the host's)
   the rest             the first token's way back to the client
 
+(handler -> first token: the two above together; the only split of a request no prefill
+worker logged: a colocated server's log, or a prompt prefilled on the decode worker.)
+
 Where the gateway logged the attempt's "first token in T ms: route R, reserve V, prefill P"
 (gateway/remote_backend.py) and the prefill worker its time on the "prefilled" line, the
 handler's part splits further:
@@ -112,19 +115,26 @@ def read_log(path: Path) -> tuple[dict[str, tuple[float, float]], dict[str, floa
 
 def breakdown(report: dict, finished: dict, prefilled: dict, run: int = -1,
               phases: dict | None = None) -> dict:
-    parts: dict[str, list[float]] = {"ttft": [], "before_handler": [], "handler_to_prefilled": [],
-                                     "rest": []}
+    parts: dict[str, list[float]] = {"ttft": [], "before_handler": [],
+                                     "handler_to_first_token": []}
     done_at = []
+    counted = 0
     for req in report["runs"][run]["requests"]:
         rid = req.get("request_id")
-        if rid not in finished or rid not in prefilled or not req.get("chunk_at"):
+        if rid not in finished or not req.get("chunk_at"):
             continue
+        counted += 1
         ttft = req["chunk_at"][0] - req["sent_at"]
         logged, elapsed = finished[rid]
         before = (req["done_at"] - req["sent_at"]) - elapsed
-        to_prefilled = prefilled[rid] - (logged - elapsed)
         values = [("ttft", ttft), ("before_handler", before),
-                  ("handler_to_prefilled", to_prefilled), ("rest", ttft - before - to_prefilled)]
+                  ("handler_to_first_token", ttft - before)]
+        if rid not in prefilled:  # a colocated server's, or prefilled on the decode worker
+            for key, value in values:
+                parts[key].append(value)
+            continue
+        to_prefilled = prefilled[rid] - (logged - elapsed)
+        values += [("handler_to_prefilled", to_prefilled), ("rest", ttft - before - to_prefilled)]
         p = (phases or {}).get(rid, {})
         if "attempt_at" in p and "prefill_worker" in p:
             values += [("before_attempt", p["attempt_at"] - (logged - elapsed)),
@@ -142,13 +152,13 @@ def breakdown(report: dict, finished: dict, prefilled: dict, run: int = -1,
         for key, value in values:
             parts.setdefault(key, []).append(value)
         done_at.append(prefilled[rid])
-    if not done_at:
+    if not counted:
         raise ValueError("no request of the run is in the log (wrong log or run?)")
-    return {"requests": len(done_at),
+    return {"requests": counted,
             "ms": {k: {"p50": round(1e3 * statistics.median(v), 1), "p90": quantile_ms(v, 0.9),
-                       **({"requests": len(v)} if len(v) != len(done_at) else {})}
+                       **({"requests": len(v)} if len(v) != counted else {})}
                    for k, v in parts.items()},
-            "prefill_steps": _steps(sorted(done_at))}
+            **({"prefill_steps": _steps(sorted(done_at))} if done_at else {})}
 
 
 def quantile_ms(values: list[float], q: float) -> float:
