@@ -89,7 +89,7 @@ def test_an_attempt_beside_its_reservation_is_read_too(tmp_path) -> None:
     assert phases["cmpl-aa"]["reserve"] == 0.0025 and phases["cmpl-aa"]["prefill_call"] == 0.0095
 
 
-def test_a_colocated_servers_log_splits_at_the_handler(tmp_path) -> None:
+def test_a_colocated_servers_log_splits_at_the_handler(tmp_path, capsys) -> None:
     """No prefill worker logged: the client's time before the handler and the handler's to
     the first token, and no prefill steps."""
     log = tmp_path / "cluster.log"
@@ -102,3 +102,8 @@ def test_a_colocated_servers_log_splits_at_the_handler(tmp_path) -> None:
     assert result["ms"] == {"ttft": {"p50": 250.0, "p90": 250.0},
                             "before_handler": {"p50": 200.0, "p90": 200.0},
                             "handler_to_first_token": {"p50": 50.0, "p90": 50.0}}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    assert ttft_breakdown.main([str(path), str(log), "--brief"]) == 0
+    assert capsys.readouterr().out.split() == ["ttft", "250.0", "before_handler", "200.0",
+                                               "handler_to_first_token", "50.0"]

@@ -25,7 +25,8 @@
 #   pace   the split's decode worker pacing its steps beside the prefill worker (pdserve up
 #          --shared-gpu-pace-ms P for each P of PACES, default "0 10 25"), between two
 #          colocated runs, each with timelines and its steps by batch: pace_<P>_gpu_serve.json,
-#          pace_<P>_steps.txt, pace_colocated_<n>_gpu_serve.json (PACE_RUNS: the whole
+#          pace_<P>_steps.txt (the prefill engine core's too), the first rate's TTFT parts
+#          printed (ttft_breakdown --brief), pace_colocated_<n>_gpu_serve.json (PACE_RUNS: the whole
 #          list of runs instead, e.g. "colocated_1 0 20"; PACE_TOKENS: the prompt tokens on
 #          their way from which the pacing holds, default 2048)
 #   parts  the split's first token, part by part: gRPC's own unary call between two processes
@@ -120,8 +121,10 @@ for part in $PARTS; do
             grep -E "^\| (colocated|cuda_ipc) " "$W/pace_$run.txt"
             cp "$W/pace_$run/gpu_serve.json" "$R/pace_${run}_gpu_serve.json"
             python3 -m pdserve.bench.step_gaps "$W/tl_pace_$run" --brief \
-                --buckets 1-8,90-1000 | grep -E "^(core|decode_svc-core)" \
+                --buckets 1-8,90-1000 | grep -E "^(core|decode_svc-core|prefill_svc-core)" \
                 | tee "$R/pace_${run}_steps.txt"
+            python3 -m pdserve.bench.ttft_breakdown "$W/pace_$run"/loadtest_*.json \
+                "$W/pace_$run"/cluster_*.log --run 0 --brief  # the first rate's TTFT parts
         done
         ;;
     parts)

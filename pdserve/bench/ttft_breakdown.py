@@ -1,6 +1,6 @@
 """Where a split cluster's first tokens waited: a load test's report against the cluster's log.
 
-    python -m pdserve.bench.ttft_breakdown LOADTEST_JSON CLUSTER_LOG [--run -1]
+    python -m pdserve.bench.ttft_breakdown LOADTEST_JSON CLUSTER_LOG [--run -1] [--brief]
 
 For each request of the run (the report's `runs[--run]`), read from the log of `pdserve up`
 (gpu_serve's `cluster_<system>.log`) the gateway's "finished in S" line (S counts from the
@@ -42,7 +42,8 @@ waiting (for a step to take it), engine steps (scheduled to its first token), en
 (the token's way out of the engine and to the handler).
 
 Prints the medians (and p90) of each part and the prefill worker's steps during the run
-(completions less than 5 ms apart are one step). The log's times have millisecond resolution
+(completions less than 5 ms apart are one step); `--brief`: one line of the medians. The log's
+times have millisecond resolution
 (the parts measured in-process, route to prefill call rest, have 0.1 ms).
 """
 
@@ -186,6 +187,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("report", type=Path, help="the load generator's --output-json")
     p.add_argument("log", type=Path, help="the cluster's log (pdserve up's output)")
     p.add_argument("--run", type=int, default=-1, help="which of the report's runs (rates)")
+    p.add_argument("--brief", action="store_true", help="one line: each part's median (ms)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -196,7 +198,10 @@ def run(args: argparse.Namespace) -> dict:
     except (IndexError, KeyError) as exc:
         raise ValueError(f"{args.report} is not a load test report with run {args.run}: "
                          f"{exc!r}") from exc
-    print(json.dumps(result, indent=1))
+    if args.brief:
+        print(" ".join(f"{k} {v['p50']}" for k, v in result["ms"].items()))
+    else:
+        print(json.dumps(result, indent=1))
     return result
 
 
