@@ -43,8 +43,8 @@ waiting (for a step to take it), engine steps (scheduled to its first token), en
 
 Prints the medians (and p90) of each part and the prefill worker's steps during the run
 (completions less than 5 ms apart are one step); `--brief`: one line of the medians. The log's
-times have millisecond resolution
-(the parts measured in-process, route to prefill call rest, have 0.1 ms).
+times have millisecond resolution (the parts measured in-process, route to prefill call rest,
+have 0.1 ms).
 """
 
 from __future__ import annotations
