@@ -26,9 +26,9 @@
 #          --shared-gpu-pace-ms P for each P of PACES, default "0 10 25"), between two
 #          colocated runs, each with timelines and its steps by batch: pace_<P>_gpu_serve.json,
 #          pace_<P>_steps.txt (the prefill engine core's too), the first rate's TTFT parts
-#          printed (ttft_breakdown --brief), pace_colocated_<n>_gpu_serve.json (PACE_RUNS: the whole
-#          list of runs instead, e.g. "colocated_1 0 20"; PACE_TOKENS: the prompt tokens on
-#          their way from which the pacing holds, default 2048)
+#          printed (ttft_breakdown --brief), pace_colocated_<n>_gpu_serve.json (PACE_RUNS:
+#          the whole list of runs instead, e.g. "colocated_1 0 20"; PACE_TOKENS: the prompt
+#          tokens on their way from which the pacing holds, default 2048)
 #   parts  the split's first token, part by part: gRPC's own unary call between two processes
 #          (pdserve.bench.grpc_ping, 1, 20 and 60 ms between calls), then colocated against
 #          the split over cuda_ipc at RATES (default here 16,16) with timelines, and each

@@ -119,40 +119,22 @@ def breakdown(report: dict, finished: dict, prefilled: dict, run: int = -1,
     parts: dict[str, list[float]] = {"ttft": [], "before_handler": [],
                                      "handler_to_first_token": []}
     done_at = []
-    counted = 0
     for req in report["runs"][run]["requests"]:
         rid = req.get("request_id")
         if rid not in finished or not req.get("chunk_at"):
             continue
-        counted += 1
         ttft = req["chunk_at"][0] - req["sent_at"]
         logged, elapsed = finished[rid]
         before = (req["done_at"] - req["sent_at"]) - elapsed
         values = [("ttft", ttft), ("before_handler", before),
                   ("handler_to_first_token", ttft - before)]
-        if rid not in prefilled:  # a colocated server's, or prefilled on the decode worker
-            for key, value in values:
-                parts[key].append(value)
-            continue
-        to_prefilled = prefilled[rid] - (logged - elapsed)
-        values += [("handler_to_prefilled", to_prefilled), ("rest", ttft - before - to_prefilled)]
-        p = (phases or {}).get(rid, {})
-        if "attempt_at" in p and "prefill_worker" in p:
-            values += [("before_attempt", p["attempt_at"] - (logged - elapsed)),
-                       ("route", p["route"]), ("reserve", p["reserve"]),
-                       ("prefill_worker", p["prefill_worker"]),
-                       ("prefill_call_rest", p["prefill_call"] - p["prefill_worker"])]
-            values += [(k, p[k]) for k in _ENGINE_PARTS if k in p]
-            if "call_sent" in p and "handler_at" in p:
-                values += [("prefill_call_there", p["handler_at"] - p["call_sent"]),
-                           ("prefill_call_back", p["call_answered"] - p["handler_at"]
-                            - p["prefill_worker"])]
-            if "decode_reserve" in p:
-                values += [("decode_reserve", p["decode_reserve"]),
-                           ("reserve_call_rest", p["reserve"] - p["decode_reserve"])]
+        if rid in prefilled:  # else a colocated server's, or prefilled on the decode worker
+            values += _split_parts(ttft - before, logged - elapsed, prefilled[rid],
+                                   (phases or {}).get(rid, {}))
+            done_at.append(prefilled[rid])
         for key, value in values:
             parts.setdefault(key, []).append(value)
-        done_at.append(prefilled[rid])
+    counted = len(parts["ttft"])
     if not counted:
         raise ValueError("no request of the run is in the log (wrong log or run?)")
     return {"requests": counted,
@@ -160,6 +142,28 @@ def breakdown(report: dict, finished: dict, prefilled: dict, run: int = -1,
                        **({"requests": len(v)} if len(v) != counted else {})}
                    for k, v in parts.items()},
             **({"prefill_steps": _steps(sorted(done_at))} if done_at else {})}
+
+
+def _split_parts(to_first: float, handler_at: float, prefilled_at: float,
+                 p: dict[str, float]) -> list[tuple[str, float]]:
+    """A split request's handler-to-first-token time `to_first` by the prefill worker's
+    "prefilled" log time and the attempt's logged parts `p` (all in s)."""
+    to_prefilled = prefilled_at - handler_at
+    values = [("handler_to_prefilled", to_prefilled), ("rest", to_first - to_prefilled)]
+    if "attempt_at" in p and "prefill_worker" in p:
+        values += [("before_attempt", p["attempt_at"] - handler_at),
+                   ("route", p["route"]), ("reserve", p["reserve"]),
+                   ("prefill_worker", p["prefill_worker"]),
+                   ("prefill_call_rest", p["prefill_call"] - p["prefill_worker"])]
+        values += [(k, p[k]) for k in _ENGINE_PARTS if k in p]
+        if "call_sent" in p and "handler_at" in p:
+            values += [("prefill_call_there", p["handler_at"] - p["call_sent"]),
+                       ("prefill_call_back", p["call_answered"] - p["handler_at"]
+                        - p["prefill_worker"])]
+        if "decode_reserve" in p:
+            values += [("decode_reserve", p["decode_reserve"]),
+                       ("reserve_call_rest", p["reserve"] - p["decode_reserve"])]
+    return values
 
 
 def quantile_ms(values: list[float], q: float) -> float:
