@@ -16,6 +16,7 @@ from pdserve.cluster.flags import (
     add_kv_doorbell_flag,
     add_kv_transport_flag,
     add_shared_gpu_pace_flags,
+    add_shared_gpu_step_marks_flag,
     add_worker_engine_core_flag,
 )
 from pdserve.cluster.worker import (
@@ -48,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "sender's last write may still land)")
     add_kv_doorbell_flag(parser)
     add_shared_gpu_pace_flags(parser)
+    add_shared_gpu_step_marks_flag(parser)
     add_worker_engine_core_flag(parser, "decode")
     add_flag(parser, "--kv-wait-max-requests", 64, type=int,
              help="Generates that may wait for free KV blocks at a time; more get "

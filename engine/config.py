@@ -80,7 +80,9 @@ class SchedulerConfig:
     least `shared_gpu_pace_tokens` tokens (a burst being prefilled next door), a step starts at
     most once every that many milliseconds (0: never held). Each decode step reads every weight,
     GPU time the prefill waits for; fewer, fuller steps leave the GPU to it, as a colocated
-    engine's decodes ride inside its prefill steps."""
+    engine's decodes ride inside its prefill steps. `shared_gpu_step_marks`: a folder per GPU
+    where its prefill engines mark each step in flight (engine/gpu_step_marks.py); a decode
+    engine with a pace also holds its steps, up to the pace, while one is marked."""
 
     max_model_len: int = 2048
     max_num_seqs: int = 64
@@ -90,6 +92,7 @@ class SchedulerConfig:
     stream_interval: int = 1
     shared_gpu_pace_ms: float = 0.0
     shared_gpu_pace_tokens: int = 2048
+    shared_gpu_step_marks: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",

@@ -60,6 +60,7 @@ def build_engine_config(
     stream_interval: int = 1,
     shared_gpu_pace_ms: float = 0.0,
     shared_gpu_pace_tokens: int = 2048,
+    shared_gpu_step_marks: str | None = None,
 ) -> EngineConfig:
     """Resolve the model and turn user-facing arguments into an `EngineConfig` (ValueError on
     bad values). `max_model_len` defaults to the model's context length. `speculative_config`:
@@ -70,8 +71,8 @@ def build_engine_config(
     `max_loras` in one batch, of rank <= `max_lora_rank`, `max_cpu_loras` loaded (`LoRAConfig`).
     `decode_gemv`: see `EngineConfig`. `stream_interval`: a streamed request's outputs go out
     with its first token, then every that many tokens, and at its end (`SchedulerConfig`).
-    `shared_gpu_pace_ms` / `_tokens`: a decode worker's steps paced beside a prefill worker on
-    its GPU (`SchedulerConfig`)."""
+    `shared_gpu_pace_ms` / `_tokens` / `_step_marks`: a decode worker's steps paced beside a
+    prefill worker on its GPU (`SchedulerConfig`)."""
     speculative = None if speculative_config is None else SpeculativeConfig.from_dict(
         speculative_config)
     path = resolve_model(model)
@@ -112,6 +113,7 @@ def build_engine_config(
             stream_interval=stream_interval,
             shared_gpu_pace_ms=shared_gpu_pace_ms,
             shared_gpu_pace_tokens=shared_gpu_pace_tokens,
+            shared_gpu_step_marks=shared_gpu_step_marks,
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=tensor_parallel_size, timeout_s=distributed_timeout_s,

@@ -38,6 +38,8 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.gc_heap import freeze_startup_heap, unfreeze_heap
+from engine.gpu_step_marks import POLL_S as MARK_POLL_S
+from engine.gpu_step_marks import StepMark, StepMarks
 from engine.kv_handoff import KVHandoffMixin
 from engine.kv_progress import KVWatch, StepNotes
 from engine.lora.request import LoRAInUseError, LoRARequest
@@ -107,6 +109,11 @@ class LLMEngine(KVHandoffMixin):
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._kv_watches: dict[str, KVWatch] = {}  # prefill role: requests whose KV is shipped
         self._pace_s = config.scheduler.shared_gpu_pace_ms / 1e3
+        marks = config.scheduler.shared_gpu_step_marks
+        # prefill: its steps marked for the decode engine beside it; decode: those marks read
+        self._step_mark = StepMark(marks) if marks and config.role == "prefill" else None
+        self._neighbour_steps = (StepMarks(marks) if marks and self._pace_s
+                                 and config.role == "decode" else None)
         self._step_started_at = 0.0  # time.perf_counter() of the last step's start
         freeze_startup_heap()  # the model, the block pool: out of full collections' walk
 
@@ -276,12 +283,18 @@ class LLMEngine(KVHandoffMixin):
         return found
 
     def step_delay_s(self) -> float:
-        """Seconds before the next step may start: 0 unless the scheduler paces the steps now
-        (`SchedulerConfig.shared_gpu_pace_ms`), then what is left of the period since the last
-        step started. The loop waits for commands meanwhile (arrivals join the paced step)."""
-        if not self._pace_s or not self.scheduler.paced():
+        """Seconds before the next step may start: 0 unless the steps are paced now
+        (`SchedulerConfig.shared_gpu_pace_ms`: a burst on its way, or a prefill step marked in
+        flight beside it), then what is left of the period since the last step started, at
+        most MARK_POLL_S while a mark holds it (looked at again then). The loop waits for
+        commands meanwhile (arrivals join the paced step)."""
+        if not self._pace_s:
             return 0.0
-        return max(0.0, self._step_started_at + self._pace_s - time.perf_counter())
+        marked = self._neighbour_steps is not None and self._neighbour_steps.busy()
+        if not marked and not self.scheduler.paced():
+            return 0.0
+        left = max(0.0, self._step_started_at + self._pace_s - time.perf_counter())
+        return min(left, MARK_POLL_S) if marked else left
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -308,6 +321,9 @@ class LLMEngine(KVHandoffMixin):
         """Stop the engine's other tensor-parallel ranks (nothing to do without TP) and give the
         frozen start-up heap back to the garbage collector."""
         self.runner.shutdown()
+        for marks in (self._step_mark, self._neighbour_steps):
+            if marks is not None:
+                marks.close()
         unfreeze_heap()
 
     # ---- one step ------------------------------------------------------------------------
@@ -330,6 +346,8 @@ class LLMEngine(KVHandoffMixin):
         if self.runner.drafter is not None:  # the step placed: the draft model guesses
             self.runner.drafter.fill(out, self.config.cache.block_size)
         notes = self._kv_notes(out) if self._kv_watches else None
+        if self._step_mark is not None and not out.is_empty:
+            self._step_mark.begin()  # ended once its tokens are back (`_land`)
         if notes is None:
             launched = None if out.is_empty else self.runner.launch(out)
         else:
@@ -376,7 +394,10 @@ class LLMEngine(KVHandoffMixin):
     def _land(self, out: SchedulerOutput, launched: LaunchedStep) -> SchedulerOutput:
         """Wait for a launched step's tokens and append them: token-level stops applied, each
         constrained request's matcher advanced (what the next step's masks need first)."""
-        self.scheduler.update_from_output(out, launched.result())
+        result = launched.result()
+        if self._step_mark is not None:
+            self._step_mark.end()
+        self.scheduler.update_from_output(out, result)
         return out
 
     def _outputs(self, out: SchedulerOutput) -> list[Wire]:

@@ -178,12 +178,17 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
     services.append(Service("tokenizer", [*py, "tokenizer", *common, *template, *cluster, *internal,
                                           "--port", str(tok_port), "--redis-url", redis_url],
                             f"grpc:127.0.0.1:{tok_port}"))
-    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+    envs = {role: _gpu_envs(args, role, count)
+            for role, count in (("prefill", args.prefill), ("decode", args.decode))}
+    marks = _step_marks_folders(args.port, envs)
+    for role, role_envs in envs.items():
         tp = ["--tensor-parallel-size", str(getattr(args, f"{role}_tp"))]
-        for i, env in enumerate(_gpu_envs(args, role, count)):
+        for i, env in enumerate(role_envs):
             port = free_port()
             argv = [*py, role, *common, *engine, *workers, *tp, *cluster, *internal, "--port",
                     str(port), "--redis-url", redis_url, "--metrics-port", str(free_port())]
+            if (folder := marks.get(_own_gpu(env))) is not None:
+                argv += ["--shared-gpu-step-marks", folder]
             if role == "decode":
                 argv += [*decoding, "--kv-doorbell", args.kv_doorbell,
                          "--shared-gpu-pace-ms", str(args.shared_gpu_pace_ms),
@@ -275,6 +280,21 @@ def _gpu_envs(args: argparse.Namespace, role: str, count: int) -> list[dict[str,
         own = list(dict.fromkeys(gpus[(i * tp + k) % len(gpus)] for k in range(tp)))
         envs.append({"CUDA_VISIBLE_DEVICES": ",".join(own + [g for g in listed if g not in own])})
     return envs
+
+
+def _own_gpu(env: dict[str, str]) -> str:
+    """A worker's first GPU in its environment ("": the default device, no list given)."""
+    return env.get("CUDA_VISIBLE_DEVICES", "").split(",")[0]
+
+
+def _step_marks_folders(port: int, envs: dict[str, list[dict[str, str]]]) -> dict[str, str]:
+    """A --shared-gpu-step-marks folder for each GPU a prefill and a decode worker share (the
+    prefill's steps marked there, for the decode's --shared-gpu-pace-ms), named by the
+    gateway's port so that two clusters on one host keep theirs apart."""
+    shared = {_own_gpu(e) for e in envs["prefill"]} & {_own_gpu(e) for e in envs["decode"]}
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return {g: os.path.join(base, f"pdserve-step-marks-{port}-{g or 'default'}")
+            for g in sorted(shared)}
 
 
 def _gpu_list(value: str) -> list[str]:

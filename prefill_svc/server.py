@@ -8,6 +8,7 @@ import asyncio
 from pdserve.cluster.flags import (
     add_flag,
     add_kv_push_streams_flag,
+    add_shared_gpu_step_marks_flag,
     add_kv_transport_flag,
     add_worker_engine_core_flag,
 )
@@ -35,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--kv-slab-bytes", 2 << 20, type=int, help="bytes per KV transfer message")
     add_kv_transport_flag(parser)
     add_kv_push_streams_flag(parser)
+    add_shared_gpu_step_marks_flag(parser)
     add_worker_engine_core_flag(parser, "prefill")
     add_flag(parser, "--kv-lease-seconds", 30.0, type=float,
              help="seconds a prefilled request's KV waits for its decode worker to take it "

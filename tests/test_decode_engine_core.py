@@ -17,6 +17,7 @@ from worker_procs import spawn_worker, stop_all, wait_serving
 
 from decode_svc.core_client import CorePoolExporter, DecodeCoreClient
 from engine.config import KVWaitConfig
+from engine.gpu_step_marks import StepMark
 from engine.kv_transfer import layout_of
 from engine.request_streams import EngineDeadError
 from engine.sampling_params import SamplingParams
@@ -109,6 +110,42 @@ def test_steps_are_paced_while_a_burst_is_on_its_way(tiny_llama_dir: str) -> Non
     finally:
         client.shutdown()
     assert paced >= 2 * pace_s  # three steps: at least two periods between their starts
+    assert free < 2 * pace_s
+
+
+def test_steps_are_held_while_a_prefill_step_is_marked(tiny_llama_dir: str, tmp_path) -> None:
+    """shared_gpu_step_marks: while the prefill engine beside it marks a step in flight (this
+    process stands in for it), the engine core starts a step at most once a period; once the
+    mark ends, at full speed."""
+    pace_s = 0.3
+    mark = StepMark(str(tmp_path))
+    client = DecodeCoreClient.from_args(
+        tiny_llama_dir, dtype="float32", role="decode", device="cpu", num_kv_blocks=NUM_BLOCKS,
+        block_size=BS, max_model_len=NUM_BLOCKS * BS, shared_gpu_pace_ms=1e3 * pace_s,
+        shared_gpu_step_marks=str(tmp_path))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def decode(request_id: str) -> float:
+        """Seconds from its commit to its last token (3 decode steps after the first)."""
+        assert await client.reserve_remote(request_id, list(range(100, 116)), params)
+        start = time.monotonic()
+        await client.commit_remote(request_id, 7, None)
+        async for _ in client.stream(request_id):
+            pass
+        return time.monotonic() - start
+
+    async def scenario() -> tuple[float, float]:
+        mark.begin()
+        held = await decode("held")
+        mark.end()
+        return held, await decode("free")
+
+    try:
+        held, free = asyncio.run(scenario())
+    finally:
+        client.shutdown()
+        mark.close()
+    assert held >= 2 * pace_s  # three steps: at least two periods between their starts
     assert free < 2 * pace_s
 
 

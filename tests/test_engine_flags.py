@@ -84,6 +84,11 @@ def test_a_decode_workers_pace_reaches_its_engine(command: str,
     assert (seen["shared_gpu_pace_ms"], seen["shared_gpu_pace_tokens"]) == (10.0, 512)
     assert "shared_gpu_pace_ms" not in _engine_args(
         monkeypatch, build_parser().parse_args(["prefill"]))
+    for role in (command.split()[0], "prefill"):
+        args = build_parser().parse_args([role, "--shared-gpu-step-marks", "/dev/shm/m"])
+        assert _engine_args(monkeypatch, args)["shared_gpu_step_marks"] == "/dev/shm/m"
+        assert _engine_args(monkeypatch, build_parser().parse_args([role]))[
+            "shared_gpu_step_marks"] is None
 
 
 def test_service_defaults_and_env_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -125,6 +125,22 @@ def test_the_shared_gpu_pace_reaches_the_decode_workers(monkeypatch: pytest.Monk
     assert seen == {"decode-0": (12.5, 4096), "decode-1": (12.5, 4096)}
 
 
+@pytest.mark.parametrize("gpus, marked", [
+    ([], {"prefill-0": "default", "decode-0": "default", "decode-1": "default"}),
+    (["--prefill-gpus", "0", "--decode-gpus", "0,1"], {"prefill-0": "0", "decode-0": "0"}),
+    (["--prefill-gpus", "0", "--decode-gpus", "1"], {}),
+])
+def test_workers_sharing_a_gpu_share_a_step_marks_folder(
+        gpus: list[str], marked: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+    for s in plan(_up(["--prefill", "1", "--decode", "2", *gpus], monkeypatch), "", None):
+        if "--shared-gpu-step-marks" in s.argv:
+            folder = build_parser().parse_args(s.argv[3:]).shared_gpu_step_marks
+            seen[s.name] = folder.rsplit("-", 1)[1]
+            assert f"-{_up([], monkeypatch).port}-" in folder  # the cluster's own
+    assert seen == marked
+
+
 @pytest.mark.parametrize("argv, expected",
                          [([], "process"), (["--engine-core", "thread"], "thread")])
 def test_the_engine_core_reaches_the_colocated_server(argv: list[str], expected: str,

@@ -27,8 +27,10 @@
 #          colocated runs, each with timelines and its steps by batch: pace_<P>_gpu_serve.json,
 #          pace_<P>_steps.txt (the prefill engine core's too), the first rate's TTFT parts
 #          printed (ttft_breakdown --brief), pace_colocated_<n>_gpu_serve.json (PACE_RUNS:
-#          the whole list of runs instead, e.g. "colocated_1 0 20"; PACE_TOKENS: the prompt
-#          tokens on their way from which the pacing holds, default 2048)
+#          the whole list of runs instead, e.g. "colocated_1 0 20 4:1"; P:T paces from T
+#          prompt tokens on their way, a bare P from PACE_TOKENS', default 2048; the decode
+#          worker also holds while the prefill worker marks a step in flight, pdserve up's
+#          --shared-gpu-step-marks; files of P:T are named PtT)
 #   parts  the split's first token, part by part: gRPC's own unary call between two processes
 #          (pdserve.bench.grpc_ping, 1, 20 and 60 ms between calls), then colocated against
 #          the split over cuda_ipc at RATES (default here 16,16) with timelines, and each
@@ -110,10 +112,13 @@ for part in $PARTS; do
         done
         ;;
     pace)
-        for run in ${PACE_RUNS:-colocated_1 ${PACES:-0 10 25} colocated_2}; do
+        for spec in ${PACE_RUNS:-colocated_1 ${PACES:-0 10 25} colocated_2}; do
+            pace=${spec%%:*} tokens=${PACE_TOKENS:-2048}
+            [ "$pace" != "$spec" ] && tokens=${spec#*:}
+            run=${spec/:/t}
             mkdir -p "$W/tl_pace_$run"
-            flags=(--systems cuda_ipc --shared-gpu-pace-ms "$run"
-                   --shared-gpu-pace-tokens "${PACE_TOKENS:-2048}")
+            flags=(--systems cuda_ipc --shared-gpu-pace-ms "$pace"
+                   --shared-gpu-pace-tokens "$tokens")
             [ "${run#colocated}" != "$run" ] && flags=(--systems colocated)
             PDSERVE_STEP_TIMELINE=$W/tl_pace_$run OUT=$W/pace_$run timeout "${PACE_S:-150}" \
                 bash pdserve/bench/gpu_kit_run.sh "${flags[@]}" "${SERVE[@]}" \

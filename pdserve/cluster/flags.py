@@ -143,6 +143,15 @@ def add_shared_gpu_pace_flags(parser: argparse.ArgumentParser) -> None:
              help="the prompt tokens on their way from which --shared-gpu-pace-ms holds")
 
 
+def add_shared_gpu_step_marks_flag(parser: argparse.ArgumentParser) -> None:
+    """--shared-gpu-step-marks, a prefill or decode worker's (engine/gpu_step_marks.py)."""
+    add_flag(parser, "--shared-gpu-step-marks", "",
+             help="a folder for the workers sharing this worker's GPU: a prefill worker marks "
+                  "each step in flight there; a decode worker with --shared-gpu-pace-ms also "
+                  "holds its steps while one is marked (pdserve up sets it where a prefill and "
+                  "a decode worker share a GPU); empty: none")
+
+
 def add_kv_doorbell_flag(parser: argparse.ArgumentParser) -> None:
     """--kv-doorbell, a decode worker's (pdserve/transport/doorbell.py)."""
     add_flag(parser, "--kv-doorbell", "on", choices=["on", "off"],

@@ -18,7 +18,7 @@ prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tl
   max-num-seqs, max-num-batched-tokens, no-prefix-caching, seed, stream-interval,
   distributed-timeout-seconds,
   speculative-config, kv-slab-bytes, kv-lease-seconds, kv-transport, kv-push-streams,
-  engine-core, enable-lora, lora-modules, max-loras, max-lora-rank, max-cpu-loras,
+  shared-gpu-step-marks, engine-core, enable-lora, lora-modules, max-loras, max-lora-rank, max-cpu-loras,
   enable-expert-parallel, enforce-eager, disable-log-stats, log-stats-interval]
 decode: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,
   tls-server-name, metrics-port, model, served-model-name, max-model-len,
@@ -28,6 +28,7 @@ decode: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls
   distributed-timeout-seconds,
   speculative-config, kv-timeout, kv-wait-seconds, kv-wait-max-requests, kv-transport,
   kv-write-grace-seconds, kv-doorbell, shared-gpu-pace-ms, shared-gpu-pace-tokens,
+  shared-gpu-step-marks,
   engine-core, enable-lora, lora-modules, max-loras,
   max-lora-rank, max-cpu-loras, enable-expert-parallel, enforce-eager, disable-log-stats,
   log-stats-interval]
