@@ -18,6 +18,7 @@ engine process owns one file of 8 bytes, the CLOCK_MONOTONIC nanoseconds its ste
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -49,10 +50,8 @@ class StepMark:
 
     def close(self) -> None:
         self._map.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 class StepMarks:
