@@ -8,8 +8,8 @@ import asyncio
 from pdserve.cluster.flags import (
     add_flag,
     add_kv_push_streams_flag,
-    add_shared_gpu_step_marks_flag,
     add_kv_transport_flag,
+    add_shared_gpu_step_marks_flag,
     add_worker_engine_core_flag,
 )
 from pdserve.cluster.tls import tls_from_args
