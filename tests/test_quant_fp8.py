@@ -98,6 +98,21 @@ def test_scaled_mm_and_the_layer_match_the_reference_on_the_gpu(m: int) -> None:
     assert rel_err(layer(x), exact) < (1e-2 if m <= W8A16_MAX_TOKENS else 0.06)
 
 
+def test_fp8_rows_are_taken_where_the_layer_would_quantize_them_itself() -> None:
+    """`takes_fp8_rows` (engine/models/fp8_inputs.py asks it): CUDA, torch._scaled_mm, bf16
+    rows, no static input scale, more than W8A16_MAX_TOKENS tokens; never on the CPU."""
+    layer = Fp8Linear(32, 48, bias=False)
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    assert not layer.takes_fp8_rows(64, cuda, bf16)  # no torch._scaled_mm here
+    layer.use_scaled_mm = True
+    assert layer.takes_fp8_rows(W8A16_MAX_TOKENS + 1, cuda, bf16)
+    assert not layer.takes_fp8_rows(W8A16_MAX_TOKENS, cuda, bf16)
+    assert not layer.takes_fp8_rows(64, torch.device("cpu"), bf16)
+    assert not layer.takes_fp8_rows(64, cuda, torch.float16)
+    layer.input_scale = torch.tensor(0.5)
+    assert not layer.takes_fp8_rows(64, cuda, bf16)
+
+
 # ---- checkpoints ---------------------------------------------------------------------------------
 def _proj(name: str) -> bool:
     return name.endswith("_proj.weight")
@@ -283,6 +298,51 @@ def test_fp8_on_the_gpu_agrees_with_it_dequantized(cuda_llama_dir: str, tmp_path
     expected = _prompt_logprobs(dq, prompt)
     diff = (logprobs - expected).abs()
     assert (diff / expected.abs()).mean() < 0.05, (diff, expected)
+
+
+@pytest.mark.skipif(not CUDA, reason="torch._scaled_mm needs a CUDA GPU")
+def test_fp8_rows_quantized_by_the_norm_and_swiglu_give_the_same_logits(
+    cuda_llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 64-token prefill: qkv_proj, gate_up_proj and down_proj take rows quantized by the
+    kernel before them (engine/models/fp8_inputs.py), only o_proj calls quantize_rows; the
+    logits are those of quantize_rows before every projection, bit for bit."""
+    if not scaled_mm_supported(torch.device("cuda"), 576, 960):
+        pytest.skip("no fp8 tensor cores (compute capability < 8.9)")
+    import engine.models.llama as llama
+    import kernels.fp8_quant
+
+    llm = LLM(cuda_llama_dir, quantization="fp8", num_kv_blocks=64, max_model_len=128,
+              device="cuda", dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
+              async_scheduling=False)  # one eager forward of the whole prompt a call
+    model = llm.llm_engine.runner.model
+    calls: list[int] = []
+    quantize = kernels.fp8_quant.quantize_rows
+    monkeypatch.setattr(kernels.fp8_quant, "quantize_rows",
+                        lambda x: calls.append(x.shape[0]) or quantize(x))
+    prompt = list(range(10, 74))
+    fused = _prefill_logits(llm, prompt)
+    fused_calls, calls[:] = list(calls), []
+    monkeypatch.setattr(llama, "rmsnorm_fp8_linear", lambda *args: None)
+    monkeypatch.setattr(llama, "silu_mul_fp8_linear", lambda *args: None)
+    unfused = _prefill_logits(llm, prompt)
+    layers = len(model.model.layers)
+    assert fused_calls == [64] * layers and calls == [64] * (4 * layers)
+    assert torch.equal(fused, unfused)
+
+
+def _prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt), V] logits of the prompt's one prefill step (a hook on the decoder)."""
+    model, hidden = llm.llm_engine.runner.model, []
+    handle = model.model.register_forward_hook(lambda _m, _a, out: hidden.append(out.clone()))
+    try:
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1),
+                     use_tqdm=False)
+    finally:
+        handle.remove()
+    assert [h.shape[0] for h in hidden] == [len(prompt)]
+    with torch.inference_mode():  # the hidden states are inference tensors
+        return model.compute_logits(hidden[0])
 
 
 @pytest.mark.parametrize("mkn,blocks", [((1, 64, 48), None), ((3, 200, 33), None),

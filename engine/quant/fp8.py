@@ -13,7 +13,9 @@ Where `Fp8Linear` computes (the weights stay fp8 everywhere; half the bytes of b
                                                     else the FP8-weight GEMV (kernels/fp8_gemv.py)
     CUDA, steps of <= W8A16_MAX_TOKENS tokens,      W8A16 Triton GEMM (kernels/fp8_w8a16.py):
     activations scaled per token at run time        x kept in bf16 (faster there, and exact)
-    CUDA, capability >= 8.9, bf16, dims % 16 == 0   per-token fp8 x (kernels/fp8_quant.py),
+    CUDA, capability >= 8.9, bf16, dims % 16 == 0   per-token fp8 x (kernels/fp8_quant.py,
+                                                    or by the norm / SwiGLU kernel making x:
+                                                    engine/models/fp8_inputs.py),
                                                     torch._scaled_mm with rowwise scales
     other CUDA                                      W8A16 Triton GEMM (kernels/fp8_w8a16.py)
     CPU                                             de-quantize W into x's dtype, F.linear: in
@@ -159,14 +161,27 @@ class Fp8Linear(nn.Module):
         x = x.contiguous()
         if x.shape[0] <= GEMV_MAX_TOKENS:  # the planned GEMV, or kernels/fp8_gemv.py
             return dense_linear(x, self.qweight)
-        if (not self.use_scaled_mm or x.dtype != torch.bfloat16
-                or (x.shape[0] <= W8A16_MAX_TOKENS and self.input_scale is None)):
+        if self.takes_fp8_rows(x.shape[0], x.device, x.dtype):
+            return scaled_mm(*quantize_rows(x), self.qweight, self.scale_row)
+        if not self.use_scaled_mm or x.dtype != torch.bfloat16 or self.input_scale is None:
             return w8a16_linear(x, self.qweight, self.weight_scale)
-        if self.input_scale is None:
-            xq, x_scale = quantize_rows(x)
-        else:
-            xq, x_scale = quantize_static_ref(x, self.input_scale)
+        xq, x_scale = quantize_static_ref(x, self.input_scale)
         return scaled_mm(xq, x_scale, self.qweight, self.scale_row)
+
+    def takes_fp8_rows(self, num_tokens: int, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether `forward` of [num_tokens, in] rows of `dtype` on `device` quantizes them per
+        token (kernels/fp8_quant.py) for torch._scaled_mm. Where it does, the kernel making the
+        rows may quantize them itself and hand them to `forward_fp8` (engine/models/
+        fp8_inputs.py). Above W8A16_MAX_TOKENS, so above the GEMVs' 4 tokens too."""
+        return (num_tokens > W8A16_MAX_TOKENS and device.type == "cuda" and self.use_scaled_mm
+                and dtype == torch.bfloat16 and self.input_scale is None)
+
+    def forward_fp8(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """`forward` of rows x given quantized per token, (xq [T, in] float8_e4m3fn, x_scale
+        [T, 1] fp32) as kernels/fp8_quant.py makes them: [T, out], bit for bit forward(x)
+        where `takes_fp8_rows` holds."""
+        y = scaled_mm(xq, x_scale, self.qweight, self.scale_row)
+        return y if self.bias is None else y + self.bias
 
     def weight_bytes(self) -> int:
         return self.qweight.nbytes + self.weight_scale.nbytes
