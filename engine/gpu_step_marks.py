@@ -32,7 +32,8 @@ _NS = struct.Struct("=q")
 
 class StepMark:
     """The writer: one prefill engine's mark, the file `prefill-<pid>.mark` in `folder`
-    (created). `begin` / `end` around each step; `close` removes the file."""
+    (created). `begin` / `end` around each step; `close` removes the file, and the folder
+    once no writer's file is left in it."""
 
     def __init__(self, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
@@ -52,6 +53,8 @@ class StepMark:
         self._map.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        with contextlib.suppress(OSError):  # another writer's file still there: kept
+            os.rmdir(os.path.dirname(self.path))
 
 
 class StepMarks:
