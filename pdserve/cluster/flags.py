@@ -136,7 +136,8 @@ def add_shared_gpu_pace_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--shared-gpu-pace-ms", 0.0, type=float,
              help="a decode worker sharing its GPU with a prefill worker: while the prompts "
                   "reserved here and not yet arrived hold --shared-gpu-pace-tokens tokens or "
-                  "more (a burst being prefilled), start a step at most once every this many "
+                  "more (a burst being prefilled), or while a prefill step is marked in "
+                  "--shared-gpu-step-marks, start a step at most once every this many "
                   "milliseconds, leaving the GPU to the prefill (each decode step reads every "
                   "weight); 0: never held")
     add_flag(parser, "--shared-gpu-pace-tokens", 2048, type=int,
