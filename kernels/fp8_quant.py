@@ -49,13 +49,27 @@ def _quantize_rows_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    store_fp8_row(x, q_ptr + row * stride_q, scale_ptr + row, offs, mask, FP8_LIMIT,
+                  SCALE_FLOOR, ROUND_FIRST)
+
+
+@triton.jit
+def store_fp8_row(
+    x,  # [BLOCK] fp32: one row, zeros past its end
+    q_row_ptr,  # [K] float8_e4m3fn: the row's codes
+    scale_row_ptr,  # [1] fp32: the row's scale
+    offs, mask,
+    FP8_LIMIT: tl.constexpr, SCALE_FLOOR: tl.constexpr, ROUND_FIRST: tl.constexpr,
+):
+    """One row quantized per token and stored (the module's NOTE); also the epilogue of the
+    kernels that make the row (kernels/rmsnorm_fp8.py, kernels/silu_mul_fp8.py)."""
     amax = tl.max(tl.abs(x), axis=0)
     scale = tl.maximum(tl.div_rn(amax, FP8_LIMIT), SCALE_FLOOR)  # IEEE divisions: as torch's
     q = tl.clamp(tl.div_rn(x, scale), -FP8_LIMIT, FP8_LIMIT)
     if ROUND_FIRST:
         q = _round_to_e4m3(q)
-    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale)
+    tl.store(q_row_ptr + offs, q.to(q_row_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_row_ptr, scale)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,19 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
-    dtype = out_ptr.dtype.element_ty
+    out = normed_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, offs, mask, eps, stride_x,
+                     stride_r, stride_ro, hidden, HAS_RESIDUAL)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+
+
+@triton.jit
+def normed_row(
+    x_ptr, res_ptr, w_ptr, res_out_ptr, row, offs, mask, eps, stride_x, stride_r, stride_ro,
+    hidden, HAS_RESIDUAL: tl.constexpr,
+):
+    """One row's norm (the module's NOTE) in x's dtype; with a residual, x + residual stored
+    as the row's new residual. Also the prologue of kernels/rmsnorm_fp8.py."""
+    dtype = x_ptr.dtype.element_ty
     # 16-bit sums and products are done in fp32 and rounded: the same result as a correctly
     # rounded 16-bit op, and what the CPU interpreter (no native bf16 arithmetic) computes right.
     x32 = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -34,7 +46,7 @@ def _rms_norm_kernel(
     variance = tl.sum(x32 * x32, 0) / hidden
     normed = (x32 * tl.math.rsqrt(variance + eps)).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (w * normed).to(dtype), mask=mask)
+    return (w * normed).to(dtype)
 
 
 def rms_norm(

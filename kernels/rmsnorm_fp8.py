@@ -25,8 +25,8 @@ import triton.language as tl
 
 from kernels._common import INTERPRET
 from kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, quantize_rows_ref
-from kernels.fp8_quant import MAX_BLOCK, _round_to_e4m3
-from kernels.rmsnorm import rms_norm_ref
+from kernels.fp8_quant import MAX_BLOCK, store_fp8_row
+from kernels.rmsnorm import normed_row, rms_norm_ref
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -46,25 +46,10 @@ def _rms_norm_fp8_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
-    dtype = x_ptr.dtype.element_ty
-    # kernels/rmsnorm.py's lines, unchanged
-    x32 = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        x32 += tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-        x32 = x32.to(dtype).to(tl.float32)
-        tl.store(res_out_ptr + row * stride_ro + offs, x32.to(dtype), mask=mask)
-    variance = tl.sum(x32 * x32, 0) / hidden
-    normed = (x32 * tl.math.rsqrt(variance + eps)).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (w * normed).to(dtype).to(tl.float32)  # the norm's output as quantize_rows reads it
-    # kernels/fp8_quant.py's lines, unchanged
-    amax = tl.max(tl.abs(y), axis=0)
-    scale = tl.maximum(tl.div_rn(amax, FP8_LIMIT), SCALE_FLOOR)
-    q = tl.clamp(tl.div_rn(y, scale), -FP8_LIMIT, FP8_LIMIT)
-    if ROUND_FIRST:
-        q = _round_to_e4m3(q)
-    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale)
+    y = normed_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, offs, mask, eps, stride_x, stride_r,
+                   stride_ro, hidden, HAS_RESIDUAL).to(tl.float32)  # as quantize_rows reads it
+    store_fp8_row(y, q_ptr + row * stride_q, scale_ptr + row, offs, mask, FP8_LIMIT,
+                  SCALE_FLOOR, ROUND_FIRST)
 
 
 def rms_norm_fp8(

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from kernels._common import INTERPRET
 from kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, quantize_rows_ref
-from kernels.fp8_quant import MAX_BLOCK, _round_to_e4m3
+from kernels.fp8_quant import MAX_BLOCK, store_fp8_row
 from kernels.silu_mul import silu_and_mul_ref
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -47,14 +47,8 @@ def _silu_mul_fp8_kernel(
     up = tl.load(x_ptr + row * stride_x + width + offs, mask=mask, other=0.0).to(tl.float32)
     out = gate / (1.0 + tl.exp(-gate)) * up
     y = out.to(x_ptr.dtype.element_ty).to(tl.float32)  # as silu_mul stores it, as read back
-    # kernels/fp8_quant.py's lines, unchanged
-    amax = tl.max(tl.abs(y), axis=0)
-    scale = tl.maximum(tl.div_rn(amax, FP8_LIMIT), SCALE_FLOOR)
-    q = tl.clamp(tl.div_rn(y, scale), -FP8_LIMIT, FP8_LIMIT)
-    if ROUND_FIRST:
-        q = _round_to_e4m3(q)
-    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale)
+    store_fp8_row(y, q_ptr + row * stride_q, scale_ptr + row, offs, mask, FP8_LIMIT,
+                  SCALE_FLOOR, ROUND_FIRST)
 
 
 def silu_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
