@@ -49,7 +49,7 @@ import triton.language as tl
 
 from kernels._common import INTERPRET
 from kernels.fp8 import FP8
-from kernels.w4a16 import SplitKPlan, store_split_k
+from kernels.w4a16 import SplitKPlan, grouped_tile, store_split_k
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_BLOCK_K = 32  # an fp8 tensor-core dot's shortest K
@@ -82,12 +82,7 @@ def _fp8_gemm_kernel(
     EVEN_K: tl.constexpr,  # BLOCK_K divides K: no K masks
     UPCAST: tl.constexpr,  # widen the fp8 tiles to fp32 before the dot (the interpreter)
 ):
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    tile = tl.program_id(0)
-    first_m = tile // (GROUP_M * tiles_n) * GROUP_M
-    height = tl.minimum(tiles_m - first_m, GROUP_M)  # row tiles in this group
-    pid_m = first_m + (tile % (GROUP_M * tiles_n)) % height
-    pid_n = (tile % (GROUP_M * tiles_n)) // height
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -115,7 +110,7 @@ def _fp8_gemm_kernel(
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     parts = part_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
-    store_split_k(acc, out, mask, parts, M * N, ticket_ptr + tile, SPLIT_K)
+    store_split_k(acc, out, mask, parts, M * N, ticket_ptr + tl.program_id(0), SPLIT_K)
 
 
 @dataclass(frozen=True)

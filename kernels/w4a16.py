@@ -103,12 +103,7 @@ def _w4a16_kernel(
     UPCAST: tl.constexpr,  # widen dot operands to fp32 (the interpreter; fp32 models)
     PRECISION: tl.constexpr,
 ):
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    tile = tl.program_id(0)
-    first_m = tile // (GROUP_M * tiles_n) * GROUP_M
-    height = tl.minimum(tiles_m - first_m, GROUP_M)  # row tiles in this group
-    pid_m = first_m + (tile % (GROUP_M * tiles_n)) % height
-    pid_n = (tile % (GROUP_M * tiles_n)) // height
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(2) * k_per_split
@@ -136,7 +131,18 @@ def _w4a16_kernel(
     mask = (rm[:, None] < M) & n_mask[None, :]
     out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     parts = part_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
-    store_split_k(acc, out, mask, parts, M * N, ticket_ptr + tile, SPLIT_K)
+    store_split_k(acc, out, mask, parts, M * N, ticket_ptr + tl.program_id(0), SPLIT_K)
+
+
+@triton.jit
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (row tile, column tile) in grouped order: GROUP_M row tiles down one
+    column tile before the next column, so consecutive programs share tiles in L2."""
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0)
+    first_m = tile // (GROUP_M * tiles_n) * GROUP_M
+    height = tl.minimum(tiles_m - first_m, GROUP_M)  # row tiles in this group
+    return first_m + (tile % (GROUP_M * tiles_n)) % height, (tile % (GROUP_M * tiles_n)) // height
 
 
 @triton.jit
