@@ -32,8 +32,8 @@ def rmsnorm_fp8_linear(
     """(proj(norm(x + residual)), x + residual) with the norm quantizing its rows for `proj`;
     None where `proj` would not take them. `norm`: an RMSNorm (its `weight` and `eps`);
     `residual` None: norm(x), and x."""
-    if not isinstance(proj, Fp8Linear) or not proj.takes_fp8_rows(x.shape[0], x.device,
-                                                                    x.dtype):
+    if not isinstance(proj, Fp8Linear) or not proj.fused_inputs or not proj.takes_fp8_rows(
+            x.shape[0], x.device, x.dtype):
         return None
     q, scale, residual = rms_norm_fp8(x, norm.weight, norm.eps, residual)
     return proj.forward_fp8(q, scale), residual
@@ -42,7 +42,7 @@ def rmsnorm_fp8_linear(
 def silu_mul_fp8_linear(gate_up: torch.Tensor, down: nn.Module) -> torch.Tensor | None:
     """down(silu(gate) * up) with SwiGLU quantizing its rows for `down` ([T, 2I] -> [T, out]);
     None where `down` would not take them."""
-    if not isinstance(down, Fp8Linear) or not down.takes_fp8_rows(
+    if not isinstance(down, Fp8Linear) or not down.fused_inputs or not down.takes_fp8_rows(
             gate_up.shape[0], gate_up.device, gate_up.dtype):
         return None
     return down.forward_fp8(*silu_mul_fp8(gate_up))

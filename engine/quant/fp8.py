@@ -84,7 +84,11 @@ class Fp8Linear(nn.Module):
     `.to`) whose `weight_loader` takes rows `rows` of the whole matrix, fused q/k/v and gate/up
     arriving as row ranges: an `Fp8Weight`, or a dense tensor quantized on arrival (on this
     layer's device). Fused shards with static input scales share their largest (vLLM's rule).
+    `fused_inputs`: whether the norm / SwiGLU before it may hand it rows already quantized
+    (engine/models/fp8_inputs.py; off: each projection quantizes its own, as before).
     """
+
+    fused_inputs = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()

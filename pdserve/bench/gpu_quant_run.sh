@@ -29,6 +29,10 @@
 #             also profiles its last run's decode steps with torch.profiler (GPU busy time;
 #             TRACE_PROFILE=0: none). An entry SYSTEM:N runs with the argmax graphs up to
 #             batch N (PDSERVE_ARGMAX_GRAPH_MAX_BATCH; default 16)
+#   fp8rows   the FP8 GEMM's and the fused activation quantization's tests on the GPU, the
+#             FP8 GEMMs at ROWS_TOKENS (default 256: torch._scaled_mm against
+#             kernels/fp8_gemm.py's tiles), then W1 and batch 1 of bf16, fp8 and fp8_unfused
+#             (each projection quantizing its own rows), W1_RUNS each (default 3)
 # Reports in $OUT; a fresh PDSERVE_CACHE_DIR, so every GEMV plan is timed, none recorded.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -117,6 +121,14 @@ for part in "${@:-tests kernels latency}"; do
               "${args[@]}" 2>&1 | grep -v "slow step" | tail -12
           status=$((status | PIPESTATUS[0]))
         done ;;
+      fp8rows)
+        python3 -m pytest -q -p no:cacheprovider tests/test_kernel_fp8_gemm.py \
+            tests/test_kernels_fp8_fused.py tests/test_quant_fp8.py 2>&1 | tail -3
+        status=$((status | PIPESTATUS[0]))
+        python3 -m pdserve.bench.gpu_quant_gemm --out "$OUT" --tokens "${ROWS_TOKENS:-256}" \
+            2>&1 | grep -v "^ *$" | tail -12 || status=1
+        python3 -m pdserve.bench.gpu_quant --out "$OUT/rows" --systems bf16,fp8,fp8_unfused \
+            --w1-runs "${W1_RUNS:-3}" 2>&1 | grep -E "W1|batch-1" || status=1 ;;
       *) echo "unknown part $p"; status=1 ;;
     esac
   done
