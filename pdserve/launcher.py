@@ -297,6 +297,14 @@ def _step_marks_folders(port: int, envs: dict[str, list[dict[str, str]]]) -> dic
             for g in sorted(shared)}
 
 
+def remove_step_marks(services: list[Service]) -> None:
+    """The --shared-gpu-step-marks folders handed to `services`, removed once they stopped:
+    a worker killed mid-way leaves its mark's file behind."""
+    flag = "--shared-gpu-step-marks"
+    for folder in {s.argv[s.argv.index(flag) + 1] for s in services if flag in s.argv}:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _gpu_list(value: str) -> list[str]:
     return [g.strip() for g in value.split(",") if g.strip()]
 
@@ -444,6 +452,7 @@ def run(args: argparse.Namespace) -> int:
         print("pdserve up: stopping every service ...", file=sys.stderr)
         with kill_on_signal(services):  # a second Ctrl-C / SIGTERM: no grace left
             stop_all(services)
+        remove_step_marks(services)
         cluster_file().unlink(missing_ok=True)
 
 

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.launcher import add_arguments, plan
+from pdserve.launcher import add_arguments, plan, remove_step_marks
 
 
 def _up(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
@@ -139,6 +139,18 @@ def test_workers_sharing_a_gpu_share_a_step_marks_folder(
             seen[s.name] = folder.rsplit("-", 1)[1]
             assert f"-{_up([], monkeypatch).port}-" in folder  # the cluster's own
     assert seen == marked
+
+
+def test_the_step_marks_folders_go_with_the_cluster(tmp_path, monkeypatch) -> None:
+    folder = tmp_path / "marks"
+    folder.mkdir()
+    (folder / "prefill-1.mark").write_bytes(bytes(8))  # a worker killed mid-way left it
+    services = plan(_up(["--prefill", "1", "--decode", "1"], monkeypatch), "", None)
+    for s in services:
+        if "--shared-gpu-step-marks" in s.argv:
+            s.argv[s.argv.index("--shared-gpu-step-marks") + 1] = str(folder)
+    remove_step_marks(services)
+    assert not folder.exists()
 
 
 @pytest.mark.parametrize("argv, expected",
