@@ -1,0 +1,58 @@
+"""The FP8 kernels compiled for sm_90 by Triton's own ptxas, no GPU needed: the interpreter runs
+what the compiler refuses, so each kernel the CPU tests run is also built as a Hopper launch
+would build it (a process without TRITON_INTERPRET). The GEMM's fp8 dot must become wgmma."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels.fp8_gemm import _fp8_gemm_kernel
+from kernels.fp8_quant import _quantize_rows_kernel
+from kernels.rmsnorm import _rms_norm_kernel
+from kernels.rmsnorm_fp8 import _rms_norm_fp8_kernel
+from kernels.silu_mul_fp8 import _silu_mul_fp8_kernel
+
+def ptx(fn, pointers, consts, warps):
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
+    source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps}).asm["ptx"]
+
+FP8 = dict(FP8_LIMIT=448.0, SCALE_FLOOR=1e-12, ROUND_FIRST=False)
+for split in (1, 4):
+    text = ptx(_fp8_gemm_kernel, {"xq_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+                                  "sw_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
+                                  "ticket_ptr": "*i32"},
+               dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, SPLIT_K=split,
+                    EVEN_K=True, UPCAST=False), 8)
+    print(f"gemm_split{split}", text.count("wgmma.mma_async"))
+rows = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+        "res_out_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "eps": "fp32"}
+print("rms_norm", len(ptx(_rms_norm_kernel, rows, dict(HAS_RESIDUAL=True, BLOCK=2048), 8)))
+print("rms_norm_fp8", len(ptx(_rms_norm_fp8_kernel, rows,
+                              dict(HAS_RESIDUAL=True, BLOCK=2048, **FP8), 8)))
+print("silu_mul_fp8", len(ptx(_silu_mul_fp8_kernel, rows, dict(BLOCK=8192, **FP8), 16)))
+print("quantize_rows", len(ptx(_quantize_rows_kernel, rows, dict(BLOCK=2048, **FP8), 4)))
+"""
+
+
+def test_the_fp8_kernels_compile_for_hopper() -> None:
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, text=True,
+                          capture_output=True, timeout=300, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    built = dict(line.split() for line in done.stdout.splitlines())
+    assert list(built) == ["gemm_split1", "gemm_split4", "rms_norm", "rms_norm_fp8",
+                           "silu_mul_fp8", "quantize_rows"]
+    assert int(built["gemm_split1"]) > 0 and int(built["gemm_split4"]) > 0  # fp8 tensor cores
