@@ -98,6 +98,24 @@ def test_scaled_mm_and_the_layer_match_the_reference_on_the_gpu(m: int) -> None:
     assert rel_err(layer(x), exact) < (1e-2 if m <= W8A16_MAX_TOKENS else 0.06)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [17, 64, 256])
+def test_the_triton_fp8_gemm_serves_the_layer_like_scaled_mm(
+        m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Fp8Linear.triton_gemm` (gpu_quant's fp8_triton): the quantized rows' product by
+    kernels/fp8_gemm.py, the same as torch._scaled_mm's up to the fp32 sums' order."""
+    if not scaled_mm_supported(torch.device("cuda"), 2048, 8192):
+        pytest.skip("no fp8 tensor cores (compute capability < 8.9)")
+    w = quantize_weight(torch.randn(2048, 8192, device="cuda") * 0.02)  # down_proj's shape
+    layer = Fp8Linear(8192, 2048, bias=False).to(device="cuda", dtype=torch.bfloat16)
+    layer.weight.weight_loader(layer.weight, slice(None), w, "w")
+    x = torch.randn(m, 8192, device="cuda", dtype=torch.bfloat16)
+    want = layer(x)
+    monkeypatch.setattr(Fp8Linear, "triton_gemm", True)
+    assert rel_err(layer(x), want) < 1e-2
+    assert rel_err(layer.forward_fp8(*quantize_rows(x)), want) < 1e-2
+
+
 def test_fp8_rows_are_taken_where_the_layer_would_quantize_them_itself() -> None:
     """`takes_fp8_rows` (engine/models/fp8_inputs.py asks it): CUDA, torch._scaled_mm, bf16
     rows, no static input scale, more than W8A16_MAX_TOKENS tokens; never on the CPU."""

@@ -89,6 +89,10 @@ class Fp8Linear(nn.Module):
     """
 
     fused_inputs = True
+    # The quantized rows' product by kernels/fp8_gemm.py (Triton, K split where the tiles leave
+    # SMs idle) instead of torch._scaled_mm: off until a GPU has timed it faster end to end
+    # (pdserve/bench/gpu_quant.py system fp8_triton turns it on).
+    triton_gemm = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -166,7 +170,7 @@ class Fp8Linear(nn.Module):
         if x.shape[0] <= GEMV_MAX_TOKENS:  # the planned GEMV, or kernels/fp8_gemv.py
             return dense_linear(x, self.qweight)
         if self.takes_fp8_rows(x.shape[0], x.device, x.dtype):
-            return scaled_mm(*quantize_rows(x), self.qweight, self.scale_row)
+            return self._rows_mm(*quantize_rows(x))
         if not self.use_scaled_mm or x.dtype != torch.bfloat16 or self.input_scale is None:
             return w8a16_linear(x, self.qweight, self.weight_scale)
         xq, x_scale = quantize_static_ref(x, self.input_scale)
@@ -184,8 +188,16 @@ class Fp8Linear(nn.Module):
         """`forward` of rows x given quantized per token, (xq [T, in] float8_e4m3fn, x_scale
         [T, 1] fp32) as kernels/fp8_quant.py makes them: [T, out], bit for bit forward(x)
         where `takes_fp8_rows` holds."""
-        y = scaled_mm(xq, x_scale, self.qweight, self.scale_row)
+        y = self._rows_mm(xq, x_scale)
         return y if self.bias is None else y + self.bias
+
+    def _rows_mm(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """Rows quantized per token times the weight: [T, out] bf16."""
+        if self.triton_gemm:
+            from kernels.fp8_gemm import fp8_gemm
+
+            return fp8_gemm(xq, x_scale, self.qweight, self.weight_scale)
+        return scaled_mm(xq, x_scale, self.qweight, self.scale_row)
 
     def weight_bytes(self) -> int:
         return self.qweight.nbytes + self.weight_scale.nbytes
