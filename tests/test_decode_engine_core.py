@@ -78,6 +78,19 @@ def test_the_pool_is_one_memory_in_both_processes_then_the_child_dies(
         client.shutdown()
 
 
+async def _four_tokens(client: DecodeCoreClient, request_id: str) -> float:
+    """Seconds from a request's commit to its last of 4 tokens (3 decode steps after the
+    first), reserved and committed as a prefill worker's push would."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert await client.reserve_remote(request_id, list(range(100, 116)), params)
+    start = time.monotonic()
+    await client.commit_remote(request_id, 7, None)
+    async for out in client.stream(request_id):
+        tokens = out.outputs[0].token_ids
+    assert len(tokens) == 4
+    return time.monotonic() - start
+
+
 def test_steps_are_paced_while_a_burst_is_on_its_way(tiny_llama_dir: str) -> None:
     """shared_gpu_pace_ms: while the prompts reserved and not yet arrived hold the threshold's
     tokens, the engine core starts a step at most once a period (waiting for commands
@@ -87,23 +100,12 @@ def test_steps_are_paced_while_a_burst_is_on_its_way(tiny_llama_dir: str) -> Non
         tiny_llama_dir, dtype="float32", role="decode", device="cpu", num_kv_blocks=NUM_BLOCKS,
         block_size=BS, max_model_len=NUM_BLOCKS * BS, shared_gpu_pace_ms=1e3 * pace_s,
         shared_gpu_pace_tokens=3 * BS)
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-
-    async def decode(request_id: str) -> float:
-        """Seconds from its commit to its last token (3 decode steps after the first)."""
-        assert await client.reserve_remote(request_id, list(range(100, 116)), params)
-        start = time.monotonic()
-        await client.commit_remote(request_id, 7, None)
-        async for out in client.stream(request_id):
-            tokens = out.outputs[0].token_ids
-        assert len(tokens) == 4
-        return time.monotonic() - start
 
     async def scenario() -> tuple[float, float]:
         assert await client.reserve_remote("burst", list(range(10, 10 + 3 * BS)), PARAMS)
-        paced = await decode("paced")
+        paced = await _four_tokens(client, "paced")
         assert await client.abort("burst")
-        return paced, await decode("free")
+        return paced, await _four_tokens(client, "free")
 
     try:
         paced, free = asyncio.run(scenario())
@@ -123,22 +125,12 @@ def test_steps_are_held_while_a_prefill_step_is_marked(tiny_llama_dir: str, tmp_
         tiny_llama_dir, dtype="float32", role="decode", device="cpu", num_kv_blocks=NUM_BLOCKS,
         block_size=BS, max_model_len=NUM_BLOCKS * BS, shared_gpu_pace_ms=1e3 * pace_s,
         shared_gpu_step_marks=str(tmp_path))
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-
-    async def decode(request_id: str) -> float:
-        """Seconds from its commit to its last token (3 decode steps after the first)."""
-        assert await client.reserve_remote(request_id, list(range(100, 116)), params)
-        start = time.monotonic()
-        await client.commit_remote(request_id, 7, None)
-        async for _ in client.stream(request_id):
-            pass
-        return time.monotonic() - start
 
     async def scenario() -> tuple[float, float]:
         mark.begin()
-        held = await decode("held")
+        held = await _four_tokens(client, "held")
         mark.end()
-        return held, await decode("free")
+        return held, await _four_tokens(client, "free")
 
     try:
         held, free = asyncio.run(scenario())

@@ -5,10 +5,9 @@ layer's hooks on CUDA; bad operands named."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from hopper_compile import compile_for_hopper
 from quant_helpers import random_w4a16_layout, rel_err
 
 import kernels.w4a16_gemv as gemv_module
@@ -148,15 +147,6 @@ def test_every_form_compiles_for_hopper() -> None:
     """The interpreter runs what the compiler refuses (a global that is not a constexpr, say):
     each form compiled for sm_90 by Triton's own ptxas, no GPU needed (a process
     without TRITON_INTERPRET)."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, text=True,
-                          capture_output=True, timeout=300, cwd=Path(__file__).parents[1])
-    assert done.returncode == 0, done.stderr[-3000:]
-    loads = dict(line.split() for line in done.stdout.splitlines())
+    loads = compile_for_hopper(_COMPILE_FOR_HOPPER)
     assert list(loads) == ["PLAIN", "NORM", "NORM_RESIDUAL", "SWIGLU"]
     assert all(int(loads[form]) > int(loads["PLAIN"]) for form in list(loads)[1:])  # prologues
