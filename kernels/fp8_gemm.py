@@ -40,7 +40,6 @@ tiles to fp32 first (exact: an fp8 value has 4 significant bits) and the dot is 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +48,7 @@ import triton.language as tl
 
 from kernels._common import INTERPRET
 from kernels.fp8 import FP8
-from kernels.w4a16 import SplitKPlan, grouped_tile, store_split_k
+from kernels.w4a16 import SplitKPlan, grouped_tile, sm_count, store_split_k
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_BLOCK_K = 32  # an fp8 tensor-core dot's shortest K
@@ -157,14 +156,6 @@ def default_config(m: int, n: int, k: int, sm_count: int) -> Fp8GemmConfig:
     return Fp8GemmConfig(block_m, 128, 128, split, warps, stages)
 
 
-@functools.cache
-def device_sm_count(device: torch.device) -> int:
-    """The SMs of a CUDA device (1 elsewhere: `default_config` then never splits K)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def check_inputs(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
                  w_scale: torch.Tensor, out_dtype: torch.dtype) -> None:
     """ValueError naming the first operand the kernel cannot take."""
@@ -191,12 +182,9 @@ def check_inputs(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
 
 
 def split_plan(m: int, n: int, k: int, config: Fp8GemmConfig) -> SplitKPlan:
-    """K cut into at most `config.split_k` shares of whole BLOCK_K steps (the last may be
-    shorter, or partly past K); the count recomputed, as rounding up may leave fewer."""
-    steps = triton.cdiv(k, config.block_k)
-    k_per_split = triton.cdiv(steps, min(config.split_k, steps)) * config.block_k
+    """The launch's tiles and K in at most `config.split_k` shares of whole BLOCK_K steps."""
     tiles = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
-    return SplitKPlan(tiles, triton.cdiv(k, k_per_split), k_per_split)
+    return SplitKPlan.whole_steps(k, config.block_k, tiles, config.split_k)
 
 
 def fp8_gemm(
@@ -209,7 +197,7 @@ def fp8_gemm(
     K, an fp32 workspace [shares, M, N] (torch.empty); ValueError for operands it cannot take."""
     check_inputs(xq, x_scale, wq, w_scale, out_dtype)
     (m, k), n = xq.shape, wq.shape[0]
-    config = config or default_config(m, n, k, device_sm_count(xq.device))
+    config = config or default_config(m, n, k, sm_count(xq.device))
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
         return out

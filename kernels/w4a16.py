@@ -176,8 +176,11 @@ def block_k_for(group_size: int, minimum: int = 16) -> int | None:
 
 
 @functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def sm_count(device: torch.device) -> int:
+    """The SMs of a CUDA device (1 elsewhere: no K split fills a CPU)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def split_k_for(x: torch.Tensor, programs: int, steps: int, per_sm: int = 4,
@@ -187,7 +190,7 @@ def split_k_for(x: torch.Tensor, programs: int, steps: int, per_sm: int = 4,
     M <= 16 wanted 256-512 programs (docs/benchmarks.md)."""
     if x.device.type != "cuda" or programs == 0:  # M = 0: nothing is launched
         return 1
-    slots = per_sm * _sm_count(x.device.index or 0)
+    slots = per_sm * sm_count(x.device)
     want = slots // programs if at_most else triton.cdiv(slots, programs)
     return max(1, min(want, steps, most))
 
@@ -224,6 +227,14 @@ class SplitKPlan:
         """The tiles as one axis (the GEMM's grouped order), K shares on the third."""
         return (self.tiles[0] * self.tiles[1], 1, self.split)
 
+    @classmethod
+    def whole_steps(cls, k: int, block_k: int, tiles: tuple[int, int], split: int) -> SplitKPlan:
+        """K cut into at most `split` shares of whole `block_k` steps (the last share may be
+        shorter, its last step partly past K); the count recomputed, as rounding up may leave
+        fewer (4 steps in 3 shares: 2 and 2)."""
+        k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
+        return cls(tiles, triton.cdiv(k, k_per_split), k_per_split)
+
     def workspace(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(parts [split, M, N] fp32, tickets) for the launch (x itself when one share)."""
         if self.split == 1:
@@ -235,12 +246,10 @@ class SplitKPlan:
 def split_k_plan(x: torch.Tensor, k: int, block_k: int, tiles: tuple[int, int],
                  split_k: int | None = None, per_sm: int = 4, most: int = 16,
                  at_most: bool = False) -> SplitKPlan:
-    """K (a multiple of `block_k`) cut into `split_k` shares, by default `split_k_for`'s, then
-    rounded to whole steps: the share count is recomputed, as rounding up may leave fewer."""
-    steps = k // block_k
-    split = split_k or split_k_for(x, tiles[0] * tiles[1], steps, per_sm, most, at_most)
-    k_per_split = triton.cdiv(steps, split) * block_k
-    return SplitKPlan(tiles, triton.cdiv(k, k_per_split), k_per_split)
+    """K (a multiple of `block_k`) cut into `split_k` shares, by default `split_k_for`'s, of
+    whole steps (`SplitKPlan.whole_steps`)."""
+    split = split_k or split_k_for(x, tiles[0] * tiles[1], k // block_k, per_sm, most, at_most)
+    return SplitKPlan.whole_steps(k, block_k, tiles, split)
 
 
 def check_inputs(what: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

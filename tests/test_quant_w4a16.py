@@ -490,7 +490,7 @@ def test_gemv_shares_k_by_tile(monkeypatch) -> None:
         share_rule,
     )
 
-    monkeypatch.setattr(w4a16, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(w4a16, "sm_count", lambda device: 132)
     x = types.SimpleNamespace(device=torch.device("cuda", 0))
 
     def shares(k: int, n: int) -> int:

@@ -159,10 +159,11 @@ def fp8_triton_best(row: dict[str, Any], xq: tuple[torch.Tensor, torch.Tensor], 
     """Each of `fp8_configs` timed (row["fp8_triton_configs"]: label -> ms), the fastest again
     as the variant fp8_triton_best, its launch in row["fp8_triton_best"]; the default launch in
     row["fp8_triton_config"]."""
-    from kernels.fp8_gemm import default_config, device_sm_count, fp8_gemm
+    from kernels.fp8_gemm import default_config, fp8_gemm
+    from kernels.w4a16 import sm_count
 
     m, n, k = row["m"], row["n"], row["k"]
-    row["fp8_triton_config"] = asdict(default_config(m, n, k, device_sm_count(device)))
+    row["fp8_triton_config"] = asdict(default_config(m, n, k, sm_count(device)))
     timings: dict[str, float] = {}
     calls: dict[str, tuple[Any, Callable[[], torch.Tensor]]] = {}
     row["fp8_triton_configs"] = timings
