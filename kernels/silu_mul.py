@@ -17,10 +17,17 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, width, BLOCK: tl.conste
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < width
+    out = swiglu_cols(x_ptr, row, offs, mask, stride_x, width)
+    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def swiglu_cols(x_ptr, row, offs, mask, stride_x, width):
+    """silu(gate) * up of row `row`'s columns `offs`, in fp32 (the module's NOTE); also the
+    prologue of kernels/silu_mul_fp8.py."""
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + width + offs, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    return gate / (1.0 + tl.exp(-gate)) * up
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]

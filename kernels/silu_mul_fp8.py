@@ -25,7 +25,7 @@ import triton.language as tl
 from kernels._common import INTERPRET
 from kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, quantize_rows_ref
 from kernels.fp8_quant import MAX_BLOCK, store_fp8_row
-from kernels.silu_mul import silu_and_mul_ref
+from kernels.silu_mul import silu_and_mul_ref, swiglu_cols
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -42,10 +42,7 @@ def _silu_mul_fp8_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < width
-    # kernels/silu_mul.py's lines, unchanged
-    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + width + offs, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
+    out = swiglu_cols(x_ptr, row, offs, mask, stride_x, width)
     y = out.to(x_ptr.dtype.element_ty).to(tl.float32)  # as silu_mul stores it, as read back
     store_fp8_row(y, q_ptr + row * stride_q, scale_ptr + row, offs, mask, FP8_LIMIT,
                   SCALE_FLOOR, ROUND_FIRST)

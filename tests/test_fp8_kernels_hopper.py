@@ -15,6 +15,7 @@ from kernels.fp8_gemm import _fp8_gemm_kernel
 from kernels.fp8_quant import _quantize_rows_kernel
 from kernels.rmsnorm import _rms_norm_kernel
 from kernels.rmsnorm_fp8 import _rms_norm_fp8_kernel
+from kernels.silu_mul import _silu_mul_kernel
 from kernels.silu_mul_fp8 import _silu_mul_fp8_kernel
 
 def ptx(fn, pointers, consts, warps):
@@ -36,6 +37,7 @@ rows = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf1
 print("rms_norm", len(ptx(_rms_norm_kernel, rows, dict(HAS_RESIDUAL=True, BLOCK=2048), 8)))
 print("rms_norm_fp8", len(ptx(_rms_norm_fp8_kernel, rows,
                               dict(HAS_RESIDUAL=True, BLOCK=2048, **FP8), 8)))
+print("silu_mul", len(ptx(_silu_mul_kernel, rows, dict(BLOCK=1024), 4)))
 print("silu_mul_fp8", len(ptx(_silu_mul_fp8_kernel, rows, dict(BLOCK=8192, **FP8), 16)))
 print("quantize_rows", len(ptx(_quantize_rows_kernel, rows, dict(BLOCK=2048, **FP8), 4)))
 """
@@ -44,5 +46,5 @@ print("quantize_rows", len(ptx(_quantize_rows_kernel, rows, dict(BLOCK=2048, **F
 def test_the_fp8_kernels_compile_for_hopper() -> None:
     built = compile_for_hopper(_COMPILE)
     assert list(built) == ["gemm_split1", "gemm_split4", "rms_norm", "rms_norm_fp8",
-                           "silu_mul_fp8", "quantize_rows"]
+                           "silu_mul", "silu_mul_fp8", "quantize_rows"]
     assert int(built["gemm_split1"]) > 0 and int(built["gemm_split4"]) > 0  # fp8 tensor cores
