@@ -28,7 +28,7 @@
 #          pace_<P>_steps.txt (the prefill engine core's too), the first rate's TTFT parts
 #          printed (ttft_breakdown --brief), pace_colocated_<n>_gpu_serve.json (PACE_RUNS:
 #          the whole list of runs instead, e.g. "colocated_1 0 20 4:1"; P:T paces from T
-#          prompt tokens on their way, a bare P from PACE_TOKENS', default 2048; the decode
+#          prompt tokens on their way, a bare P from PACE_TOKENS (default 2048); the decode
 #          worker also holds while the prefill worker marks a step in flight, pdserve up's
 #          --shared-gpu-step-marks; files of P:T are named PtT)
 #   parts  the split's first token, part by part: gRPC's own unary call between two processes

@@ -181,11 +181,11 @@ def build_engine(args: argparse.Namespace, role: str) -> AsyncLLMEngine:
 def _pace_kwargs(args: argparse.Namespace, role: str) -> dict[str, Any]:
     """A decode worker's --shared-gpu-pace-* flags and a prefill or decode worker's
     --shared-gpu-step-marks as engine arguments (none elsewhere)."""
-    marks = {"shared_gpu_step_marks": getattr(args, "shared_gpu_step_marks", "") or None}
+    if role not in ("prefill", "decode"):
+        return {}
+    marks = {"shared_gpu_step_marks": args.shared_gpu_step_marks or None}
     if role == "prefill":
         return marks
-    if role != "decode":
-        return {}
     return {"shared_gpu_pace_ms": args.shared_gpu_pace_ms,
             "shared_gpu_pace_tokens": args.shared_gpu_pace_tokens, **marks}
 
