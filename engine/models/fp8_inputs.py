@@ -11,8 +11,9 @@ Each helper returns None where it does not apply: the projection is not an `Fp8L
 `fused_inputs` is off (the default until a GPU has run these kernels), or it would not quantize
 its rows per token at this token count (`Fp8Linear.takes_fp8_rows`: CUDA, torch._scaled_mm,
 bf16, dynamic activation scales, more than W8A16_MAX_TOKENS tokens). The caller then runs the
-unfused path; where a helper applies, its result is that path's, bit for bit. The decode GEMV
-fusions (engine/models/tp_layers.py) are asked first: they take <= 4 tokens.
+unfused path; where a helper applies, its result is that path's, bit for bit. Called by
+engine/models/tp_layers.py's `rmsnorm_linear` and `silu_mul_linear` where their decode GEMV
+fusions (<= 4 tokens) do not apply.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ from engine.attention.metadata import AttentionMetadata
 from engine.distributed.group import SingleRank
 from engine.distributed.sharding import even_split, head_shard
 from engine.models.cpu_decode_layer import fused_decode_layer
-from engine.models.fp8_inputs import rmsnorm_fp8_linear, silu_mul_fp8_linear
 from engine.models.layers import RMSNorm, silu_and_mul
 from engine.models.rotary import RopeInputs, RotaryEmbedding, rope_parameters
 from engine.models.tp_layers import (
@@ -164,23 +163,19 @@ class LlamaMLP(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (MLP output, x + residual)
         """self(norm(x + residual)) with the norm (and SwiGLU) inside the gate_up GEMV, where
         the load planned it (decode sizes, CUDA: engine/models/gemv_plan.py), or the norm
-        quantizing its rows for an FP8 gate_up (engine/models/fp8_inputs.py); None elsewhere."""
+        quantizing its rows for an FP8 gate_up (tp_layers.rmsnorm_linear); None elsewhere."""
         gate_up = self.gate_up_proj
         fused = rmsnorm_swiglu_linear(x, residual, norm, gate_up)
         if fused is not None:  # (activations [T, I], residual)
             return self.down_proj(fused[0]), fused[1]
         fused = rmsnorm_linear(x, residual, norm, gate_up)
-        if fused is None:
-            fused = rmsnorm_fp8_linear(x, residual, norm, gate_up)
         return None if fused is None else (self.down(fused[0]), fused[1])
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, hidden]
         """down_proj(silu(gate) * up): one GEMV at decode sizes on CUDA where planned; SwiGLU
-        quantizing its rows for an FP8 down_proj (engine/models/fp8_inputs.py)."""
+        quantizing its rows for an FP8 down_proj (tp_layers.silu_mul_linear)."""
         down = self.down_proj  # submodules once each: an nn.Module lookup costs ~0.5 us
         fused = silu_mul_linear(gate_up, down)
-        if fused is None:
-            fused = silu_mul_fp8_linear(gate_up, down)
         return fused if fused is not None else down(silu_and_mul(gate_up))
 
 
@@ -237,10 +232,7 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor, meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (attention output, residual stream)
         attn, norm = self.self_attn, self.input_layernorm
-        qkv_proj = getattr(attn, "qkv_proj", None)
-        fused = rmsnorm_linear(h, residual, norm, qkv_proj)
-        if fused is None:
-            fused = rmsnorm_fp8_linear(h, residual, norm, qkv_proj)
+        fused = rmsnorm_linear(h, residual, norm, getattr(attn, "qkv_proj", None))
         if fused is not None:  # (qkv, residual)
             return attn(h, rope, kv_cache, meta, qkv=fused[0]), fused[1]
         if residual is None:

@@ -28,6 +28,7 @@ from torch import nn
 from engine.distributed.group import SingleRank
 from engine.distributed.sharding import vocab_shard
 from engine.lazy_kernels import kernel
+from engine.models.fp8_inputs import rmsnorm_fp8_linear, silu_mul_fp8_linear
 
 # called only through a GEMV plan, and plans are made on CUDA only
 fp8_gemv = kernel("fp8_gemv", "fp8_gemv")
@@ -121,9 +122,15 @@ def dense_linear(
 
 def silu_mul_linear(gate_up: torch.Tensor, down: nn.Module) -> torch.Tensor | None:
     """down(silu(gate) * up) as one GEMV (kernels/gemv_silu.py) where `down`'s decode weight's
-    `gemv_silu_plan` chose it for gate_up's token count; None where it did not."""
+    `gemv_silu_plan` chose it for gate_up's token count, else with SwiGLU quantizing its rows
+    for an FP8 `down` (engine/models/fp8_inputs.py); None where neither applies."""
     if _has(down, "silu_mul_linear"):  # a wrapper's own (multi-LoRA: engine/lora/layers.py)
         return down.silu_mul_linear(gate_up)
+    fused = _silu_mul_gemv(gate_up, down)
+    return fused if fused is not None else silu_mul_fp8_linear(gate_up, down)
+
+
+def _silu_mul_gemv(gate_up: torch.Tensor, down: nn.Module) -> torch.Tensor | None:
     w = gemv_weight(down)
     plan = getattr(w, "gemv_silu_plan", None)
     if plan is None or isinstance(down, Linear) or gate_up.dim() != 2:
@@ -141,10 +148,18 @@ def rmsnorm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, proj: nn.Module
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(proj(norm(x + residual)), x + residual) as one GEMV (kernels/gemv_rmsnorm.py) where
-    `proj.weight`'s `gemv_norm_plan` chose it for x's token count; None where it did not.
-    `norm`: an RMSNorm (its `weight` and `eps`); `residual` None: norm(x), and x."""
+    `proj.weight`'s `gemv_norm_plan` chose it for x's token count, else with the norm
+    quantizing its rows for an FP8 `proj` (engine/models/fp8_inputs.py); None where neither
+    applies. `norm`: an RMSNorm (its `weight` and `eps`); `residual` None: norm(x), and x."""
     if _has(proj, "rmsnorm_linear"):  # a wrapper's own (multi-LoRA: engine/lora/layers.py)
         return proj.rmsnorm_linear(x, residual, norm)
+    fused = _rmsnorm_gemv(x, residual, norm, proj)
+    return fused if fused is not None else rmsnorm_fp8_linear(x, residual, norm, proj)
+
+
+def _rmsnorm_gemv(
+    x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, proj: nn.Module
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     w = gemv_weight(proj)
     plan = getattr(w, "gemv_norm_plan", None)
     if plan is None or isinstance(proj, RowParallelLinear) or x.dim() != 2:
