@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.gemv_inputs import (
     NORM,
@@ -82,6 +83,7 @@ def _w4a16_gemv_kernel(
     s_out_ptr,  # [M, K] x + residual, written (NORM_RESIDUAL), contiguous
     xc_ptr,  # [M, K] x's entries as computed (FORM != PLAIN), x's dtype, contiguous
     q_ptr,  # [K / 8, N] int32 packed codes
+    q_desc,  # the same as a TMA descriptor of [ROWS, BLOCK_N] tiles (TMA), else q_ptr
     s_ptr,  # [K / G, N] fp32 scales
     z_ptr,  # [K / G, N] uint8 zeros
     out_ptr,  # [M, N] x's dtype
@@ -109,6 +111,7 @@ def _w4a16_gemv_kernel(
     PAIRS_ASM: tl.constexpr,  # by inline PTX (CUDA), else emulated (the interpreter)
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no column masks (each costs a register's zeroing)
     STAGES: tl.constexpr,  # the loop's software pipeline: steps of loads in flight
+    TMA: tl.constexpr,  # the codes' tiles by the tensor memory accelerator (q_desc)
 ):
     m = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -131,7 +134,10 @@ def _w4a16_gemv_kernel(
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     q_tile = q_ptr + ri.to(tl.int64) * stride_qk + rn[None, :]  # [ROWS, BN]: the step's words
     for k in tl.range(k_start, k_stop, 8 * ROWS, num_stages=STAGES):  # K: a multiple of 8 ROWS
-        packed = _load_columns(q_tile + (k // 8) * stride_qk, n_mask, EVEN_N)  # [ROWS, BN]
+        if TMA:
+            packed = q_desc.load([k // 8, tl.program_id(1) * BLOCK_N])
+        else:
+            packed = _load_columns(q_tile + (k // 8) * stride_qk, n_mask, EVEN_N)  # [ROWS, BN]
         if ROWS <= GROUP_ROWS:  # the step lies in one group: a row of scales and zeros
             rows = (k // group_size) * stride_sg  # < 2^31: K / G groups x N
         else:  # several groups a step: each int32 row reads its own group's
@@ -192,23 +198,24 @@ def gemv_rows(group_size: int, k: int, max_rows: int = MAX_ROWS) -> tuple[int, i
 def w4a16_gemv(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     group_size: int, blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
-    pairs: bool | None = None, stages: int = 1,
+    pairs: bool | None = None, stages: int = 1, tma: bool = False,
 ) -> torch.Tensor:
     """[M, K] x the 4-bit W [K, N] -> [M, N] in x's dtype (kernels/w4a16.py `w4a16_ref`).
     `blocks`: (BLOCK_N, max ROWS, num_warps); `split_k`: K shares, by default enough to fill
     the GPU; `pairs`: codes multiplied two at a time in fp16 (kernels/nibble_pairs.py), by
     default wherever it can (CUDA, bf16 or fp16 x); `stages`: steps of loads in flight
-    (Triton's software pipeline through shared memory). ValueError for shapes, strides or
-    dtypes it cannot take."""
+    (Triton's software pipeline through shared memory); `tma`: the codes' tiles loaded by the
+    tensor memory accelerator (Hopper), `stages` of them in flight. ValueError for shapes,
+    strides or dtypes it cannot take."""
     return _launch(PLAIN, x, None, None, 0.0, x.shape[-1], qweight, scales, zeros, group_size,
-                   blocks, split_k, pairs, stages)[0]
+                   blocks, split_k, pairs, stages, tma)[0]
 
 
 def w4a16_gemv_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
     blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
-    pairs: bool | None = None, stages: int = 1,
+    pairs: bool | None = None, stages: int = 1, tma: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) @ W, x + residual): kernels/rmsnorm.py's `rms_norm` and then
     `w4a16_gemv`, one launch (`residual` None: the norm of x, and x)."""
@@ -224,20 +231,20 @@ def w4a16_gemv_rmsnorm(
             "x's shape and dtype, and a contiguous [K] weight of x's dtype")
     form = NORM if residual is None else NORM_RESIDUAL
     return _launch(form, x, residual, norm_weight, eps, k, qweight, scales, zeros, group_size,
-                   blocks, split_k, pairs, stages)
+                   blocks, split_k, pairs, stages, tma)
 
 
 def w4a16_gemv_swiglu(
     gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     group_size: int, blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
-    pairs: bool | None = None, stages: int = 1,
+    pairs: bool | None = None, stages: int = 1, tma: bool = False,
 ) -> torch.Tensor:
     """(silu(gate) * up) @ W for gate_up = [gate | up] [M, 2K]: kernels/silu_mul.py's
     `silu_and_mul` and then `w4a16_gemv`, one launch."""
     if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
         raise ValueError(f"w4a16_gemv_swiglu: gate_up {tuple(gate_up.shape)}: need [M, 2K]")
     return _launch(SWIGLU, gate_up, None, None, 0.0, gate_up.shape[-1] // 2, qweight, scales,
-                   zeros, group_size, blocks, split_k, pairs, stages)[0]
+                   zeros, group_size, blocks, split_k, pairs, stages, tma)[0]
 
 
 def _launch(
@@ -245,6 +252,7 @@ def _launch(
     norm_weight: torch.Tensor | None, eps: float, k: int, qweight: torch.Tensor,
     scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
     blocks: tuple[int, int, int] | None, split_k: int | None, pairs: bool | None, stages: int,
+    tma: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, the new residual stream: x + residual for NORM_RESIDUAL, else x)."""
     kind = form.value  # a plain int for the launch's arguments
@@ -265,14 +273,18 @@ def _launch(
         return out, s_out
     parts, counters = plan.workspace(x, n)
     res = x if residual is None else residual
+    if tma and (qweight.stride(0) % 4 or qweight.data_ptr() % 16 or qweight.stride(1) != 1):
+        raise ValueError(f"w4a16_gemv: tma needs qweight's rows contiguous and 16-byte aligned, "
+                         f"got strides {qweight.stride()}")
+    codes = TensorDescriptor.from_tensor(qweight, [rows[0], block_n]) if tma else qweight
     _w4a16_gemv_kernel[plan.grid](
-        x, res, x if norm_weight is None else norm_weight, s_out, computed, qweight, scales,
-        zeros, out, parts, counters, m, n, k, group_size, plan.k_per_split, eps,
+        x, res, x if norm_weight is None else norm_weight, s_out, computed, qweight, codes,
+        scales, zeros, out, parts, counters, m, n, k, group_size, plan.k_per_split, eps,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
         BLOCK_N=block_n, ROWS=rows[0], GROUP_ROWS=rows[1], SPLIT_K=plan.split, FORM=kind,
         PRO_BLOCK=PROLOGUE_BLOCK, PREFETCH=kind != PLAIN.value and x.is_cuda,
         LINES=triton.cdiv(block_n, 32), PAIRS=pairs, PAIRS_ASM=x.is_cuda,
-        EVEN_N=n % block_n == 0, STAGES=stages,
+        EVEN_N=n % block_n == 0, STAGES=stages, TMA=tma,
         num_warps=warps,
     )
     return out, s_out

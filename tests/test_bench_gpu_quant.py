@@ -57,7 +57,9 @@ def test_w4a16_fp32_is_served_with_the_fp32_loop_and_nothing_else() -> None:
         assert W4A16Linear.pairs is True and W4A16Linear.stages == 1
     with serving("w4a16_st3"):
         assert W4A16Linear.stages == 3 and W4A16Linear.pairs is True
-    assert W4A16Linear.stages == 1
+    with serving("w4a16_tma"):
+        assert W4A16Linear.stages == 3 and W4A16Linear.tma is True
+    assert W4A16Linear.stages == 1 and W4A16Linear.tma is False
     with pytest.raises(RuntimeError), serving("w4a16_fp32"):
         raise RuntimeError("an engine that failed")
     assert W4A16Linear.pairs is True

@@ -166,6 +166,24 @@ def test_gemv_codes_in_pairs_match_the_reference(mkn, group: int, dtype: torch.d
     assert rel_err(paired.cpu(), ref) <= 1.5 * rel_err(fp32_loop.cpu(), ref) + 2.0**-10
 
 
+@pytest.mark.parametrize("stages", [1, 3])
+def test_gemv_codes_by_tma_equal_the_loaded_ones(stages: int) -> None:
+    """`tma`: the codes' tiles by descriptor (zero-filled past N), the same sums as loaded."""
+    k, n, group = 128, 40, 32
+    gen = torch.Generator().manual_seed(3)
+    codes = pack_rows(torch.randint(0, 16, (k, n), generator=gen))
+    args = [t.to(DEVICE) for t in (codes, torch.rand(k // group, n, generator=gen) + 0.01,
+                                   torch.randint(0, 16, (k // group, n), generator=gen)
+                                   .to(torch.uint8))]
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    loaded = w4a16_gemv(x, *args, group, (16, 4, 1), 2, pairs=True)
+    by_tma = w4a16_gemv(x, *args, group, (16, 4, 1), 2, pairs=True, tma=True, stages=stages)
+    assert torch.equal(by_tma, loaded)
+    rows_of_42 = torch.zeros(k // 8, 42, dtype=torch.int32, device=DEVICE)[:, :n]
+    with pytest.raises(ValueError, match="tma needs"):  # rows 168 bytes apart
+        w4a16_gemv(x, rows_of_42.copy_(args[0]), *args[1:], group, tma=True)
+
+
 def test_gemv_pairs_need_16_bit_x() -> None:
     q, s, z = pack_rows(torch.zeros(64, 16, dtype=torch.int64)), torch.ones(2, 16), \
         torch.zeros(2, 16, dtype=torch.uint8)

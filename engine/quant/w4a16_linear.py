@@ -60,6 +60,9 @@ class W4A16Linear(nn.Module):
     pairs = True
     # Steps of the GEMV's loads in flight (Triton's software pipeline; 1: none).
     stages = 1
+    # The GEMV's codes by TMA descriptor, `stages` tiles in flight (Hopper; gpu_quant system
+    # w4a16_tma). Off: not yet timed on a GPU.
+    tma = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -130,7 +133,8 @@ class W4A16Linear(nn.Module):
             args = (self._gather(x).contiguous(), self.qweight, self.scales, self.zeros,
                     self.group_size)
             if x.shape[0] <= GEMV_MAX_TOKENS and gemv_rows(self.group_size, x.shape[1]):
-                return w4a16_gemv(*args, pairs=self._pairs(), stages=self.stages)
+                return w4a16_gemv(*args, pairs=self._pairs(), stages=self.stages,
+                                  tma=self.tma)
             if x.shape[0] > GEMM_MAX_TOKENS and block_k_for(self.group_size, 8):
                 return w4a16_dequant_linear(*args)
             if block_k_for(self.group_size) is not None:
@@ -147,7 +151,7 @@ class W4A16Linear(nn.Module):
             return None
         y, s = w4a16_gemv_rmsnorm(x, residual, norm.weight, norm.eps, self.qweight,
                                   self.scales, self.zeros, self.group_size,
-                                  pairs=self._pairs(), stages=self.stages)
+                                  pairs=self._pairs(), stages=self.stages, tma=self.tma)
         return (y if self.bias is None else y + self.bias), s
 
     def silu_mul_linear(self, gate_up: torch.Tensor) -> torch.Tensor | None:
@@ -156,7 +160,7 @@ class W4A16Linear(nn.Module):
         if not self._gemv_fits(gate_up, gate_up.shape[-1] // 2):
             return None
         y = w4a16_gemv_swiglu(gate_up, self.qweight, self.scales, self.zeros, self.group_size,
-                              pairs=self._pairs(), stages=self.stages)
+                              pairs=self._pairs(), stages=self.stages, tma=self.tma)
         return y if self.bias is None else y + self.bias
 
     def _pairs(self) -> bool | None:

@@ -13,7 +13,8 @@ to nearest; the format detected from config.json);
 w4a16_fused serves that checkpoint with the norms and SwiGLU in the GEMV's prologue instead of
 as kernels of their own (`W4A16Linear.prologues` on), w4a16_fp32 with the GEMV's fp32 loop
 instead of its fp16 code pairs (`W4A16Linear.pairs` off), w4a16_st3 with three steps of the
-GEMV's loads in flight (`W4A16Linear.stages`). Any system with `_hostargmax` appended serves
+GEMV's loads in flight (`W4A16Linear.stages`), w4a16_tma with three of the codes' tiles in
+flight by TMA descriptor (`W4A16Linear.tma`). Any system with `_hostargmax` appended serves
 without the decode graphs' argmax graphs (engine/cuda_graphs.py: a greedy step's logits and
 argmax launched from the host, as before 2026-12-04). For each:
 
@@ -64,13 +65,13 @@ from pdserve.bench.gpu_model import (
 from pdserve.bench.report import bench_main, config_of, write_report
 
 SYSTEMS = ("bf16", "fp8", "fp8_kv8", "fp8_fused", "fp8_triton", "w4a16", "w4a16_fused",
-           "w4a16_fp32", "w4a16_st3")
+           "w4a16_fp32", "w4a16_st3", "w4a16_tma")
 HOST_ARGMAX = "_hostargmax"  # a system's suffix: its greedy steps without argmax graphs
 W4A16_GROUP = 128
 TARGET_MS = {"bf16": 1.2, "fp8": 0.8, "fp8_kv8": 0.8, "fp8_fused": 0.8, "fp8_triton": 0.8,
              "w4a16": 0.6,
              "w4a16_fused": 0.6,
-             "w4a16_fp32": 0.6, "w4a16_st3": 0.6}
+             "w4a16_fp32": 0.6, "w4a16_st3": 0.6, "w4a16_tma": 0.6}
 TARGET_MS.update({name + HOST_ARGMAX: ms for name, ms in TARGET_MS.items()})
 
 
@@ -138,6 +139,7 @@ def serving(system: str) -> Iterator[None]:
     """The settings `system` is served with, while the block runs: w4a16_fused turns
     `W4A16Linear.prologues` on (the norms and SwiGLU in the GEMV), w4a16_fp32 turns
     `W4A16Linear.pairs` off (the GEMV's fp32 loop), w4a16_st3 sets `W4A16Linear.stages` to 3,
+    w4a16_tma turns `W4A16Linear.tma` on with three stages (the codes by TMA),
     fp8_fused turns `Fp8Linear.fused_inputs` on (the norm / SwiGLU quantize the rows),
     fp8_triton turns `Fp8Linear.triton_gemm` on;
     the `_hostargmax` suffix sets `DecodeGraphs.argmax_max_batch` to 0."""
@@ -148,7 +150,8 @@ def serving(system: str) -> Iterator[None]:
     base = system.removesuffix(HOST_ARGMAX)
     settings = [(W4A16Linear, "prologues", base == "w4a16_fused"),
                 (W4A16Linear, "pairs", base != "w4a16_fp32"),
-                (W4A16Linear, "stages", 3 if base == "w4a16_st3" else 1),
+                (W4A16Linear, "stages", 3 if base in ("w4a16_st3", "w4a16_tma") else 1),
+                (W4A16Linear, "tma", base == "w4a16_tma"),
                 (Fp8Linear, "fused_inputs", base == "fp8_fused"),
                 (Fp8Linear, "triton_gemm", base == "fp8_triton"),
                 (DecodeGraphs, "argmax_max_batch",

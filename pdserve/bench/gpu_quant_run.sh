@@ -19,6 +19,7 @@
 #             the fp32 loop and with codes in fp16 pairs (weights from DRAM), batch-1 of
 #             PAIR_SYSTEMS (default w4a16,w4a16_fp32) twice, the order reversed, then
 #             PAIR_EXTRA (default w4a16_fused), and the decode graphs' kernels of PAIR_SYSTEMS
+#             (the codes by TMA: PAIR_TESTS='tma or pairs' PAIR_SYSTEMS=w4a16,w4a16_tma)
 #   argmax    the decode graphs' tests on the GPU, then batch-1 of each of ARGMAX_ORDERS (system
 #             lists, each in a process of its own; default w4a16 against w4a16_hostargmax three
 #             times, the order alternated, then bf16 against bf16_hostargmax), then

@@ -38,8 +38,10 @@ TILES = ((16, 32), (16, 64), (16, 128))  # GEMM (BLOCK_M, BLOCK_N)
 GEMV_TILES = ((16, 16, 1), (32, 16, 2), (64, 16, 4), (16, 32, 1), (32, 32, 2), (32, 32, 4),
               (64, 32, 4), (32, 64, 2), (32, 64, 4), (64, 64, 4))
 SPLITS = (1, 2, 4, 8, 16)
-# the pairs loop's variants: as it is, and with Triton's software pipeline (three steps)
-PAIR_VARIANTS = {"": {}, "_st3": {"stages": 3}}
+# the pairs loop's variants: as it is, with Triton's software pipeline (three steps), and the
+# codes' tiles by TMA descriptor (one, three or four steps in flight)
+PAIR_VARIANTS = {"": {}, "_st3": {"stages": 3}, "_tma1": {"tma": True},
+                 "_tma3": {"tma": True, "stages": 3}, "_tma4": {"tma": True, "stages": 4}}
 GROUP = 128
 
 

@@ -5,6 +5,7 @@ opcodes by count.
 
     PYTHONPATH=. python -m pdserve.bench.sass_loop PAIRS=1            # codes in fp16 pairs
     PYTHONPATH=. python -m pdserve.bench.sass_loop PAIRS=0 BLOCK_N=16 ROWS=16 warps=1
+    PYTHONPATH=. python -m pdserve.bench.sass_loop TMA=1 STAGES=3 warps=8  # codes by TMA
 
 Any KEY=VALUE overrides a constexpr of the kernel (or `warps`); `dump=1` prints the SASS.
 Without the divisibility specializations the loop reads 2-3x larger (scalar loads, 64-bit
@@ -21,7 +22,7 @@ import sys
 import tempfile
 
 DEFAULTS = dict(BLOCK_N=64, ROWS=64, GROUP_ROWS=16, SPLIT_K=1, FORM=0, PRO_BLOCK=1024,
-                PREFETCH=0, LINES=2, M=1, PAIRS=1, PAIRS_ASM=1, EVEN_N=1, STAGES=1)
+                PREFETCH=0, LINES=2, M=1, PAIRS=1, PAIRS_ASM=1, EVEN_N=1, STAGES=1, TMA=0)
 POINTERS = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "s_out_ptr": "*bf16",
             "xc_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8",
             "out_ptr": "*bf16", "part_ptr": "*fp32", "ticket_ptr": "*i32", "eps": "fp32"}
@@ -38,8 +39,10 @@ def sass(overrides: dict[str, int]) -> str:
     consts = {**DEFAULTS, **{k: v for k, v in overrides.items() if k in fn.arg_names}}
     signature = {n: "constexpr" if n in consts else POINTERS.get(n, "i32")
                  for n in fn.arg_names}
+    signature["q_desc"] = (f"tensordesc<i32[{consts['ROWS']}, {consts['BLOCK_N']}]>"
+                           if consts["TMA"] else "*i32")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and n not in UNALIGNED}
+             if n not in consts and n not in UNALIGNED and not (n == "q_desc" and consts["TMA"])}
     source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()},
                        attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
