@@ -264,6 +264,9 @@ def _launch(
         else None
     check_inputs("w4a16_gemv", x[:, :k] if x.dim() == 2 else x, qweight, scales, zeros,
                  group_size, None if rows is None else 8 * rows[0])
+    if tma and (qweight.stride(0) % 4 or qweight.data_ptr() % 16):  # rows contiguous: checked
+        raise ValueError(f"w4a16_gemv: tma needs qweight's rows 16-byte aligned, got strides "
+                         f"{qweight.stride()}")
     m, n = x.shape[0], qweight.shape[1]
     pairs = _pairs_fit(x, kind, pairs)
     plan = split_k_plan(x, k, 8 * rows[0], (m, triton.cdiv(n, block_n)), split_k,
@@ -276,9 +279,6 @@ def _launch(
         return out, s_out
     parts, counters = plan.workspace(x, n)
     res = x if residual is None else residual
-    if tma and (qweight.stride(0) % 4 or qweight.data_ptr() % 16 or qweight.stride(1) != 1):
-        raise ValueError(f"w4a16_gemv: tma needs qweight's rows contiguous and 16-byte aligned, "
-                         f"got strides {qweight.stride()}")
     codes = TensorDescriptor.from_tensor(qweight, [rows[0], block_n]) if tma else qweight
     _w4a16_gemv_kernel[plan.grid](
         x, res, x if norm_weight is None else norm_weight, s_out, computed, qweight, codes,
