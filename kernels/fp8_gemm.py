@@ -80,6 +80,7 @@ def _fp8_gemm_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # BLOCK_K divides K: no K masks
     UPCAST: tl.constexpr,  # widen the fp8 tiles to fp32 before the dot (the interpreter)
+    IMPRECISE_ACC: tl.constexpr,  # > 0: the tensor cores' sum moved to fp32 every this many K
 ):
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -101,6 +102,8 @@ def _fp8_gemm_kernel(
         if UPCAST:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
                          input_precision="ieee")
+        elif IMPRECISE_ACC > 0:
+            acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=IMPRECISE_ACC)
         else:
             acc = tl.dot(x, tl.trans(w), acc)  # fp8 x fp8 -> fp32 on the tensor cores
     sx = tl.load(sx_ptr + tl.minimum(rm, M - 1).to(tl.int64) * stride_sm)  # [BM]
@@ -124,6 +127,9 @@ class Fp8GemmConfig:
     warps: int = 4
     stages: int = 3
     group_m: int = 8
+    # > 0: the tensor cores' running sum is added into an fp32 accumulator every this many K
+    # (tl.dot's max_num_imprecise_acc; use_fast_accum=False's promotion), 0: Triton's default
+    imprecise_acc: int = 0
 
     def __post_init__(self) -> None:
         for name, least in (("block_m", 16), ("block_n", 16), ("block_k", MIN_BLOCK_K),
@@ -134,11 +140,14 @@ class Fp8GemmConfig:
         for name in ("split_k", "stages", "group_m"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Fp8GemmConfig: {name} {getattr(self, name)} is below 1")
+        if self.imprecise_acc < 0:
+            raise ValueError(f"Fp8GemmConfig: imprecise_acc {self.imprecise_acc} is below 0")
 
     @property
     def label(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}k{self.split_k}"
-                f"w{self.warps}s{self.stages}")
+                f"w{self.warps}s{self.stages}"
+                + (f"a{self.imprecise_acc}" if self.imprecise_acc else ""))
 
 
 def default_config(m: int, n: int, k: int, sm_count: int) -> Fp8GemmConfig:
@@ -210,6 +219,7 @@ def fp8_gemm(
         xq.stride(0), x_scale.stride(0), wq.stride(0), out.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, SPLIT_K=plan.split, EVEN_K=k % config.block_k == 0,
-        UPCAST=INTERPRET, num_warps=config.warps, num_stages=config.stages,
+        UPCAST=INTERPRET, IMPRECISE_ACC=config.imprecise_acc, num_warps=config.warps,
+        num_stages=config.stages,
     )
     return out

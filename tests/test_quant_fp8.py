@@ -338,10 +338,10 @@ def test_fp8_rows_quantized_by_the_norm_and_swiglu_give_the_same_logits(
     monkeypatch.setattr(kernels.fp8_quant, "quantize_rows",
                         lambda x: calls.append(x.shape[0]) or quantize(x))
     prompt = list(range(10, 74))
-    monkeypatch.setattr(Fp8Linear, "fused_inputs", True)  # gpu_quant's fp8_fused
+    monkeypatch.setattr(Fp8Linear, "fused_inputs", True)  # the default
     fused = _prefill_logits(llm, prompt)
     fused_calls, calls[:] = list(calls), []
-    monkeypatch.setattr(Fp8Linear, "fused_inputs", False)  # the default
+    monkeypatch.setattr(Fp8Linear, "fused_inputs", False)  # gpu_quant's fp8_unfused
     unfused = _prefill_logits(llm, prompt)
     layers = len(model.model.layers)
     assert fused_calls == [64] * layers and calls == [64] * (4 * layers)

@@ -8,7 +8,7 @@ H100 (64 launches a step on the 16-layer 1B model; docs/benchmarks.md "One H100 
 W1 traced, bf16 and FP8"); three of each layer's four now ride in a kernel that runs anyway.
 
 Each helper returns None where it does not apply: the projection is not an `Fp8Linear`, its
-`fused_inputs` is off (the default until a GPU has run these kernels), or it would not quantize
+`fused_inputs` is off (it is on by default), or it would not quantize
 its rows per token at this token count (`Fp8Linear.takes_fp8_rows`: CUDA, torch._scaled_mm,
 bf16, dynamic activation scales, more than W8A16_MAX_TOKENS tokens). The caller then runs the
 unfused path; where a helper applies, its result is that path's, bit for bit. Called by

@@ -5,8 +5,9 @@
 The model of `pdserve bench gpu` (gpu_model.py: bf16 weights on disk) is served several ways,
 one engine after the other in this process: as it is (bf16), `quantization="fp8"` (quantized on
 load), the same with `kv_cache_dtype="fp8"` (fp8_kv8: what `--quantization fp8 --kv-cache-dtype
-fp8` serves) or with the activations quantized by the norm or SwiGLU before each projection
-(fp8_fused: engine/models/fp8_inputs.py) or with its rows' products by the Triton FP8
+fp8` serves; its activations quantized by the norm or SwiGLU before each projection,
+engine/models/fp8_inputs.py) or with each projection quantizing its own activations
+(fp8_unfused) or with its rows' products by the Triton FP8
 GEMM (fp8_triton: kernels/fp8_gemm.py, not torch._scaled_mm) and a W4A16 checkpoint written
 from it by engine/quant/w4a16_quantize.py (AutoAWQ's `gemm` layout, group 128 with zeros, round
 to nearest; the format detected from config.json);
@@ -64,11 +65,11 @@ from pdserve.bench.gpu_model import (
 )
 from pdserve.bench.report import bench_main, config_of, write_report
 
-SYSTEMS = ("bf16", "fp8", "fp8_kv8", "fp8_fused", "fp8_triton", "w4a16", "w4a16_fused",
+SYSTEMS = ("bf16", "fp8", "fp8_kv8", "fp8_unfused", "fp8_triton", "w4a16", "w4a16_fused",
            "w4a16_fp32", "w4a16_st3", "w4a16_tma")
 HOST_ARGMAX = "_hostargmax"  # a system's suffix: its greedy steps without argmax graphs
 W4A16_GROUP = 128
-TARGET_MS = {"bf16": 1.2, "fp8": 0.8, "fp8_kv8": 0.8, "fp8_fused": 0.8, "fp8_triton": 0.8,
+TARGET_MS = {"bf16": 1.2, "fp8": 0.8, "fp8_kv8": 0.8, "fp8_unfused": 0.8, "fp8_triton": 0.8,
              "w4a16": 0.6,
              "w4a16_fused": 0.6,
              "w4a16_fp32": 0.6, "w4a16_st3": 0.6, "w4a16_tma": 0.6}
@@ -140,7 +141,7 @@ def serving(system: str) -> Iterator[None]:
     `W4A16Linear.prologues` on (the norms and SwiGLU in the GEMV), w4a16_fp32 turns
     `W4A16Linear.pairs` off (the GEMV's fp32 loop), w4a16_st3 sets `W4A16Linear.stages` to 3,
     w4a16_tma turns `W4A16Linear.tma` on with three stages (the codes by TMA),
-    fp8_fused turns `Fp8Linear.fused_inputs` on (the norm / SwiGLU quantize the rows),
+    fp8_unfused turns `Fp8Linear.fused_inputs` off (each projection quantizes its rows),
     fp8_triton turns `Fp8Linear.triton_gemm` on;
     the `_hostargmax` suffix sets `DecodeGraphs.argmax_max_batch` to 0."""
     from engine.cuda_graphs import DecodeGraphs
@@ -152,7 +153,7 @@ def serving(system: str) -> Iterator[None]:
                 (W4A16Linear, "pairs", base != "w4a16_fp32"),
                 (W4A16Linear, "stages", 3 if base in ("w4a16_st3", "w4a16_tma") else 1),
                 (W4A16Linear, "tma", base == "w4a16_tma"),
-                (Fp8Linear, "fused_inputs", base == "fp8_fused"),
+                (Fp8Linear, "fused_inputs", base != "fp8_unfused"),
                 (Fp8Linear, "triton_gemm", base == "fp8_triton"),
                 (DecodeGraphs, "argmax_max_batch",
                  0 if system.endswith(HOST_ARGMAX) else DecodeGraphs.argmax_max_batch)]
@@ -172,7 +173,7 @@ def engine_for(system: str, base: RandomModel, kwargs: dict[str, Any]) -> Random
     system = system.removesuffix(HOST_ARGMAX)
     if system == "bf16":
         return base
-    if system in ("fp8", "fp8_kv8", "fp8_fused", "fp8_triton"):
+    if system in ("fp8", "fp8_kv8", "fp8_unfused", "fp8_triton"):
         kv = {"kv_cache_dtype": "fp8"} if system == "fp8_kv8" else {}
         return RandomModel(base.sizes, base.device, base.seed, base.folder,
                            {**kwargs, "quantization": "fp8", **kv})

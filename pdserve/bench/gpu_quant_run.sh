@@ -32,9 +32,11 @@
 #             batch N (PDSERVE_ARGMAX_GRAPH_MAX_BATCH; default 16)
 #   fp8rows   the FP8 GEMM's and the fused activation quantization's tests on the GPU, the
 #             FP8 GEMMs at ROWS_TOKENS (default 256: torch._scaled_mm against
-#             kernels/fp8_gemm.py's tiles), then W1 and batch 1 of bf16, fp8, fp8_fused
-#             (the activations quantized by the norm / SwiGLU before each projection) and
-#             fp8_triton (the rows' products by kernels/fp8_gemm.py), W1_RUNS each (default 3)
+#             kernels/fp8_gemm.py's tiles) and the Triton FP8 GEMM's error launch by launch
+#             (pdserve.bench.fp8_gemm_error: fp8_gemm_error.json), then W1 and batch 1 of
+#             ROWS_SYSTEMS (default bf16, fp8 and fp8_unfused: each projection quantizing its
+#             own activations; fp8_triton: the rows' products by kernels/fp8_gemm.py),
+#             W1_RUNS each (default 3)
 # Reports in $OUT; a fresh PDSERVE_CACHE_DIR, so every GEMV plan is timed, none recorded.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -124,12 +126,14 @@ for part in "${@:-tests kernels latency}"; do
           status=$((status | PIPESTATUS[0]))
         done ;;
       fp8rows)
-        python3 -m pytest -q -p no:cacheprovider tests/test_kernel_fp8_gemm.py \
-            tests/test_kernels_fp8_fused.py tests/test_quant_fp8.py 2>&1 | tail -3
+        python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_kernel_fp8_gemm.py \
+            tests/test_kernels_fp8_fused.py tests/test_quant_fp8.py 2>&1 | tail -12
         status=$((status | PIPESTATUS[0]))
+        python3 -m pdserve.bench.fp8_gemm_error --output-json "$OUT/fp8_gemm_error.json" \
+            > "$OUT/fp8_gemm_error.txt" 2>&1 || status=1
         python3 -m pdserve.bench.gpu_quant_gemm --out "$OUT" --tokens "${ROWS_TOKENS:-256}" \
             2>&1 | grep -v "^ *$" | tail -12 || status=1
-        python3 -m pdserve.bench.gpu_quant --out "$OUT/rows" --systems bf16,fp8,fp8_fused,fp8_triton \
+        python3 -m pdserve.bench.gpu_quant --out "$OUT/rows" --systems "${ROWS_SYSTEMS:-bf16,fp8,fp8_unfused}" \
             --w1-runs "${W1_RUNS:-3}" 2>&1 | grep -E "W1|batch-1" || status=1 ;;
       *) echo "unknown part $p"; status=1 ;;
     esac
