@@ -122,26 +122,16 @@ def test_layer_hooks_equal_the_unfused_layer_on_the_gpu(monkeypatch, dtype: torc
 _COMPILE_FOR_HOPPER = """
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 import kernels.gemv_inputs as inputs
-from kernels.w4a16_gemv import _w4a16_gemv_kernel as fn
+from pdserve.bench.sass_loop import gemv_source
 
-pointers = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "s_out_ptr": "*bf16",
-            "xc_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8",
-            "out_ptr": "*bf16", "part_ptr": "*fp32", "ticket_ptr": "*i32", "eps": "fp32",
-            "q_desc": "*i32"}
 for form in ("PLAIN", "NORM", "NORM_RESIDUAL", "SWIGLU", "PLAIN_TMA"):
     tma = form.endswith("_TMA")
     consts = dict(BLOCK_N=64, ROWS=16, GROUP_ROWS=16, SPLIT_K=2,
                   FORM=getattr(inputs, form.removesuffix("_TMA")).value, PRO_BLOCK=1024,
                   PREFETCH=form not in ("PLAIN", "PLAIN_TMA"), LINES=2, PAIRS=form != "NORM",
                   PAIRS_ASM=True, EVEN_N=form == "SWIGLU", STAGES=3 if tma else 1, TMA=tma)
-    signature = {name: "constexpr" if name in consts else pointers.get(name, "i32")
-                 for name in fn.arg_names}
-    if tma:
-        signature["q_desc"] = "tensordesc<i32[16, 64]>"
-    source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()})
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+    ptx = triton.compile(gemv_source(consts, divisible=False), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 4}).asm["ptx"]
     print(form, ptx.count("cp.async.bulk.tensor" if tma else "ld.global"))
 """

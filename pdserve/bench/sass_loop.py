@@ -29,22 +29,34 @@ POINTERS = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "s_out_ptr"
 UNALIGNED = ("eps", "group_size")  # arguments a launch does not specialize
 
 
-def sass(overrides: dict[str, int]) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
+def gemv_source(consts: dict[str, int], divisible: bool = True) -> object:
+    """The W4A16 GEMV as Triton's compiler takes it (an ASTSource): `consts` its constexprs
+    (every one), bf16 activations' pointer types, the codes' descriptor where TMA is on;
+    `divisible`: pointers, sizes and strides marked divisible by 16, as a launch specializes
+    them (tests/test_kernel_w4a16_gemv_inputs.py compiles without)."""
     from triton.compiler import ASTSource
 
     from kernels.w4a16_gemv import _w4a16_gemv_kernel as fn
 
-    consts = {**DEFAULTS, **{k: v for k, v in overrides.items() if k in fn.arg_names}}
     signature = {n: "constexpr" if n in consts else POINTERS.get(n, "i32")
                  for n in fn.arg_names}
     signature["q_desc"] = (f"tensordesc<i32[{consts['ROWS']}, {consts['BLOCK_N']}]>"
                            if consts["TMA"] else "*i32")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and n not in UNALIGNED and not (n == "q_desc" and consts["TMA"])}
-    source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()},
-                       attrs)
+             if divisible and n not in consts and n not in UNALIGNED
+             and not (n == "q_desc" and consts["TMA"])}
+    return ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()},
+                     attrs)
+
+
+def sass(overrides: dict[str, int]) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from kernels.w4a16_gemv import _w4a16_gemv_kernel as fn
+
+    consts = {**DEFAULTS, **{k: v for k, v in overrides.items() if k in fn.arg_names}}
+    source = gemv_source(consts)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": overrides.get("warps", 4)})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
