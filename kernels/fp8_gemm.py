@@ -140,8 +140,9 @@ class Fp8GemmConfig:
         for name in ("split_k", "stages", "group_m"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Fp8GemmConfig: {name} {getattr(self, name)} is below 1")
-        if self.imprecise_acc < 0:
-            raise ValueError(f"Fp8GemmConfig: imprecise_acc {self.imprecise_acc} is below 0")
+        if not 0 <= self.imprecise_acc <= self.block_k:
+            raise ValueError(f"Fp8GemmConfig: imprecise_acc {self.imprecise_acc} is not in "
+                             f"0..block_k ({self.block_k})")
 
     @property
     def label(self) -> str:
