@@ -25,13 +25,13 @@ def ptx(fn, pointers, consts, warps):
                           options={"num_warps": warps}).asm["ptx"]
 
 FP8 = dict(FP8_LIMIT=448.0, SCALE_FLOOR=1e-12, ROUND_FIRST=False)
-for split in (1, 4):
+for name, split, acc in (("gemm_split1", 1, 0), ("gemm_split4", 4, 0), ("gemm_acc32", 1, 32)):
     text = ptx(_fp8_gemm_kernel, {"xq_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "w_ptr": "*fp8e4nv",
                                   "sw_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
                                   "ticket_ptr": "*i32"},
                dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, SPLIT_K=split,
-                    EVEN_K=True, UPCAST=False), 8)
-    print(f"gemm_split{split}", text.count("wgmma.mma_async"))
+                    EVEN_K=True, UPCAST=False, IMPRECISE_ACC=acc), 8)
+    print(name, text.count("wgmma.mma_async"))
 rows = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
         "res_out_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "eps": "fp32"}
 print("rms_norm", len(ptx(_rms_norm_kernel, rows, dict(HAS_RESIDUAL=True, BLOCK=2048), 8)))
@@ -45,6 +45,6 @@ print("quantize_rows", len(ptx(_quantize_rows_kernel, rows, dict(BLOCK=2048, **F
 
 def test_the_fp8_kernels_compile_for_hopper() -> None:
     built = compile_for_hopper(_COMPILE)
-    assert list(built) == ["gemm_split1", "gemm_split4", "rms_norm", "rms_norm_fp8",
-                           "silu_mul", "silu_mul_fp8", "quantize_rows"]
-    assert int(built["gemm_split1"]) > 0 and int(built["gemm_split4"]) > 0  # fp8 tensor cores
+    assert list(built) == ["gemm_split1", "gemm_split4", "gemm_acc32", "rms_norm",
+                           "rms_norm_fp8", "silu_mul", "silu_mul_fp8", "quantize_rows"]
+    assert all(int(built[g]) > 0 for g in ("gemm_split1", "gemm_split4", "gemm_acc32"))  # wgmma
