@@ -53,9 +53,11 @@ def _rss() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def calls_growth(build: Any, min_mib: float, depth: int) -> tuple[Any, list[dict[str, Any]]]:
-    """`build()` under the profile hook: its result and the repository's calls that grew the
-    process by `min_mib` or more, in the order they returned, with their depth."""
+def calls_growth(build: Any, min_mib: float, depth: int,
+                 root: str = REPO) -> tuple[Any, list[dict[str, Any]]]:
+    """`build()` under the profile hook: its result and the calls of code under `root` (the
+    repository) that grew the process by `min_mib` or more, in the order they returned, with
+    their depth."""
     starts: list[float] = []
     kept: list[dict[str, Any]] = []
 
@@ -65,8 +67,8 @@ def calls_growth(build: Any, min_mib: float, depth: int) -> tuple[Any, list[dict
         elif event == "return" and starts:
             grown = _rss() - starts.pop()
             code = frame.f_code
-            if grown >= min_mib and len(starts) <= depth and code.co_filename.startswith(REPO):
-                where = os.path.relpath(code.co_filename, REPO)
+            if grown >= min_mib and len(starts) <= depth and code.co_filename.startswith(root):
+                where = os.path.relpath(code.co_filename, root)
                 kept.append({"depth": len(starts), "mib": round(grown, 1),
                              "call": f"{where}:{code.co_name}"})
 
