@@ -54,6 +54,14 @@ def scaled_mm_ref(
     return y.to(out_dtype)
 
 
+def scaled_mm_magnitude(
+    xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
+) -> torch.Tensor:  # [M, N] fp32: sum_k |xq w| scaled, as `scaled_mm_ref`'s operands
+    """What an accumulator's rounding in `scaled_mm` is bounded by: the sum of the products'
+    magnitudes (the result itself can be small by cancellation)."""
+    return (xq.float().abs() @ qweight.float().abs().t()) * x_scale * w_scale[None, :]
+
+
 # ---- torch._scaled_mm ----------------------------------------------------------------------------
 def scaled_mm_supported(device: torch.device, in_features: int, out_features: int) -> bool:
     """Whether `scaled_mm` runs here: a CUDA device of compute capability >= 8.9 (fp8 tensor

@@ -15,8 +15,8 @@ one term per group:
 With PAIRS (16-bit x) the loop instead multiplies two codes an instruction in fp16, the zeros
 subtracted exactly inside (kernels/nibble_pairs.py), and scales each int32's partial dot.
 With TMA the codes' [ROWS, BLOCK_N] tiles come by descriptor into shared memory, STAGES of
-them in flight, issued by one thread (more bytes on their way without more registers; not yet
-timed on a GPU: docs/benchmarks.md).
+them in flight, issued by one thread (more bytes on their way without more registers). Off in
+the layer: slower on an H100 (2026-12-07, docs/benchmarks.md).
 
 Rows of x beyond the first re-read W (from L2): for M <= GEMV_MAX_TOKENS only (the layer's
 choice; the kernel takes any M). SPLIT_K > 1:

@@ -21,9 +21,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine.quant.fp8 import quantize_weight  # noqa: E402
-from kernels.fp8 import FP8, quantize_rows_ref, scaled_mm_ref  # noqa: E402
+from kernels.fp8 import FP8, scaled_mm_magnitude, scaled_mm_ref  # noqa: E402
 from kernels.fp8_gemm import Fp8GemmConfig, default_config, fp8_gemm, split_plan  # noqa: E402
+from pdserve.bench.fp8_gemm_error import operands  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -33,7 +33,7 @@ OF_MAGNITUDE = 2e-3 if CUDA else 1e-6
 def _within(y: torch.Tensor, xq, sx, wq, sw) -> None:
     """y within the accumulation's bound of `scaled_mm_ref` (see the module's docstring)."""
     ref = scaled_mm_ref(xq, sx.reshape(-1, 1), wq, sw, torch.float32)
-    magnitude = (xq.float().abs() @ wq.float().abs().t()) * sx.reshape(-1, 1) * sw[None, :]
+    magnitude = scaled_mm_magnitude(xq, sx.reshape(-1, 1), wq, sw)
     bound = OF_MAGNITUDE * magnitude + 1e-6
     if y.dtype == torch.bfloat16:
         bound = bound + ref.abs() * 2.0**-7
@@ -42,14 +42,7 @@ def _within(y: torch.Tensor, xq, sx, wq, sw) -> None:
 
 
 def _operands(m: int, n: int, k: int, seed: int, zero_row: int | None = None):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * torch.linspace(0.5, 4.0, m)[:, None]
-    if zero_row is not None:
-        x[zero_row] = 0.0
-    w = torch.randn(n, k, generator=g) * torch.linspace(0.1, 3.0, n)[:, None]
-    xq, sx = quantize_rows_ref(x)
-    q = quantize_weight(w)
-    return [t.to(DEVICE) for t in (xq, sx, q.qweight, q.scale)]
+    return operands(m, n, k, seed, DEVICE, zero_row)
 
 
 # (M, N, K), the launch: BLOCK_K 32 leaves K = 80 / 208 a partial last step, BLOCK_N 32 leaves
