@@ -39,6 +39,7 @@ from typing import Any
 
 from pdserve.bench import llamacpp_peer
 from pdserve.bench.report import bench_main, config_of, write_report
+from pdserve.bench.rss_calls import rss_mib
 
 VARIANTS = {"gguf": {"quantization": "gguf"}, "fp32": {"quantization": "none", "dtype": "float32"},
             "llamacpp": {}}
@@ -170,7 +171,7 @@ def measure_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
                                       args.prompt_len + max(args.single_tokens + 1,
                                                             args.batch_tokens, 16))
     load_s = time.perf_counter() - start
-    rss = _rss_mib()
+    rss = rss_mib()
     weights = os.path.getsize(path) / 2**20  # llama.cpp maps the whole file
     single, batched, first = _single_and_batched(peer.generate, args, peer.n_vocab)
     peer.close()
@@ -182,19 +183,19 @@ def measure(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     """One engine of `variant`: its memory after load, single-stream and batched speed."""
     if variant == PEER:
         return measure_llamacpp(args)
-    stages = {"start": _rss_mib()}
+    stages = {"start": rss_mib()}
     import torch
 
-    stages["torch"] = _rss_mib()
+    stages["torch"] = rss_mib()
     from pdserve import LLM, SamplingParams
 
-    stages["pdserve"] = _rss_mib()
+    stages["pdserve"] = rss_mib()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     llm = LLM(args.model, kv_cache_memory=args.kv_cache_mib << 20,
               max_model_len=args.max_model_len, device="cpu", **VARIANTS[variant])
     load_s = time.perf_counter() - start
-    rss = stages["engine"] = _rss_mib()
+    rss = stages["engine"] = rss_mib()
     weights = _weights_bytes(llm.llm_engine.runner.model) / 2**20
 
     def generate(prompts: list[list[int]], tokens: int) -> list[list[int]]:
@@ -205,14 +206,6 @@ def measure(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     single, batched, first = _single_and_batched(generate, args, llm.get_tokenizer().vocab_size)
     return {"load_s": load_s, "rss_mib": rss, "weights_mib": weights, "ms_per_token": single,
             "batch_tok_s": batched, "first_tokens": first, "rss_stages": stages}
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _weights_bytes(model: Any) -> int:

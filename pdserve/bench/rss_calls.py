@@ -48,7 +48,8 @@ def status_mib(*keys: str) -> dict[str, float]:
     return out
 
 
-def _rss() -> float:
+def rss_mib() -> float:
+    """This process's resident memory (VmRSS) in MiB."""
     with open("/proc/self/statm") as f:  # (resident pages: the cheapest read of VmRSS)
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
@@ -63,9 +64,9 @@ def calls_growth(build: Any, min_mib: float, depth: int,
 
     def hook(frame: Any, event: str, arg: Any) -> None:
         if event == "call":
-            starts.append(_rss())
+            starts.append(rss_mib())
         elif event == "return" and starts:
-            grown = _rss() - starts.pop()
+            grown = rss_mib() - starts.pop()
             code = frame.f_code
             if grown >= min_mib and len(starts) <= depth and code.co_filename.startswith(root):
                 where = os.path.relpath(code.co_filename, root)
@@ -87,11 +88,11 @@ def codec_alone(model: str) -> dict[str, float]:
 
     from engine.model_loader import load_text_codec
 
-    stages = {"before": _rss()}
+    stages = {"before": rss_mib()}
     codec = load_text_codec(model)
-    stages["loaded"] = _rss()
+    stages["loaded"] = rss_mib()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    stages["trimmed"] = _rss()
+    stages["trimmed"] = rss_mib()
     assert codec is not None, "the model has no plain tokenizers codec"
     return stages
 
@@ -106,15 +107,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report = {"config": config_of(args), "model": model, "codec_alone": stages}
         write_report(report, args.output_json)
         return report
-    stages = {"start": _rss()}
+    stages = {"start": rss_mib()}
     import torch
 
-    stages["torch"] = _rss()
+    stages["torch"] = rss_mib()
     from engine.model_loader import resolve_model
     from pdserve import LLM
     from pdserve.bench.cpu_gguf import _weights_bytes
 
-    stages["pdserve"] = _rss()
+    stages["pdserve"] = rss_mib()
     model = resolve_model(args.model)
 
     def build() -> Any:
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     with torch.inference_mode():
         llm, calls = calls_growth(build, args.min_mib, args.depth)
-    stages["engine"] = _rss()
+    stages["engine"] = rss_mib()
     report = {"config": config_of(args), "model": model, "rss_stages": stages,
               "end": status_mib("VmRSS", "RssAnon", "RssFile"),
               "weights_mib": _weights_bytes(llm.llm_engine.runner.model) / 2**20, "calls": calls}
