@@ -21,13 +21,10 @@ from typing import Any
 
 import grpc
 
+from gateway.shared_call import SharedCall, status, status_from_wire
 from protos import decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-
-def _status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class GenerateCalls:
@@ -71,94 +68,46 @@ def _own_call(channel: grpc.aio.Channel, request: decode_pb2.GenerateRequest,
     return decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=timeout_s)
 
 
-class StreamsCall:
-    """One GenerateStreams call: opens and cancels written in order by one task, replies read
-    by another and handed to each request's `RequestCall`."""
+class StreamsCall(SharedCall):
+    """One GenerateStreams call: opens and cancels written in order, replies handed to each
+    request's `RequestCall` (gateway/shared_call.py)."""
 
     def __init__(self, stub: decode_pb2_grpc.DecodeStub,
-                 on_end: Callable[[StreamsCall], None] = lambda ended: None) -> None:
-        self._call = stub.GenerateStreams()
-        self._on_end = on_end
+                 on_end: Callable[[SharedCall], None] = lambda ended: None) -> None:
         self._open: dict[str, RequestCall] = {}
-        self._outbox: list[decode_pb2.GenerateStreamsRequest] = []
-        self._wrote = asyncio.Event()
-        self.failed: grpc.aio.AioRpcError | None = None
-        self._tasks = {asyncio.create_task(self._write()), asyncio.create_task(self._read())}
+        super().__init__(stub.GenerateStreams(), "decode", on_end)
 
     def open(self, request: decode_pb2.GenerateRequest, timeout_s: float | None,
              fallback: Any) -> RequestCall:
         call = RequestCall(self, request.request_id, timeout_s, fallback)
         if request.request_id in self._open:
-            call.end(_status(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"request {request.request_id!r} is open on this stream already"))
+            call.end(status(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"request {request.request_id!r} is open on this stream already"))
             return call
         self._open[request.request_id] = call
-        self._send(decode_pb2.GenerateStreamsRequest(opens=[request]))
+        self.send(decode_pb2.GenerateStreamsRequest(opens=[request]))
         return call
 
     def cancel(self, request_id: str) -> None:
         if self._open.pop(request_id, None) is not None:
-            self._send(decode_pb2.GenerateStreamsRequest(cancels=[request_id]))
+            self.send(decode_pb2.GenerateStreamsRequest(cancels=[request_id]))
 
-    def _send(self, message: decode_pb2.GenerateStreamsRequest) -> None:
-        self._outbox.append(message)
-        self._wrote.set()
+    def route(self, reply: decode_pb2.GenerateStreamsReply) -> None:
+        for event in reply.events:
+            call = self._open.get(event.request_id)
+            if call is None:  # cancelled meanwhile
+                continue
+            if event.WhichOneof("event") == "response":
+                call.put(event.response)
+                continue
+            del self._open[event.request_id]
+            call.end(None if event.end_code == 0
+                     else status_from_wire(event.end_code, event.end_message))
 
-    async def _write(self) -> None:
-        """What was sent in one event-loop turn goes as one message."""
-        try:
-            while True:
-                await self._wrote.wait()
-                self._wrote.clear()
-                taken, self._outbox = self._outbox, []
-                message = decode_pb2.GenerateStreamsRequest()
-                for m in taken:
-                    message.opens.extend(m.opens)
-                    message.cancels.extend(m.cancels)
-                await self._call.write(message)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
-            pass  # the call ended: `_read` tells the requests why
-
-    async def _read(self) -> None:
-        failure = _status(grpc.StatusCode.UNAVAILABLE, "the decode worker ended the stream")
-        try:
-            while True:
-                reply = await self._call.read()
-                if reply is grpc.aio.EOF:
-                    break
-                for event in reply.events:
-                    self._route(event)
-        except grpc.aio.AioRpcError as exc:
-            failure = exc
-        except asyncio.CancelledError:
-            failure = _status(grpc.StatusCode.CANCELLED, "the gateway closed the stream")
-            raise
-        finally:
-            self.failed = failure
-            self._on_end(self)
-            for task in self._tasks:
-                if task is not asyncio.current_task():
-                    task.cancel()
-            for call in list(self._open.values()):
-                call.end(failure)
-            self._open.clear()
-
-    def _route(self, event: decode_pb2.GenerateStreamEvent) -> None:
-        call = self._open.get(event.request_id)
-        if call is None:  # cancelled meanwhile
-            return
-        if event.WhichOneof("event") == "response":
-            call.put(event.response)
-            return
-        del self._open[event.request_id]
-        if event.end_code == 0:
-            call.end(None)
-        else:
-            code = _CODES.get(event.end_code, grpc.StatusCode.UNKNOWN)
-            call.end(_status(code, event.end_message))
-
-
-_CODES = {code.value[0]: code for code in grpc.StatusCode}  # by the number on the wire
+    def end_all(self, failure: grpc.aio.AioRpcError) -> None:
+        for call in list(self._open.values()):
+            call.end(failure)
+        self._open.clear()
 
 
 class RequestCall:
@@ -190,7 +139,7 @@ class RequestCall:
     def _expire(self) -> None:
         if not self._ended:
             self._streams.cancel(self.request_id)
-            self.end(_status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            self.end(status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
     async def read(self) -> Any:
         if self._own is not None:

@@ -43,6 +43,7 @@ from gateway.backend import (
 )
 from gateway.generate_streams import GenerateCalls
 from gateway.metrics import GatewayMetrics
+from gateway.prefill_calls import PrefillCalls
 from gateway.remote_tokenizer import RemoteTokenizer
 from gateway.worker_pool import WorkerPool
 from pdserve.cluster.convert import (
@@ -82,6 +83,7 @@ class RemoteBackend:
         metrics: GatewayMetrics | None = None,
         routing: str = "kv_aware",
         shared_generate: bool = True,
+        shared_prefill: bool = True,
     ):
         self.tokenizer = RemoteTokenizer(tokenizer_address, tls)
         prefixes = PrefixIndex(registry.client, registry.keys.prefix, registry.ttl_s)
@@ -94,6 +96,8 @@ class RemoteBackend:
         self.metrics = metrics  # counts those moves
         # the token streams: one GenerateStreams call per decode worker, or a Generate each
         self.generate_calls = GenerateCalls(shared=shared_generate)
+        # Prefill and Reserved: one PrefillStreams call per prefill worker, or a call each
+        self.prefill_calls = PrefillCalls(shared=shared_prefill)
 
     # ---- model facts and text ------------------------------------------------------------
     async def start(self) -> None:
@@ -288,8 +292,7 @@ class RemoteBackend:
                                               decode_kv_target=grant)
         async with self.pool.channel(prefill.address) as channel:
             try:
-                await prefill_pb2_grpc.PrefillStub(channel).Reserved(request,
-                                                                     timeout=self.timeout_s)
+                await self.prefill_calls.reserved(channel, request, self.timeout_s)
             except grpc.aio.AioRpcError as exc:
                 raise await self._error(exc, prefill) from exc
 
@@ -358,8 +361,7 @@ class RemoteBackend:
         async with self.pool.channel(prefill.address) as channel:
             try:
                 sent = time.monotonic()
-                r = await prefill_pb2_grpc.PrefillStub(channel).Prefill(request,
-                                                                        timeout=self.timeout_s)
+                r = await self.prefill_calls.prefill(channel, request, self.timeout_s)
                 if clock is not None:
                     clock.call = (sent, time.monotonic())
             except grpc.aio.AioRpcError as exc:

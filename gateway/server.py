@@ -18,6 +18,7 @@ from pdserve.cluster.flags import (
     add_engine_core_flag,
     add_flag,
     add_generate_streams_flag,
+    add_prefill_streams_flag,
     add_redis_namespace_flag,
     add_tls_flags,
 )
@@ -83,6 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              help="how requests pick workers: kv_aware (prefill workers holding the prompt's "
                   "prefix, against load), load, round_robin")
     add_generate_streams_flag(p)
+    add_prefill_streams_flag(p)
     add_flag(p, "--max-migrations", 2, type=int,
              help="worker failures one request survives: its stream moves to another decode "
                   "worker, its prefill to another prefill worker (0: fail it)")
@@ -171,7 +173,8 @@ async def serve_disaggregated(args: argparse.Namespace) -> None:
     backend = RemoteBackend(address, registry, store, args.local_prefill_max_tokens,
                             tls=tls_from_args(args), max_migrations=args.max_migrations,
                             metrics=metrics, routing=args.routing,
-                            shared_generate=args.generate_streams == "shared")
+                            shared_generate=args.generate_streams == "shared",
+                            shared_prefill=args.prefill_streams == "shared")
     await _until(backend.start, "the tokenizer service")
     loras = await _cluster_loras(args, client, backend) if args.enable_lora else None
     app = build_app(backend, store=store, served_model_name=args.served_model_name or None,

@@ -44,6 +44,7 @@ from pdserve.cluster.flags import (
     add_kv_doorbell_flag,
     add_kv_push_streams_flag,
     add_kv_transport_flag,
+    add_prefill_streams_flag,
     add_redis_namespace_flag,
     add_shared_gpu_pace_flags,
     add_stream_interval_flag,
@@ -127,6 +128,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where every prefill worker's engine loop runs (pdserve prefill's "
                         "--engine-core; default auto: a process on a GPU, a thread on the CPU)")
     add_generate_streams_flag(p)  # handed to every gateway
+    add_prefill_streams_flag(p)  # handed to every gateway
     add_chat_template_flag(p)  # handed to the tokenizer (with --colocated, to the engine's)
     add_flag(p, "--tool-call-parser", "hermes",
              help='how the model writes tool calls, for tool_choice "auto": hermes, smollm2, '
@@ -204,6 +206,7 @@ def plan(args: argparse.Namespace, redis_url: str, redis_port: int | None) -> li
             "--redis-url", redis_url, "--tokenizer-address", f"127.0.0.1:{tok_port}", "--log-level",
             args.log_level, "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
             "--routing", args.routing, "--generate-streams", args.generate_streams,
+            "--prefill-streams", args.prefill_streams,
             *_tool_flags(args), *lora_argv(args, engine=False)]
     if args.api_server_count > 1:
         argv += ["--reuse-port"]

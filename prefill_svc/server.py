@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from pdserve.cluster.drain import DrainGate
 from pdserve.cluster.flags import (
     add_flag,
     add_kv_push_streams_flag,
@@ -57,7 +58,8 @@ async def serve(args: argparse.Namespace) -> None:
     sender = PushKVSender(kv_view, args.kv_slab_bytes, tls=tls_from_args(args), planes=planes,
                           shared_streams=args.kv_push_streams == "shared")
     cancels = watch_cancellations(args, lambda request_id: servicer.abort(request_id))
-    servicer = PrefillServicer(engine, sender, cancels, len(kv_view))
+    gate = DrainGate()
+    servicer = PrefillServicer(engine, sender, cancels, len(kv_view), gate)
     leases = KVLeases(engine, args.kv_lease_seconds, servicer.expire, sender.stats)
     leases.start()
 
@@ -69,7 +71,7 @@ async def serve(args: argparse.Namespace) -> None:
     await run_worker(
         args, "prefill", engine,
         lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s),
-        sender.stats, on_stop, busy=lambda: bool(servicer.pushes),
+        sender.stats, on_stop, busy=lambda: bool(servicer.pushes), gate=gate,
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -24,9 +25,11 @@ from engine.lora import LoRARequest
 from engine.outputs import RequestOutput
 from pdserve.cluster.cancel import CancelWatch, NoCancelWatch
 from pdserve.cluster.convert import load_to_pb, request_lora, sampling_params_from_pb
+from pdserve.cluster.drain import DrainGate
 from pdserve.cluster.lora_service import LoRARpcs
 from prefill_svc.convert import first_logprobs, response_to_pb
 from prefill_svc.core_client import PrefillCoreClient
+from prefill_svc.prefill_streams import PrefillStreams
 from prefill_svc.push import KVPush
 from prefill_svc.sender import KVSender
 from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -38,7 +41,7 @@ NOTES_PER_STEP = 8  # KV progress notes per step and request: layer groups of L 
 class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
     def __init__(
         self, engine: AsyncLLMEngine | PrefillCoreClient, sender: KVSender,
-        cancels: CancelWatch | NoCancelWatch, num_layers: int,
+        cancels: CancelWatch | NoCancelWatch, num_layers: int, gate: DrainGate | None = None,
     ):
         self.engine = engine
         self.sender = sender
@@ -48,6 +51,7 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
         self.early = EarlyReservations()  # reservations told before their Prefill came
         self.num_layers = num_layers
         self.layers_per_group = max(1, -(-self.num_layers // NOTES_PER_STEP))
+        self.gate = gate or DrainGate()  # PrefillStreams stops admitting when it closes
 
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         start = time.monotonic()
@@ -88,6 +92,15 @@ class PrefillServicer(LoRARpcs, prefill_pb2_grpc.PrefillServicer):
             self._stop_push(request_id)
             await self.engine.release(request_id)
         return response_to_pb(out, finish, params.prompt_logprobs)
+
+    async def PrefillStreams(
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[prefill_pb2.PrefillStreamsReply]:
+        streams = PrefillStreams(self.Prefill, self.Reserved, lambda: self.gate.admitting,
+                                 self.gate.closing)
+        async with aclosing(streams.serve(request_iterator)) as replies:
+            async for reply in replies:
+                yield reply
 
     def _start_push(
         self, request_id: str, num_tokens: int, decode_address: str, skip_blocks: int,

@@ -45,6 +45,38 @@ class ReservedResponse(_message.Message):
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
+class PrefillStreamsRequest(_message.Message):
+    __slots__ = ("prefills", "reserveds", "cancels")
+    PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    RESERVEDS_FIELD_NUMBER: _ClassVar[int]
+    CANCELS_FIELD_NUMBER: _ClassVar[int]
+    prefills: _containers.RepeatedCompositeFieldContainer[PrefillRequest]
+    reserveds: _containers.RepeatedCompositeFieldContainer[ReservedRequest]
+    cancels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, prefills: _Optional[_Iterable[_Union[PrefillRequest, _Mapping]]] = ..., reserveds: _Optional[_Iterable[_Union[ReservedRequest, _Mapping]]] = ..., cancels: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PrefillStreamAnswer(_message.Message):
+    __slots__ = ("request_id", "reserved_call", "prefill", "reserved", "error_code", "error_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_CALL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reserved_call: bool
+    prefill: PrefillResponse
+    reserved: ReservedResponse
+    error_code: int
+    error_message: str
+    def __init__(self, request_id: _Optional[str] = ..., reserved_call: _Optional[bool] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., reserved: _Optional[_Union[ReservedResponse, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class PrefillStreamsReply(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[PrefillStreamAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[PrefillStreamAnswer, _Mapping]]] = ...) -> None: ...
+
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprobs", "num_cached_tokens", "finish_reason", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]

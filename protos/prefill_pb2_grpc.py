@@ -45,6 +45,11 @@ class PrefillStub:
                 request_serializer=protos_dot_prefill__pb2.ReservedRequest.SerializeToString,
                 response_deserializer=protos_dot_prefill__pb2.ReservedResponse.FromString,
                 _registered_method=True)
+        self.PrefillStreams = channel.stream_stream(
+                '/pdserve.v1.Prefill/PrefillStreams',
+                request_serializer=protos_dot_prefill__pb2.PrefillStreamsRequest.SerializeToString,
+                response_deserializer=protos_dot_prefill__pb2.PrefillStreamsReply.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Prefill/Abort',
                 request_serializer=protos_dot_common__pb2.AbortRequest.SerializeToString,
@@ -88,6 +93,20 @@ class PrefillServicer:
         """The decode worker reserved a request's blocks: what its Generate's first message said,
         for a Prefill sent with decode_reservation_pending (which pushes nothing before it). May
         come before that Prefill; kept for it a while.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillStreams(self, request_iterator, context):
+        """Many requests' Prefill and Reserved calls over one long-lived call from a gateway, where
+        each would be a call of its own: a request message opens Prefills and tells Reserveds,
+        each exactly as its own call would, and cancels Prefills open on the call; a reply carries
+        the answers of those that finished: the response, or the status code and message their
+        own call would have failed with. A `cancel` ends a Prefill as cancelling its call would
+        (no answer follows); the call ending, failing or being cancelled does so for every Prefill
+        still open on it. A draining worker ends opens with UNAVAILABLE (a Reserved is still
+        answered) and ends the call once no Prefill is open on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -143,6 +162,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Reserved,
                     request_deserializer=protos_dot_prefill__pb2.ReservedRequest.FromString,
                     response_serializer=protos_dot_prefill__pb2.ReservedResponse.SerializeToString,
+            ),
+            'PrefillStreams': grpc.stream_stream_rpc_method_handler(
+                    servicer.PrefillStreams,
+                    request_deserializer=protos_dot_prefill__pb2.PrefillStreamsRequest.FromString,
+                    response_serializer=protos_dot_prefill__pb2.PrefillStreamsReply.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -224,6 +248,33 @@ class Prefill:
             '/pdserve.v1.Prefill/Reserved',
             protos_dot_prefill__pb2.ReservedRequest.SerializeToString,
             protos_dot_prefill__pb2.ReservedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStreams(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Prefill/PrefillStreams',
+            protos_dot_prefill__pb2.PrefillStreamsRequest.SerializeToString,
+            protos_dot_prefill__pb2.PrefillStreamsReply.FromString,
             options,
             channel_credentials,
             insecure,

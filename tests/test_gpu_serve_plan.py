@@ -101,6 +101,9 @@ def test_each_system_s_pdserve_up(system: str) -> None:
         assert build_parser().parse_args(argv[3:]).prefill_engine_core == "thread"
         argv = up_argv(_config("--generate-streams", "per-request"), system, 1, "redis://r")
         assert build_parser().parse_args(argv[3:]).generate_streams == "per-request"
+        assert up.prefill_streams == "shared"
+        argv = up_argv(_config("--prefill-streams", "per-request"), system, 1, "redis://r")
+        assert build_parser().parse_args(argv[3:]).prefill_streams == "per-request"
         assert up.engine_core is None  # auto: the decode workers resolve their default
         argv = up_argv(_config("--decode-engine-core", "process"), system, 1, "redis://r")
         assert build_parser().parse_args(argv[3:]).engine_core == "process"

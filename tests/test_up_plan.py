@@ -202,16 +202,17 @@ def test_the_engine_core_reaches_every_decode_worker_of_a_split_cluster(
     assert "--engine-core" not in prefill.argv
 
 
-@pytest.mark.parametrize("argv, expected", [([], "shared"),
-                                            (["--generate-streams", "per-request"], "per-request")])
-def test_the_generate_streams_mode_reaches_every_gateway(
-        argv: list[str], expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    args = _up(["--api-server-count", "2", *argv], monkeypatch)
+@pytest.mark.parametrize("flag", ["--generate-streams", "--prefill-streams"])
+@pytest.mark.parametrize("mode", [None, "shared", "per-request"])
+def test_the_shared_calls_modes_reach_every_gateway(
+        flag: str, mode: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    args = _up(["--api-server-count", "2", *([flag, mode] if mode else [])], monkeypatch)
     gateways = [s for s in plan(args, "", None) if s.name.startswith("gateway")]
     assert len(gateways) == 2
+    name = flag[2:].replace("-", "_")
     for s in gateways:
-        assert build_parser().parse_args(s.argv[3:]).generate_streams == expected
-    assert all("--generate-streams" not in s.argv for s in plan(args, "", None)
+        assert getattr(build_parser().parse_args(s.argv[3:]), name) == (mode or "shared")
+    assert all(flag not in s.argv for s in plan(args, "", None)
                if not s.name.startswith("gateway"))
 
 

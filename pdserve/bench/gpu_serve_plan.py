@@ -82,6 +82,7 @@ class ServeConfig:
     prefill_engine_core: str = "auto"  # a split system's prefill worker's engine loop
     shared_gpu_pace_ms: float = 0.0  # a one-GPU split system's decode worker's step pacing
     shared_gpu_pace_tokens: int = 2048  # ... while this many prompt tokens are on their way
+    prefill_streams: str = "shared"  # a split system's gateways (`pdserve up`'s flag)
 
     def __post_init__(self) -> None:
         if not self.systems or set(self.systems) - set(SYSTEMS):
@@ -130,6 +131,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--generate-streams", default="shared", choices=["shared", "per-request"],
                    help="the split systems' token streams from the decode worker: one shared "
                         "call per gateway or a call per request (pdserve up's flag)")
+    m.add_argument("--prefill-streams", default="shared", choices=["shared", "per-request"],
+                   help="the split systems' Prefill calls: messages on one shared call per "
+                        "gateway and prefill worker, or a call per request (pdserve up's flag)")
     m.add_argument("--stream-interval", type=int, default=1,
                    help="every system's engines send a request's tokens this many at a time "
                         "after its first (pdserve up's flag)")
@@ -192,7 +196,7 @@ def config_of(args: argparse.Namespace) -> ServeConfig:
                        args.stream_interval, args.generate_streams, args.engine_core,
                        args.colocated_api_servers, args.decode_engine_core, args.sample_rates,
                        args.prefill_engine_core, args.shared_gpu_pace_ms,
-                       args.shared_gpu_pace_tokens)
+                       args.shared_gpu_pace_tokens, args.prefill_streams)
 
 
 def shape_tag(shape: ModelShape) -> str:
@@ -216,7 +220,7 @@ def up_argv(cfg: ServeConfig, system: str, port: int, redis_url: str) -> list[st
     gpus = ["--prefill-gpus", "0", "--decode-gpus", "1"] if system.startswith("split_") else []
     return [*argv, "--redis-url", redis_url, "--kv-transport", transport, *gpus,
             "--api-server-count", str(cfg.api_server_count), "--generate-streams",
-            cfg.generate_streams,
+            cfg.generate_streams, "--prefill-streams", cfg.prefill_streams,
             *([] if cfg.prefill_engine_core == "auto" else
               ["--prefill-engine-core", cfg.prefill_engine_core]),
             *([] if cfg.decode_engine_core == "auto" else

@@ -7,11 +7,13 @@ NOTE: the order on SIGTERM (`drain`), each step bounded by --drain-timeout in al
     2. pause (`pause_s`, about a second)       a gateway that read the registry a moment before
                                                still gets in: no UNAVAILABLE for it
     3. close the gate                          new admissions (Generate, GenerateStreams and
-                                               the requests opened on one, Prefill) get
-                                               UNAVAILABLE, which the gateway treats as
-                                               retryable; a GenerateStreams call ends once its
-                                               requests did; every other call (PushKV for a
-                                               held request, Abort, GetLoad) still gets in
+                                               the requests opened on one, Prefill,
+                                               PrefillStreams and the Prefills opened on one)
+                                               get UNAVAILABLE, which the gateway treats as
+                                               retryable; a GenerateStreams or PrefillStreams
+                                               call ends once its requests did; every other
+                                               call (Reserved, PushKV for a held request,
+                                               Abort, GetLoad) still gets in
     4. wait until idle                         no call in flight and no background work (a
                                                prefill worker's KV pushes)
     5. `on_stop` (cancel watch, KV sender, ...), then `server.stop`: anything left is cut off
@@ -30,7 +32,7 @@ import grpc
 logger = logging.getLogger(__name__)
 
 ADMISSIONS = frozenset({"/pdserve.v1.Decode/Generate", "/pdserve.v1.Decode/GenerateStreams",
-                        "/pdserve.v1.Prefill/Prefill"})
+                        "/pdserve.v1.Prefill/Prefill", "/pdserve.v1.Prefill/PrefillStreams"})
 _UNCOUNTED_PREFIX = "/grpc.health.v1.Health/"
 MAX_PAUSE_S = 1.0
 

@@ -83,6 +83,13 @@ def add_generate_streams_flag(parser: argparse.ArgumentParser) -> None:
                   "per-request (a Generate call each, a message per request per step)")
 
 
+def add_prefill_streams_flag(parser: argparse.ArgumentParser) -> None:
+    """--prefill-streams, a gateway's (gateway/prefill_calls.py)."""
+    add_flag(parser, "--prefill-streams", "shared", choices=["shared", "per-request"],
+             help="the Prefill and Reserved calls to each prefill worker: shared (messages on "
+                  "one PrefillStreams call per worker, kept open) or per-request (a call each)")
+
+
 def add_stream_interval_flag(parser: argparse.ArgumentParser) -> None:
     """--stream-interval, an engine's (engine/config.py SchedulerConfig.stream_interval)."""
     add_flag(parser, "--stream-interval", 1, type=int,

@@ -8,7 +8,7 @@ gateway: [port, log-level, drain-timeout, served-model-name, local-prefill-max-t
   max-concurrent-requests, max-body-bytes, trust-request-chat-template, redis-namespace,
   max-migrations, resume-ttl-seconds, resume-write-interval-ms, response-ttl-seconds, keep-alive-seconds, tls-cert,
   tls-key, tls-ca, tls-server-name, enable-auto-tool-choice, tool-call-parser, routing,
-  enable-lora, lora-modules, reuse-port, generate-streams]
+  enable-lora, lora-modules, reuse-port, generate-streams, prefill-streams]
 tokenizer: [port, log-level, drain-timeout, model, served-model-name, max-model-len,
   redis-namespace, tls-cert, tls-key, tls-ca, tls-server-name, chat-template]
 prefill: [port, log-level, drain-timeout, redis-namespace, tls-cert, tls-key, tls-ca,

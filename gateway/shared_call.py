@@ -1,0 +1,88 @@
+"""One long-lived bidirectional call carrying many requests to a worker: the gateway's side of
+GenerateStreams (gateway/generate_streams.py) and PrefillStreams (gateway/prefill_calls.py).
+
+What is sent in one event-loop turn goes as one message (the messages' repeated fields joined);
+one task reads the replies and hands each to `route`. When the call ends (the worker died or
+ended it, the channel was retired, the gateway cancelled it), `failed` holds the status every
+request still open on it fails with (UNAVAILABLE when the worker ended it cleanly: the requests
+move to another worker) and `end_all` gives it to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+CODES = {code.value[0]: code for code in grpc.StatusCode}  # by the number on the wire
+
+
+def status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a call of its own would have raised with this status."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def status_from_wire(code: int, details: str) -> grpc.aio.AioRpcError:
+    return status(CODES.get(code, grpc.StatusCode.UNKNOWN), details)
+
+
+class SharedCall:
+    """A call of `stream_stream` kind, opened at once; subclasses define `route(reply)` and
+    `end_all(failure)`. `on_end(self)` runs once the call ended."""
+
+    def __init__(self, call: Any, worker: str,
+                 on_end: Callable[[SharedCall], None] = lambda ended: None) -> None:
+        self._call = call
+        self._worker = worker  # "decode", "prefill": who ended the call, in its status
+        self._on_end = on_end
+        self._outbox: list[Any] = []
+        self._wrote = asyncio.Event()
+        self.failed: grpc.aio.AioRpcError | None = None
+        self._tasks = {asyncio.create_task(self._write()), asyncio.create_task(self._read())}
+
+    def send(self, message: Any) -> None:
+        self._outbox.append(message)
+        self._wrote.set()
+
+    def route(self, reply: Any) -> None:
+        raise NotImplementedError
+
+    def end_all(self, failure: grpc.aio.AioRpcError) -> None:
+        raise NotImplementedError
+
+    async def _write(self) -> None:
+        """What was sent in one event-loop turn goes as one message."""
+        try:
+            while True:
+                await self._wrote.wait()
+                self._wrote.clear()
+                taken, self._outbox = self._outbox, []
+                message = type(taken[0])()
+                for m in taken:
+                    message.MergeFrom(m)  # repeated fields: appended in order
+                await self._call.write(message)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+            pass  # the call ended: `_read` tells the requests why
+
+    async def _read(self) -> None:
+        failure = status(grpc.StatusCode.UNAVAILABLE, f"the {self._worker} worker ended the stream")
+        try:
+            while True:
+                reply = await self._call.read()
+                if reply is grpc.aio.EOF:
+                    break
+                self.route(reply)
+        except grpc.aio.AioRpcError as exc:
+            failure = exc
+        except asyncio.CancelledError:
+            failure = status(grpc.StatusCode.CANCELLED, "the gateway closed the stream")
+            raise
+        finally:
+            self.failed = failure
+            self._on_end(self)
+            for task in self._tasks:
+                if task is not asyncio.current_task():
+                    task.cancel()
+            self.end_all(failure)
