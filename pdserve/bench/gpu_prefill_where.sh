@@ -31,6 +31,12 @@
 #          prompt tokens on their way, a bare P from PACE_TOKENS (default 2048); the decode
 #          worker also holds while the prefill worker marks a step in flight, pdserve up's
 #          --shared-gpu-step-marks; files of P:T are named PtT)
+#   streams the split's Prefill calls as messages on one shared call per gateway and prefill
+#          worker (pdserve up --prefill-streams shared, the default) against a call each
+#          (per-request), between colocated runs, each with timelines, its steps by batch and
+#          the first rate's TTFT parts (STREAMS_RUNS: the runs, default "colocated_1 shared_1
+#          per-request_1 shared_2 per-request_2 colocated_2"): streams_<run>_gpu_serve.json,
+#          streams_<run>_steps.txt; pooled: gpu_serve_table streams_*_gpu_serve.json
 #   parts  the split's first token, part by part: gRPC's own unary call between two processes
 #          (pdserve.bench.grpc_ping, 1, 20 and 60 ms between calls), then colocated against
 #          the split over cuda_ipc at RATES (default here 16,16) with timelines, and each
@@ -130,6 +136,25 @@ for part in $PARTS; do
                 | tee "$R/pace_${run}_steps.txt"
             python3 -m pdserve.bench.ttft_breakdown "$W/pace_$run"/loadtest_*.json \
                 "$W/pace_$run"/cluster_*.log --run 0 --brief  # the first rate's TTFT parts
+        done
+        ;;
+    streams)
+        for run in ${STREAMS_RUNS:-colocated_1 shared_1 per-request_1 shared_2 per-request_2 \
+                colocated_2}; do
+            mode=${run%_*}
+            flags=(--systems cuda_ipc --prefill-streams "$mode")
+            [ "$mode" = colocated ] && flags=(--systems colocated)
+            mkdir -p "$W/tl_streams_$run"
+            PDSERVE_STEP_TIMELINE=$W/tl_streams_$run OUT=$W/streams_$run \
+                timeout "${STREAMS_S:-110}" bash pdserve/bench/gpu_kit_run.sh "${flags[@]}" \
+                "${SERVE[@]}" > "$W/streams_$run.txt" 2>&1
+            grep -E "^\| (colocated|cuda_ipc) " "$W/streams_$run.txt"
+            cp "$W/streams_$run/gpu_serve.json" "$R/streams_${run}_gpu_serve.json"
+            python3 -m pdserve.bench.step_gaps "$W/tl_streams_$run" --brief \
+                --buckets 1-8,90-1000 | grep -E "^(core|decode_svc-core|prefill_svc-core)" \
+                | tee "$R/streams_${run}_steps.txt"
+            python3 -m pdserve.bench.ttft_breakdown "$W/streams_$run"/loadtest_*.json \
+                "$W/streams_$run"/cluster_*.log --run 0 --brief  # the first rate's TTFT parts
         done
         ;;
     parts)
