@@ -146,7 +146,7 @@ for part in $PARTS; do
             [ "$mode" = colocated ] && flags=(--systems colocated)
             mkdir -p "$W/tl_streams_$run"
             PDSERVE_STEP_TIMELINE=$W/tl_streams_$run OUT=$W/streams_$run \
-                timeout "${STREAMS_S:-110}" bash pdserve/bench/gpu_kit_run.sh "${flags[@]}" \
+                timeout "${STREAMS_S:-150}" bash pdserve/bench/gpu_kit_run.sh "${flags[@]}" \
                 "${SERVE[@]}" > "$W/streams_$run.txt" 2>&1
             grep -E "^\| (colocated|cuda_ipc) " "$W/streams_$run.txt"
             cp "$W/streams_$run/gpu_serve.json" "$R/streams_${run}_gpu_serve.json"
