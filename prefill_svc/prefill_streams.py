@@ -29,7 +29,10 @@ from typing import Any
 from pdserve.cluster.grpc_server import status_of
 from protos import prefill_pb2
 
-MAX_ANSWERS = 1024  # per reply (a PrefillResponse with prompt logprobs can be large)
+# A reply carries answers up to this many bytes (at least one): a Prefill's answer with prompt
+# logprobs runs to megabytes for a long prompt, and several in one reply must stay well within
+# the 16 MiB message limit (MAX_MESSAGE_BYTES).
+MAX_REPLY_BYTES = 4 << 20
 Unary = Callable[[Any, Any], Awaitable[Any]]
 
 
@@ -59,9 +62,7 @@ class PrefillStreams:
         try:
             while True:
                 if self._answers:
-                    answers = self._answers[:MAX_ANSWERS]
-                    del self._answers[:MAX_ANSWERS]
-                    yield prefill_pb2.PrefillStreamsReply(answers=answers)
+                    yield prefill_pb2.PrefillStreamsReply(answers=self._take())
                     continue
                 if not self._tasks and (not self._reading or not self.admitting()):
                     break
@@ -74,6 +75,18 @@ class PrefillStreams:
             closing.cancel()
             for task in self._tasks.values():
                 task.cancel()
+
+    def _take(self) -> list[prefill_pb2.PrefillStreamAnswer]:
+        """The next reply's answers: in order, up to MAX_REPLY_BYTES (at least one)."""
+        size, n = 0, 0
+        for answer in self._answers:
+            size += answer.ByteSize()
+            if n and size > MAX_REPLY_BYTES:
+                break
+            n += 1
+        taken = self._answers[:n]
+        del self._answers[:n]
+        return taken
 
     async def _wake_on_closing(self) -> None:
         await self.closing.wait()

@@ -35,6 +35,7 @@ class Script(prefill_pb2_grpc.PrefillServicer):
         self.closed: list[str] = []  # requests whose Prefill was cancelled before its end
         self.told: list[str] = []  # Reserveds
         self.calls = 0  # PrefillStreams calls served
+        self.replies: list[int] = []  # answers per reply sent
         self.gate = DrainGate()
 
     async def Prefill(self, request: Any, context: Any) -> Any:
@@ -57,6 +58,7 @@ class Script(prefill_pb2_grpc.PrefillServicer):
         streams = PrefillStreams(self.Prefill, self.Reserved, lambda: self.gate.admitting,
                                  self.gate.closing)
         async for reply in streams.serve(request_iterator):
+            self.replies.append(len(reply.answers))
             yield reply
 
 
@@ -213,3 +215,23 @@ def test_a_worker_without_the_call_gets_a_call_per_request() -> None:
         await server.stop(0)
 
     run(main())
+
+
+def test_answers_leave_in_replies_of_bounded_size(monkeypatch) -> None:
+    import prefill_svc.prefill_streams as served
+
+    async def main(limit: int) -> list[int]:
+        monkeypatch.setattr(served, "MAX_REPLY_BYTES", limit)
+        script = Script()
+        server, address = await _serve(script)
+        calls = PrefillCalls()
+        async with grpc.aio.insecure_channel(address) as channel:
+            asked = [_prefill(calls, channel, f"r{i}", prompt_len=i + 1) for i in range(4)]
+            await until(lambda: len(script.started) == 4, "every Prefill on the worker")
+            script.go.set()  # the four answers are ready in one turn of the worker's loop
+            assert [(await a).first_token_id for a in asked] == [101, 102, 103, 104]
+        await server.stop(0)
+        return script.replies
+
+    assert run(main(1)) == [1, 1, 1, 1]  # one answer a reply, however small the limit
+    assert run(main(1 << 20)) == [4]
