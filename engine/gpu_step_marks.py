@@ -5,10 +5,10 @@ NOTE: two processes on one GPU time-slice it: a prompt's prefill step, launched 
 worker beside it steps its streams every ~1.3 ms, waits for those steps' kernels and takes
 about twice as long as alone (a lone prompt 2.4 ms, 4.8 beside the decodes, one H100,
 docs/loadtest.md). A colocated engine has no such wait: its decodes ride inside the prompt's
-step. So the prefill engine marks each step from its launch until its result is back, and the
-decode engine starts no step while a mark is up, up to its pace (`shared_gpu_pace_ms` since its
-last step started): the decode step already on the GPU finishes, the prompt then has the GPU
-to itself, and the decodes wait at most one pace period.
+step. So the prefill engine marks each step of at most MARK_MAX_TOKENS tokens from its launch
+until its result is back, and the decode engine starts no step while a mark is up, up to its
+pace (`shared_gpu_pace_ms` since its last step started): the decode step already on the GPU
+finishes, the prompt then has the GPU to itself, and the decodes wait at most one pace period.
 
 The marks live in one folder per GPU (`SchedulerConfig.shared_gpu_step_marks`): each prefill
 engine process owns one file of 8 bytes, the CLOCK_MONOTONIC nanoseconds its step started at,
@@ -25,6 +25,12 @@ import struct
 import time
 
 STALE_S = 1.0  # a step marked longer ago than this is a dead writer's (steps take ms)
+# The largest step marked: a lone prompt's at a low request rate (up to the 512 rows of the
+# largest decode graph, which replays it), whose first token the decodes beside it delay. A
+# burst's steps of thousands of tokens are not marked: holding the decodes through them (45-60
+# ms each) cost the split's saturation 0.69x colocated against 0.84-0.89x unheld (one H100,
+# docs/loadtest.md, "The decode worker held by the prefill's step marks").
+MARK_MAX_TOKENS = 512
 RESCAN_S = 1.0  # the reader lists the folder again this often (writers come and go)
 POLL_S = 5e-4  # a decode engine held by a mark looks again this soon (its wait rounds to 1 ms)
 _NS = struct.Struct("=q")

@@ -60,8 +60,11 @@ def test_a_dead_writers_mark_goes_stale(tmp_path, monkeypatch) -> None:
     reader.close()
 
 
-def test_a_prefill_engine_marks_each_step_until_its_tokens_are_back(tiny_llama_dir,
-                                                                    tmp_path) -> None:
+def test_a_prefill_engine_marks_each_small_step_until_its_tokens_are_back(
+        tiny_llama_dir, tmp_path, monkeypatch) -> None:
+    import engine.llm_engine as llm_engine
+
+    monkeypatch.setattr(llm_engine, "MARK_MAX_TOKENS", 20)  # a burst's step: more tokens
     config = build_engine_config(tiny_llama_dir, dtype="float32", role="prefill", device="cpu",
                                  num_kv_blocks=8, block_size=16, max_model_len=128,
                                  shared_gpu_step_marks=str(tmp_path))
@@ -76,13 +79,14 @@ def test_a_prefill_engine_marks_each_step_until_its_tokens_are_back(tiny_llama_d
 
     engine.runner.launch = launch_seen
     try:
-        for request_id in ("a", "b"):
-            engine.add_request(request_id, list(range(10, 40)), SamplingParams(max_tokens=1))
+        for request_id, first, tokens in (("a", 10, 20), ("b", 40, 30), ("c", 80, 12)):
+            engine.add_request(request_id, list(range(first, first + tokens)),  # no shared
+                               SamplingParams(max_tokens=1))                      # prefix
             while engine.has_work():
                 engine.step()
             assert not reader.busy()  # its step's tokens are back
     finally:
         engine.shutdown()
-    assert seen == [True, True]
+    assert seen == [True, False, True]  # the step of 30 tokens went unmarked
     assert not tmp_path.exists()
     reader.close()
