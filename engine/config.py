@@ -77,12 +77,13 @@ class SchedulerConfig:
 
     `shared_gpu_pace_ms`, a decode worker's beside a prefill worker on the same GPU (two
     processes time-slicing it): while the prompts reserved here and not yet arrived hold at
-    least `shared_gpu_pace_tokens` tokens (a burst being prefilled next door), a step starts at
-    most once every that many milliseconds (0: never held). Each decode step reads every weight,
-    GPU time the prefill waits for; fewer, fuller steps leave the GPU to it, as a colocated
-    engine's decodes ride inside its prefill steps. `shared_gpu_step_marks`: a folder per GPU
-    where its prefill engines mark each step in flight (engine/gpu_step_marks.py); a decode
-    engine with a pace also holds its steps, up to the pace, while one is marked."""
+    least `shared_gpu_pace_tokens` tokens (a burst being prefilled next door; 0: never by
+    tokens), a step starts at most once every that many milliseconds (0: never held). Each
+    decode step reads every weight, GPU time the prefill waits for; fewer, fuller steps leave
+    the GPU to it, as a colocated engine's decodes ride inside its prefill steps.
+    `shared_gpu_step_marks`: a folder per GPU where its prefill engines mark each small step in
+    flight (engine/gpu_step_marks.py); a decode engine with a pace also holds its steps, up to
+    the pace, while one is marked."""
 
     max_model_len: int = 2048
     max_num_seqs: int = 64
@@ -91,14 +92,17 @@ class SchedulerConfig:
     max_loras: int | None = None
     stream_interval: int = 1
     shared_gpu_pace_ms: float = 0.0
-    shared_gpu_pace_tokens: int = 2048
+    shared_gpu_pace_tokens: int = 0
     shared_gpu_step_marks: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                     "stream_interval", "shared_gpu_pace_tokens"):
+                     "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.shared_gpu_pace_tokens < 0:
+            raise ValueError(
+                f"shared_gpu_pace_tokens must be >= 0, got {self.shared_gpu_pace_tokens}")
         if not self.shared_gpu_pace_ms >= 0:
             raise ValueError(f"shared_gpu_pace_ms must be >= 0, got {self.shared_gpu_pace_ms}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

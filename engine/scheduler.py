@@ -138,10 +138,10 @@ class Scheduler:
     def paced(self) -> bool:
         """Decode role: whether steps are paced now (`SchedulerConfig.shared_gpu_pace_ms`): the
         prompts reserved here and not yet arrived hold at least `shared_gpu_pace_tokens` tokens
-        still to come (those the prefix cache held are not sent)."""
-        if not self.config.shared_gpu_pace_ms or not self.reserved:
-            return False
+        still to come (those the prefix cache held are not sent); never with 0 tokens."""
         need = self.config.shared_gpu_pace_tokens
+        if not self.config.shared_gpu_pace_ms or not need or not self.reserved:
+            return False
         for req in self.reserved.values():
             need -= req.num_tokens - req.num_cached_tokens
             if need <= 0:

@@ -77,7 +77,7 @@ def test_service_flags_reach_the_engine(command: str, monkeypatch: pytest.Monkey
 def test_a_decode_workers_pace_reaches_its_engine(command: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _engine_args(monkeypatch, build_parser().parse_args(command.split()))
-    assert (seen["shared_gpu_pace_ms"], seen["shared_gpu_pace_tokens"]) == (0.0, 2048)
+    assert (seen["shared_gpu_pace_ms"], seen["shared_gpu_pace_tokens"]) == (4.0, 0)
     args = build_parser().parse_args([*command.split(), "--shared-gpu-pace-ms", "10",
                                       "--shared-gpu-pace-tokens", "512"])
     seen = _engine_args(monkeypatch, args)

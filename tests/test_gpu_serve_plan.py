@@ -107,7 +107,9 @@ def test_each_system_s_pdserve_up(system: str) -> None:
         assert up.engine_core is None  # auto: the decode workers resolve their default
         argv = up_argv(_config("--decode-engine-core", "process"), system, 1, "redis://r")
         assert build_parser().parse_args(argv[3:]).engine_core == "process"
-        assert up.shared_gpu_pace_ms == 0.0
+        assert (up.shared_gpu_pace_ms, up.shared_gpu_pace_tokens) == (4.0, 0)
+        argv = up_argv(_config("--shared-gpu-pace-ms", "0"), system, 1, "redis://r")
+        assert build_parser().parse_args(argv[3:]).shared_gpu_pace_ms == 0.0  # said, not left
         argv = up_argv(_config("--shared-gpu-pace-ms", "15"), system, 1, "redis://r")
         assert build_parser().parse_args(argv[3:]).shared_gpu_pace_ms == 15.0
         argv = up_argv(_config("--shared-gpu-pace-ms", "4", "--shared-gpu-pace-tokens", "1"),

@@ -39,6 +39,9 @@ def test_pacing_holds_while_the_reserved_prompts_hold_the_threshold() -> None:
     off = Scheduler(SchedulerConfig(max_model_len=512, shared_gpu_pace_tokens=1),
                     BlockManager(64, BS, enable_prefix_caching=True))
     assert off.reserve(_request("c", 40)) and not off.paced()  # 0 ms: never held
+    marks_only = Scheduler(SchedulerConfig(max_model_len=512, shared_gpu_pace_ms=10),
+                           BlockManager(64, BS, enable_prefix_caching=True))
+    assert marks_only.reserve(_request("d", 400)) and not marks_only.paced()  # 0 tokens
 
 
 def test_the_prefix_cache_hits_are_not_on_their_way() -> None:
@@ -55,7 +58,7 @@ def test_the_prefix_cache_hits_are_not_on_their_way() -> None:
 
 
 @pytest.mark.parametrize("bad", [{"shared_gpu_pace_ms": -1.0},
-                                 {"shared_gpu_pace_tokens": 0}])
+                                 {"shared_gpu_pace_tokens": -1}])
 def test_bad_pacing_is_refused(bad: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         SchedulerConfig(**bad)

@@ -28,9 +28,9 @@
 #          pace_<P>_steps.txt (the prefill engine core's too), the first rate's TTFT parts
 #          printed (ttft_breakdown --brief), pace_colocated_<n>_gpu_serve.json (PACE_RUNS:
 #          the whole list of runs instead, e.g. "colocated_1 0 20 4:1"; P:T paces from T
-#          prompt tokens on their way, a bare P from PACE_TOKENS (default 2048); the decode
-#          worker also holds while the prefill worker marks a step in flight, pdserve up's
-#          --shared-gpu-step-marks; files of P:T are named PtT)
+#          prompt tokens on their way, a bare P from PACE_TOKENS (default 0: never by
+#          tokens); the decode worker also holds while the prefill worker marks a step in
+#          flight, pdserve up's --shared-gpu-step-marks; files of P:T are named PtT)
 #   streams the split's Prefill calls as messages on one shared call per gateway and prefill
 #          worker (pdserve up --prefill-streams shared, the default) against a call each
 #          (per-request), between colocated runs, each with timelines, its steps by batch and
@@ -119,7 +119,7 @@ for part in $PARTS; do
         ;;
     pace)
         for spec in ${PACE_RUNS:-colocated_1 ${PACES:-0 10 25} colocated_2}; do
-            pace=${spec%%:*} tokens=${PACE_TOKENS:-2048}
+            pace=${spec%%:*} tokens=${PACE_TOKENS:-0}
             [ "$pace" != "$spec" ] && tokens=${spec#*:}
             run=${spec/:/t}
             mkdir -p "$W/tl_pace_$run"

@@ -80,8 +80,8 @@ class ServeConfig:
     # a subset, the load generator runs once per rate (each after its own warm-ups)
     sample_rates: tuple[float, ...] | None = None
     prefill_engine_core: str = "auto"  # a split system's prefill worker's engine loop
-    shared_gpu_pace_ms: float = 0.0  # a one-GPU split system's decode worker's step pacing
-    shared_gpu_pace_tokens: int = 2048  # ... while this many prompt tokens are on their way
+    shared_gpu_pace_ms: float = 4.0  # a one-GPU split system's decode worker's step pacing
+    shared_gpu_pace_tokens: int = 0  # ... while this many prompt tokens are on their way
     prefill_streams: str = "shared"  # a split system's gateways (`pdserve up`'s flag)
 
     def __post_init__(self) -> None:
@@ -93,8 +93,8 @@ class ServeConfig:
             raise ValueError("--stream-interval must be >= 1")
         if not self.shared_gpu_pace_ms >= 0:
             raise ValueError("--shared-gpu-pace-ms must be >= 0")
-        if self.shared_gpu_pace_tokens < 1:
-            raise ValueError("--shared-gpu-pace-tokens must be >= 1")
+        if self.shared_gpu_pace_tokens < 0:
+            raise ValueError("--shared-gpu-pace-tokens must be >= 0")
         if self.kv_cache_memory < 1 or self.max_model_len < 1:
             raise ValueError("--kv-cache-memory and --max-model-len must be >= 1")
         if self.sample_rates is not None and set(self.sample_rates) - set(self.load.request_rates):
@@ -152,13 +152,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "process or a process of its own (pdserve up --prefill-engine-core); "
                         "auto: the worker's default (a process on a GPU without tensor "
                         "parallelism)")
-    m.add_argument("--shared-gpu-pace-ms", type=float, default=0.0,
+    m.add_argument("--shared-gpu-pace-ms", type=float, default=4.0,
                    help="the one-GPU split systems' decode worker paces its steps this far "
-                        "apart while a burst's prompts are on their way from the prefill "
-                        "worker beside it (pdserve up's flag; 0: off)")
-    m.add_argument("--shared-gpu-pace-tokens", type=int, default=2048,
+                        "apart while the prefill worker beside it marks a step, or while "
+                        "--shared-gpu-pace-tokens prompt tokens are on their way (pdserve up's "
+                        "flag; 0: off)")
+    m.add_argument("--shared-gpu-pace-tokens", type=int, default=0,
                    help="the prompt tokens on their way from which --shared-gpu-pace-ms holds "
-                        "(pdserve up's flag)")
+                        "(pdserve up's flag; 0: never by tokens)")
     m.add_argument("--colocated-api-servers", type=int, default=1,
                    help="the colocated systems' HTTP servers sharing one engine core (pdserve up "
                         "--colocated --api-server-count)")
@@ -227,7 +228,7 @@ def up_argv(cfg: ServeConfig, system: str, port: int, redis_url: str) -> list[st
               ["--engine-core", cfg.decode_engine_core]),
             *(["--shared-gpu-pace-ms", str(cfg.shared_gpu_pace_ms),
                "--shared-gpu-pace-tokens", str(cfg.shared_gpu_pace_tokens)]
-              if cfg.shared_gpu_pace_ms and not gpus else [])]
+              if not gpus else [])]
 
 
 REPLICAS = 2  # "replicas": one colocated server per GPU

@@ -140,15 +140,15 @@ def add_kv_push_streams_flag(parser: argparse.ArgumentParser) -> None:
 def add_shared_gpu_pace_flags(parser: argparse.ArgumentParser) -> None:
     """--shared-gpu-pace-ms and --shared-gpu-pace-tokens, a decode worker's (engine/config.py
     SchedulerConfig.shared_gpu_pace_ms)."""
-    add_flag(parser, "--shared-gpu-pace-ms", 0.0, type=float,
-             help="a decode worker sharing its GPU with a prefill worker: while the prompts "
+    add_flag(parser, "--shared-gpu-pace-ms", 4.0, type=float,
+             help="a decode worker sharing its GPU with a prefill worker: while a prefill step "
+                  "is marked in --shared-gpu-step-marks (a lone prompt's), or while the prompts "
                   "reserved here and not yet arrived hold --shared-gpu-pace-tokens tokens or "
-                  "more (a burst being prefilled), or while a prefill step is marked in "
-                  "--shared-gpu-step-marks, start a step at most once every this many "
-                  "milliseconds, leaving the GPU to the prefill (each decode step reads every "
-                  "weight); 0: never held")
-    add_flag(parser, "--shared-gpu-pace-tokens", 2048, type=int,
-             help="the prompt tokens on their way from which --shared-gpu-pace-ms holds")
+                  "more, start a step at most once every this many milliseconds, leaving the "
+                  "GPU to the prefill (each decode step reads every weight); 0: never held")
+    add_flag(parser, "--shared-gpu-pace-tokens", 0, type=int,
+             help="the prompt tokens on their way from which --shared-gpu-pace-ms holds "
+                  "(0: never by tokens, the marks alone)")
 
 
 def add_shared_gpu_step_marks_flag(parser: argparse.ArgumentParser) -> None:
