@@ -154,9 +154,14 @@ def _serve_fake(port: int, chunks: int, then: str) -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     decode_pb2_grpc.add_DecodeServicer_to_server(_fake_servicer(chunks, then), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
+    # SIGINT / SIGTERM (stop_all) stop it at once, whatever it inherited for them and whatever
+    # its handlers' threads still wait on: interpreter exit would join those threads
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: server.stop(0))
     server.start()
     _emit(event="serving", port=port)
     server.wait_for_termination()
+    os._exit(0)
 
 
 if __name__ == "__main__":
