@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
+from pdserve.cluster.call_streams import CallStreams
 from pdserve.cluster.grpc_server import status_of
 from protos import decode_pb2
 
@@ -37,96 +38,55 @@ MAX_EVENTS = 1024  # per reply: a backlog of many steps leaves as several replie
 Generate = Callable[[decode_pb2.GenerateRequest, Any], AsyncIterator[decode_pb2.GenerateResponse]]
 
 
-class GenerateStreams:
-    """Serves one GenerateStreams call: `serve(requests)` yields its replies. `admitting()`
-    false (the worker drains): opens end UNAVAILABLE, and the call ends once none is open."""
+class GenerateStreams(CallStreams):
+    """Serves one GenerateStreams call: `serve(requests)` yields its replies
+    (pdserve/cluster/call_streams.py). `admitting()` false (the worker drains): opens end
+    UNAVAILABLE, and the call ends once none is open."""
 
     def __init__(self, generate: Generate, admitting: Callable[[], bool],
                  closing: asyncio.Event) -> None:
+        super().__init__(admitting, closing)
         self.generate = generate
-        self.admitting = admitting
-        self.closing = closing
-        self._tasks: dict[str, asyncio.Task] = {}  # the open requests'
-        self._events: list[decode_pb2.GenerateStreamEvent] = []
-        self._ready = asyncio.Event()  # events to send, the call's requests ended, or closing
-        self._reading = True
 
-    async def serve(
-        self, requests: AsyncIterator[decode_pb2.GenerateStreamsRequest]
-    ) -> AsyncIterator[decode_pb2.GenerateStreamsReply]:
-        """The call's replies until its requests end, or the worker drains, and no request is
-        open on it. However it ends, the requests still open are cancelled."""
-        reader = asyncio.create_task(self._read(requests))
-        closing = asyncio.create_task(self._wake_on_closing())
-        try:
-            while True:
-                if self._events:
-                    events = self._events[:MAX_EVENTS]
-                    del self._events[:MAX_EVENTS]
-                    yield decode_pb2.GenerateStreamsReply(events=events)
-                    continue
-                if not self._tasks and (not self._reading or not self.admitting()):
-                    break
-                await self._ready.wait()
-                self._ready.clear()
-            if reader.done():
-                await reader  # its error, if any, ends the call
-        finally:
-            reader.cancel()
-            closing.cancel()
-            for task in self._tasks.values():
-                task.cancel()
+    async def handle(self, request: decode_pb2.GenerateStreamsRequest) -> None:
+        for request_id in request.cancels:
+            self.cancel(request_id)
+        for opened in request.opens:
+            self._open(opened)
 
-    async def _wake_on_closing(self) -> None:
-        await self.closing.wait()
-        self._ready.set()
+    def take(self) -> list[decode_pb2.GenerateStreamEvent]:
+        taken = self.pending[:MAX_EVENTS]
+        del self.pending[:MAX_EVENTS]
+        return taken
 
-    async def _read(self, requests: AsyncIterator[decode_pb2.GenerateStreamsRequest]) -> None:
-        try:
-            async for request in requests:
-                for request_id in request.cancels:
-                    task = self._tasks.pop(request_id, None)
-                    if task is not None:
-                        task.cancel()
-                for opened in request.opens:
-                    self._open(opened)
-        finally:
-            self._reading = False
-            self._ready.set()
+    def reply(self, items: list[decode_pb2.GenerateStreamEvent]) -> Any:
+        return decode_pb2.GenerateStreamsReply(events=items)
 
     def _open(self, request: decode_pb2.GenerateRequest) -> None:
         request_id = request.request_id
         if not self.admitting():
             self._end(request_id, ConnectionError("the decode worker is draining"))
-        elif request_id in self._tasks:
+        elif request_id in self.tasks:
             self._end(request_id, ValueError(
                 f"request {request_id!r} is open on this stream already"))
         else:
-            self._tasks[request_id] = asyncio.create_task(self._run(request))
+            self.start(request_id, self._run_generate(request))
 
-    async def _run(self, request: decode_pb2.GenerateRequest) -> None:
+    async def _run_generate(self, request: decode_pb2.GenerateRequest) -> None:
         request_id = request.request_id
         try:
             async with aclosing(self.generate(request, None)) as messages:
                 async for msg in messages:
-                    self._add(decode_pb2.GenerateStreamEvent(request_id=request_id,
-                                                             response=msg))
+                    self.add(decode_pb2.GenerateStreamEvent(request_id=request_id,
+                                                            response=msg))
         except Exception as exc:  # noqa: BLE001 - every error becomes the request's end
             self._end(request_id, exc)  # (a cancelled one gets none: Generate's cleanup ran)
         else:
             self._end(request_id, None)
-        finally:
-            if self._tasks.get(request_id) is asyncio.current_task():
-                del self._tasks[request_id]
-            self._ready.set()
 
     def _end(self, request_id: str, exc: BaseException | None) -> None:
         event = decode_pb2.GenerateStreamEvent(request_id=request_id, end_code=0)
         if exc is not None:  # the status and details its own Generate call would end with
             code, event.end_message = status_of(exc, f"[{request_id}] Generate")
             event.end_code = code.value[0]
-        self._add(event)
-
-    def _add(self, event: decode_pb2.GenerateStreamEvent) -> None:
-        self._events.append(event)
-        self._ready.set()
+        self.add(event)

@@ -23,9 +23,10 @@ open on it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from pdserve.cluster.call_streams import CallStreams
 from pdserve.cluster.grpc_server import status_of
 from protos import prefill_pb2
 
@@ -36,76 +37,39 @@ MAX_REPLY_BYTES = 4 << 20
 Unary = Callable[[Any, Any], Awaitable[Any]]
 
 
-class PrefillStreams:
-    """Serves one PrefillStreams call: `serve(requests)` yields its replies. `admitting()`
-    false (the worker drains): opens end UNAVAILABLE, Reserveds are still answered, and the
-    call ends once no Prefill is open on it."""
+class PrefillStreams(CallStreams):
+    """Serves one PrefillStreams call: `serve(requests)` yields its replies
+    (pdserve/cluster/call_streams.py). `admitting()` false (the worker drains): opens end
+    UNAVAILABLE, Reserveds are still answered, and the call ends once no Prefill is open."""
 
     def __init__(self, prefill: Unary, reserved: Unary, admitting: Callable[[], bool],
                  closing: asyncio.Event) -> None:
+        super().__init__(admitting, closing)
         self.prefill = prefill
         self.reserved = reserved
-        self.admitting = admitting
-        self.closing = closing
-        self._tasks: dict[str, asyncio.Task] = {}  # the open Prefills'
-        self._answers: list[prefill_pb2.PrefillStreamAnswer] = []
-        self._ready = asyncio.Event()  # answers to send, the requests ended, or closing
-        self._reading = True
 
-    async def serve(
-        self, requests: AsyncIterator[prefill_pb2.PrefillStreamsRequest]
-    ) -> AsyncIterator[prefill_pb2.PrefillStreamsReply]:
-        """The call's replies until its requests end, or the worker drains, and no Prefill is
-        open on it. However it ends, the Prefills still open are cancelled."""
-        reader = asyncio.create_task(self._read(requests))
-        closing = asyncio.create_task(self._wake_on_closing())
-        try:
-            while True:
-                if self._answers:
-                    yield prefill_pb2.PrefillStreamsReply(answers=self._take())
-                    continue
-                if not self._tasks and (not self._reading or not self.admitting()):
-                    break
-                await self._ready.wait()
-                self._ready.clear()
-            if reader.done():
-                await reader  # its error, if any, ends the call
-        finally:
-            reader.cancel()
-            closing.cancel()
-            for task in self._tasks.values():
-                task.cancel()
+    async def handle(self, request: prefill_pb2.PrefillStreamsRequest) -> None:
+        for request_id in request.cancels:
+            self.cancel(request_id)
+        for told in request.reserveds:
+            await self._tell(told)
+        for opened in request.prefills:
+            self._open(opened)
 
-    def _take(self) -> list[prefill_pb2.PrefillStreamAnswer]:
+    def take(self) -> list[prefill_pb2.PrefillStreamAnswer]:
         """The next reply's answers: in order, up to MAX_REPLY_BYTES (at least one)."""
         size, n = 0, 0
-        for answer in self._answers:
+        for answer in self.pending:
             size += answer.ByteSize()
             if n and size > MAX_REPLY_BYTES:
                 break
             n += 1
-        taken = self._answers[:n]
-        del self._answers[:n]
+        taken = self.pending[:n]
+        del self.pending[:n]
         return taken
 
-    async def _wake_on_closing(self) -> None:
-        await self.closing.wait()
-        self._ready.set()
-
-    async def _read(self, requests: AsyncIterator[prefill_pb2.PrefillStreamsRequest]) -> None:
-        try:
-            async for request in requests:
-                for request_id in request.cancels:
-                    task = self._tasks.pop(request_id, None)
-                    if task is not None:
-                        task.cancel()
-                for told in request.reserveds:
-                    await self._tell(told)
-                for opened in request.prefills:
-                    self._open(opened)
-        finally:
-            self._reading = False
-            self._ready.set()
+    def reply(self, items: list[prefill_pb2.PrefillStreamAnswer]) -> Any:
+        return prefill_pb2.PrefillStreamsReply(answers=items)
 
     async def _tell(self, request: prefill_pb2.ReservedRequest) -> None:
         answer = prefill_pb2.PrefillStreamAnswer(request_id=request.request_id,
@@ -113,39 +77,31 @@ class PrefillStreams:
         try:
             answer.reserved.CopyFrom(await self.reserved(request, None))
         except Exception as exc:  # noqa: BLE001 - the status its own call would end with
-            self._fail(answer, exc, "Reserved")
-        self._add(answer)
+            _fail(answer, exc, "Reserved")
+        self.add(answer)
 
     def _open(self, request: prefill_pb2.PrefillRequest) -> None:
         request_id = request.request_id
         answer = prefill_pb2.PrefillStreamAnswer(request_id=request_id)
         if not self.admitting():
-            self._fail(answer, ConnectionError("the prefill worker is shutting down"), "Prefill")
-            self._add(answer)
-        elif request_id in self._tasks:
-            self._fail(answer, ValueError(
-                f"request {request_id!r} is open on this stream already"), "Prefill")
-            self._add(answer)
+            _fail(answer, ConnectionError("the prefill worker is shutting down"), "Prefill")
+            self.add(answer)
+        elif request_id in self.tasks:
+            _fail(answer, ValueError(f"request {request_id!r} is open on this stream already"),
+                  "Prefill")
+            self.add(answer)
         else:
-            self._tasks[request_id] = asyncio.create_task(self._run(request))
+            self.start(request_id, self._run_prefill(request, answer))
 
-    async def _run(self, request: prefill_pb2.PrefillRequest) -> None:
-        answer = prefill_pb2.PrefillStreamAnswer(request_id=request.request_id)
+    async def _run_prefill(self, request: prefill_pb2.PrefillRequest,
+                           answer: prefill_pb2.PrefillStreamAnswer) -> None:
         try:
             answer.prefill.CopyFrom(await self.prefill(request, None))
         except Exception as exc:  # noqa: BLE001 - every error becomes the request's answer
-            self._fail(answer, exc, "Prefill")  # (a cancelled one gets none)
-        finally:
-            if self._tasks.get(request.request_id) is asyncio.current_task():
-                del self._tasks[request.request_id]
-            self._ready.set()
-        self._add(answer)
+            _fail(answer, exc, "Prefill")  # (a cancelled one gets none)
+        self.add(answer)
 
-    @staticmethod
-    def _fail(answer: prefill_pb2.PrefillStreamAnswer, exc: BaseException, rpc: str) -> None:
-        code, answer.error_message = status_of(exc, f"[{answer.request_id}] {rpc}")
-        answer.error_code = code.value[0]
 
-    def _add(self, answer: prefill_pb2.PrefillStreamAnswer) -> None:
-        self._answers.append(answer)
-        self._ready.set()
+def _fail(answer: prefill_pb2.PrefillStreamAnswer, exc: BaseException, rpc: str) -> None:
+    code, answer.error_message = status_of(exc, f"[{answer.request_id}] {rpc}")
+    answer.error_code = code.value[0]

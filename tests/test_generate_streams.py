@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
+from polling import until
 
 from decode_svc.generate_streams import GenerateStreams
 from gateway.generate_streams import GenerateCalls
@@ -67,14 +68,6 @@ class Script(decode_pb2_grpc.DecodeServicer):
         for _ in range(20):  # let the messages travel
             await asyncio.sleep(0.005)
 
-
-
-async def until(ready: Any, what: str, timeout_s: float = 30.0) -> None:
-    """Until `ready()` (the messages crossed the call; polled, not slept for a fixed time)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not ready():
-        assert asyncio.get_running_loop().time() < deadline, f"not {what} in {timeout_s} s"
-        await asyncio.sleep(0.01)
 
 
 async def _serve(script: Script, shared: bool = True,

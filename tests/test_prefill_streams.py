@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
+from polling import until
 
 from gateway.prefill_calls import PrefillCalls
 from pdserve.cluster.drain import DrainGate
@@ -60,14 +61,6 @@ class Script(prefill_pb2_grpc.PrefillServicer):
         async for reply in streams.serve(request_iterator):
             self.replies.append(len(reply.answers))
             yield reply
-
-
-async def until(ready: Any, what: str, timeout_s: float = 30.0) -> None:
-    """Until `ready()` (the messages crossed the call; polled, not slept for a fixed time)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not ready():
-        assert asyncio.get_running_loop().time() < deadline, f"not {what} in {timeout_s} s"
-        await asyncio.sleep(0.01)
 
 
 async def _serve(script: Script, shared: bool = True,
