@@ -212,7 +212,7 @@ def test_sigterm_on_a_decode_worker_finishes_its_stream_then_exits(cluster, spaw
         assert r.status_code == 200
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
-        assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+        assert json.loads(first[6:])["choices"][0]["finish_reason"] is None, first
         decode.popen.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         _, reason, done = _read_stream(lines)
