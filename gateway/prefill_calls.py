@@ -14,7 +14,6 @@ that one included, take a call each.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import weakref
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from gateway.shared_call import SharedCall, status, status_from_wire
+from gateway.shared_call import AnsweredCall, SharedCall, status_from_wire
 from protos import prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -54,7 +53,7 @@ class PrefillCalls:
                     prefill_pb2_grpc.PrefillStub(channel),
                     on_end=lambda ended: self._forget(channel, ended))
             try:
-                return await streams.ask(reserved, request, timeout_s)
+                return await streams.ask_prefill(reserved, request, timeout_s)
             except grpc.aio.AioRpcError as exc:
                 if not (streams.failed is exc and exc.code() == grpc.StatusCode.UNIMPLEMENTED
                         and not streams.answered):
@@ -75,56 +74,30 @@ class PrefillCalls:
             self._unsupported.add(channel)
 
 
-class PrefillStreamsCall(SharedCall):
-    """One PrefillStreams call: each request waits on a future of its own, keyed by its id and
-    kind (a request's Prefill and its Reserved may be open at once)."""
+class PrefillStreamsCall(AnsweredCall):
+    """One PrefillStreams call: each request's answer found by its kind and id (a request's
+    Prefill and its Reserved may be open at once)."""
 
     def __init__(self, stub: prefill_pb2_grpc.PrefillStub,
                  on_end: Callable[[SharedCall], None] = lambda ended: None) -> None:
-        self._waiting: dict[tuple[bool, str], asyncio.Future] = {}
-        self.answered = False  # any answer came: the worker serves the call
         super().__init__(stub.PrefillStreams(), "prefill", on_end)
 
-    async def ask(self, reserved: bool, request: Any, timeout_s: float | None) -> Any:
-        if self.failed is not None:
-            raise self.failed
-        key = (reserved, request.request_id)
-        if key in self._waiting:
-            raise status(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"request {request.request_id!r} is open on this stream already")
-        answer = self._waiting[key] = asyncio.get_running_loop().create_future()
-        self.send(prefill_pb2.PrefillStreamsRequest(reserveds=[request]) if reserved
-                  else prefill_pb2.PrefillStreamsRequest(prefills=[request]))
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await answer
-        except TimeoutError:
-            self._drop(key)
-            raise status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        except asyncio.CancelledError:
-            self._drop(key)
-            raise
+    async def ask_prefill(self, reserved: bool, request: Any, timeout_s: float | None) -> Any:
+        message = (prefill_pb2.PrefillStreamsRequest(reserveds=[request]) if reserved
+                   else prefill_pb2.PrefillStreamsRequest(prefills=[request]))
+        return await self.ask((reserved, request.request_id), message, timeout_s,
+                              f"request {request.request_id!r}")
 
-    def _drop(self, key: tuple[bool, str]) -> None:
-        """A request given up on: a Prefill is cancelled on the worker (a Reserved's answer,
-        should it come, is dropped)."""
-        if self._waiting.pop(key, None) is not None and not key[0] and self.failed is None:
-            self.send(prefill_pb2.PrefillStreamsRequest(cancels=[key[1]]))
+    def cancel_message(self, key: tuple[bool, str]) -> Any | None:
+        """A Prefill is cancelled on the worker (a Reserved is answered at once there)."""
+        reserved, request_id = key
+        return None if reserved else prefill_pb2.PrefillStreamsRequest(cancels=[request_id])
 
     def route(self, reply: prefill_pb2.PrefillStreamsReply) -> None:
-        self.answered = True
         for a in reply.answers:
-            answer = self._waiting.pop((a.reserved_call, a.request_id), None)
-            if answer is None or answer.done():  # given up on meanwhile
-                continue
             kind = a.WhichOneof("answer")
             if kind is None or kind == "error_code":
-                answer.set_exception(status_from_wire(a.error_code, a.error_message))
+                self.answer((a.reserved_call, a.request_id),
+                            error=status_from_wire(a.error_code, a.error_message))
             else:
-                answer.set_result(getattr(a, kind))
-
-    def end_all(self, failure: grpc.aio.AioRpcError) -> None:
-        for answer in self._waiting.values():
-            if not answer.done():
-                answer.set_exception(failure)
-        self._waiting.clear()
+                self.answer((a.reserved_call, a.request_id), getattr(a, kind))

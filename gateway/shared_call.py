@@ -86,3 +86,64 @@ class SharedCall:
                 if task is not asyncio.current_task():
                     task.cancel()
             self.end_all(failure)
+
+
+class AnsweredCall(SharedCall):
+    """A shared call whose requests each wait for one answer, found by a key of the caller's:
+    `ask` sends a request's message and waits for its answer (`answer`, from the subclass's
+    `route`) as a call of its own would: its response, or `grpc.aio.AioRpcError` with its
+    status; at its deadline DEADLINE_EXCEEDED. A request given up on (its deadline, its task
+    cancelled) sends `cancel_message(key)` if there is one; its answer, should it come, is
+    dropped."""
+
+    def __init__(self, call: Any, worker: str,
+                 on_end: Callable[[SharedCall], None] = lambda ended: None) -> None:
+        self._waiting: dict[Any, asyncio.Future] = {}
+        self.answered = False  # any answer came: the worker serves the call
+        super().__init__(call, worker, on_end)
+
+    def cancel_message(self, key: Any) -> Any | None:
+        return None
+
+    async def ask(self, key: Any, message: Any, timeout_s: float | None,
+                  what: str = "") -> Any:
+        """`what` names the request in the error of a key already waiting."""
+        if self.failed is not None:
+            raise self.failed
+        if key in self._waiting:
+            raise status(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"{what or repr(key)} is open on this stream already")
+        answer = self._waiting[key] = asyncio.get_running_loop().create_future()
+        self.send(message)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await answer
+        except TimeoutError:
+            self._drop(key)
+            raise status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except asyncio.CancelledError:
+            self._drop(key)
+            raise
+
+    def answer(self, key: Any, result: Any = None,
+               error: grpc.aio.AioRpcError | None = None) -> None:
+        self.answered = True
+        waiting = self._waiting.pop(key, None)
+        if waiting is None or waiting.done():  # given up on meanwhile
+            return
+        if error is not None:
+            waiting.set_exception(error)
+        else:
+            waiting.set_result(result)
+
+    def end_all(self, failure: grpc.aio.AioRpcError) -> None:
+        for waiting in self._waiting.values():
+            if not waiting.done():
+                waiting.set_exception(failure)
+        self._waiting.clear()
+
+    def _drop(self, key: Any) -> None:
+        if self._waiting.pop(key, None) is not None and self.failed is None:
+            cancel = self.cancel_message(key)
+            if cancel is not None:
+                self.send(cancel)
