@@ -75,7 +75,7 @@ class StreamsCall(SharedCall):
     def __init__(self, stub: decode_pb2_grpc.DecodeStub,
                  on_end: Callable[[SharedCall], None] = lambda ended: None) -> None:
         self._open: dict[str, RequestCall] = {}
-        super().__init__(stub.GenerateStreams(), "decode", on_end)
+        super().__init__(stub.GenerateStreams(), "the decode worker", on_end)
 
     def open(self, request: decode_pb2.GenerateRequest, timeout_s: float | None,
              fallback: Any) -> RequestCall:

@@ -80,7 +80,7 @@ class PrefillStreamsCall(AnsweredCall):
 
     def __init__(self, stub: prefill_pb2_grpc.PrefillStub,
                  on_end: Callable[[SharedCall], None] = lambda ended: None) -> None:
-        super().__init__(stub.PrefillStreams(), "prefill", on_end)
+        super().__init__(stub.PrefillStreams(), "the prefill worker", on_end)
 
     async def ask_prefill(self, reserved: bool, request: Any, timeout_s: float | None) -> Any:
         message = (prefill_pb2.PrefillStreamsRequest(reserveds=[request]) if reserved

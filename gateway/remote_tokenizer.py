@@ -1,29 +1,53 @@
 """The tokenizer service seen from the gateway: the model's facts, a local copy of its tokenizer
-(the gateway detokenizes incrementally), and tokenization and chat templates over gRPC."""
+(the gateway detokenizes incrementally), and tokenization and chat templates over gRPC: each a
+message on one TokenizeStreams call kept open (tokenizer_svc/service.py says why), or a call of
+its own where the service has no such call (an earlier version) or `shared` is off."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 from typing import Any
 
 import grpc
 
 from gateway.backend import BackendError, ModelFacts
+from gateway.shared_call import AnsweredCall, status_from_wire
 from pdserve.cluster.grpc_server import check_health, open_channel
 from pdserve.cluster.tls import PLAINTEXT, TLSConfig
 from protos import tokenizer_pb2, tokenizer_pb2_grpc
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+TIMEOUT_S = 30.0  # per call
+logger = logging.getLogger(__name__)
+
+
+class TokenizeStreamsCall(AnsweredCall):
+    """One TokenizeStreams call: each call's answer found by its call id."""
+
+    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub) -> None:
+        super().__init__(stub.TokenizeStreams(), "the tokenizer service")
+
+    def route(self, reply: tokenizer_pb2.TokenizeStreamsReply) -> None:
+        for a in reply.answers:
+            if a.WhichOneof("answer") == "response":
+                self.answer(a.call_id, a.response)
+            else:
+                self.answer(a.call_id, error=status_from_wire(a.error_code, a.error_message))
 
 
 class RemoteTokenizer:
     """One channel to the tokenizer service at `address`; `start()` before anything else."""
 
-    def __init__(self, address: str, tls: TLSConfig = PLAINTEXT) -> None:
+    def __init__(self, address: str, tls: TLSConfig = PLAINTEXT, shared: bool = True) -> None:
         self.address, self.tls = address, tls
         self.facts: ModelFacts | None = None
         self.tokenizer: Any = None  # a local HF tokenizer, once started
         self._channel: grpc.aio.Channel | None = None
+        self.shared = shared  # Tokenize and ApplyChatTemplate on one TokenizeStreams call
+        self._streams: TokenizeStreamsCall | None = None
+        self._call_ids = itertools.count(1)
 
     async def start(self) -> ModelFacts:
         """Fetch the model's facts and tokenizer (once; later calls return them)."""
@@ -42,7 +66,7 @@ class RemoteTokenizer:
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = tokenizer_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        return list((await self._call(self._stub().Tokenize, request)).token_ids)
+        return list((await self._call("tokenize", request)).token_ids)
 
     async def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -55,22 +79,44 @@ class RemoteTokenizer:
         )
         if chat_template is not None:
             request.chat_template = chat_template
-        return list((await self._call(self._stub().ApplyChatTemplate, request)).token_ids)
+        return list((await self._call("chat_template", request)).token_ids)
 
     async def close(self) -> None:
         channel, self._channel = self._channel, None
         if channel is not None:
             await channel.close()
 
-    async def _call(self, method: Any, request: Any) -> Any:
-        """`method(request)`: INVALID_ARGUMENT raises ValueError, other failures BackendError."""
+    async def _call(self, kind: str, request: Any) -> Any:
+        """The `kind` call ("tokenize" or "chat_template") of `request`: INVALID_ARGUMENT raises
+        ValueError, other failures BackendError."""
         try:
-            return await method(request, timeout=30)
+            return await self._ask(kind, request)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(exc.details()) from exc
             raise BackendError(f"tokenizer service: {exc.details()}",
                                retryable=exc.code() in RETRYABLE) from exc
+
+    async def _ask(self, kind: str, request: Any) -> Any:
+        if self.shared:
+            streams = self._streams
+            if streams is None or streams.failed:
+                streams = self._streams = TokenizeStreamsCall(self._stub())
+            call = tokenizer_pb2.TokenizeCall(call_id=next(self._call_ids), **{kind: request})
+            try:
+                return await streams.ask(call.call_id,
+                                         tokenizer_pb2.TokenizeStreamsRequest(calls=[call]),
+                                         TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                if not (streams.failed is exc and exc.code() == grpc.StatusCode.UNIMPLEMENTED
+                        and not streams.answered):
+                    raise
+                logger.info("the tokenizer service serves no TokenizeStreams (an earlier "
+                            "version): a call per request")
+                self.shared = False  # nothing reached the service: ask it alone
+        stub = self._stub()
+        method = stub.Tokenize if kind == "tokenize" else stub.ApplyChatTemplate
+        return await method(request, timeout=TIMEOUT_S)
 
     def _stub(self) -> tokenizer_pb2_grpc.TokenizerStub:
         if self._channel is None:

@@ -1,5 +1,7 @@
 """One long-lived bidirectional call carrying many requests to a worker: the gateway's side of
-GenerateStreams (gateway/generate_streams.py) and PrefillStreams (gateway/prefill_calls.py).
+GenerateStreams (gateway/generate_streams.py), PrefillStreams (gateway/prefill_calls.py) and
+TokenizeStreams (gateway/remote_tokenizer.py); the worker's side is
+pdserve/cluster/call_streams.py. `AnsweredCall`: one whose requests each wait for one answer.
 
 What is sent in one event-loop turn goes as one message (the messages' repeated fields joined);
 one task reads the replies and hands each to `route`. When the call ends (the worker died or
@@ -32,10 +34,10 @@ class SharedCall:
     """A call of `stream_stream` kind, opened at once; subclasses define `route(reply)` and
     `end_all(failure)`. `on_end(self)` runs once the call ended."""
 
-    def __init__(self, call: Any, worker: str,
+    def __init__(self, call: Any, peer: str,
                  on_end: Callable[[SharedCall], None] = lambda ended: None) -> None:
         self._call = call
-        self._worker = worker  # "decode", "prefill": who ended the call, in its status
+        self._peer = peer  # "the decode worker", ...: who ended the call, in its status
         self._on_end = on_end
         self._outbox: list[Any] = []
         self._wrote = asyncio.Event()
@@ -67,7 +69,7 @@ class SharedCall:
             pass  # the call ended: `_read` tells the requests why
 
     async def _read(self) -> None:
-        failure = status(grpc.StatusCode.UNAVAILABLE, f"the {self._worker} worker ended the stream")
+        failure = status(grpc.StatusCode.UNAVAILABLE, f"{self._peer} ended the stream")
         try:
             while True:
                 reply = await self._call.read()
@@ -96,11 +98,11 @@ class AnsweredCall(SharedCall):
     cancelled) sends `cancel_message(key)` if there is one; its answer, should it come, is
     dropped."""
 
-    def __init__(self, call: Any, worker: str,
+    def __init__(self, call: Any, peer: str,
                  on_end: Callable[[SharedCall], None] = lambda ended: None) -> None:
         self._waiting: dict[Any, asyncio.Future] = {}
-        self.answered = False  # any answer came: the worker serves the call
-        super().__init__(call, worker, on_end)
+        self.answered = False  # any answer came: the peer serves the call
+        super().__init__(call, peer, on_end)
 
     def cancel_message(self, key: Any) -> Any | None:
         return None

@@ -24,29 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/tokenizer.proto\x12\npdserve.v1\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"\x8d\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x17\n\x0ftool_calls_json\x18\x05 \x01(\tB\x07\n\x05_nameB\x0f\n\r_tool_call_id\"\xa1\x01\n\x13\x43hatTemplateRequest\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x1a\n\rchat_template\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x04 \x01(\tB\x10\n\x0e_chat_template\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xb3\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x16\n\x0etokenizer_json\x18\x06 \x01(\t\x12\x1d\n\x15tokenizer_config_json\x18\x07 \x01(\t2\xb8\x02\n\tTokenizer\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12R\n\x11\x41pplyChatTemplate\x12\x1f.pdserve.v1.ChatTemplateRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.pdserve.v1.DetokenizeRequest\x1a\x1e.pdserve.v1.DetokenizeResponse\x12\x43\n\x0cGetModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/tokenizer.proto\x12\npdserve.v1\"\x92\x01\n\x0cTokenizeCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12/\n\x08tokenize\x18\x02 \x01(\x0b\x32\x1b.pdserve.v1.TokenizeRequestH\x00\x12\x38\n\rchat_template\x18\x03 \x01(\x0b\x32\x1f.pdserve.v1.ChatTemplateRequestH\x00\x42\x06\n\x04\x63\x61ll\"A\n\x16TokenizeStreamsRequest\x12\'\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.TokenizeCall\"\x8a\x01\n\x0eTokenizeAnswer\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1c.pdserve.v1.TokenizeResponseH\x00\x12\x14\n\nerror_code\x18\x03 \x01(\rH\x00\x12\x15\n\rerror_message\x18\x04 \x01(\tB\x08\n\x06\x61nswer\"C\n\x14TokenizeStreamsReply\x12+\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x1a.pdserve.v1.TokenizeAnswer\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"\x8d\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x17\n\x0ftool_calls_json\x18\x05 \x01(\tB\x07\n\x05_nameB\x0f\n\r_tool_call_id\"\xa1\x01\n\x13\x43hatTemplateRequest\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x1a\n\rchat_template\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x04 \x01(\tB\x10\n\x0e_chat_template\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xb3\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x16\n\x0etokenizer_json\x18\x06 \x01(\t\x12\x1d\n\x15tokenizer_config_json\x18\x07 \x01(\t2\x95\x03\n\tTokenizer\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12R\n\x11\x41pplyChatTemplate\x12\x1f.pdserve.v1.ChatTemplateRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.pdserve.v1.DetokenizeRequest\x1a\x1e.pdserve.v1.DetokenizeResponse\x12\x43\n\x0cGetModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12[\n\x0fTokenizeStreams\x12\".pdserve.v1.TokenizeStreamsRequest\x1a .pdserve.v1.TokenizeStreamsReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.tokenizer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOKENIZEREQUEST']._serialized_start=38
-  _globals['_TOKENIZEREQUEST']._serialized_end=97
-  _globals['_TOKENIZERESPONSE']._serialized_start=99
-  _globals['_TOKENIZERESPONSE']._serialized_end=152
-  _globals['_CHATMESSAGE']._serialized_start=155
-  _globals['_CHATMESSAGE']._serialized_end=296
-  _globals['_CHATTEMPLATEREQUEST']._serialized_start=299
-  _globals['_CHATTEMPLATEREQUEST']._serialized_end=460
-  _globals['_DETOKENIZEREQUEST']._serialized_start=462
-  _globals['_DETOKENIZEREQUEST']._serialized_end=529
-  _globals['_DETOKENIZERESPONSE']._serialized_start=531
-  _globals['_DETOKENIZERESPONSE']._serialized_end=565
-  _globals['_MODELINFOREQUEST']._serialized_start=567
-  _globals['_MODELINFOREQUEST']._serialized_end=585
-  _globals['_MODELINFO']._serialized_start=588
-  _globals['_MODELINFO']._serialized_end=767
-  _globals['_TOKENIZER']._serialized_start=770
-  _globals['_TOKENIZER']._serialized_end=1082
+  _globals['_TOKENIZECALL']._serialized_start=39
+  _globals['_TOKENIZECALL']._serialized_end=185
+  _globals['_TOKENIZESTREAMSREQUEST']._serialized_start=187
+  _globals['_TOKENIZESTREAMSREQUEST']._serialized_end=252
+  _globals['_TOKENIZEANSWER']._serialized_start=255
+  _globals['_TOKENIZEANSWER']._serialized_end=393
+  _globals['_TOKENIZESTREAMSREPLY']._serialized_start=395
+  _globals['_TOKENIZESTREAMSREPLY']._serialized_end=462
+  _globals['_TOKENIZEREQUEST']._serialized_start=464
+  _globals['_TOKENIZEREQUEST']._serialized_end=523
+  _globals['_TOKENIZERESPONSE']._serialized_start=525
+  _globals['_TOKENIZERESPONSE']._serialized_end=578
+  _globals['_CHATMESSAGE']._serialized_start=581
+  _globals['_CHATMESSAGE']._serialized_end=722
+  _globals['_CHATTEMPLATEREQUEST']._serialized_start=725
+  _globals['_CHATTEMPLATEREQUEST']._serialized_end=886
+  _globals['_DETOKENIZEREQUEST']._serialized_start=888
+  _globals['_DETOKENIZEREQUEST']._serialized_end=955
+  _globals['_DETOKENIZERESPONSE']._serialized_start=957
+  _globals['_DETOKENIZERESPONSE']._serialized_end=991
+  _globals['_MODELINFOREQUEST']._serialized_start=993
+  _globals['_MODELINFOREQUEST']._serialized_end=1011
+  _globals['_MODELINFO']._serialized_start=1014
+  _globals['_MODELINFO']._serialized_end=1193
+  _globals['_TOKENIZER']._serialized_start=1196
+  _globals['_TOKENIZER']._serialized_end=1601
 # @@protoc_insertion_point(module_scope)

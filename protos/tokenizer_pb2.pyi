@@ -6,6 +6,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TokenizeCall(_message.Message):
+    __slots__ = ("call_id", "tokenize", "chat_template")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZE_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    tokenize: TokenizeRequest
+    chat_template: ChatTemplateRequest
+    def __init__(self, call_id: _Optional[int] = ..., tokenize: _Optional[_Union[TokenizeRequest, _Mapping]] = ..., chat_template: _Optional[_Union[ChatTemplateRequest, _Mapping]] = ...) -> None: ...
+
+class TokenizeStreamsRequest(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[TokenizeCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[TokenizeCall, _Mapping]]] = ...) -> None: ...
+
+class TokenizeAnswer(_message.Message):
+    __slots__ = ("call_id", "response", "error_code", "error_message")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    response: TokenizeResponse
+    error_code: int
+    error_message: str
+    def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[TokenizeResponse, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class TokenizeStreamsReply(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[TokenizeAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[TokenizeAnswer, _Mapping]]] = ...) -> None: ...
+
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class TokenizerStub:
                 request_serializer=protos_dot_tokenizer__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_tokenizer__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.TokenizeStreams = channel.stream_stream(
+                '/pdserve.v1.Tokenizer/TokenizeStreams',
+                request_serializer=protos_dot_tokenizer__pb2.TokenizeStreamsRequest.SerializeToString,
+                response_deserializer=protos_dot_tokenizer__pb2.TokenizeStreamsReply.FromString,
+                _registered_method=True)
 
 
 class TokenizerServicer:
@@ -87,6 +92,16 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TokenizeStreams(self, request_iterator, context):
+        """Many Tokenize and ApplyChatTemplate calls over one long-lived call from a gateway, where
+        each would be a call of its own: a request message carries calls, each run exactly as its
+        own call would; a reply carries the answers of those that finished: the response, or the
+        status code and message their own call would have failed with.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TokenizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +124,11 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=protos_dot_tokenizer__pb2.ModelInfoRequest.FromString,
                     response_serializer=protos_dot_tokenizer__pb2.ModelInfo.SerializeToString,
+            ),
+            'TokenizeStreams': grpc.stream_stream_rpc_method_handler(
+                    servicer.TokenizeStreams,
+                    request_deserializer=protos_dot_tokenizer__pb2.TokenizeStreamsRequest.FromString,
+                    response_serializer=protos_dot_tokenizer__pb2.TokenizeStreamsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +239,33 @@ class Tokenizer:
             '/pdserve.v1.Tokenizer/GetModelInfo',
             protos_dot_tokenizer__pb2.ModelInfoRequest.SerializeToString,
             protos_dot_tokenizer__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenizeStreams(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Tokenizer/TokenizeStreams',
+            protos_dot_tokenizer__pb2.TokenizeStreamsRequest.SerializeToString,
+            protos_dot_tokenizer__pb2.TokenizeStreamsReply.FromString,
             options,
             channel_credentials,
             insecure,

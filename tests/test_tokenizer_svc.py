@@ -62,3 +62,56 @@ async def _check_rpcs(stub: tokenizer_pb2_grpc.TokenizerStub, tok) -> None:
     ids = list(chat.token_ids) + list(r.token_ids)
     assert local.decode(ids, skip_special_tokens=True) == tok.decode(ids, skip_special_tokens=True)
     assert local.decode(ids) == tok.decode(ids)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_gateway_s_calls_on_one_kept_open_call_answer_as_their_own(
+        bundled_path, bundled_tokenizer, shared):
+    """RemoteTokenizer's Tokenize and ApplyChatTemplate as messages on one TokenizeStreams call
+    (`shared`) or a call each: the same ids, several at once, the same errors."""
+    asyncio.run(_remote(bundled_path, bundled_tokenizer, shared, streams=True))
+
+
+def test_a_service_without_the_kept_open_call_gets_a_call_each(bundled_path, bundled_tokenizer):
+    asyncio.run(_remote(bundled_path, bundled_tokenizer, True, streams=False))
+
+
+async def _remote(path: str, tok, shared: bool, streams: bool) -> None:
+    from gateway.remote_tokenizer import RemoteTokenizer
+
+    servicer = TokenizerServicer(TokenizerModel(path, "smol", max_model_len=1024))
+
+    def add(server: grpc.aio.Server) -> None:
+        if streams:
+            tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server)
+            return
+        handlers = {name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name), request_deserializer=req.FromString,
+            response_serializer=resp.SerializeToString)
+            for name, req, resp in (
+                ("Tokenize", tokenizer_pb2.TokenizeRequest, tokenizer_pb2.TokenizeResponse),
+                ("ApplyChatTemplate", tokenizer_pb2.ChatTemplateRequest,
+                 tokenizer_pb2.TokenizeResponse),
+                ("GetModelInfo", tokenizer_pb2.ModelInfoRequest, tokenizer_pb2.ModelInfo))}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "pdserve.v1.Tokenizer", handlers),))
+
+    server, _ = await make_server("pdserve.v1.Tokenizer", add)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    remote = RemoteTokenizer(f"127.0.0.1:{port}", shared=shared)
+    try:
+        await remote.start()
+        texts = [f"prompt {i}: ünïcödé and 漢字 🙂" * (i + 1) for i in range(6)]
+        ids = await asyncio.gather(*(remote.tokenize(t) for t in texts),
+                                   remote.apply_chat_template(CHAT))
+        assert ids[:-1] == [tok.encode(t) for t in texts]
+        assert ids[-1] == list(tok.apply_chat_template(CHAT, add_generation_prompt=True,
+                                                       return_dict=False))
+        with pytest.raises(ValueError):  # INVALID_ARGUMENT, as its own call would end
+            await remote.apply_chat_template([])
+        assert remote.shared == (shared and streams)  # fell back where the service lacks it
+        assert (remote._streams is not None) == shared
+    finally:
+        await remote.close()
+        await server.stop(0)

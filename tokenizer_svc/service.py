@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import grpc
 
+from pdserve.cluster.call_streams import CallStreams
+from pdserve.cluster.grpc_server import status_of
 from protos import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.chat_template import ChatRenderer
 from tokenizer_svc.convert import messages_from_pb, model_info_to_pb, tools_from_pb
@@ -65,3 +69,48 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
     async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return model_info_to_pb(self.model)
+
+    async def TokenizeStreams(
+        self, request_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tokenizer_pb2.TokenizeStreamsReply]:
+        streams = TokenizeStreams(self)
+        async with aclosing(streams.serve(request_iterator)) as replies:
+            async for reply in replies:
+                yield reply
+
+
+class TokenizeStreams(CallStreams):
+    """Serves one TokenizeStreams call (pdserve/cluster/call_streams.py): each call runs as
+    its own Tokenize or ApplyChatTemplate would, in a task of its own.
+
+    NOTE: why. From an idle service a new unary call passes gRPC core's threads, each woken
+    from sleep, before its handler runs: about twice a message's way on a call kept open
+    (`python -m pdserve.bench.grpc_ping`), and a text or chat prompt's tokenization is on its
+    first token's way. So a gateway keeps one call open and sends each as a message on it."""
+
+    def __init__(self, servicer: TokenizerServicer) -> None:
+        super().__init__(lambda: True, asyncio.Event())  # a tokenizer holds no request long
+        self.servicer = servicer
+
+    async def handle(self, request: tokenizer_pb2.TokenizeStreamsRequest) -> None:
+        for call in request.calls:
+            self.start(str(call.call_id), self._run_call(call))
+
+    def reply(self, items: list[tokenizer_pb2.TokenizeAnswer]) -> Any:
+        return tokenizer_pb2.TokenizeStreamsReply(answers=items)
+
+    async def _run_call(self, call: tokenizer_pb2.TokenizeCall) -> None:
+        answer = tokenizer_pb2.TokenizeAnswer(call_id=call.call_id)
+        kind = call.WhichOneof("call")
+        try:
+            if kind == "tokenize":
+                response = await self.servicer.Tokenize(call.tokenize, None)
+            elif kind == "chat_template":
+                response = await self.servicer.ApplyChatTemplate(call.chat_template, None)
+            else:
+                raise ValueError(f"call {call.call_id}: neither tokenize nor chat_template")
+            answer.response.CopyFrom(response)
+        except Exception as exc:  # noqa: BLE001 - the status its own call would end with
+            code, answer.error_message = status_of(exc, f"[call {call.call_id}] {kind}")
+            answer.error_code = code.value[0]
+        self.add(answer)
