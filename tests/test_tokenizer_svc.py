@@ -77,6 +77,7 @@ def test_a_service_without_the_kept_open_call_gets_a_call_each(bundled_path, bun
 
 
 async def _remote(path: str, tok, shared: bool, streams: bool) -> None:
+    from gateway.backend import BackendError
     from gateway.remote_tokenizer import RemoteTokenizer
 
     servicer = TokenizerServicer(TokenizerModel(path, "smol", max_model_len=1024))
@@ -112,6 +113,16 @@ async def _remote(path: str, tok, shared: bool, streams: bool) -> None:
             await remote.apply_chat_template([])
         assert remote.shared == (shared and streams)  # fell back where the service lacks it
         assert (remote._streams is not None) == shared
+        if shared and streams:  # the service stops: its idle kept-open call ends at once,
+            servicer.stopping.set()  # and a call sent meanwhile is refused, retryable
+            for _ in range(300):
+                if remote._streams.failed is not None:
+                    break
+                await asyncio.sleep(0.01)
+            assert remote._streams.failed.code() == grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(BackendError) as err:  # the new call ends, or refuses it
+                await remote.tokenize("late")
+            assert err.value.retryable and "tokenizer service" in str(err.value)
     finally:
         await remote.close()
         await server.stop(0)

@@ -40,10 +40,9 @@ async def serve(args: argparse.Namespace) -> None:
     path = resolve_model(args.model)
     model = TokenizerModel(path, served_name(args), args.max_model_len,
                            read_template(args.chat_template))
+    servicer = TokenizerServicer(model)
     server, health = await make_server(
-        SERVICE,
-        lambda s: tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(model), s),
-    )
+        SERVICE, lambda s: tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, s))
     listen(server, f"{args.host}:{args.port}", tls_from_args(args))
     await server.start()
     serving_process_ready("tokenizer")
@@ -52,6 +51,7 @@ async def serve(args: argparse.Namespace) -> None:
     heartbeat = _heartbeat(args)
 
     async def on_stop() -> None:
+        servicer.stopping.set()  # its kept-open calls end once idle: no wait for the grace
         if heartbeat is not None:
             await heartbeat.stop()
 

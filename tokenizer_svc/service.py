@@ -40,6 +40,8 @@ class TokenizerModel:
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     def __init__(self, model: TokenizerModel):
         self.model = model
+        # set when the service stops: its TokenizeStreams calls end once idle, refusing more
+        self.stopping = asyncio.Event()
 
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         ids = await asyncio.to_thread(
@@ -73,7 +75,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     async def TokenizeStreams(
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tokenizer_pb2.TokenizeStreamsReply]:
-        streams = TokenizeStreams(self)
+        streams = TokenizeStreams(self, self.stopping)
         async with aclosing(streams.serve(request_iterator)) as replies:
             async for reply in replies:
                 yield reply
@@ -88,13 +90,18 @@ class TokenizeStreams(CallStreams):
     (`python -m pdserve.bench.grpc_ping`), and a text or chat prompt's tokenization is on its
     first token's way. So a gateway keeps one call open and sends each as a message on it."""
 
-    def __init__(self, servicer: TokenizerServicer) -> None:
-        super().__init__(lambda: True, asyncio.Event())  # a tokenizer holds no request long
+    def __init__(self, servicer: TokenizerServicer, stopping: asyncio.Event) -> None:
+        super().__init__(lambda: not stopping.is_set(), stopping)
         self.servicer = servicer
 
     async def handle(self, request: tokenizer_pb2.TokenizeStreamsRequest) -> None:
         for call in request.calls:
-            self.start(str(call.call_id), self._run_call(call))
+            if self.admitting():
+                self.start(str(call.call_id), self._run_call(call))
+            else:  # as a call of its own to a stopping server
+                self.add(tokenizer_pb2.TokenizeAnswer(
+                    call_id=call.call_id, error_code=grpc.StatusCode.UNAVAILABLE.value[0],
+                    error_message="the tokenizer service is stopping"))
 
     def reply(self, items: list[tokenizer_pb2.TokenizeAnswer]) -> Any:
         return tokenizer_pb2.TokenizeStreamsReply(answers=items)
