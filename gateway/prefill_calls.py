@@ -55,8 +55,7 @@ class PrefillCalls:
             try:
                 return await streams.ask_prefill(reserved, request, timeout_s)
             except grpc.aio.AioRpcError as exc:
-                if not (streams.failed is exc and exc.code() == grpc.StatusCode.UNIMPLEMENTED
-                        and not streams.answered):
+                if not streams.unserved(exc):
                     raise
                 self._fall_back(channel)  # nothing reached the worker: ask it alone
         stub = prefill_pb2_grpc.PrefillStub(channel)

@@ -108,8 +108,7 @@ class RemoteTokenizer:
                                          tokenizer_pb2.TokenizeStreamsRequest(calls=[call]),
                                          TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
-                if not (streams.failed is exc and exc.code() == grpc.StatusCode.UNIMPLEMENTED
-                        and not streams.answered):
+                if not streams.unserved(exc):
                     raise
                 logger.info("the tokenizer service serves no TokenizeStreams (an earlier "
                             "version): a call per request")

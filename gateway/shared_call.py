@@ -107,6 +107,12 @@ class AnsweredCall(SharedCall):
     def cancel_message(self, key: Any) -> Any | None:
         return None
 
+    def unserved(self, exc: grpc.aio.AioRpcError) -> bool:
+        """Whether `exc` says the peer serves no such call (an earlier version: UNIMPLEMENTED
+        before any answer), so nothing sent on it reached the peer: ask it a call each."""
+        return (self.failed is exc and exc.code() == grpc.StatusCode.UNIMPLEMENTED
+                and not self.answered)
+
     async def ask(self, key: Any, message: Any, timeout_s: float | None,
                   what: str = "") -> Any:
         """`what` names the request in the error of a key already waiting."""

@@ -7,8 +7,9 @@ a new unary call then passes gRPC core's threads, each woken from sleep, before 
 runs. On the 2-core box (2026-12-07, `python -m pdserve.bench.grpc_ping --calls 200 --gap-ms
 50`, the modes taking turns) a unary call's way there and back took 1.12 + 0.45 ms (p50) where
 a message each way on a call kept open took 0.55 + 0.29; with 5 ms between calls 0.66 + 0.30
-against 0.28 + 0.19. So a gateway keeps one call per prefill worker and sends each Prefill (and
-the Reserved that follows it) as a message on it:
+against 0.28 + 0.19; on an H100 host at 16 req/s the Prefill's way there went from 1.1 to 0.6 ms
+(docs/loadtest.md, "The split's Prefill on a call kept open"). So a gateway keeps one call per
+prefill worker and sends each Prefill (and the Reserved that follows it) as a message on it:
 
     PrefillStreamsRequest [ prefill a, reserved b, cancel c ]
          │ each prefill runs PrefillServicer.Prefill in a task of its own, each reserved
