@@ -28,8 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
-from pdserve.cluster.call_streams import CallStreams
-from pdserve.cluster.grpc_server import status_of
+from pdserve.cluster.call_streams import CallStreams, status_to_wire
 from protos import decode_pb2
 
 MAX_EVENTS = 1024  # per reply: a backlog of many steps leaves as several replies, each well
@@ -87,6 +86,5 @@ class GenerateStreams(CallStreams):
     def _end(self, request_id: str, exc: BaseException | None) -> None:
         event = decode_pb2.GenerateStreamEvent(request_id=request_id, end_code=0)
         if exc is not None:  # the status and details its own Generate call would end with
-            code, event.end_message = status_of(exc, f"[{request_id}] Generate")
-            event.end_code = code.value[0]
+            event.end_code, event.end_message = status_to_wire(exc, f"[{request_id}] Generate")
         self.add(event)

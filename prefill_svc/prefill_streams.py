@@ -27,8 +27,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pdserve.cluster.call_streams import CallStreams
-from pdserve.cluster.grpc_server import status_of
+from pdserve.cluster.call_streams import CallStreams, status_to_wire
 from protos import prefill_pb2
 
 # A reply carries answers up to this many bytes (at least one): a Prefill's answer with prompt
@@ -104,5 +103,5 @@ class PrefillStreams(CallStreams):
 
 
 def _fail(answer: prefill_pb2.PrefillStreamAnswer, exc: BaseException, rpc: str) -> None:
-    code, answer.error_message = status_of(exc, f"[{answer.request_id}] {rpc}")
-    answer.error_code = code.value[0]
+    answer.error_code, answer.error_message = status_to_wire(exc,
+                                                             f"[{answer.request_id}] {rpc}")

@@ -9,8 +9,7 @@ from typing import Any
 
 import grpc
 
-from pdserve.cluster.call_streams import CallStreams
-from pdserve.cluster.grpc_server import status_of
+from pdserve.cluster.call_streams import CallStreams, status_to_wire
 from protos import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.chat_template import ChatRenderer
 from tokenizer_svc.convert import messages_from_pb, model_info_to_pb, tools_from_pb
@@ -98,10 +97,9 @@ class TokenizeStreams(CallStreams):
         for call in request.calls:
             if self.admitting():
                 self.start(str(call.call_id), self._run_call(call))
-            else:  # as a call of its own to a stopping server
-                self.add(tokenizer_pb2.TokenizeAnswer(
-                    call_id=call.call_id, error_code=grpc.StatusCode.UNAVAILABLE.value[0],
-                    error_message="the tokenizer service is stopping"))
+            else:  # as a call of its own to a stopping server: UNAVAILABLE
+                self._fail(tokenizer_pb2.TokenizeAnswer(call_id=call.call_id),
+                           ConnectionError("the tokenizer service is stopping"), "call")
 
     def reply(self, items: list[tokenizer_pb2.TokenizeAnswer]) -> Any:
         return tokenizer_pb2.TokenizeStreamsReply(answers=items)
@@ -118,6 +116,11 @@ class TokenizeStreams(CallStreams):
                 raise ValueError(f"call {call.call_id}: neither tokenize nor chat_template")
             answer.response.CopyFrom(response)
         except Exception as exc:  # noqa: BLE001 - the status its own call would end with
-            code, answer.error_message = status_of(exc, f"[call {call.call_id}] {kind}")
-            answer.error_code = code.value[0]
+            self._fail(answer, exc, kind or "call")
+            return
+        self.add(answer)
+
+    def _fail(self, answer: tokenizer_pb2.TokenizeAnswer, exc: BaseException, what: str) -> None:
+        answer.error_code, answer.error_message = status_to_wire(
+            exc, f"[call {answer.call_id}] {what}")
         self.add(answer)

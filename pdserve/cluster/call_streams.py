@@ -16,6 +16,15 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
+from pdserve.cluster.grpc_server import status_of
+
+
+def status_to_wire(exc: BaseException, what: str) -> tuple[int, str]:
+    """The status code (its number) and message a request's own call would have failed with,
+    as an answer on a shared call carries them (logged under `what`, as `status_of` does)."""
+    code, message = status_of(exc, what)
+    return code.value[0], message
+
 
 class CallStreams:
     def __init__(self, admitting: Callable[[], bool], closing: asyncio.Event) -> None:
