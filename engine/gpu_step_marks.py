@@ -38,8 +38,8 @@ _NS = struct.Struct("=q")
 
 class StepMark:
     """The writer: one prefill engine's mark, the file `prefill-<pid>.mark` in `folder`
-    (created). `begin` / `end` around each step; `close` removes the file, and the folder
-    once no writer's file is left in it."""
+    (created). `begin(num_tokens)` / `end` around each step (only a small one is marked);
+    `close` removes the file, and the folder once no writer's file is left in it."""
 
     def __init__(self, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
@@ -49,8 +49,10 @@ class StepMark:
         with open(self.path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), _NS.size)
 
-    def begin(self) -> None:
-        _NS.pack_into(self._map, 0, time.monotonic_ns())
+    def begin(self, num_tokens: int) -> None:
+        """A step of `num_tokens` starts: marked if it is small (MARK_MAX_TOKENS)."""
+        if num_tokens <= MARK_MAX_TOKENS:
+            _NS.pack_into(self._map, 0, time.monotonic_ns())
 
     def end(self) -> None:
         _NS.pack_into(self._map, 0, 0)

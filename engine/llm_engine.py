@@ -38,8 +38,8 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.gc_heap import freeze_startup_heap, unfreeze_heap
-from engine.gpu_step_marks import MARK_MAX_TOKENS, StepMark, StepMarks
 from engine.gpu_step_marks import POLL_S as MARK_POLL_S
+from engine.gpu_step_marks import StepMark, StepMarks
 from engine.kv_handoff import KVHandoffMixin
 from engine.kv_progress import KVWatch, StepNotes
 from engine.lora.request import LoRAInUseError, LoRARequest
@@ -346,9 +346,8 @@ class LLMEngine(KVHandoffMixin):
         if self.runner.drafter is not None:  # the step placed: the draft model guesses
             self.runner.drafter.fill(out, self.config.cache.block_size)
         notes = self._kv_notes(out) if self._kv_watches else None
-        if (self._step_mark is not None and not out.is_empty
-                and out.num_batched_tokens <= MARK_MAX_TOKENS):
-            self._step_mark.begin()  # ended once its tokens are back (`_land`)
+        if self._step_mark is not None and not out.is_empty:
+            self._step_mark.begin(out.num_batched_tokens)  # ended once its tokens are back
         if notes is None:
             launched = None if out.is_empty else self.runner.launch(out)
         else:

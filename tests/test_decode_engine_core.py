@@ -127,7 +127,7 @@ def test_steps_are_held_while_a_prefill_step_is_marked(tiny_llama_dir: str, tmp_
         shared_gpu_step_marks=str(tmp_path))
 
     async def scenario() -> tuple[float, float]:
-        mark.begin()
+        mark.begin(1)  # a small step
         held = await _four_tokens(client, "held")
         mark.end()
         return held, await _four_tokens(client, "free")

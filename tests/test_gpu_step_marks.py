@@ -16,7 +16,7 @@ from engine.sampling_params import SamplingParams
 
 def _mark_and_wait(folder: str, begun, release) -> None:  # a prefill engine's process
     mark = StepMark(folder)
-    mark.begin()
+    mark.begin(1)  # a small step
     begun.set()
     release.wait(30)
     mark.end()
@@ -51,7 +51,7 @@ def test_a_mark_in_another_process_is_read_until_it_ends(tmp_path) -> None:
 def test_a_dead_writers_mark_goes_stale(tmp_path, monkeypatch) -> None:
     mark = StepMark(str(tmp_path))
     reader = StepMarks(str(tmp_path))
-    mark.begin()
+    mark.begin(1)  # a small step
     assert reader.busy()
     monkeypatch.setattr(gpu_step_marks, "STALE_S", 0.05)  # its process died mid-step
     time.sleep(0.1)
@@ -62,9 +62,9 @@ def test_a_dead_writers_mark_goes_stale(tmp_path, monkeypatch) -> None:
 
 def test_a_prefill_engine_marks_each_small_step_until_its_tokens_are_back(
         tiny_llama_dir, tmp_path, monkeypatch) -> None:
-    import engine.llm_engine as llm_engine
+    import engine.gpu_step_marks as gpu_step_marks
 
-    monkeypatch.setattr(llm_engine, "MARK_MAX_TOKENS", 20)  # a burst's step: more tokens
+    monkeypatch.setattr(gpu_step_marks, "MARK_MAX_TOKENS", 20)  # a burst's step: more tokens
     config = build_engine_config(tiny_llama_dir, dtype="float32", role="prefill", device="cpu",
                                  num_kv_blocks=8, block_size=16, max_model_len=128,
                                  shared_gpu_step_marks=str(tmp_path))
