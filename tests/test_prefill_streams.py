@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
+from earlier_peer import add_unary_methods
 from polling import until
 
 from gateway.prefill_calls import PrefillCalls
@@ -71,14 +72,9 @@ async def _serve(script: Script, shared: bool = True,
         if shared:
             prefill_pb2_grpc.add_PrefillServicer_to_server(script, server)
             return
-        handlers = {name: grpc.unary_unary_rpc_method_handler(
-            getattr(script, name), request_deserializer=req.FromString,
-            response_serializer=resp.SerializeToString)
-            for name, req, resp in (
-                ("Prefill", prefill_pb2.PrefillRequest, prefill_pb2.PrefillResponse),
-                ("Reserved", prefill_pb2.ReservedRequest, prefill_pb2.ReservedResponse))}
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "pdserve.v1.Prefill", handlers),))
+        add_unary_methods(server, "pdserve.v1.Prefill", script, [
+            ("Prefill", prefill_pb2.PrefillRequest, prefill_pb2.PrefillResponse),
+            ("Reserved", prefill_pb2.ReservedRequest, prefill_pb2.ReservedResponse)])
 
     server, _ = await make_server("pdserve.v1.Prefill", add)
     port = server.add_insecure_port(f"127.0.0.1:{port}")

@@ -77,6 +77,8 @@ def test_a_service_without_the_kept_open_call_gets_a_call_each(bundled_path, bun
 
 
 async def _remote(path: str, tok, shared: bool, streams: bool) -> None:
+    from earlier_peer import add_unary_methods
+
     from gateway.backend import BackendError
     from gateway.remote_tokenizer import RemoteTokenizer
 
@@ -86,16 +88,11 @@ async def _remote(path: str, tok, shared: bool, streams: bool) -> None:
         if streams:
             tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server)
             return
-        handlers = {name: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, name), request_deserializer=req.FromString,
-            response_serializer=resp.SerializeToString)
-            for name, req, resp in (
-                ("Tokenize", tokenizer_pb2.TokenizeRequest, tokenizer_pb2.TokenizeResponse),
-                ("ApplyChatTemplate", tokenizer_pb2.ChatTemplateRequest,
-                 tokenizer_pb2.TokenizeResponse),
-                ("GetModelInfo", tokenizer_pb2.ModelInfoRequest, tokenizer_pb2.ModelInfo))}
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "pdserve.v1.Tokenizer", handlers),))
+        add_unary_methods(server, "pdserve.v1.Tokenizer", servicer, [
+            ("Tokenize", tokenizer_pb2.TokenizeRequest, tokenizer_pb2.TokenizeResponse),
+            ("ApplyChatTemplate", tokenizer_pb2.ChatTemplateRequest,
+             tokenizer_pb2.TokenizeResponse),
+            ("GetModelInfo", tokenizer_pb2.ModelInfoRequest, tokenizer_pb2.ModelInfo)])
 
     server, _ = await make_server("pdserve.v1.Tokenizer", add)
     port = server.add_insecure_port("127.0.0.1:0")
