@@ -66,6 +66,23 @@ SERVE=(--api-server-count 4 --colocated-api-servers 4 --request-rate "${RATES:-1
 mkdir -p "$R" "$W"
 lscpu | grep -E "^(Model name|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|CPU\(s\)):"
 [ -n "${ROWS:-}" ] && export PDSERVE_GRAPH_ROW_KEYS=$ROWS
+# timed_serve NAME LIMIT_S FLAGS...: one load run with every process's step timeline, its table
+# rows printed, gpu_serve.json and its engines' steps by batch into $R as NAME_*, the first
+# rate's TTFT parts printed (the pace and streams parts' runs)
+timed_serve() {
+    local name=$1 limit=$2
+    shift 2
+    mkdir -p "$W/tl_$name"
+    PDSERVE_STEP_TIMELINE=$W/tl_$name OUT=$W/$name timeout "$limit" \
+        bash pdserve/bench/gpu_kit_run.sh "$@" "${SERVE[@]}" > "$W/$name.txt" 2>&1
+    grep -E "^\| (colocated|cuda_ipc) " "$W/$name.txt"
+    cp "$W/$name/gpu_serve.json" "$R/${name}_gpu_serve.json"
+    python3 -m pdserve.bench.step_gaps "$W/tl_$name" --brief \
+        --buckets 1-8,90-1000 | grep -E "^(core|decode_svc-core|prefill_svc-core)" \
+        | tee "$R/${name}_steps.txt"
+    python3 -m pdserve.bench.ttft_breakdown "$W/$name"/loadtest_*.json \
+        "$W/$name"/cluster_*.log --run 0 --brief
+}
 status=0
 for part in $PARTS; do
     case $part in
@@ -122,20 +139,10 @@ for part in $PARTS; do
             pace=${spec%%:*} tokens=${PACE_TOKENS:-0}
             [ "$pace" != "$spec" ] && tokens=${spec#*:}
             run=${spec/:/t}
-            mkdir -p "$W/tl_pace_$run"
             flags=(--systems cuda_ipc --shared-gpu-pace-ms "$pace"
                    --shared-gpu-pace-tokens "$tokens")
             [ "${run#colocated}" != "$run" ] && flags=(--systems colocated)
-            PDSERVE_STEP_TIMELINE=$W/tl_pace_$run OUT=$W/pace_$run timeout "${PACE_S:-150}" \
-                bash pdserve/bench/gpu_kit_run.sh "${flags[@]}" "${SERVE[@]}" \
-                > "$W/pace_$run.txt" 2>&1
-            grep -E "^\| (colocated|cuda_ipc) " "$W/pace_$run.txt"
-            cp "$W/pace_$run/gpu_serve.json" "$R/pace_${run}_gpu_serve.json"
-            python3 -m pdserve.bench.step_gaps "$W/tl_pace_$run" --brief \
-                --buckets 1-8,90-1000 | grep -E "^(core|decode_svc-core|prefill_svc-core)" \
-                | tee "$R/pace_${run}_steps.txt"
-            python3 -m pdserve.bench.ttft_breakdown "$W/pace_$run"/loadtest_*.json \
-                "$W/pace_$run"/cluster_*.log --run 0 --brief  # the first rate's TTFT parts
+            timed_serve "pace_$run" "${PACE_S:-150}" "${flags[@]}"
         done
         ;;
     streams)
@@ -144,17 +151,7 @@ for part in $PARTS; do
             mode=${run%_*}
             flags=(--systems cuda_ipc --prefill-streams "$mode")
             [ "$mode" = colocated ] && flags=(--systems colocated)
-            mkdir -p "$W/tl_streams_$run"
-            PDSERVE_STEP_TIMELINE=$W/tl_streams_$run OUT=$W/streams_$run \
-                timeout "${STREAMS_S:-150}" bash pdserve/bench/gpu_kit_run.sh "${flags[@]}" \
-                "${SERVE[@]}" > "$W/streams_$run.txt" 2>&1
-            grep -E "^\| (colocated|cuda_ipc) " "$W/streams_$run.txt"
-            cp "$W/streams_$run/gpu_serve.json" "$R/streams_${run}_gpu_serve.json"
-            python3 -m pdserve.bench.step_gaps "$W/tl_streams_$run" --brief \
-                --buckets 1-8,90-1000 | grep -E "^(core|decode_svc-core|prefill_svc-core)" \
-                | tee "$R/streams_${run}_steps.txt"
-            python3 -m pdserve.bench.ttft_breakdown "$W/streams_$run"/loadtest_*.json \
-                "$W/streams_$run"/cluster_*.log --run 0 --brief  # the first rate's TTFT parts
+            timed_serve "streams_$run" "${STREAMS_S:-150}" "${flags[@]}"
         done
         ;;
     parts)
