@@ -43,6 +43,7 @@ class TritonAttentionState:
 
 class TritonAttentionBackend:
     name = "triton"
+    stores_fused_rope = True  # `forward(..., stored=True)`: q/k/v rotated and stored already
 
     def __init__(self, num_sms: int | None = None, k_scale: float = 1.0,
                  v_scale: float = 1.0, merged_decode: bool = False) -> None:
@@ -81,16 +82,20 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         rope: RopeInputs | None = None,
+        stored: bool = False,
     ) -> torch.Tensor:  # [T, H, D]
         """Rotate q and k by `rope` when given, write k/v into `kv_cache` at `meta.slot_mapping`
         (mutates it), then attend. With the fused rotary's inputs (`rope.cache`), rotation and
-        store are one kernel, which rotates q in place and k only into the cache."""
+        store are one kernel, which rotates q in place and k only into the cache. `stored`: the
+        caller's q/k/v GEMV did both (engine/models/fused_qkv_rope.py): attend only."""
         if meta.backend_state is None:
             meta.backend_state = self._state(meta, kv_cache.shape[-2])
         state: TritonAttentionState = meta.backend_state
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         scales = (self.k_scale, self.v_scale)  # an fp8 cache's
-        if rope is not None and rope.cache is not None:
+        if stored:
+            pass
+        elif rope is not None and rope.cache is not None:
             rope_and_store(rope.positions, q, k, v, k_cache, v_cache, meta.slot_mapping,
                            rope.cache, *scales)
         else:

@@ -24,6 +24,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.distributed.group import SingleRank
 from engine.distributed.sharding import even_split, head_shard
 from engine.models.cpu_decode_layer import fused_decode_layer
+from engine.models.fused_qkv_rope import rmsnorm_qkv_rope
 from engine.models.layers import RMSNorm, silu_and_mul
 from engine.models.rotary import RopeInputs, RotaryEmbedding, rope_parameters
 from engine.models.tp_layers import (
@@ -95,6 +96,10 @@ class LlamaAttention(nn.Module):
             qkv_bias = qkv_has_bias(config)
         self.qkv_proj = linear(config, config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias)
         self.o_proj = row_parallel_linear(config, full_q, config.hidden_size, q_rows, o_bias, tp)
+        # q/k go from the projection straight to the rotary (no per-head norms between): the
+        # decode GEMV may rotate and store them itself (engine/models/fused_qkv_rope.py)
+        self.rope_fusable = (type(self).heads_qk is LlamaAttention.heads_qk
+                             and type(self).forward is LlamaAttention.forward)
 
     def shard_slices(self) -> dict[str, slice]:
         """Rows of `qkv_proj` holding each of the HF q/k/v projections (this rank's heads)."""
@@ -111,16 +116,23 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         qkv: torch.Tensor | None = None,  # [T, q_size + 2 * kv_size]: qkv_proj's, if made
+        stored: bool = False,
     ) -> torch.Tensor:  # [T, hidden]
         """Attention of the new tokens; writes their K/V into `kv_cache` (via the backend).
-        `qkv` given (the caller fused the projection with the norm before it): x is unused."""
+        `qkv` given (the caller fused the projection with the norm before it): x is unused.
+        `stored`: `qkv`'s q is rotated and its k/v are in the cache already
+        (engine/models/fused_qkv_rope.py): the backend only attends."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x) if qkv is None else qkv
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.heads_qk(q, k, num_tokens)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         # the backend rotates q/k (fused with the KV store where it can), stores, attends
-        out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, rope)  # [T, H, D]
+        if stored:
+            out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, rope,
+                                            stored=True)
+        else:
+            out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, rope)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def heads_qk(
@@ -232,6 +244,9 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor, meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (attention output, residual stream)
         attn, norm = self.self_attn, self.input_layernorm
+        fused = rmsnorm_qkv_rope(h, residual, norm, attn, rope, kv_cache, meta)
+        if fused is not None:  # (qkv, residual): q rotated, k/v in the cache
+            return attn(h, rope, kv_cache, meta, qkv=fused[0], stored=True), fused[1]
         fused = rmsnorm_linear(h, residual, norm, getattr(attn, "qkv_proj", None))
         if fused is not None:  # (qkv, residual)
             return attn(h, rope, kv_cache, meta, qkv=fused[0]), fused[1]

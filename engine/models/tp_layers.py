@@ -20,6 +20,7 @@ weight (engine/quant/fp8.py): its codes as `gemv_weight`, their row scales ridin
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,9 @@ from engine.distributed.group import SingleRank
 from engine.distributed.sharding import vocab_shard
 from engine.lazy_kernels import kernel
 from engine.models.fp8_inputs import rmsnorm_fp8_linear, silu_mul_fp8_linear
+
+if TYPE_CHECKING:
+    from kernels.gemv import GemvBlocks
 
 # called only through a GEMV plan, and plans are made on CUDA only
 fp8_gemv = kernel("fp8_gemv", "fp8_gemv")
@@ -160,6 +164,21 @@ def rmsnorm_linear(
 def _rmsnorm_gemv(
     x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, proj: nn.Module
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    planned = rmsnorm_gemv_plan(x, residual, norm, proj)
+    if planned is None:
+        return None
+    w, blocks, scale = planned
+    return gemv_rmsnorm(x, residual, norm.weight, norm.eps, w, proj.bias, blocks, scale)
+
+
+def rmsnorm_gemv_plan(
+    x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, proj: nn.Module | None
+) -> tuple[torch.Tensor, GemvBlocks, torch.Tensor | None] | None:
+    """(the weight, the tile, an FP8 weight's scales) where `proj.weight`'s `gemv_norm_plan`
+    chose the fused norm + projection GEMV for x's token count; None where it did not, or
+    where `proj` wraps its own (multi-LoRA)."""
+    if proj is None or _has(proj, "rmsnorm_linear"):
+        return None
     w = gemv_weight(proj)
     plan = getattr(w, "gemv_norm_plan", None)
     if plan is None or isinstance(proj, RowParallelLinear) or x.dim() != 2:
@@ -167,7 +186,7 @@ def _rmsnorm_gemv(
     blocks, scale = plan.blocks_for(x.shape[0]), gemv_scale(w)
     if blocks is None or not gemv_rmsnorm_supports(x, residual, norm.weight, w, scale):
         return None
-    return gemv_rmsnorm(x, residual, norm.weight, norm.eps, w, proj.bias, blocks, scale)
+    return w, blocks, scale
 
 
 def rmsnorm_swiglu_linear(

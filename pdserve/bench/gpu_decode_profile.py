@@ -22,7 +22,9 @@ With `--systems`: per system of pdserve.bench.gpu_quant (bf16, fp8 quantized on 
 AWQ checkpoint written from the bf16 one, w4a16_fused the same with the norms and SwiGLU in the
 GEMV's prologue) only the step: the batch-1 graph's replay and eager
 tail timed, and the kernels inside the replay (kineto) against the replay's wall time, so what
-the kernels' own time leaves is the launches' gaps. DIR/decode_profile_systems.json.
+the kernels' own time leaves is the launches' gaps. DIR/decode_profile_systems.json. With
+`--timeline N` also each system's batch-1 request of N tokens through the engine, profiled:
+what a token's wall time holds besides the graph (pdserve/bench/gpu_step_timeline.py).
 """
 
 from __future__ import annotations
@@ -189,7 +191,15 @@ def run_systems(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 kernels = profile_replay(graphs)
                 replay = statistics.median(r for r, _ in steps)
                 in_kernels = sum(v["us_per_step"] for v in kernels.values())
+                timeline = None
+                if args.timeline:
+                    from pdserve.bench.gpu_step_timeline import format_timeline, step_timeline
+
+                    timeline = step_timeline(source.llm(), list(range(1000, 1128)),
+                                             args.timeline)
+                    log(format_timeline(system, timeline))
                 report["systems"][system] = {
+                    "timeline": timeline,
                     "replay_us": replay, "tail_us": statistics.median(t for _, t in steps),
                     "kernels_us": in_kernels, "gaps_us": replay - in_kernels,
                     "launches": sum(v["calls_per_step"] for v in kernels.values()),
@@ -265,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--systems", default=None,
                         help="bf16,fp8,w4a16: only each system's step (see the NOTE)")
+    parser.add_argument("--timeline", type=int, default=0, metavar="TOKENS",
+                        help="--systems: also each system's GPU timeline through the engine, "
+                             "one request of TOKENS (pdserve/bench/gpu_step_timeline.py)")
     args = parser.parse_args(argv)
     out = Path(args.out or ".")
     out.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,11 @@
 #             ROWS_SYSTEMS (default bf16, fp8 and fp8_unfused: each projection quantizing its
 #             own activations; fp8_triton: the rows' products by kernels/fp8_gemm.py),
 #             W1_RUNS each (default 3)
+#   rope      the fused norm + q/k/v + rotary + KV store GEMV's tests on the GPU and the CUDA
+#             path's, then batch-1 of ROPE_SYSTEMS (default fp8,bf16) with it and without
+#             (PDSERVE_FUSED_QKV_ROPE=1 / 0, each in a process of its own, in the order of
+#             ROPE_ORDER, default 1 0 1), then pdserve.bench.gpu_decode_profile of ROPE_SYSTEMS
+#             both ways with --timeline 64 (the graph's kernels, a token's GPU timeline)
 # Reports in $OUT; a fresh PDSERVE_CACHE_DIR, so every GEMV plan is timed, none recorded.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -61,6 +66,23 @@ for part in "${@:-tests kernels latency}"; do
                || status=1 ;;
       profile) python3 -m pdserve.bench.gpu_decode_profile --systems "$SYSTEMS" --out "$OUT" \
                || status=1 ;;
+      rope)
+        python3 -m pytest -q -p no:cacheprovider tests/test_kernel_gemv_rope.py \
+            tests/test_cuda_path.py 2>&1 | tail -3
+        status=$((status | PIPESTATUS[0]))
+        model=$(mktemp -d)/model
+        i=0
+        for fused in ${ROPE_ORDER:-1 0 1}; do
+          i=$((i + 1))
+          PDSERVE_FUSED_QKV_ROPE=$fused python3 -m pdserve.bench.gpu_quant \
+              --out "$OUT/rope_${i}_fused$fused" --systems "${ROPE_SYSTEMS:-fp8,bf16}" --no-w1 \
+              --model-dir "$model" 2>&1 | grep "batch-1" || status=1
+        done
+        for fused in 1 0; do
+          PDSERVE_FUSED_QKV_ROPE=$fused python3 -m pdserve.bench.gpu_decode_profile \
+              --systems "${ROPE_SYSTEMS:-fp8,bf16}" --timeline 64 --model-dir "$model" \
+              --out "$OUT/profile_fused$fused" 2>&1 | grep -v " INFO " | tail -40 || status=1
+        done ;;
       w1) python3 -m pdserve.bench.gpu_quant --out "$OUT" --systems "$SYSTEMS" \
           --w1-runs "${W1_RUNS:-3}" || status=1 ;;
       prologue)
