@@ -103,16 +103,19 @@ def _decode_kernel(
     stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + seq)
+    seq_len = tl.load(lens_ptr + seq)  # a step's input, written before its first kernel
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    if USE_PDL:  # q and the new K/V come from the kernel ahead (kernels/gemv.py launch_options)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
     heads, g_mask, m_i, l_i, acc = attend_tiles(
         q_ptr, k_ptr, v_ptr, tables_ptr, seq, kv_head, seq_len, tile_lo, tile_hi, qk_scale,
@@ -136,10 +139,13 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
     part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    if USE_PDL:  # every part comes from the decode kernel ahead
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = seq * tl.num_programs(1) + head
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -181,9 +187,12 @@ def paged_decode_attention(
     num_stages: int = 3,
     k_scale: float = 1.0,  # an fp8 cache's scales (kernels/kv_cache_fp8.py)
     v_scale: float = 1.0,
+    pdl: bool = False,  # programmatic dependent launches (Hopper; kernels/gemv.py)
 ) -> torch.Tensor:  # [B, H, D]
     """Attention of each sequence's one query token over its cached context (already holding
-    the token's own K/V). Launches one kernel, plus a reduce when `num_splits` > 1."""
+    the token's own K/V). Launches one kernel, plus a reduce when `num_splits` > 1. With `pdl`
+    each may start while the kernel ahead finishes: it reads the step's lengths and page
+    tables before it waits, q, the cache and the parts after."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_paged_layout(q, k_cache, v_cache)
@@ -195,6 +204,7 @@ def paged_decode_attention(
     if INTERPRET:  # small tiles keep the CPU interpreter's numpy arrays small
         block_n = min(block_n, 16)
     group = num_heads // num_kv_heads
+    launch = {"launch_pdl": True} if pdl else {}
     part = lse = out  # unused when one split
     if num_splits > 1:
         part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
@@ -209,13 +219,14 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, ONE_SPLIT=num_splits == 1,
-        DOT_PRECISION=dot_precision(q.dtype), UPCAST=INTERPRET,
-        num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(q.dtype), UPCAST=INTERPRET, USE_PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](
             part, lse, out, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), USE_PDL=pdl,
+            **launch,
         )
     return out
 

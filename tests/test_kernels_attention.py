@@ -148,6 +148,47 @@ def test_merged_decode_over_an_fp8_cache(dtype, splits):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch: Hopper or later")
+def test_decode_by_pdl_between_pdl_gemvs_in_a_cuda_graph_equals_plain_launches():
+    """q from a GEMV that lets the next kernel launch early, attention + reduce by PDL, the
+    o projection by PDL after them, captured and replayed for new inputs: every replay's
+    output is bit for bit that of the same chain launched plainly."""
+    from kernels.gemv import GemvBlocks, gemv
+
+    gen = torch.Generator().manual_seed(seed_of("pdl-gpu"))
+    block_size, per_seq, batch = 16, 64, 4
+    cache = torch.randn(2, per_seq * batch, block_size, 8, 64, generator=gen).bfloat16().cuda()
+    tables = shuffled_tables(batch, per_seq, per_seq * batch, gen)
+    w_q = (torch.randn(2048, 2048, generator=gen) * 0.02).bfloat16().cuda()
+    w_o = (torch.randn(2048, 2048, generator=gen) * 0.02).bfloat16().cuda()
+    x = torch.empty(batch, 2048, dtype=torch.bfloat16, device="cuda")
+    seq_lens = torch.tensor([1, 300, 1024, 17], dtype=torch.int32, device="cuda")
+
+    def chain(pdl: bool) -> torch.Tensor:
+        blocks = GemvBlocks(4, 256, 4, pdl=pdl)
+        q = gemv(x, w_q, blocks=blocks).view(batch, 32, 64)
+        out = paged_decode_attention(q, cache[0], cache[1], tables, seq_lens, 0.125,
+                                     num_splits=16, pdl=pdl)
+        return gemv(out.view(batch, 2048), w_o, blocks=blocks)
+
+    graphs = {}
+    for pdl in (False, True):
+        x.copy_(torch.randn(batch, 2048, generator=gen).bfloat16())
+        chain(pdl)  # compile outside the capture
+        graphs[pdl] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[pdl]):
+            result = chain(pdl)
+        graphs[pdl] = (graphs[pdl], result)
+    for _ in range(3):
+        x.copy_(torch.randn(batch, 2048, generator=gen).bfloat16())
+        outs = []
+        for graph, result in graphs.values():
+            graph.replay()
+            outs.append(result.clone())
+        assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
+
+
 @pytest.mark.skipif(not CUDA, reason="full-size shapes and a CUDA graph: a GPU")
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, KV_FP8], ids=str)
 def test_merged_decode_gpu_full_size_in_a_cuda_graph(kv_dtype):

@@ -17,10 +17,14 @@ With `merged_decode`, decodes split over the context merge their splits inside t
 kernel (kernels/paged_decode_attention_merged.py) instead of a second reduce launch. Off by
 default: on an H100 it measured faster only where a sequence fits one 128-token tile
 (docs/benchmarks.md, batch-1 decode).
+On Hopper and later the decode kernels start by programmatic dependent launch (each may launch
+while the kernel ahead finishes, as the decode GEMVs around them do: kernels/gemv.py);
+PDSERVE_ATTN_PDL=0 launches them plainly (comparisons).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +36,8 @@ from kernels.paged_decode_attention import default_num_splits, paged_decode_atte
 from kernels.paged_decode_attention_merged import paged_decode_attention_merged
 from kernels.prefill_attention import prefill_attention
 from kernels.rope_store import rope_and_store
+
+PDL = os.environ.get("PDSERVE_ATTN_PDL", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class TritonAttentionBackend:
         self.num_sms = num_sms
         self.k_scale, self.v_scale = k_scale, v_scale
         self.merged_decode = merged_decode
+        self._pdl: dict[torch.device, bool] = {}  # per device: launch the decode kernels by PDL
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Nothing to precompute before the kv head count is known: `forward` fills the state
@@ -114,9 +121,21 @@ class TritonAttentionBackend:
         if meta.num_decodes:
             # one split: the two paths are the same single launch (the plain one ~1% faster)
             merged = self.merged_decode and state.num_splits > 1
-            (paged_decode_attention_merged if merged else paged_decode_attention)(
-                q[split:], k_cache, v_cache, meta.block_tables[num_prefills:],
-                state.decode_seq_lens, scale, num_splits=state.num_splits,
-                out=out[split:], **kv_scales,
-            )
+            args = (q[split:], k_cache, v_cache, meta.block_tables[num_prefills:],
+                    state.decode_seq_lens, scale)
+            if merged:
+                paged_decode_attention_merged(*args, num_splits=state.num_splits,
+                                              out=out[split:], **kv_scales)
+            else:
+                paged_decode_attention(*args, num_splits=state.num_splits, out=out[split:],
+                                       pdl=self._uses_pdl(q.device), **kv_scales)
         return out
+
+    def _uses_pdl(self, device: torch.device) -> bool:
+        """Whether the decode kernels launch by PDL on `device`: CUDA of compute capability 9
+        (Hopper) or later, unless PDSERVE_ATTN_PDL=0."""
+        pdl = self._pdl.get(device)
+        if pdl is None:
+            pdl = self._pdl[device] = (PDL and device.type == "cuda"
+                                       and torch.cuda.get_device_capability(device)[0] >= 9)
+        return pdl

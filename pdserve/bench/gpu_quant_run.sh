@@ -42,6 +42,8 @@
 #             (PDSERVE_FUSED_QKV_ROPE=1 / 0, each in a process of its own, in the order of
 #             ROPE_ORDER, default 1 0 1), then pdserve.bench.gpu_decode_profile of ROPE_SYSTEMS
 #             both ways with --timeline 64 (the graph's kernels, a token's GPU timeline)
+#   pdl       the attention kernels' tests on the GPU, then as `rope` for the decode attention
+#             launched by PDL or not (PDSERVE_ATTN_PDL=1 / 0, in the order of PDL_ORDER)
 # Reports in $OUT; a fresh PDSERVE_CACHE_DIR, so every GEMV plan is timed, none recorded.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -54,6 +56,24 @@ source pdserve/bench/gpu_kit_env.sh || exit 1
 export PDSERVE_CACHE_DIR
 PDSERVE_CACHE_DIR=$(mktemp -d)
 status=0
+# ab_batch1 VAR "V1 V2 ..." NAME TAG: batch-1 of ROPE_SYSTEMS (default fp8,bf16) with VAR set to
+# each value in turn, a process each, then the decode profile (--timeline 64) with the first
+# two values; reports in $OUT/NAME_<i>_TAG<value>, $OUT/profile_TAG<value>
+ab_batch1() {
+  local var=$1 values=$2 name=$3 tag=$4 i=0 value model
+  model=$(mktemp -d)/model
+  for value in $values; do
+    i=$((i + 1))
+    env "$var=$value" python3 -m pdserve.bench.gpu_quant --out "$OUT/${name}_${i}_$tag$value" \
+        --systems "${ROPE_SYSTEMS:-fp8,bf16}" --no-w1 --model-dir "$model" 2>&1 \
+        | grep "batch-1" || status=1
+  done
+  for value in $(echo "$values" | tr ' ' '\n' | awk '!seen[$0]++' | head -2); do
+    env "$var=$value" python3 -m pdserve.bench.gpu_decode_profile \
+        --systems "${ROPE_SYSTEMS:-fp8,bf16}" --timeline 64 --model-dir "$model" \
+        --out "$OUT/profile_$tag$value" 2>&1 | grep -v " INFO " | tail -40 || status=1
+  done
+}
 for part in "${@:-tests kernels latency}"; do
   for p in $part; do
     echo "== $p"
@@ -70,19 +90,12 @@ for part in "${@:-tests kernels latency}"; do
         python3 -m pytest -q -p no:cacheprovider tests/test_kernel_gemv_rope.py \
             tests/test_cuda_path.py 2>&1 | tail -3
         status=$((status | PIPESTATUS[0]))
-        model=$(mktemp -d)/model
-        i=0
-        for fused in ${ROPE_ORDER:-1 0 1}; do
-          i=$((i + 1))
-          PDSERVE_FUSED_QKV_ROPE=$fused python3 -m pdserve.bench.gpu_quant \
-              --out "$OUT/rope_${i}_fused$fused" --systems "${ROPE_SYSTEMS:-fp8,bf16}" --no-w1 \
-              --model-dir "$model" 2>&1 | grep "batch-1" || status=1
-        done
-        for fused in 1 0; do
-          PDSERVE_FUSED_QKV_ROPE=$fused python3 -m pdserve.bench.gpu_decode_profile \
-              --systems "${ROPE_SYSTEMS:-fp8,bf16}" --timeline 64 --model-dir "$model" \
-              --out "$OUT/profile_fused$fused" 2>&1 | grep -v " INFO " | tail -40 || status=1
-        done ;;
+        ab_batch1 PDSERVE_FUSED_QKV_ROPE "${ROPE_ORDER:-1 0 1}" rope fused ;;
+      pdl)
+        python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py \
+            tests/test_triton_backend.py tests/test_cuda_path.py 2>&1 | tail -3
+        status=$((status | PIPESTATUS[0]))
+        ab_batch1 PDSERVE_ATTN_PDL "${PDL_ORDER:-1 0 1}" pdl pdl ;;
       w1) python3 -m pdserve.bench.gpu_quant --out "$OUT" --systems "$SYSTEMS" \
           --w1-runs "${W1_RUNS:-3}" || status=1 ;;
       prologue)
