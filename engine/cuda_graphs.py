@@ -21,6 +21,10 @@ call and the argmax's two passes: `python -m pdserve.bench.gpu_first_step`, 2026
 quarter of the GPU's step of a 4-bit 1B model. The step's tokens are the graph's static output,
 read by the next step's inputs and by the host copy, both queued before the next replay.
 
+A step's inputs go into the buffers by one kernel on the GPU (kernels/stage_inputs.py: the rows'
+values, the padding rows' slot -1 and length 0), not five to seven copies and fills;
+PDSERVE_STAGE_KERNEL=0 copies them one by one (comparisons).
+
 Steps with more tokens than the largest graph run eagerly. Others with prompts' chunks may
 replay these graphs too, one decode row per token, where their rows' keys stay under
 `row_keys_max`; with speculative decoding, verification steps do, from extra sizes
@@ -38,10 +42,13 @@ from collections.abc import Callable, Iterable
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.lazy_kernels import kernel
 from engine.lora.layers import LoRAContext
 from engine.token_choice import argmax
 
 logger = logging.getLogger(__name__)
+stage_inputs = kernel("stage_inputs", "stage_inputs")
+STAGE_KERNEL = os.environ.get("PDSERVE_STAGE_KERNEL", "1") != "0"
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -232,15 +239,22 @@ class DecodeGraphs:
         n = meta.num_decodes
         size = self._size(n)
         width = min(meta.block_tables.shape[1], self.block_tables.shape[1])
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        if n < size:  # (an empty slice's fill is still a launch's worth of host time)
-            self.slot_mapping[n:size].fill_(-1)
-            self.seq_lens[n:size].fill_(0)
         # columns past `width` keep older ids: never read, each row's length bounds its reads
-        self.block_tables[:n, :width].copy_(meta.block_tables[:, :width])
+        if STAGE_KERNEL and self.input_ids.is_cuda:
+            stage_inputs((input_ids, positions, meta.slot_mapping, meta.seq_lens,
+                          meta.block_tables),
+                         (self.input_ids[:size], self.positions[:size],
+                          self.slot_mapping[:size], self.seq_lens[:size],
+                          self.block_tables[:size]), n, width)
+        else:
+            self.input_ids[:n].copy_(input_ids)
+            self.positions[:n].copy_(positions)
+            self.slot_mapping[:n].copy_(meta.slot_mapping)
+            self.seq_lens[:n].copy_(meta.seq_lens)
+            if n < size:  # (an empty slice's fill is still a launch's worth of host time)
+                self.slot_mapping[n:size].fill_(-1)
+                self.seq_lens[n:size].fill_(0)
+            self.block_tables[:n, :width].copy_(meta.block_tables[:, :width])
         with_lora = self.lora is not None and self.lora.slots is not None  # a step with adapters
         if with_lora:
             self.lora_slots[:n].copy_(self.lora.slots)  # type: ignore[union-attr]

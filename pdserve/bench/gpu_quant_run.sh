@@ -43,7 +43,10 @@
 #             ROPE_ORDER, default 1 0 1), then pdserve.bench.gpu_decode_profile of ROPE_SYSTEMS
 #             both ways with --timeline 64 (the graph's kernels, a token's GPU timeline)
 #   pdl       the attention kernels' tests on the GPU, then as `rope` for the decode attention
-#             launched by PDL or not (PDSERVE_ATTN_PDL=1 / 0, in the order of PDL_ORDER)
+#             launched by PDL or not (PDSERVE_ATTN_PDL=1 / 0, in the order of PDL_ORDER), with
+#             the decode graphs' tests (their inputs staged by one kernel)
+#   stage     as `rope` for the graphs' inputs staged by one kernel or copied one by one
+#             (PDSERVE_STAGE_KERNEL=1 / 0, in the order of STAGE_ORDER)
 # Reports in $OUT; a fresh PDSERVE_CACHE_DIR, so every GEMV plan is timed, none recorded.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -93,9 +96,11 @@ for part in "${@:-tests kernels latency}"; do
         ab_batch1 PDSERVE_FUSED_QKV_ROPE "${ROPE_ORDER:-1 0 1}" rope fused ;;
       pdl)
         python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py \
-            tests/test_triton_backend.py tests/test_cuda_path.py 2>&1 | tail -3
+            tests/test_triton_backend.py tests/test_cuda_path.py tests/test_stage_inputs.py \
+            tests/test_argmax_graphs.py tests/test_spec_graphs.py 2>&1 | tail -3
         status=$((status | PIPESTATUS[0]))
         ab_batch1 PDSERVE_ATTN_PDL "${PDL_ORDER:-1 0 1}" pdl pdl ;;
+      stage) ab_batch1 PDSERVE_STAGE_KERNEL "${STAGE_ORDER:-1 0 1}" stage stage ;;
       w1) python3 -m pdserve.bench.gpu_quant --out "$OUT" --systems "$SYSTEMS" \
           --w1-runs "${W1_RUNS:-3}" || status=1 ;;
       prologue)

@@ -1,0 +1,42 @@
+"""kernels/stage_inputs.py: a decode step's inputs into a graph's static buffers in one launch,
+against the copies and fills one by one (Triton's interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels.stage_inputs import stage_inputs, stage_inputs_ref  # noqa: E402
+
+
+def _buffers(size, width, fill):
+    return (torch.full((size,), fill, dtype=torch.int64), torch.full((size,), fill),
+            torch.full((size,), fill), torch.full((size,), fill, dtype=torch.int32),
+            torch.full((size, width), fill, dtype=torch.int32))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the interpreter")
+@pytest.mark.parametrize(("n", "size"), [(3, 4), (4, 4), (1, 8)])
+def test_stage_kernel_equals_the_copies_and_pads_the_rest(n, size):
+    gen = torch.Generator().manual_seed(n * 10 + size)
+    src = (torch.randint(0, 1000, (n,), generator=gen), torch.randint(0, 99, (n,), generator=gen),
+           torch.randint(0, 500, (n,), generator=gen),
+           torch.randint(1, 99, (n,), generator=gen, dtype=torch.int32),
+           torch.randint(0, 64, (n, 7), generator=gen, dtype=torch.int32))
+    got, want = _buffers(size, 6, 77), _buffers(size, 6, 77)
+    stage_inputs(src, got, n, width=5)
+    stage_inputs_ref(src, want, n, width=5)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert got[2][n:].eq(-1).all() and got[3][n:].eq(0).all()  # padding: no slot, no context
+    assert got[4][:, 5:].eq(77).all()  # columns past the width are left as they were
+
+
+def test_stage_refuses_more_rows_than_the_graph():
+    src = _buffers(3, 4, 1)
+    with pytest.raises(ValueError, match="3 rows"):
+        stage_inputs(src, _buffers(2, 4, 0), 3, 4)
