@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 from pdserve.bench.proc_cpu import matching
 
@@ -11,8 +12,11 @@ from pdserve.bench.proc_cpu import matching
 def test_matching_takes_any_of_the_comma_separated_parts() -> None:
     sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", tag])
                 for tag in ("pdserve-test-marker-a", "pdserve-test-marker-b")]
-    try:
-        both = matching("pdserve-test-marker-a,pdserve-test-marker-b")
+    try:  # a child shows its own command line once it has exec'd: wait for both
+        deadline = time.monotonic() + 10
+        while (len(both := matching("pdserve-test-marker-a,pdserve-test-marker-b")) < 2
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
         one = matching("pdserve-test-marker-b")
     finally:
         for p in sleepers:
