@@ -59,7 +59,8 @@ def stage_inputs(src: tuple[torch.Tensor, ...], dst: tuple[torch.Tensor, ...], n
         return
     _stage_kernel[(size,)](
         *src, *dst, n, width, src[4].stride(0), dst[4].stride(0),
-        BLOCK_W=min(1024, triton.next_power_of_2(max(width, 16))), num_warps=1,
+        # from the graph's width, not the step's (which grows with its sequences): one compile
+        BLOCK_W=min(256, triton.next_power_of_2(max(dst[4].shape[1], 16))), num_warps=1,
     )
 
 

@@ -20,20 +20,22 @@ def _buffers(size, width, fill):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the interpreter")
-@pytest.mark.parametrize(("n", "size"), [(3, 4), (4, 4), (1, 8)])
-def test_stage_kernel_equals_the_copies_and_pads_the_rest(n, size):
+@pytest.mark.parametrize(("n", "size", "width"), [(3, 4, 5), (4, 4, 5), (1, 8, 290)])
+def test_stage_kernel_equals_the_copies_and_pads_the_rest(n, size, width):
+    """Rows of a table wider than one step of the kernel's loop (290 of 300) too."""
+    wide = width + 10
     gen = torch.Generator().manual_seed(n * 10 + size)
     src = (torch.randint(0, 1000, (n,), generator=gen), torch.randint(0, 99, (n,), generator=gen),
            torch.randint(0, 500, (n,), generator=gen),
            torch.randint(1, 99, (n,), generator=gen, dtype=torch.int32),
-           torch.randint(0, 64, (n, 7), generator=gen, dtype=torch.int32))
-    got, want = _buffers(size, 6, 77), _buffers(size, 6, 77)
-    stage_inputs(src, got, n, width=5)
-    stage_inputs_ref(src, want, n, width=5)
+           torch.randint(0, 64, (n, wide + 1), generator=gen, dtype=torch.int32))
+    got, want = _buffers(size, wide, 77), _buffers(size, wide, 77)
+    stage_inputs(src, got, n, width)
+    stage_inputs_ref(src, want, n, width)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
     assert got[2][n:].eq(-1).all() and got[3][n:].eq(0).all()  # padding: no slot, no context
-    assert got[4][:, 5:].eq(77).all()  # columns past the width are left as they were
+    assert got[4][:, width:].eq(77).all()  # columns past the width are left as they were
 
 
 def test_stage_refuses_more_rows_than_the_graph():
