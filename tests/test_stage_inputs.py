@@ -12,6 +12,8 @@ pytest.importorskip("triton")
 
 from kernels.stage_inputs import stage_inputs, stage_inputs_ref  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _buffers(size, width, fill):
     return (torch.full((size,), fill, dtype=torch.int64), torch.full((size,), fill),
@@ -19,7 +21,8 @@ def _buffers(size, width, fill):
             torch.full((size, width), fill, dtype=torch.int32))
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the interpreter")
+@pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU tensors: needs the interpreter")
 @pytest.mark.parametrize(("n", "size", "width"), [(3, 4, 5), (4, 4, 5), (1, 8, 290)])
 def test_stage_kernel_equals_the_copies_and_pads_the_rest(n, size, width):
     """Rows of a table wider than one step of the kernel's loop (290 of 300) too."""
@@ -29,7 +32,9 @@ def test_stage_kernel_equals_the_copies_and_pads_the_rest(n, size, width):
            torch.randint(0, 500, (n,), generator=gen),
            torch.randint(1, 99, (n,), generator=gen, dtype=torch.int32),
            torch.randint(0, 64, (n, wide + 1), generator=gen, dtype=torch.int32))
-    got, want = _buffers(size, wide, 77), _buffers(size, wide, 77)
+    src = tuple(t.to(DEVICE) for t in src)
+    got = tuple(t.to(DEVICE) for t in _buffers(size, wide, 77))
+    want = tuple(t.to(DEVICE) for t in _buffers(size, wide, 77))
     stage_inputs(src, got, n, width)
     stage_inputs_ref(src, want, n, width)
     for g, w in zip(got, want, strict=True):
