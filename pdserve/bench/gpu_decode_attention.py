@@ -28,6 +28,7 @@ import torch
 
 from kernels.paged_decode_attention import default_num_splits, paged_decode_attention
 from kernels.paged_decode_attention_merged import paged_decode_attention_merged
+from pdserve.bench.gpu_decode_gemms import copy_rate
 
 LAYERS, BLOCK, KV_HEADS, HEADS, DIM = 16, 16, 8, 32, 64
 BATCHES, CONTEXTS, MAX_MODEL_LEN = (1, 32), (128, 256, 512, 1024, 2048, 4096), 4096
@@ -77,24 +78,13 @@ def measure() -> list[dict]:
                 row["max_abs_diff"] = (two - one).abs().max().item()
                 row["speedup"] = row["two_kernels_us"] / row["merged_us"]
                 rows.append(row)
-                print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in row.items()), flush=True)
+                _print_row(row)
     return rows
 
 
-def copy_bytes_per_s() -> float:
-    """Bytes read + written per second by a 1 GiB device copy."""
-    src = torch.empty(1 << 29, dtype=torch.int16, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 2 * 10 / (start.elapsed_time(end) / 1e3)
+def _print_row(row: dict) -> None:
+    print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                   for k, v in row.items()), flush=True)
 
 
 def sweep(batch: int, lo: int = 128, hi: int = 640) -> list[dict]:
@@ -111,7 +101,7 @@ def sweep(batch: int, lo: int = 128, hi: int = 640) -> list[dict]:
     outs = [torch.empty_like(q) for _ in range(LAYERS)]
     splits = default_num_splits(batch, KV_HEADS, hi, sms)
     kv_bytes = int(lens.sum()) * KV_HEADS * DIM * 2 * 2  # K and V, bf16, one layer
-    copy = copy_bytes_per_s()
+    copy = copy_rate(torch.device("cuda"))
     rows, want = [], None
     for block_n in (128, 64, 32):
         for warps in (4, 2, 8):
@@ -132,8 +122,7 @@ def sweep(batch: int, lo: int = 128, hi: int = 640) -> list[dict]:
                            bytes_per_s=kv_bytes / (us / 1e6), of_copy=kv_bytes / (us / 1e6) / copy,
                            max_abs_diff=(got - want).abs().max().item())
                 rows.append(row)
-                print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in row.items()), flush=True)
+                _print_row(row)
     return rows
 
 
